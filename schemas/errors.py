@@ -1,0 +1,39 @@
+"""The stable list of error codes a request can end with (part of the public schema)."""
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Why a request ended with status ``error``.
+
+    Codes are stable API: new codes may be added, existing ones never change meaning.
+    """
+
+    EMPTY_INPUT = "empty_input"
+    """The image had zero bytes."""
+    INPUT_TOO_LARGE = "input_too_large"
+    """The upload exceeded the configured byte limit (``max_image_bytes``)."""
+    UNSUPPORTED_FORMAT = "unsupported_format"
+    """The bytes are not an image format the pipeline reads (sniffed from content, never the name)."""
+    CORRUPT_IMAGE = "corrupt_image"
+    """The format was recognised but the image data could not be decoded (e.g. truncated)."""
+    IMAGE_TOO_LARGE = "image_too_large"
+    """Width x height exceeded ``max_pixels`` (checked from the header, before decoding)."""
+    TOO_MANY_PAGES = "too_many_pages"
+    """A multi-page input (TIFF, GIF, PDF) had more pages than ``max_pages``."""
+    MISSING_OBJECT = "missing_object"
+    """The referenced S3 object does not exist."""
+    INVALID_REQUEST = "invalid_request"
+    """The submit event could not be parsed or failed its schema."""
+    TIMEOUT = "timeout"
+    """Inference of the image took longer than ``infer_timeout_s``."""
+    ENGINE_ERROR = "engine_error"
+    """The OCR engine raised on this image."""
+    INTERNAL_ERROR = "internal_error"
+    """A bug or an unexpected failure after bounded retries; the message says more."""
+
+
+#: Errors that may not recur on another attempt: when a lease holder ends with one of these, one
+#: waiter for the same image is promoted and re-sent to inference instead of sharing the error.
+#: Input errors and ``timeout`` are deterministic for identical bytes: every waiter shares them.
+RETRYABLE_CODES: frozenset[ErrorCode] = frozenset({ErrorCode.ENGINE_ERROR, ErrorCode.INTERNAL_ERROR})

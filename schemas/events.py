@@ -1,0 +1,282 @@
+"""Event models carried on the ocrstream topics (pydantic v2, frozen, JSON via orjson).
+
+Every event carries ``schema`` (name and version) and ``event_id``. Changes are additive;
+a breaking change gets a new schema name. JSON Schema files for non-Python producers and
+consumers are generated into ``schemas/jsonschema/`` by ``python -m schemas.generate``.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.errors import ErrorCode
+
+
+def new_id() -> str:
+    """A random 32-hex-digit id (UUID4 without dashes)."""
+    return uuid.uuid4().hex
+
+
+def now_ms() -> int:
+    """Wall-clock time as integer milliseconds since the Unix epoch."""
+    return int(time.time() * 1000)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class Line(_Frozen):
+    """One recognised text line.
+
+    Attributes:
+        text: The line's text, words joined by single spaces.
+        box: 4 corner points (x, y) in pixels of the upright page, clockwise from top-left.
+        confidence: Confidence score in [0, 1] (the engine's, averaged over merged segments).
+        page: 1-based page (or frame) number the line is on.
+    """
+
+    text: str
+    box: list[list[float]] = Field(min_length=4, max_length=4)
+    confidence: float = Field(ge=0.0, le=1.0)
+    page: int = Field(default=1, ge=1)
+
+
+class Page(_Frozen):
+    """Size of one page or frame of the input, in pixels of the upright image."""
+
+    index: int = Field(ge=1)
+    width: int = Field(ge=1)
+    height: int = Field(ge=1)
+
+
+class ErrorInfo(_Frozen):
+    """Why a request failed: a stable ``code`` and a human-readable ``message``."""
+
+    code: ErrorCode
+    message: str
+
+
+class SubmitEvent(_Frozen):
+    """An image submitted upstream on ``ocr.submit`` (read by ingest).
+
+    Exactly one of ``image_b64`` (inline bytes, base64; keep under ~700 KiB so the Kafka
+    message stays below the broker's 1 MiB default) or ``image_uri`` (``s3://bucket/key``).
+    ``request_id`` makes the submission idempotent; when absent, ingest derives one from the
+    message's topic, partition and offset so a replay never creates a second request.
+    """
+
+    schema_: Literal["ocr.submit.v1"] = Field(default="ocr.submit.v1", alias="schema")
+    event_id: str = Field(default_factory=new_id)
+    request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")
+    image_b64: str | None = None
+    image_uri: str | None = Field(default=None, pattern=r"^s3://[^/]+/.+")
+    filename: str | None = Field(default=None, max_length=512)
+    task: str = Field(default="ocr", max_length=64)
+    source: str = Field(default="default", max_length=64)
+    callback_url: str | None = Field(default=None, max_length=2048)
+    submitted_at_ms: int = Field(default_factory=now_ms)
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_image(self) -> "SubmitEvent":
+        if (self.image_b64 is None) == (self.image_uri is None):
+            raise ValueError("exactly one of image_b64 or image_uri is required")
+        return self
+
+    def image_bytes(self) -> bytes:
+        """Decode the inline image.
+
+        Raises:
+            ValueError: if the event has no inline image or the base64 is invalid.
+        """
+        if self.image_b64 is None:
+            raise ValueError("event has no inline image")
+        return base64.b64decode(self.image_b64, validate=True)
+
+
+class RequestEvent(_Frozen):
+    """An accepted request on ``ocr.requests`` (keyed by ``content_sha256``).
+
+    The image lives in S3 at ``image_uri`` (claim check); only metadata rides on Kafka.
+    Image fields are None only for requests rejected at ingest (they go straight to results).
+    """
+
+    schema_: Literal["ocr.request.v1"] = Field(default="ocr.request.v1", alias="schema")
+    event_id: str = Field(default_factory=new_id)
+    request_id: str
+    content_sha256: str | None = None
+    image_uri: str | None = None
+    size_bytes: int = 0
+    format: str | None = None
+    width: int | None = None
+    height: int | None = None
+    frames: int = 1
+    task: str = "ocr"
+    source: str = "default"
+    filename: str | None = None
+    callback_url: str | None = None
+    submitted_at_ms: int = Field(default_factory=now_ms)
+    accepted_at_ms: int = Field(default_factory=now_ms)
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+class InferEvent(_Frozen):
+    """A cache miss sent to inference on ``ocr.infer`` (keyed by content SHA-256).
+
+    ``attempt`` counts promotions: a waiter re-sent after the lease holder failed has attempt > 1.
+    """
+
+    schema_: Literal["ocr.infer.v1"] = Field(default="ocr.infer.v1", alias="schema")
+    event_id: str = Field(default_factory=new_id)
+    request: RequestEvent
+    cache_key: str
+    attempt: int = Field(default=1, ge=1)
+    enqueued_at_ms: int = Field(default_factory=now_ms)
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+class ResultEvent(_Frozen):
+    """The outcome for one request on ``ocr.results`` (read by sink).
+
+    From infer: ``lines``/``pages`` filled. From dedup on a cache hit: ``cache_hit`` true and
+    ``result_uri`` points at the stored result document. From ingest on bad input: status error.
+    """
+
+    schema_: Literal["ocr.result.v1"] = Field(default="ocr.result.v1", alias="schema")
+    event_id: str = Field(default_factory=new_id)
+    request: RequestEvent
+    cache_key: str | None = None
+    cache_hit: bool = False
+    status: Literal["ok", "error"]
+    error: ErrorInfo | None = None
+    engine: str | None = None
+    model: str | None = None
+    model_revision: str | None = None
+    pages: list[Page] = Field(default_factory=list)
+    lines: list[Line] = Field(default_factory=list)
+    result_uri: str | None = None
+    attempt: int = 1
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+    produced_at_ms: int = Field(default_factory=now_ms)
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+class ResultDocument(_Frozen):
+    """The final result of one request: in MariaDB, on ``ocr.completed`` and in the CLI's output.
+
+    Attributes:
+        lines: Text lines in reading order (top-to-bottom, then left-to-right), boxes in pixels
+            of the upright page given by ``line.page``.
+        text: All lines joined with newlines; pages separated by a blank line.
+        width, height: Size of page 1 in pixels (upright); every page in ``pages``.
+        timings_ms: Where the time went, in ms: ``queue_<stage>`` waits (from Kafka timestamps),
+            ``ingest``, ``dedup``, ``fetch``, ``decode``, ``inference``, ``postprocess``,
+            ``write`` and ``total`` (submit to completion).
+    """
+
+    schema_: Literal["ocr.result_document.v1"] = Field(default="ocr.result_document.v1", alias="schema")
+    request_id: str
+    status: Literal["ok", "error"]
+    error: ErrorInfo | None = None
+    content_sha256: str | None = None
+    cache_key: str | None = None
+    cache_hit: bool = False
+    engine: str | None = None
+    model: str | None = None
+    model_revision: str | None = None
+    width: int | None = None
+    height: int | None = None
+    pages: list[Page] = Field(default_factory=list)
+    lines: list[Line] = Field(default_factory=list)
+    text: str = ""
+    task: str = "ocr"
+    source: str = "default"
+    filename: str | None = None
+    result_uri: str | None = None
+    submitted_at_ms: int | None = None
+    completed_at_ms: int | None = None
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+    trace_id: str | None = None
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+class OcrOutput(_Frozen):
+    """The OCR output of one image under one cache generation, stored once in S3 at
+    ``results/<sha256>/<gen_id>.json`` and shared by every request for those bytes."""
+
+    schema_: Literal["ocr.output.v1"] = Field(default="ocr.output.v1", alias="schema")
+    cache_key: str
+    content_sha256: str
+    engine: str
+    model: str
+    model_revision: str
+    task: str
+    pages: list[Page]
+    lines: list[Line]
+    text: str
+    created_at_ms: int = Field(default_factory=now_ms)
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+class CompletedEvent(_Frozen):
+    """One completion on ``ocr.completed`` (keyed by request id) for downstream systems.
+
+    ``event_id`` is derived from the request id, so a replayed completion is byte-for-byte the
+    same event apart from Kafka metadata: consumers deduplicate on ``event_id``.
+    """
+
+    schema_: Literal["ocr.completed.v1"] = Field(default="ocr.completed.v1", alias="schema")
+    event_id: str
+    request_id: str
+    result: ResultDocument
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+class DlqEvent(_Frozen):
+    """A message a stage gave up on, on ``ocr.dlq``, with the original bytes and the reason."""
+
+    schema_: Literal["ocr.dlq.v1"] = Field(default="ocr.dlq.v1", alias="schema")
+    event_id: str = Field(default_factory=new_id)
+    stage: str
+    topic: str
+    partition: int
+    offset: int
+    key_b64: str | None = None
+    value_b64: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    reason: str
+    error_code: ErrorCode
+    attempts: int = 1
+    request_id: str | None = None
+    failed_at_ms: int = Field(default_factory=now_ms)
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+#: Every wire model, by schema name (used by the JSON Schema generator and the drift test).
+ALL_EVENTS: dict[str, type[BaseModel]] = {
+    "ocr.submit.v1": SubmitEvent,
+    "ocr.request.v1": RequestEvent,
+    "ocr.infer.v1": InferEvent,
+    "ocr.result.v1": ResultEvent,
+    "ocr.result_document.v1": ResultDocument,
+    "ocr.output.v1": OcrOutput,
+    "ocr.completed.v1": CompletedEvent,
+    "ocr.dlq.v1": DlqEvent,
+}

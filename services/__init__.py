@@ -1,0 +1,1 @@
+"""ocrstream services: the four pipeline stages, their shared code and the CLI."""

@@ -1,0 +1,1 @@
+"""The ``ocrstream`` command line (typer)."""

@@ -1,0 +1,126 @@
+"""Submitting images as an upstream producer and collecting their completions."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiokafka import TopicPartition
+
+from schemas.events import CompletedEvent, SubmitEvent
+from schemas.keys import image_object_key
+from services.common.events import dumps, loads
+from services.common.kafka import make_consumer, make_producer
+from services.common.s3 import ObjectStore
+from services.common.settings import CommonSettings
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff", ".gif", ".bmp", ".webp", ".pdf", ".jp2", ".ppm", ".pgm", ".pbm"}
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One submitted file: its path and the request id it was given."""
+
+    path: Path
+    request_id: str
+
+
+def collect_files(paths: list[Path]) -> list[Path]:
+    """Files named directly, plus image/PDF files (by suffix) found under named folders, sorted.
+
+    Raises:
+        FileNotFoundError: a named path does not exist.
+    """
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            out.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"no such file or folder: {p}")
+    return out
+
+
+class CompletionWatcher:
+    """Reads ``ocr.completed`` from the current end of every partition (no consumer group).
+
+    Start it *before* submitting so no completion is missed.
+    """
+
+    def __init__(self, settings: CommonSettings):
+        self.s = settings
+        self.consumer = make_consumer(settings.kafka, [], None, client_id="ocrstream-cli", auto_offset_reset="latest")
+
+    async def start(self) -> None:
+        """Connect, assign all partitions of ``ocr.completed`` and seek to their end."""
+        await self.consumer.start()
+        parts = self.consumer.partitions_for_topic(self.s.topics.completed)
+        if not parts:
+            await self.consumer._client.force_metadata_update()
+            parts = self.consumer.partitions_for_topic(self.s.topics.completed) or set()
+        tps = [TopicPartition(self.s.topics.completed, p) for p in sorted(parts)]
+        self.consumer.assign(tps)
+        await self.consumer.seek_to_end(*tps)
+        for tp in tps:  # resolve positions now, before anything is submitted
+            await self.consumer.position(tp)
+
+    async def completions(self, request_ids: set[str]) -> AsyncIterator[CompletedEvent]:
+        """Yield the completion of each id in ``request_ids`` once (duplicates skipped)."""
+        remaining = set(request_ids)
+        while remaining:
+            batch = await self.consumer.getmany(timeout_ms=500)
+            for recs in batch.values():
+                for rec in recs:
+                    ev = loads(CompletedEvent, rec.value)
+                    if ev.request_id in remaining:
+                        remaining.discard(ev.request_id)
+                        yield ev
+
+    async def stop(self) -> None:
+        """Disconnect."""
+        await self.consumer.stop()
+
+
+class Submitter:
+    """Publishes files to ``ocr.submit``: small ones inline, larger ones through S3 (claim check)."""
+
+    def __init__(self, settings: CommonSettings):
+        self.s = settings
+        self.producer = make_producer(settings.kafka, client_id="ocrstream-cli")
+        self.store = ObjectStore(settings.s3)
+
+    async def start(self) -> None:
+        """Connect the producer."""
+        await self.producer.start()
+
+    async def stop(self) -> None:
+        """Flush and disconnect."""
+        await self.producer.stop()
+
+    async def submit_bytes(self, data: bytes, *, filename: str | None, task: str = "ocr", source: str = "cli",
+                           request_id: str | None = None) -> str:
+        """Publish one image; returns its request id (a new UUID unless given)."""
+        rid = request_id or uuid.uuid4().hex
+        if len(data) <= self.s.limits.inline_max_bytes:
+            ev = SubmitEvent(request_id=rid, image_b64=base64.b64encode(data).decode(), filename=filename,
+                             task=task, source=source)
+        else:
+            key = image_object_key(hashlib.sha256(data).hexdigest())
+            await self.store.put_if_absent(key, data)
+            ev = SubmitEvent(request_id=rid, image_uri=self.store.uri(key), filename=filename, task=task, source=source)
+        await self.producer.send_and_wait(self.s.topics.submit, dumps(ev), key=rid.encode())
+        return rid
+
+    async def submit_files(self, files: list[Path], task: str = "ocr", source: str = "cli") -> list[Submission]:
+        """Publish every file (read one at a time); returns one :class:`Submission` each."""
+        subs = []
+        for f in files:
+            data = await asyncio.to_thread(f.read_bytes)
+            subs.append(Submission(f, await self.submit_bytes(data, filename=f.name, task=task, source=source)))
+        return subs

@@ -1,0 +1,211 @@
+"""``ocrstream``: init the stack, submit images and wait for results, run the stages, manage the cache."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import orjson
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from services.common.settings import CommonSettings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Streaming OCR over Kafka.")
+cache_app = typer.Typer(no_args_is_help=True, help="Manage the result cache.")
+app.add_typer(cache_app, name="cache")
+console = Console()
+err = Console(stderr=True)
+
+STAGES = ("ingest", "dedup", "infer", "sink")
+
+
+@app.command()
+def init() -> None:
+    """Create the topics, the S3 bucket and the MariaDB tables (idempotent)."""
+    from services.common.db import Database
+    from services.common.kafka import create_topics
+    from services.common.s3 import ObjectStore
+
+    s = CommonSettings()
+
+    async def _run() -> None:
+        created = await create_topics(s.kafka, s.topics.all())
+        console.print(f"topics: {'created ' + ', '.join(created) if created else 'all present'} "
+                      f"({s.kafka.partitions} partitions each)")
+        made = await ObjectStore(s.s3).ensure_bucket()
+        console.print(f"bucket {s.s3.bucket}: {'created' if made else 'present'}")
+        applied = await Database(s.mysql, pool_size=1).migrate()
+        console.print(f"mariadb: {'applied ' + ', '.join(applied) if applied else 'schema up to date'}")
+
+    asyncio.run(_run())
+
+
+@app.command()
+def submit(
+    paths: list[Path] = typer.Argument(..., help="image files or folders (folders: image/PDF files inside)"),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for every result"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for one result JSON per image"),
+    timeout: float = typer.Option(600.0, help="seconds to wait for all results"),
+    task: str = typer.Option("ocr", help="task (part of the cache key)"),
+    source: str = typer.Option("cli", help="source label (selects the cache TTL)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the text"),
+) -> None:
+    """Publish images to ocr.submit; with --wait, show progress and print each image's text."""
+    from services.cli.client import CompletionWatcher, Submitter, collect_files
+
+    s = CommonSettings()
+    try:
+        files = collect_files(paths)
+    except FileNotFoundError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    if not files:
+        err.print("[red]error:[/red] no image files found")
+        raise typer.Exit(2)
+
+    async def _run() -> int:
+        watcher = CompletionWatcher(s) if wait else None
+        submitter = Submitter(s)
+        if watcher:
+            await watcher.start()
+        await submitter.start()
+        try:
+            subs = await submitter.submit_files(files, task=task, source=source)
+        finally:
+            await submitter.stop()
+        if not watcher:
+            for sub in subs:
+                console.print(f"{sub.request_id}  {sub.path}")
+            return 0
+        by_id = {sub.request_id: sub for sub in subs}
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+        failed = 0
+        done: dict[str, object] = {}
+        try:
+            with Progress(TextColumn("[bold]OCR"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=err, transient=True) as bar:
+                job = bar.add_task("ocr", total=len(subs))
+
+                async def collect() -> None:
+                    async for ev in watcher.completions(set(by_id)):
+                        done[ev.request_id] = ev.result
+                        bar.advance(job)
+
+                await asyncio.wait_for(collect(), timeout)
+        except asyncio.TimeoutError:
+            err.print(f"[red]timed out[/red] after {timeout:.0f}s: {len(subs) - len(done)} of {len(subs)} not completed")
+        finally:
+            await watcher.stop()
+        for sub in subs:
+            res = done.get(sub.request_id)
+            if res is None:
+                failed += 1
+                continue
+            if out:
+                (out / f"{sub.path.stem}.{sub.request_id[:8]}.json").write_bytes(
+                    orjson.dumps(res.model_dump(mode="json", by_alias=True), option=orjson.OPT_INDENT_2))
+            head = f"== {sub.path.name}  [{res.status}{' cache hit' if res.cache_hit else ''}]  {sub.request_id}"
+            if res.status != "ok":
+                failed += 1
+                console.print(f"{head}\n   error {res.error.code.value}: {res.error.message}", highlight=False)
+            elif not quiet:
+                console.print(f"{head}  {len(res.lines)} lines, {res.timings_ms.get('total', 0):.0f} ms", highlight=False)
+                console.print(res.text or "(no text)", highlight=False, markup=False)
+        console.print(f"{len(done)}/{len(subs)} completed, {failed} failed or missing"
+                      + (f"; results in {out.resolve()}" if out else ""))
+        return 0 if failed == 0 else 1
+
+    raise typer.Exit(asyncio.run(_run()))
+
+
+@app.command()
+def status(request_id: str) -> None:
+    """Print the final state of a request from MariaDB (exit 1 if not completed yet)."""
+    from services.common.db import Database
+
+    doc = asyncio.run(Database(CommonSettings().mysql, pool_size=1).get_request(request_id))
+    if doc is None:
+        err.print(f"{request_id}: not completed (or unknown)")
+        raise typer.Exit(1)
+    console.print_json(doc.model_dump_json(by_alias=True))
+
+
+@app.command()
+def run(
+    infer: int = typer.Option(1, help="infer processes to start"),
+    only: Optional[list[str]] = typer.Option(None, help="start only these stages"),
+) -> None:
+    """Start the four stages as separate processes in this terminal; Ctrl-C stops them cleanly."""
+    stages = [st for st in STAGES if not only or st in only]
+    procs: list[tuple[str, subprocess.Popen]] = []
+    for st in stages:
+        for i in range(infer if st == "infer" else 1):
+            procs.append((st if i == 0 else f"{st}-{i}",
+                          subprocess.Popen([sys.executable, "-m", f"services.{st}"], start_new_session=True)))
+            console.print(f"started {st} (pid {procs[-1][1].pid})")
+    stopping = False
+
+    def _stop(*_):
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            err.print("stopping stages ...")
+            for _, p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while any(p.poll() is None for _, p in procs):
+            time.sleep(0.2)
+            if not stopping and any(p.poll() is not None for _, p in procs):
+                dead = [n for n, p in procs if p.poll() is not None]
+                err.print(f"[red]stage exited:[/red] {', '.join(dead)}; stopping the others")
+                _stop()
+    finally:
+        deadline = time.time() + 30
+        for _, p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+    codes = [p.returncode for _, p in procs]
+    raise typer.Exit(0 if stopping and all(c in (0, -signal.SIGTERM) for c in codes) else 1)
+
+
+@cache_app.command("purge")
+def cache_purge(
+    model: Optional[str] = typer.Option(None, "--model", help="model revision whose entries to delete"),
+    generation: Optional[str] = typer.Option(None, "--generation", help="generation id to delete"),
+) -> None:
+    """Delete the cache entries of one generation (by model revision or generation id)."""
+    from services.common.cache import ResultCache
+
+    if not model and not generation:
+        err.print("error: give --model REV or --generation ID")
+        raise typer.Exit(2)
+
+    async def _run() -> int:
+        cache = ResultCache(CommonSettings().redis)
+        try:
+            return await cache.purge(model_revision=model, gen_id=generation)
+        finally:
+            await cache.close()
+
+    console.print(f"deleted {asyncio.run(_run())} cache entries")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()

@@ -1,0 +1,1 @@
+"""Code shared by every stage: settings, clients, the consume-handle-produce-commit runner, telemetry."""

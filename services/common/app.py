@@ -1,0 +1,137 @@
+"""Stage lifecycle, read top to bottom: settings -> clients -> signal handlers -> run -> drain -> close."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from services.common.kafka import make_consumer, make_producer
+from services.common.runner import Handler, StageRunner
+from services.common.settings import CommonSettings
+from services.common.telemetry import Telemetry
+
+log = logging.getLogger("ocrstream")
+
+
+def setup_logging(stage: str, level: str) -> None:
+    """Log lines as ``time level stage message`` to stderr."""
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {stage} %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+
+
+@dataclass
+class StageContext:
+    """What a stage's handler factory receives: settings, telemetry and the Kafka producer."""
+
+    settings: CommonSettings
+    telemetry: Telemetry
+    producer: AIOKafkaProducer
+
+
+async def _start_with_retry(name: str, start: Callable[[], Awaitable[None]], stop: asyncio.Event, cap_s: float) -> None:
+    attempt = 0
+    while True:
+        try:
+            await start()
+            return
+        except (KafkaError, OSError) as exc:
+            attempt += 1
+            if stop.is_set():
+                raise
+            delay = min(cap_s, 0.5 * 2**attempt)
+            log.warning("%s: Kafka not reachable (%r); retry %d in %.1fs", name, exc, attempt, delay)
+            await asyncio.sleep(delay)
+
+
+async def run_stage(
+    *,
+    stage: str,
+    settings: CommonSettings,
+    topic: str,
+    group_id: str,
+    build_handler: Callable[[StageContext], Awaitable[Handler]],
+    max_batch: int,
+    max_wait_ms: int,
+    max_poll_interval_ms: int | None = None,
+) -> None:
+    """Run one stage until SIGTERM/SIGINT, then finish the batch in flight, commit and exit.
+
+    Args:
+        stage: Stage name.
+        settings: The stage's settings.
+        topic: Input topic.
+        group_id: Consumer group (each stage has its own).
+        build_handler: Opens the stage's clients and returns its handler (after any warm-up).
+        max_batch: Most records per batch.
+        max_wait_ms: Longest wait for a batch to fill.
+        max_poll_interval_ms: Override of the consumer's ``max.poll.interval.ms``.
+    """
+    setup_logging(stage, settings.telemetry.log_level)
+    telemetry = Telemetry(stage, settings.telemetry)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    server = None
+    if settings.telemetry.metrics_port:
+        server = await telemetry.serve(settings.telemetry.metrics_port)
+
+    producer = make_producer(settings.kafka, client_id=f"ocrstream-{stage}")
+    await _start_with_retry(stage, producer.start, stop, settings.retry_max_backoff_s)
+    ctx = StageContext(settings=settings, telemetry=telemetry, producer=producer)
+    handler = await build_handler(ctx)
+    consumer: AIOKafkaConsumer = make_consumer(
+        settings.kafka, [topic], group_id, client_id=f"ocrstream-{stage}", max_poll_interval_ms=max_poll_interval_ms
+    )
+    consumer.subscribe([topic])
+    await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)
+    telemetry.ready_checks.append(lambda: not stop.is_set())  # Kafka, clients and engine are up by now
+    log.info("%s: consuming %s as group %s", stage, topic, group_id)
+
+    runner = StageRunner(
+        stage=stage,
+        consumer=consumer,
+        producer=producer,
+        handler=handler,
+        telemetry=telemetry,
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        max_attempts=settings.max_attempts,
+        max_backoff_s=settings.retry_max_backoff_s,
+    )
+    task = asyncio.create_task(runner.run(stop))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done() and task.exception():
+        log.error("%s: runner failed: %r", stage, task.exception())
+    else:
+        log.info("%s: stopping: finishing the batch in flight (up to %.0fs)", stage, settings.shutdown_timeout_s)
+        try:
+            await asyncio.wait_for(task, settings.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("%s: batch did not finish in time; it will be redelivered", stage)
+    stopped.cancel()
+    try:
+        await asyncio.wait_for(consumer.stop(), 10)
+        await asyncio.wait_for(producer.stop(), 10)
+        await handler.close()
+    finally:
+        if server:
+            server.close()
+        telemetry.provider.shutdown()
+    log.info("%s: stopped", stage)
+    if task.done() and not task.cancelled() and task.exception():
+        raise SystemExit(1)

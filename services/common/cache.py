@@ -1,0 +1,251 @@
+"""The Redis result cache with single flight: one inference per cache key, however many copies.
+
+Keys (prefix ``ocr`` by default; ``<key>`` is a cache key ``<gen_id>:<sha256>``):
+
+* ``ocr:c:<key>``      the cache entry: a small JSON pointer to the S3 result document plus a
+                       summary (never the document itself), with a TTL per task/source.
+* ``ocr:lease:<key>``  the in-flight lease: value = request id of the holder, expiry = lease ms.
+* ``ocr:wait:<key>``   list of waiting requests (RequestEvent JSON), completed with the holder.
+* ``ocr:inflight``     sorted set of keys with a lease, scored by lease deadline (ms), for the reaper.
+* ``ocr:gens``         hash gen_id -> generation JSON, so ``cache purge --model REV`` finds entries.
+
+Every call has a time budget (``redis.timeout_ms``). A failed or slow call is counted and
+reported to the caller as :class:`CacheUnavailable`; the stages then carry on without the
+cache (a miss), and the next call tries Redis again: no restart needed when Redis returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from schemas.keys import CacheGeneration
+from services.common.settings import RedisSettings
+from services.common.telemetry import Telemetry
+
+# KEYS: entry, lease, waiters, inflight   ARGV: request_id, lease_ms, waiter_json, now_ms, cache_key
+_CLAIM = """
+local hit = redis.call('GET', KEYS[1])
+if hit then return {'hit', hit} end
+local deadline = tonumber(ARGV[4]) + tonumber(ARGV[2])
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('ZADD', KEYS[4], deadline, ARGV[5])
+  return {'lead', ''}
+end
+local holder = redis.call('GET', KEYS[2])
+if holder == ARGV[1] then return {'lead', ''} end
+redis.call('RPUSH', KEYS[3], ARGV[3])
+redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[2]) * 4)
+return {'wait', holder or ''}
+"""
+
+# KEYS: entry, lease, waiters, inflight   ARGV: entry_json ('' = do not cache), ttl_ms, cache_key
+_COMPLETE_BEGIN = """
+if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+return redis.call('LRANGE', KEYS[3], 0, -1)
+"""
+
+# KEYS: lease, waiters, inflight   ARGV: n_done, cache_key, now_ms
+_COMPLETE_END = """
+redis.call('LTRIM', KEYS[2], tonumber(ARGV[1]), -1)
+redis.call('DEL', KEYS[1])
+if redis.call('LLEN', KEYS[2]) == 0 then
+  redis.call('ZREM', KEYS[3], ARGV[2])
+else
+  redis.call('ZADD', KEYS[3], tonumber(ARGV[3]), ARGV[2])
+end
+return 1
+"""
+
+# Promote the first waiter to lease holder. KEYS: entry, lease, waiters, inflight
+# ARGV: lease_ms, now_ms, cache_key, expected_holder ('' = only if no lease)
+_PROMOTE = """
+local hit = redis.call('GET', KEYS[1])
+if hit then return {'hit', hit} end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[4] then return {'busy', ''} end
+local w = redis.call('LPOP', KEYS[3])
+if not w then
+  redis.call('DEL', KEYS[2])
+  redis.call('ZREM', KEYS[4], ARGV[3])
+  return {'none', ''}
+end
+local rid = cjson.decode(w)['request_id']
+redis.call('SET', KEYS[2], rid, 'PX', ARGV[1])
+redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
+return {'promoted', w}
+"""
+
+
+class CacheUnavailable(Exception):
+    """Redis did not answer within its time budget (or errored). Treat as a miss."""
+
+    retriable = True
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """A cache entry: where the result document is and a small summary of it."""
+
+    result_uri: str
+    line_count: int
+    chars: int
+    created_at_ms: int
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "CacheEntry":
+        d = orjson.loads(raw)
+        return cls(d["result_uri"], int(d["line_count"]), int(d["chars"]), int(d["created_at_ms"]))
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Outcome of :meth:`ResultCache.claim`: ``hit`` (with entry), ``lead`` or ``wait``."""
+
+    outcome: str
+    entry: CacheEntry | None = None
+
+
+class ResultCache:
+    """Redis-backed cache and single-flight coordination.
+
+    Args:
+        cfg: Redis settings (URL, password, time budget per call, key prefix).
+        telemetry: Failures are counted in ``ocrstream_cache{outcome="error"}``.
+        stage: Label for the metrics.
+    """
+
+    def __init__(self, cfg: RedisSettings, telemetry: Telemetry | None = None, stage: str = "cache"):
+        self.cfg = cfg
+        self.p = cfg.key_prefix
+        self.telemetry = telemetry
+        self.stage = stage
+        self.timeout = cfg.timeout_ms / 1000
+        self.client = aioredis.Redis.from_url(
+            cfg.url,
+            password=cfg.password.get_secret_value() if cfg.password else None,
+            socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout,
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+        self._claim = self.client.register_script(_CLAIM)
+        self._begin = self.client.register_script(_COMPLETE_BEGIN)
+        self._end = self.client.register_script(_COMPLETE_END)
+        self._promote = self.client.register_script(_PROMOTE)
+
+    def _keys(self, key: str) -> list[str]:
+        return [f"{self.p}:c:{key}", f"{self.p}:lease:{key}", f"{self.p}:wait:{key}", f"{self.p}:inflight"]
+
+    async def _call(self, op: str, coro):
+        started = time.perf_counter()
+        try:
+            return await asyncio.wait_for(coro, self.timeout)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            if self.telemetry:
+                self.telemetry.cache.labels(self.stage, "error", "redis").inc()
+            raise CacheUnavailable(f"redis {op}: {exc!r}") from exc
+        finally:
+            if self.telemetry:
+                self.telemetry.store_seconds.labels("redis", op).observe(time.perf_counter() - started)
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self.client.aclose()
+
+    async def ping(self) -> bool:
+        """True if Redis answers within the time budget."""
+        try:
+            return bool(await self._call("ping", self.client.ping()))
+        except CacheUnavailable:
+            return False
+
+    async def get(self, key: str) -> CacheEntry | None:
+        """The entry for ``key`` or None. Raises :class:`CacheUnavailable`."""
+        raw = await self._call("get", self.client.get(self._keys(key)[0]))
+        return CacheEntry.from_json(raw) if raw else None
+
+    async def claim(self, key: str, request_id: str, waiter_json: bytes, lease_ms: int) -> Claim:
+        """Atomically: a hit if cached; else take the in-flight lease (``lead``); else join the
+        waiters (``wait``). A replay by the lease holder itself is ``lead`` again.
+
+        Raises:
+            CacheUnavailable: Redis down or slow; the caller sends the request on without a lease.
+        """
+        res = await self._call(
+            "claim",
+            self._claim(keys=self._keys(key), args=[request_id, lease_ms, waiter_json, int(time.time() * 1000), key]),
+        )
+        outcome = res[0].decode() if isinstance(res[0], bytes) else res[0]
+        if outcome == "hit":
+            return Claim("hit", CacheEntry.from_json(res[1]))
+        return Claim(outcome)
+
+    async def complete_begin(self, key: str, entry: CacheEntry | None, ttl_s: int) -> list[bytes]:
+        """Store the entry (when given) and return the waiters to complete (not yet removed).
+
+        Call :meth:`complete_end` once their completions are durable; a crash in between
+        leaves the waiters in place and a replay completes them again (idempotent).
+        """
+        entry_json = entry.to_json() if entry else b""
+        return list(await self._call("complete_begin", self._begin(keys=self._keys(key), args=[entry_json, ttl_s * 1000])))
+
+    async def complete_end(self, key: str, n_done: int) -> None:
+        """Remove the first ``n_done`` waiters and release the lease."""
+        k = self._keys(key)
+        await self._call(
+            "complete_end", self._end(keys=[k[1], k[2], k[3]], args=[n_done, key, int(time.time() * 1000)])
+        )
+
+    async def promote(self, key: str, lease_ms: int, expected_holder: str = "") -> tuple[str, bytes | None]:
+        """Make the first waiter the new lease holder.
+
+        Returns:
+            ``("promoted", waiter_json)``, ``("hit", entry_json)`` if a result appeared,
+            ``("none", None)`` if nobody waits, or ``("busy", None)`` if another holder has the lease.
+        """
+        res = await self._call(
+            "promote",
+            self._promote(keys=self._keys(key), args=[lease_ms, int(time.time() * 1000), key, expected_holder]),
+        )
+        outcome = res[0].decode() if isinstance(res[0], bytes) else res[0]
+        return outcome, (res[1] or None)
+
+    async def expired_leases(self, limit: int = 100) -> list[str]:
+        """Cache keys whose lease deadline has passed (candidates for promotion)."""
+        now = int(time.time() * 1000)
+        keys = await self._call(
+            "expired", self.client.zrangebyscore(f"{self.p}:inflight", "-inf", now, start=0, num=limit)
+        )
+        return [k.decode() for k in keys]
+
+    async def register_generation(self, gen: CacheGeneration) -> None:
+        """Record a generation so ``purge`` can find its entries by model revision."""
+        await self._call("hset", self.client.hset(f"{self.p}:gens", gen.gen_id, gen.model_dump_json()))
+
+    async def purge(self, *, model_revision: str | None = None, gen_id: str | None = None) -> int:
+        """Delete every cache entry of the matching generations. Returns entries deleted.
+
+        Not bound by the per-call time budget: an operator's command, not the hot path.
+        """
+        gens = await self.client.hgetall(f"{self.p}:gens")
+        targets = []
+        for gid, raw in gens.items():
+            g = CacheGeneration.model_validate_json(raw)
+            gid = gid.decode()
+            if (model_revision and g.model_revision == model_revision) or (gen_id and gid == gen_id):
+                targets.append(gid)
+        deleted = 0
+        for gid in targets:
+            async for k in self.client.scan_iter(match=f"{self.p}:c:{gid}:*", count=1000):
+                deleted += await self.client.delete(k)
+            await self.client.hdel(f"{self.p}:gens", gid)
+        return deleted

@@ -1,0 +1,183 @@
+"""MariaDB/MySQL access (PyMySQL in threads): migrations, request and result upserts, reads."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from contextlib import contextmanager
+from importlib import resources
+
+import orjson
+import pymysql
+
+from schemas.events import ResultDocument
+from services.common.settings import MySQLSettings
+from services.common.telemetry import Telemetry
+
+_UPSERT_REQUEST = """
+INSERT INTO requests (request_id, status, error_code, error_message, content_sha256, cache_key, cache_hit,
+  task, source, filename, line_count, result_uri, trace_id, submitted_at_ms, completed_at_ms, total_ms,
+  timings_json, document_json)
+VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)
+ON DUPLICATE KEY UPDATE request_id = request_id
+"""
+# A request's final state is written once: a replayed completion never overwrites the first
+# one, so a request has exactly one final state even if it was (wrongly) computed twice.
+
+_UPSERT_RESULT = """
+INSERT INTO results (cache_key, content_sha256, engine, model, model_revision, task, result_uri,
+  line_count, text, created_at_ms)
+VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)
+ON DUPLICATE KEY UPDATE result_uri = VALUES(result_uri), line_count = VALUES(line_count), text = VALUES(text)
+"""
+
+
+class Database:
+    """A small pool of PyMySQL connections used from worker threads.
+
+    Connection errors propagate as ``pymysql.OperationalError`` (retriable for the runner);
+    the broken connection is dropped and a fresh one is opened on the next call.
+
+    Args:
+        cfg: MySQL settings.
+        pool_size: Connections kept open.
+        telemetry: Where call latencies are recorded; None to skip.
+    """
+
+    def __init__(self, cfg: MySQLSettings, pool_size: int = 4, telemetry: Telemetry | None = None):
+        self.cfg = cfg
+        self.telemetry = telemetry
+        self._pool: queue.LifoQueue[pymysql.connections.Connection | None] = queue.LifoQueue()
+        for _ in range(pool_size):
+            self._pool.put(None)
+
+    def _connect(self) -> pymysql.connections.Connection:
+        return pymysql.connect(
+            host=self.cfg.host,
+            port=self.cfg.port,
+            user=self.cfg.user,
+            password=self.cfg.password.get_secret_value(),
+            database=self.cfg.database,
+            connect_timeout=self.cfg.connect_timeout_s,
+            read_timeout=30,
+            write_timeout=30,
+            autocommit=True,
+            charset="utf8mb4",
+        )
+
+    @contextmanager
+    def _conn(self):
+        conn = self._pool.get()
+        try:
+            if conn is None:
+                conn = self._connect()
+            yield conn
+        except (pymysql.OperationalError, pymysql.InterfaceError):
+            if conn is not None:
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+            conn = None
+            raise
+        finally:
+            self._pool.put(conn)
+
+    async def _run(self, op: str, fn, *args):
+        started = time.perf_counter()
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            if self.telemetry:
+                self.telemetry.store_seconds.labels("mysql", op).observe(time.perf_counter() - started)
+
+    # -- schema ---------------------------------------------------------------------------
+    def _migrate(self) -> list[str]:
+        applied = []
+        with self._conn() as conn, conn.cursor() as cur:
+            cur.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (version VARCHAR(64) PRIMARY KEY,"
+                " applied_at TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP)"
+            )
+            cur.execute("SELECT version FROM schema_migrations")
+            done = {row[0] for row in cur.fetchall()}
+            files = sorted(
+                f for f in resources.files("services.common.migrations").iterdir() if f.name.endswith(".sql")
+            )
+            for f in files:
+                version = f.name.removesuffix(".sql")
+                if version in done:
+                    continue
+                for stmt in [s.strip() for s in f.read_text().split(";")]:
+                    body = "\n".join(line for line in stmt.splitlines() if not line.strip().startswith("--"))
+                    if body.strip():
+                        cur.execute(body)
+                cur.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
+                applied.append(version)
+        return applied
+
+    async def migrate(self) -> list[str]:
+        """Apply the SQL files in ``services/common/migrations`` not applied yet; returns their versions."""
+        return await self._run("migrate", self._migrate)
+
+    # -- writes ---------------------------------------------------------------------------
+    def _write_requests(self, docs: list[ResultDocument]) -> None:
+        rows = []
+        for d in docs:
+            rows.append(
+                (
+                    d.request_id,
+                    d.status,
+                    d.error.code.value if d.error else None,
+                    d.error.message[:1024] if d.error else None,
+                    d.content_sha256,
+                    d.cache_key,
+                    int(d.cache_hit),
+                    d.task,
+                    d.source,
+                    (d.filename or "")[:512] or None,
+                    len(d.lines),
+                    d.result_uri,
+                    d.trace_id,
+                    d.submitted_at_ms,
+                    d.completed_at_ms,
+                    d.timings_ms.get("total"),
+                    orjson.dumps(d.timings_ms).decode(),
+                    d.model_dump_json(by_alias=True),
+                )
+            )
+        with self._conn() as conn, conn.cursor() as cur:
+            cur.executemany(_UPSERT_REQUEST, rows)
+
+    async def write_requests(self, docs: list[ResultDocument]) -> None:
+        """Insert each request's final state; a request already recorded keeps its first state."""
+        if docs:
+            await self._run("write_requests", self._write_requests, docs)
+
+    def _write_result(self, row: tuple) -> None:
+        with self._conn() as conn, conn.cursor() as cur:
+            cur.execute(_UPSERT_RESULT, row)
+
+    async def write_result(
+        self, *, cache_key: str, content_sha256: str, engine: str, model: str, model_revision: str,
+        task: str, result_uri: str, line_count: int, text: str, created_at_ms: int,
+    ) -> None:
+        """Upsert the OCR output row of one cache key (idempotent)."""
+        row = (cache_key, content_sha256, engine, model, model_revision, task, result_uri, line_count, text, created_at_ms)
+        await self._run("write_result", self._write_result, row)
+
+    # -- reads ----------------------------------------------------------------------------
+    def _query(self, sql: str, args: tuple) -> list[dict]:
+        with self._conn() as conn, conn.cursor(pymysql.cursors.DictCursor) as cur:
+            cur.execute(sql, args)
+            return list(cur.fetchall())
+
+    async def query(self, sql: str, *args) -> list[dict]:
+        """Run a read query; rows as dicts."""
+        return await self._run("query", self._query, sql, args)
+
+    async def get_request(self, request_id: str) -> ResultDocument | None:
+        """The final result of ``request_id``, or None if it has not completed."""
+        rows = await self.query("SELECT document_json FROM requests WHERE request_id = %s", request_id)
+        return ResultDocument.model_validate_json(rows[0]["document_json"]) if rows else None

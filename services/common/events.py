@@ -1,0 +1,45 @@
+"""Serialisation helpers for events on the wire (orjson) and timing helpers."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import TypeVar
+
+import orjson
+from aiokafka import ConsumerRecord
+from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def dumps(event: BaseModel) -> bytes:
+    """Serialise an event to JSON bytes (by alias, so ``schema`` is written)."""
+    return orjson.dumps(event.model_dump(mode="json", by_alias=True))
+
+
+def loads(model: type[M], raw: bytes | None) -> M:
+    """Parse JSON bytes into ``model``.
+
+    Raises:
+        orjson.JSONDecodeError: not JSON.
+        pydantic.ValidationError: JSON that fails the schema.
+    """
+    if raw is None:
+        raise ValueError("record has no value")
+    return model.model_validate(orjson.loads(raw))
+
+
+def queue_wait_ms(record: ConsumerRecord) -> float:
+    """How long ``record`` waited in Kafka: now minus its (producer create) timestamp, in ms."""
+    return max(0.0, time.time() * 1000 - record.timestamp)
+
+
+def completion_event_id(request_id: str) -> str:
+    """Deterministic event id of a request's completion (32 hex digits), so replays are identical."""
+    return hashlib.sha256(f"completed:{request_id}".encode()).hexdigest()[:32]
+
+
+def derived_request_id(topic: str, partition: int, offset: int) -> str:
+    """Request id for a submission that carried none: stable under redelivery of the record."""
+    return hashlib.sha256(f"{topic}/{partition}/{offset}".encode()).hexdigest()[:32]

@@ -1,0 +1,182 @@
+"""Image sniffing (header only) and decoding to upright 8-bit RGB pages.
+
+Every format Pillow reads is accepted, recognised from the bytes (never the file name or
+content type); PDFs are rendered page by page with pypdfium2. Limits are checked from the
+header before any pixel is decoded, so a decompression bomb costs a few KiB of memory.
+
+Decoding rules (each fixes a whole class of inputs, see ``../shared/cases``):
+
+* EXIF orientation 1-8 is applied (``ImageOps.exif_transpose``); boxes refer to the upright image.
+* Alpha (LA, RGBA, PA, P or L with a transparency key) is composited onto white.
+* 16-bit (I;16*) is scaled by its bit depth (value / 257); 32-bit int (I) and float (F) modes
+  are scaled by their actual range (Pillow gives no bit depth for them).
+* CMYK, YCbCr, LAB, HSV, 1, L, P are converted to RGB with Pillow's colour conversion.
+* Every frame of a multi-frame image (TIFF pages, GIF/APNG/WebP frames) becomes a page.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, ImageSequence
+
+from schemas.errors import ErrorCode
+from services.common.errors import OcrError
+
+PDF_MAGIC = b"%PDF-"
+PDF_RENDER_DPI = 200
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """What the header says: ``format`` (Pillow's name or ``PDF``), size of page 1 in pixels
+    (before EXIF rotation) and the number of pages/frames."""
+
+    format: str
+    width: int
+    height: int
+    frames: int
+
+
+def _pdf_document(data: bytes):
+    import pypdfium2 as pdfium  # imported lazily: only PDFs need it
+
+    try:
+        return pdfium.PdfDocument(data)
+    except Exception as exc:  # pdfium raises PdfiumError for damaged files
+        raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF could not be opened: {exc}") from exc
+
+
+def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
+    """Identify the image from its bytes and check the limits without decoding pixels.
+
+    Args:
+        data: The raw upload.
+        max_pixels: Largest width x height allowed per page.
+        max_pages: Most pages/frames allowed.
+
+    Returns:
+        The header information.
+
+    Raises:
+        OcrError: ``empty_input``, ``unsupported_format``, ``corrupt_image``,
+            ``image_too_large`` or ``too_many_pages``.
+    """
+    if not data:
+        raise OcrError(ErrorCode.EMPTY_INPUT, "the image has zero bytes")
+    if data.startswith(PDF_MAGIC):
+        doc = _pdf_document(data)
+        try:
+            n = len(doc)
+            if n == 0:
+                raise OcrError(ErrorCode.CORRUPT_IMAGE, "PDF has no pages")
+            if n > max_pages:
+                raise OcrError(ErrorCode.TOO_MANY_PAGES, f"PDF has {n} pages, limit {max_pages}")
+            w_pt, h_pt = doc[0].get_size()
+            w, h = round(w_pt * PDF_RENDER_DPI / 72), round(h_pt * PDF_RENDER_DPI / 72)
+        finally:
+            doc.close()
+        _check_pixels(w, h, max_pixels)
+        return ImageInfo("PDF", w, h, n)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise OcrError(ErrorCode.IMAGE_TOO_LARGE, str(exc)) from exc
+    except Exception as exc:
+        raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, "not an image format ocrstream reads") from exc
+    with img:
+        w, h = img.size
+        _check_pixels(w, h, max_pixels)
+        frames = getattr(img, "n_frames", 1) or 1
+        if frames > max_pages:
+            raise OcrError(ErrorCode.TOO_MANY_PAGES, f"image has {frames} frames, limit {max_pages}")
+        return ImageInfo(img.format or "unknown", w, h, frames)
+
+
+def _check_pixels(w: int, h: int, max_pixels: int) -> None:
+    if w < 1 or h < 1:
+        raise OcrError(ErrorCode.CORRUPT_IMAGE, f"image size {w}x{h} is empty")
+    if w * h > max_pixels:
+        raise OcrError(
+            ErrorCode.IMAGE_TOO_LARGE, f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}"
+        )
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Convert one frame of any Pillow mode to 8-bit RGB, alpha composited onto white."""
+    mode = img.mode
+    if mode.startswith("I;16"):
+        arr = np.asarray(img, dtype=np.uint16).astype(np.float32) / 257.0
+        return Image.fromarray(arr.round().clip(0, 255).astype(np.uint8), "L").convert("RGB")
+    if mode in ("I", "F"):
+        arr = np.asarray(img, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        if mode == "I" and lo >= 0 and hi <= 255:
+            scaled = arr
+        elif mode == "I" and lo >= 0 and hi <= 65535:
+            scaled = arr / 257.0
+        elif mode == "F" and lo >= 0 and hi <= 1.0:
+            scaled = arr * 255.0
+        else:
+            scaled = (arr - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(arr)
+        return Image.fromarray(scaled.round().clip(0, 255).astype(np.uint8), "L").convert("RGB")
+    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
+    if has_alpha:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    if mode == "RGB":
+        return img
+    return img.convert("RGB")
+
+
+def decode(data: bytes, max_pixels: int, max_pages: int) -> list[np.ndarray]:
+    """Decode every page/frame to an upright RGB array.
+
+    Args:
+        data: The raw image or PDF bytes.
+        max_pixels: Largest width x height allowed per page (checked before decoding).
+        max_pages: Most pages/frames allowed.
+
+    Returns:
+        One ``uint8`` array of shape ``(height, width, 3)`` per page, in page order.
+
+    Raises:
+        OcrError: as :func:`sniff`, plus ``corrupt_image`` when the pixel data cannot be
+            decoded (truncated or damaged files).
+    """
+    info = sniff(data, max_pixels, max_pages)
+    if info.format == "PDF":
+        return _render_pdf(data, max_pixels)
+    pages: list[np.ndarray] = []
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            for frame in ImageSequence.Iterator(img):
+                _check_pixels(frame.size[0], frame.size[1], max_pixels)
+                frame.load()
+                upright = ImageOps.exif_transpose(frame) if len(pages) == 0 else frame
+                pages.append(np.asarray(to_rgb(upright), dtype=np.uint8).copy())
+    except OcrError:
+        raise
+    except Exception as exc:  # truncated data, bad Huffman tables, broken chunks ...
+        raise OcrError(ErrorCode.CORRUPT_IMAGE, f"{info.format} image data could not be decoded: {exc}") from exc
+    return pages
+
+
+def _render_pdf(data: bytes, max_pixels: int) -> list[np.ndarray]:
+    doc = _pdf_document(data)
+    try:
+        pages = []
+        for page in doc:
+            w_pt, h_pt = page.get_size()
+            _check_pixels(round(w_pt * PDF_RENDER_DPI / 72), round(h_pt * PDF_RENDER_DPI / 72), max_pixels)
+            bitmap = page.render(scale=PDF_RENDER_DPI / 72, fill_color=(255, 255, 255, 255))
+            pages.append(np.asarray(bitmap.to_pil().convert("RGB"), dtype=np.uint8).copy())
+        return pages
+    finally:
+        doc.close()

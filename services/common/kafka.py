@@ -1,0 +1,108 @@
+"""aiokafka producer/consumer factories and the outgoing-message record."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from services.common.settings import KafkaSettings
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One message a handler wants produced.
+
+    Attributes:
+        topic: Destination topic.
+        key: Partitioning key (content SHA-256, or request id on ``ocr.completed``).
+        value: Serialized event (orjson bytes).
+        headers: Kafka headers, e.g. ``traceparent``.
+    """
+
+    topic: str
+    key: str | None
+    value: bytes
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+
+
+def _security_kwargs(cfg: KafkaSettings) -> dict:
+    kw: dict = {"security_protocol": cfg.security_protocol}
+    if cfg.security_protocol in ("SSL", "SASL_SSL"):
+        ctx = ssl.create_default_context(cafile=cfg.ssl_cafile)
+        if cfg.ssl_certfile:
+            ctx.load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+        kw["ssl_context"] = ctx
+    if cfg.sasl_mechanism:
+        kw["sasl_mechanism"] = cfg.sasl_mechanism
+        kw["sasl_plain_username"] = cfg.sasl_username
+        kw["sasl_plain_password"] = cfg.sasl_password.get_secret_value() if cfg.sasl_password else None
+    return kw
+
+
+def make_producer(cfg: KafkaSettings, client_id: str) -> AIOKafkaProducer:
+    """An idempotent producer (``acks=all`` by default); call ``await start()`` before use."""
+    return AIOKafkaProducer(
+        bootstrap_servers=cfg.bootstrap_servers,
+        client_id=client_id,
+        acks="all" if cfg.acks == "all" else int(cfg.acks),
+        enable_idempotence=cfg.enable_idempotence and cfg.acks == "all",
+        linger_ms=cfg.linger_ms,
+        max_request_size=cfg.max_request_size,
+        request_timeout_ms=cfg.request_timeout_ms,
+        **_security_kwargs(cfg),
+    )
+
+
+def make_consumer(
+    cfg: KafkaSettings,
+    topics: list[str],
+    group_id: str | None,
+    client_id: str,
+    max_poll_interval_ms: int | None = None,
+    auto_offset_reset: str = "earliest",
+) -> AIOKafkaConsumer:
+    """A consumer with manual commits (``enable_auto_commit=False``); offsets are committed
+    by the runner only after everything a batch caused is durable.
+
+    Call ``subscribe`` (done here when ``topics`` is given) then ``await start()``.
+    """
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=cfg.bootstrap_servers,
+        group_id=group_id,
+        client_id=client_id,
+        enable_auto_commit=False,
+        auto_offset_reset=auto_offset_reset,
+        session_timeout_ms=cfg.session_timeout_ms,
+        heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+        max_poll_interval_ms=max_poll_interval_ms or cfg.max_poll_interval_ms,
+        request_timeout_ms=max(cfg.request_timeout_ms, cfg.session_timeout_ms + 5_000),
+        **_security_kwargs(cfg),
+    )
+    return consumer
+
+
+async def create_topics(cfg: KafkaSettings, names: list[str]) -> list[str]:
+    """Create the topics that do not exist yet, with ``cfg.partitions`` partitions each.
+
+    Returns:
+        The names that were created (empty when all existed).
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers, **_security_kwargs(cfg))
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [n for n in names if n not in existing]
+        if missing:
+            try:
+                await admin.create_topics(
+                    [NewTopic(n, cfg.partitions, cfg.replication_factor) for n in missing]
+                )
+            except TopicAlreadyExistsError:
+                pass
+        return missing
+    finally:
+        await admin.close()

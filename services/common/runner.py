@@ -1,0 +1,280 @@
+"""The consume -> handle -> produce -> commit loop every stage runs.
+
+Delivery contract (at least once, idempotent writes downstream):
+
+1. ``getmany`` collects up to ``max_batch`` records or waits ``max_wait_ms``.
+2. The handler runs on the batch. While it runs, the assigned partitions are *paused* and
+   ``getmany`` keeps being called, so the consumer never exceeds ``max.poll.interval.ms``
+   however long a batch takes; heartbeats flow from aiokafka's background task.
+3. Every message the batch caused is produced and acknowledged (``acks=all``).
+4. Only then are offsets committed, and only for partitions this consumer still owns: after a
+   rebalance the old owner never commits for a partition it lost.
+
+Failures: a retriable error (store or broker down) is retried with capped exponential backoff
+for as long as it lasts (logged, counted). Any other error splits the batch into single
+records; a record failing ``max_attempts`` times is handed to ``Handler.poison`` (DLQ event and
+an error result) and the partition moves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+
+from services.common.errors import is_transient
+from services.common.kafka import Outgoing
+from services.common.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+class Handler(ABC):
+    """A stage's logic: records in, messages to produce out. Clients are passed to its constructor."""
+
+    @abstractmethod
+    async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
+        """Process a batch (in offset order per partition) and return every message it causes.
+
+        Called by the runner with 1..max_batch records. Must be idempotent: a batch may be
+        redelivered after a crash. Raise to fail the batch (see the module docstring).
+        """
+
+    @abstractmethod
+    def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
+        """Messages to produce for a record that failed ``attempts`` times with a permanent error.
+
+        Called once per poison record; returns the ``ocr.dlq`` event and, where the record
+        names a request, an error result so the request still ends in a final state.
+        """
+
+    async def on_idle(self) -> list[Outgoing]:
+        """Called about once a second when no records arrive (housekeeping). Default: nothing."""
+        return []
+
+    async def after_produce(self) -> None:
+        """Called once the messages of the last ``handle`` are acknowledged, before the commit."""
+
+    async def close(self) -> None:
+        """Release the handler's clients (called once at shutdown)."""
+
+
+class StageRunner:
+    """Runs one stage's consumer loop until ``stop`` is set, then drains and commits.
+
+    Args:
+        stage: Stage name for logs and metrics (``ingest``, ``dedup``, ``infer``, ``sink``).
+        consumer: A started consumer, subscribed, with auto-commit off.
+        producer: A started producer.
+        handler: The stage's logic.
+        telemetry: Metrics and tracing hooks.
+        max_batch: Most records per batch.
+        max_wait_ms: Longest time to wait for a batch to fill; a lone record never waits longer.
+        max_attempts: Attempts before a record is handed to ``Handler.poison``.
+        max_backoff_s: Cap of the backoff between retries while a dependency is down.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage: str,
+        consumer: AIOKafkaConsumer,
+        producer: AIOKafkaProducer,
+        handler: Handler,
+        telemetry: Telemetry,
+        max_batch: int = 64,
+        max_wait_ms: int = 20,
+        max_attempts: int = 3,
+        max_backoff_s: float = 10.0,
+    ):
+        self.stage = stage
+        self.consumer = consumer
+        self.producer = producer
+        self.handler = handler
+        self.telemetry = telemetry
+        self.max_batch = max_batch
+        self.max_wait_ms = max_wait_ms
+        self.max_attempts = max_attempts
+        self.max_backoff_s = max_backoff_s
+        self._carry: list[ConsumerRecord] = []
+        self._busy = False
+        self._last_idle = 0.0
+
+    # -- public -------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Loop until ``stop`` is set. The batch in progress is finished and committed first."""
+        while not stop.is_set():
+            records = await self._next_batch()
+            if not records:
+                await self._idle()
+                continue
+            self.telemetry.batch_in(self.stage, records)
+            started = time.perf_counter()
+            outgoing = await self._with_keepalive(self._process(records))
+            await self._produce(outgoing)
+            await self._retrying(self.handler.after_produce)
+            await self._commit(records)
+            self.telemetry.batch_done(self.stage, len(records), time.perf_counter() - started)
+
+    # -- steps --------------------------------------------------------------------------
+    async def _next_batch(self) -> list[ConsumerRecord]:
+        """Up to ``max_batch`` records; waits at most ``max_wait_ms`` after the first one arrives."""
+        records, self._carry = self._carry[: self.max_batch], self._carry[self.max_batch :]
+        if not records:
+            got = await self.consumer.getmany(timeout_ms=1000, max_records=self.max_batch)
+            records = [r for recs in got.values() for r in recs]
+            if not records:
+                return []
+        deadline = time.monotonic() + self.max_wait_ms / 1000
+        while len(records) < self.max_batch:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                break
+            got = await self.consumer.getmany(timeout_ms=remaining_ms, max_records=self.max_batch - len(records))
+            records.extend(r for recs in got.values() for r in recs)
+        return records
+
+    async def _idle(self) -> None:
+        now = time.monotonic()
+        if now - self._last_idle < 1.0:
+            return
+        self._last_idle = now
+        try:
+            out = await self.handler.on_idle()
+        except Exception as exc:  # housekeeping must never stop the loop
+            log.warning("%s: idle housekeeping failed: %r", self.stage, exc)
+            return
+        if out:
+            await self._produce(out)
+
+    async def _with_keepalive(self, coro):
+        """Run ``coro`` while partitions are paused and the consumer keeps polling."""
+        task = asyncio.ensure_future(coro)
+        self._busy = True
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=1.0)
+                if done:
+                    return task.result()
+                self.consumer.pause(*self.consumer.assignment())
+                extra = await self.consumer.getmany(timeout_ms=0)
+                for recs in extra.values():
+                    self._carry.extend(recs)
+        finally:
+            self._busy = False
+            if not task.done():
+                task.cancel()
+            self.consumer.resume(*self.consumer.assignment())
+
+    async def _process(self, records: list[ConsumerRecord]) -> list[Outgoing]:
+        """Handle the batch; on failure retry (transient) or isolate poison records."""
+        attempt = 0
+        while True:
+            try:
+                return await self.handler.handle(records)
+            except Exception as exc:
+                if is_transient(exc):
+                    attempt += 1
+                    await self._backoff(attempt, exc)
+                    continue
+                if len(records) == 1:
+                    return await self._process_single(records[0], exc)
+                log.warning("%s: batch of %d failed (%r); retrying one by one", self.stage, len(records), exc)
+                out: list[Outgoing] = []
+                for rec in records:
+                    out.extend(await self._process_single(rec, None))
+                return out
+
+    async def _process_single(self, record: ConsumerRecord, first_exc: BaseException | None) -> list[Outgoing]:
+        attempts = 1 if first_exc is not None else 0
+        last_exc = first_exc
+        transient_tries = 0
+        while attempts < self.max_attempts:
+            try:
+                return await self.handler.handle([record])
+            except Exception as exc:
+                if is_transient(exc):
+                    transient_tries += 1
+                    await self._backoff(transient_tries, exc)
+                    continue
+                attempts += 1
+                last_exc = exc
+                log.warning(
+                    "%s: %s[%d]@%d failed attempt %d/%d: %r",
+                    self.stage, record.topic, record.partition, record.offset, attempts, self.max_attempts, exc,
+                )
+        assert last_exc is not None
+        log.error("%s: %s[%d]@%d is poison, sending to DLQ: %r",
+                  self.stage, record.topic, record.partition, record.offset, last_exc)
+        self.telemetry.poison(self.stage)
+        return self.handler.poison(record, last_exc, attempts)
+
+    async def _retrying(self, fn) -> None:
+        """Await ``fn()``, retrying while it fails with a transient error."""
+        attempt = 0
+        while True:
+            try:
+                return await fn()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                attempt += 1
+                await self._backoff(attempt, exc)
+
+    async def _backoff(self, attempt: int, exc: BaseException) -> None:
+        delay = min(self.max_backoff_s, 0.2 * 2 ** min(attempt, 10))
+        self.telemetry.dependency_retry(self.stage, type(exc).__name__)
+        log.warning("%s: dependency unavailable (%r); retry %d in %.1fs", self.stage, exc, attempt, delay)
+        await asyncio.sleep(delay)
+
+    async def _produce(self, outgoing: list[Outgoing]) -> None:
+        """Send every message and wait for all acknowledgements (retrying while the broker is down)."""
+        if not outgoing:
+            return
+        attempt = 0
+        pending = list(outgoing)
+        while pending:
+            futures = []
+            for msg in pending:
+                key = msg.key.encode() if isinstance(msg.key, str) else msg.key
+                futures.append(
+                    await self.producer.send(msg.topic, msg.value, key=key, headers=msg.headers or None)
+                )
+            results = await asyncio.gather(*futures, return_exceptions=True)
+            failed = [m for m, r in zip(pending, results) if isinstance(r, BaseException)]
+            for msg, res in zip(pending, results):
+                if not isinstance(res, BaseException):
+                    self.telemetry.message_out(self.stage, msg.topic)
+            if failed:
+                attempt += 1
+                err = next(r for r in results if isinstance(r, BaseException))
+                if not is_transient(err) and attempt >= self.max_attempts:
+                    raise err
+                await self._backoff(attempt, err)
+            pending = failed
+
+    async def _commit(self, records: list[ConsumerRecord]) -> None:
+        """Commit the next offset of every partition in the batch that is still assigned."""
+        last: dict[TopicPartition, int] = defaultdict(lambda: -1)
+        for r in records:
+            tp = TopicPartition(r.topic, r.partition)
+            last[tp] = max(last[tp], r.offset)
+        owned = self.consumer.assignment()
+        offsets = {tp: off + 1 for tp, off in last.items() if tp in owned}
+        lost = set(last) - set(offsets)
+        if lost:
+            log.warning("%s: not committing %s: partitions were revoked during the batch", self.stage, sorted(lost))
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+            self.telemetry.commit(self.stage)
+        except (CommitFailedError, IllegalStateError) as exc:
+            log.warning("%s: commit failed after a rebalance (%r); records will be redelivered", self.stage, exc)
+        except KafkaError as exc:
+            log.warning("%s: commit failed (%r); records will be redelivered", self.stage, exc)

@@ -1,0 +1,138 @@
+"""Async wrapper over boto3 for the S3-compatible object store (images and result documents)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from schemas.errors import ErrorCode
+from services.common.errors import OcrError
+from services.common.settings import S3Settings
+from services.common.telemetry import Telemetry
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """Split ``s3://bucket/key`` into ``(bucket, key)``.
+
+    Raises:
+        OcrError: ``invalid_request`` if ``uri`` is not an s3 URI with a bucket and a key.
+    """
+    if not uri.startswith("s3://"):
+        raise OcrError(ErrorCode.INVALID_REQUEST, f"not an s3:// URI: {uri[:100]!r}")
+    bucket, _, key = uri[5:].partition("/")
+    if not bucket or not key:
+        raise OcrError(ErrorCode.INVALID_REQUEST, f"s3 URI needs a bucket and a key: {uri[:100]!r}")
+    return bucket, key
+
+
+class ObjectStore:
+    """Blocking boto3 calls run in threads, each timed into ``ocrstream_store_call_seconds``.
+
+    Args:
+        cfg: S3 settings (endpoint, credentials, bucket, timeouts).
+        telemetry: Where call latencies are recorded; None to skip.
+    """
+
+    def __init__(self, cfg: S3Settings, telemetry: Telemetry | None = None):
+        self.cfg = cfg
+        self.bucket = cfg.bucket
+        self.telemetry = telemetry
+        self.client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=cfg.endpoint_url,
+            aws_access_key_id=cfg.access_key,
+            aws_secret_access_key=cfg.secret_key.get_secret_value(),
+            region_name=cfg.region,
+            config=Config(
+                connect_timeout=cfg.connect_timeout_s,
+                read_timeout=cfg.read_timeout_s,
+                retries={"max_attempts": 2, "mode": "standard"},
+                max_pool_connections=cfg.max_pool_connections,
+                s3={"addressing_style": "path"},
+            ),
+        )
+
+    def uri(self, key: str, bucket: str | None = None) -> str:
+        """``s3://<bucket>/<key>`` for a key in our bucket (or ``bucket``)."""
+        return f"s3://{bucket or self.bucket}/{key}"
+
+    async def _call(self, op: str, fn, **kw):
+        started = time.perf_counter()
+        try:
+            return await asyncio.to_thread(fn, **kw)
+        finally:
+            if self.telemetry:
+                self.telemetry.store_seconds.labels("s3", op).observe(time.perf_counter() - started)
+
+    async def ensure_bucket(self) -> bool:
+        """Create the bucket if missing. Returns True when it was created."""
+        try:
+            await self._call("head_bucket", self.client.head_bucket, Bucket=self.bucket)
+            return False
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+                raise
+        await self._call("create_bucket", self.client.create_bucket, Bucket=self.bucket)
+        return True
+
+    async def exists(self, key: str, bucket: str | None = None) -> bool:
+        """True if the object exists."""
+        try:
+            await self._call("head", self.client.head_object, Bucket=bucket or self.bucket, Key=key)
+            return True
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    async def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+        """Write ``data`` (bytes) at ``key``; overwrites."""
+        await self._call("put", self.client.put_object, Bucket=self.bucket, Key=key, Body=data, ContentType=content_type)
+
+    async def put_if_absent(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> bool:
+        """Content-addressed put: skip when the key exists (same key = same bytes).
+
+        Returns:
+            True if the object was written, False if it was already there.
+        """
+        if await self.exists(key):
+            return False
+        await self.put(key, data, content_type)
+        return True
+
+    async def get(self, key: str, bucket: str | None = None, max_bytes: int | None = None) -> bytes:
+        """Read a whole object.
+
+        Raises:
+            OcrError: ``missing_object`` if it does not exist; ``input_too_large`` if it is
+                larger than ``max_bytes``.
+        """
+
+        def _get() -> bytes:
+            resp = self.client.get_object(Bucket=bucket or self.bucket, Key=key)
+            if max_bytes is not None and resp["ContentLength"] > max_bytes:
+                resp["Body"].close()
+                raise OcrError(
+                    ErrorCode.INPUT_TOO_LARGE, f"object is {resp['ContentLength']} bytes, limit {max_bytes}"
+                )
+            return resp["Body"].read()
+
+        try:
+            return await self._call("get", _get)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound", "NoSuchBucket"):
+                raise OcrError(ErrorCode.MISSING_OBJECT, f"no object s3://{bucket or self.bucket}/{key}") from exc
+            raise
+
+    async def get_uri(self, uri: str, max_bytes: int | None = None) -> bytes:
+        """Read the object at an ``s3://bucket/key`` URI (see :meth:`get`)."""
+        bucket, key = parse_s3_uri(uri)
+        return await self.get(key, bucket=bucket, max_bytes=max_bytes)
+
+    async def delete(self, key: str) -> None:
+        """Delete an object (no error if missing)."""
+        await self._call("delete", self.client.delete_object, Bucket=self.bucket, Key=key)

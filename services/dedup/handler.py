@@ -1,0 +1,118 @@
+"""Dedup logic: cache lookup (LRU, then Redis) and single flight per cache key."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from aiokafka import ConsumerRecord
+
+from schemas.events import InferEvent, RequestEvent, ResultEvent
+from schemas.keys import cache_key
+from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
+from services.common.dlq import poison_messages
+from services.common.events import dumps, loads, queue_wait_ms
+from services.common.kafka import Outgoing
+from services.common.runner import Handler
+from services.common.telemetry import Telemetry
+from services.dedup.lru import EntryLru
+from services.dedup.settings import DedupSettings
+
+log = logging.getLogger(__name__)
+
+
+class DedupHandler(Handler):
+    """For each request: hit -> ``ocr.results`` (cache_hit, no model call); miss -> claim the
+    in-flight lease and go to ``ocr.infer``; lease already held -> join the waiters, completed
+    by the sink together with the holder. Redis down -> a plain miss (no lease, no waiting).
+
+    Records are handled one after another, so copies of one image in one batch (same key, same
+    partition) find the lease taken by the first.
+    """
+
+    def __init__(self, settings: DedupSettings, cache: ResultCache, telemetry: Telemetry):
+        self.s = settings
+        self.cache = cache
+        self.telemetry = telemetry
+        self.lru = EntryLru(settings.lru_entries, settings.lru_bytes)
+        self._known_gens: set[str] = set()
+
+    async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
+        """See :meth:`Handler.handle`."""
+        out: list[Outgoing] = []
+        for record in records:
+            req = loads(RequestEvent, record.value)
+            out.extend(await self._one(req, queue_wait_ms(record), list(record.headers or [])))
+        return out
+
+    async def _one(self, req: RequestEvent, queued: float, headers) -> list[Outgoing]:
+        started = time.perf_counter()
+        gen = self.s.engine.generation(req.task)
+        key = cache_key(req.content_sha256, gen)
+
+        def timed(r: RequestEvent) -> RequestEvent:
+            t = dict(r.timings_ms, queue_dedup=queued, dedup=(time.perf_counter() - started) * 1000)
+            return r.model_copy(update={"timings_ms": t})
+
+        def hit(entry: CacheEntry, tier: str) -> list[Outgoing]:
+            self.telemetry.cache.labels("dedup", "hit", tier).inc()
+            ev = ResultEvent(request=timed(req), cache_key=key, cache_hit=True, status="ok",
+                             result_uri=entry.result_uri, engine=gen.engine, model=gen.model,
+                             model_revision=gen.model_revision)
+            return [Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), headers)]
+
+        def to_infer() -> list[Outgoing]:
+            ev = InferEvent(request=timed(req), cache_key=key)
+            return [Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev), headers)]
+
+        if not self.s.cache_enabled:
+            self.telemetry.cache.labels("dedup", "miss", "disabled").inc()
+            return to_infer()
+        entry = self.lru.get(key)
+        if entry is not None:
+            return hit(entry, "lru")
+        try:
+            if gen.gen_id not in self._known_gens:
+                await self.cache.register_generation(gen)
+                self._known_gens.add(gen.gen_id)
+            claim = await self.cache.claim(key, req.request_id, dumps(timed(req)), self.s.lease_ms)
+        except CacheUnavailable as exc:
+            log.warning("dedup: Redis unavailable (%s); %s goes to inference without a lease", exc, req.request_id)
+            self.telemetry.cache.labels("dedup", "miss", "no-redis").inc()
+            return to_infer()
+        if claim.outcome == "hit":
+            self.lru.put(key, claim.entry)
+            return hit(claim.entry, "redis")
+        if claim.outcome == "lead":
+            self.telemetry.cache.labels("dedup", "miss", "redis").inc()
+            return to_infer()
+        self.telemetry.cache.labels("dedup", "joined", "redis").inc()
+        return []
+
+    async def on_idle(self) -> list[Outgoing]:
+        """Reaper: for each expired lease, promote the first waiter (re-sent to inference), or
+        answer it from the cache if a result appeared meanwhile."""
+        if not self.s.cache_enabled:
+            return []
+        out: list[Outgoing] = []
+        try:
+            for key in await self.cache.expired_leases():
+                outcome, raw = await self.cache.promote(key, self.s.lease_ms)
+                if outcome != "promoted" or raw is None:
+                    continue
+                req = RequestEvent.model_validate_json(raw)
+                self.telemetry.cache.labels("dedup", "promoted", "redis").inc()
+                log.warning("dedup: lease on %s expired; promoting waiting request %s", key, req.request_id)
+                ev = InferEvent(request=req, cache_key=key, attempt=2)
+                out.append(Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev)))
+        except CacheUnavailable:
+            pass
+        return out
+
+    def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
+        """DLQ the record and fail its request."""
+        return poison_messages(stage="dedup", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
+
+    async def close(self) -> None:
+        """Close the Redis pool."""
+        await self.cache.close()

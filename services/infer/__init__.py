@@ -1,0 +1,1 @@
+"""Infer stage: micro-batches of cache misses through the OCR engine."""

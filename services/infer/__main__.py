@@ -1,0 +1,7 @@
+"""``python -m services.infer``"""
+
+import asyncio
+
+from services.infer.main import main
+
+asyncio.run(main())

@@ -1,0 +1,1 @@
+"""OCR engines behind one interface: ``rapidocr`` (CPU, default), ``vllm`` and ``openai`` (GPU extra)."""

@@ -1,0 +1,64 @@
+"""The engine interface the infer stage talks to."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.common.textlines import Segment
+
+
+class EngineTimeout(Exception):
+    """One image took longer than the per-image inference timeout."""
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What the engine found in one image and how long that image took (ms of engine time)."""
+
+    segments: list[Segment]
+    inference_ms: float
+
+
+class OcrEngine(ABC):
+    """A batch of decoded images in, one list of text segments per image out.
+
+    Lifecycle: ``await start()`` (load the model, answer a warm-up request), then any number
+    of ``ocr`` calls, then ``await close()``. ``ready`` turns True only after the warm-up.
+
+    Attributes:
+        name: Engine name as in the cache key (``rapidocr``, ``vllm``, ``openai``).
+        max_side: Longest image side in pixels the engine reads well; larger inputs are
+            downscaled by the infer stage and boxes mapped back.
+    """
+
+    name: str = "engine"
+    max_side: int = 2000
+    ready: bool = False
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load the model and run a warm-up request; set ``ready``."""
+
+    @abstractmethod
+    async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
+        """Recognise text in every image.
+
+        Args:
+            images: ``uint8`` RGB arrays, shape ``(height, width, 3)``.
+            timeout_s: Per-image time limit in seconds.
+
+        Returns:
+            One entry per image, in order: its output (boxes in pixels of that image), or the
+            exception that image raised (:class:`EngineTimeout` on timeout). One image failing
+            never fails the others.
+        """
+
+    async def health(self) -> bool:
+        """True when the engine can take work."""
+        return self.ready
+
+    async def close(self) -> None:
+        """Release the model and its threads."""

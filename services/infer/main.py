@@ -1,0 +1,45 @@
+"""Wires the infer stage: settings, S3, the engine (loaded once, warmed up), handler and runner."""
+
+from __future__ import annotations
+
+import logging
+
+from services.common.app import StageContext, run_stage
+from services.common.s3 import ObjectStore
+from services.infer.engines.base import OcrEngine
+from services.infer.handler import InferHandler
+from services.infer.settings import InferSettings
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(s: InferSettings) -> OcrEngine:
+    """The engine named by ``engine_kind`` (default ``engine.engine``).
+
+    Raises:
+        ValueError: for an engine this build does not have.
+    """
+    kind = s.engine_kind or s.engine.engine
+    if kind == "rapidocr":
+        from services.infer.engines.rapid import RapidOcrEngine
+
+        return RapidOcrEngine(s.rapidocr_threads, s.rapidocr_workers, s.engine_max_side)
+    raise ValueError(f"engine {kind!r} is not available in this build (install the gpu extra)")
+
+
+async def main(settings: InferSettings | None = None) -> None:
+    """Run infer until SIGTERM: consume ``ocr.infer``, produce ``ocr.results``."""
+    s = settings or InferSettings()
+
+    async def build(ctx: StageContext) -> InferHandler:
+        engine = build_engine(s)
+        log.info("infer: loading engine %s (%s @ %s)", engine.name, s.engine.model, s.engine.model_revision)
+        await engine.start()
+        ctx.telemetry.ready_checks.append(lambda: engine.ready)
+        return InferHandler(s, ObjectStore(s.s3, ctx.telemetry), engine, ctx.telemetry)
+
+    await run_stage(
+        stage="infer", settings=s, topic=s.topics.infer, group_id=s.infer_group_id,
+        build_handler=build, max_batch=s.max_batch, max_wait_ms=s.max_wait_ms,
+        max_poll_interval_ms=s.infer_max_poll_interval_ms,
+    )

@@ -1,0 +1,111 @@
+"""Ingest logic: submit event -> checked image in S3 -> ``ocr.requests`` (or an error result)."""
+
+from __future__ import annotations
+
+import asyncio
+import binascii
+import hashlib
+import logging
+import time
+
+from aiokafka import ConsumerRecord
+from pydantic import ValidationError
+
+from schemas.errors import ErrorCode
+from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
+from schemas.keys import image_object_key
+from services.common.dlq import poison_messages
+from services.common.errors import OcrError
+from services.common.events import derived_request_id, dumps, loads, queue_wait_ms
+from services.common.imaging import sniff
+from services.common.kafka import Outgoing
+from services.common.runner import Handler
+from services.common.s3 import ObjectStore
+from services.common.telemetry import Telemetry
+from services.ingest.settings import IngestSettings
+
+log = logging.getLogger(__name__)
+
+_CONTENT_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "TIFF": "image/tiff",
+                  "WEBP": "image/webp", "BMP": "image/bmp", "PDF": "application/pdf"}
+
+
+class IngestHandler(Handler):
+    """Checks each submission and stores its image by content hash.
+
+    Per record: parse ``SubmitEvent`` -> bytes (inline or from S3, byte limit enforced) ->
+    sniff format and header size (no decode) -> SHA-256 -> put ``images/<sha[:2]>/<sha>``
+    unless present -> ``RequestEvent`` on ``ocr.requests`` keyed by the hash. Bad input yields
+    an error ``ResultEvent`` on ``ocr.results`` (so the request still gets a final state); an
+    unparseable record goes to ``ocr.dlq``.
+    """
+
+    def __init__(self, settings: IngestSettings, store: ObjectStore, telemetry: Telemetry):
+        self.s = settings
+        self.store = store
+        self.telemetry = telemetry
+        self._sem = asyncio.Semaphore(settings.ingest_concurrency)
+
+    async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
+        """See :meth:`Handler.handle`; records are processed concurrently, output kept in order."""
+        results = await asyncio.gather(*(self._one(r) for r in records))
+        return [msg for msgs in results for msg in msgs]
+
+    async def _one(self, record: ConsumerRecord) -> list[Outgoing]:
+        async with self._sem:
+            queued = queue_wait_ms(record)
+            started = time.perf_counter()
+            headers = list(record.headers or [])
+            try:
+                event = loads(SubmitEvent, record.value)
+            except (ValueError, ValidationError) as exc:
+                # Not retried: the same bytes fail the same way. DLQ + error result if we know the id.
+                self.telemetry.requests_done.labels("ingest", "error", ErrorCode.INVALID_REQUEST.value).inc()
+                return poison_messages(
+                    stage="ingest", topics=self.s.topics, record=record,
+                    exc=OcrError(ErrorCode.INVALID_REQUEST, f"submit event rejected: {exc}"[:1000]), attempts=1,
+                )
+            rid = event.request_id or derived_request_id(record.topic, record.partition, record.offset)
+            base = RequestEvent(
+                request_id=rid, task=event.task, source=event.source, filename=event.filename,
+                callback_url=event.callback_url, submitted_at_ms=event.submitted_at_ms,
+                metadata=event.metadata,
+            )
+            try:
+                req = await self._accept(event, base)
+            except OcrError as err:
+                timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
+                failed = base.model_copy(update={"timings_ms": timings})
+                result = ResultEvent(request=failed, status="error", error=ErrorInfo(code=err.code, message=err.message))
+                self.telemetry.requests_done.labels("ingest", "error", err.code.value).inc()
+                log.info("ingest: request %s rejected: %s", rid, err)
+                return [Outgoing(self.s.topics.results, rid, dumps(result), headers)]
+            timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
+            req = req.model_copy(update={"timings_ms": timings, "accepted_at_ms": now_ms()})
+            return [Outgoing(self.s.topics.requests, req.content_sha256, dumps(req), headers)]
+
+    async def _accept(self, event: SubmitEvent, base: RequestEvent) -> RequestEvent:
+        limits = self.s.limits
+        if event.image_b64 is not None:
+            try:
+                data = event.image_bytes()
+            except (ValueError, binascii.Error) as exc:
+                raise OcrError(ErrorCode.INVALID_REQUEST, f"image_b64 is not valid base64: {exc}") from exc
+        else:
+            data = await self.store.get_uri(event.image_uri, max_bytes=limits.max_image_bytes)
+        if len(data) > limits.max_image_bytes:
+            raise OcrError(ErrorCode.INPUT_TOO_LARGE, f"{len(data)} bytes exceeds the limit of {limits.max_image_bytes}")
+        info = await asyncio.to_thread(sniff, data, limits.max_pixels, limits.max_pages)
+        sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+        key = image_object_key(sha)
+        await self.store.put_if_absent(key, data, _CONTENT_TYPES.get(info.format, "application/octet-stream"))
+        return base.model_copy(
+            update={
+                "content_sha256": sha, "image_uri": self.store.uri(key), "size_bytes": len(data),
+                "format": info.format, "width": info.width, "height": info.height, "frames": info.frames,
+            }
+        )
+
+    def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
+        """DLQ the submission and fail its request (if it named one)."""
+        return poison_messages(stage="ingest", topics=self.s.topics, record=record, exc=exc, attempts=attempts)

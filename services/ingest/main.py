@@ -1,0 +1,22 @@
+"""Wires the ingest stage: settings, S3 client, handler and the runner."""
+
+from __future__ import annotations
+
+from services.common.app import StageContext, run_stage
+from services.common.s3 import ObjectStore
+from services.ingest.handler import IngestHandler
+from services.ingest.settings import IngestSettings
+
+
+async def main(settings: IngestSettings | None = None) -> None:
+    """Run ingest until SIGTERM: consume ``ocr.submit``, produce ``ocr.requests``."""
+    s = settings or IngestSettings()
+
+    async def build(ctx: StageContext) -> IngestHandler:
+        store = ObjectStore(s.s3, ctx.telemetry)
+        return IngestHandler(s, store, ctx.telemetry)
+
+    await run_stage(
+        stage="ingest", settings=s, topic=s.topics.submit, group_id=s.ingest_group_id,
+        build_handler=build, max_batch=s.ingest_max_batch, max_wait_ms=s.ingest_max_wait_ms,
+    )

@@ -1,0 +1,229 @@
+"""Sink logic: every result becomes a final state per request (its own and its waiters')."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import orjson
+from aiokafka import ConsumerRecord
+
+from schemas.errors import RETRYABLE_CODES, ErrorCode
+from schemas.events import (
+    CompletedEvent, ErrorInfo, InferEvent, OcrOutput, RequestEvent, ResultDocument, ResultEvent, now_ms,
+)
+from schemas.keys import result_object_key
+from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
+from services.common.db import Database
+from services.common.dlq import poison_messages
+from services.common.errors import OcrError
+from services.common.events import completion_event_id, dumps, loads, queue_wait_ms
+from services.common.kafka import Outgoing
+from services.common.runner import Handler
+from services.common.s3 import ObjectStore, parse_s3_uri
+from services.common.telemetry import Telemetry
+from services.sink.settings import SinkSettings
+
+log = logging.getLogger(__name__)
+
+
+def full_text(lines) -> str:
+    """Lines joined by newlines, pages separated by a blank line."""
+    parts: list[str] = []
+    page = None
+    for line in lines:
+        if page is not None and line.page != page:
+            parts.append("")
+        parts.append(line.text)
+        page = line.page
+    return "\n".join(parts)
+
+
+class SinkHandler(Handler):
+    """Per result event, in order:
+
+    1. infer result (ok): result document to S3 (``results/<sha>/<gen>.json``), ``results`` row;
+    2. cache entry set (ok only) and the waiters on that key read (not yet removed);
+    3. one final state per request (the event's and each waiter's) inserted into ``requests``;
+    4. one ``ocr.completed`` per request; after Kafka acknowledged them, the waiters are removed
+       and the lease released (:meth:`after_produce`).
+
+    A retryable error (``engine_error``, ``internal_error``) ends the holder's request but
+    promotes one waiter, re-sent to ``ocr.infer``; any other error is shared by every waiter.
+    Every step is idempotent, so a replay after a crash changes nothing.
+    """
+
+    def __init__(self, settings: SinkSettings, store: ObjectStore, db: Database, cache: ResultCache, telemetry: Telemetry):
+        self.s = settings
+        self.store = store
+        self.db = db
+        self.cache = cache
+        self.telemetry = telemetry
+        self._outputs: OrderedDict[str, OcrOutput] = OrderedDict()
+        self._pending_end: list[tuple[str, int]] = []
+
+    # -- Handler API ----------------------------------------------------------------------
+    async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
+        """See :meth:`Handler.handle`."""
+        self._pending_end = []
+        docs: list[ResultDocument] = []
+        out: list[Outgoing] = []
+        for rec in records:
+            ev = loads(ResultEvent, rec.value)
+            started = time.perf_counter()
+            d, extra = await self._one(ev, queue_wait_ms(rec), started, list(rec.headers or []))
+            docs.extend(d)
+            out.extend(extra)
+        t0 = time.perf_counter()
+        await self.db.write_requests(docs)
+        db_ms = (time.perf_counter() - t0) * 1000 / max(1, len(docs))
+        for doc in docs:
+            doc = doc.model_copy(update={"timings_ms": dict(doc.timings_ms, write=round(doc.timings_ms.get("write", 0) + db_ms, 3))})
+            ev = CompletedEvent(event_id=completion_event_id(doc.request_id), request_id=doc.request_id, result=doc)
+            out.append(Outgoing(self.s.topics.completed, doc.request_id, dumps(ev), []))
+            self.telemetry.requests_done.labels("sink", doc.status, doc.error.code.value if doc.error else "").inc()
+        return out
+
+    async def after_produce(self) -> None:
+        """Completions are durable: remove the completed waiters and release the leases."""
+        pending, self._pending_end = self._pending_end, []
+        for key, n in pending:
+            try:
+                await self.cache.complete_end(key, n)
+            except CacheUnavailable as exc:
+                log.warning("sink: could not release lease %s (%s); it expires on its own", key, exc)
+
+    def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
+        """DLQ the record; fail its request unless the record already was an error result."""
+        try:
+            already_error = orjson.loads(record.value).get("status") == "error"
+        except Exception:
+            already_error = False
+        out = poison_messages(stage="sink", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
+        return out[:1] if already_error else out
+
+    async def close(self) -> None:
+        """Close the Redis pool."""
+        await self.cache.close()
+
+    # -- steps ----------------------------------------------------------------------------
+    async def _one(self, ev: ResultEvent, queued: float, started: float, headers) -> tuple[list[ResultDocument], list[Outgoing]]:
+        req = ev.request
+        key = ev.cache_key
+        extra: list[Outgoing] = []
+        if ev.status == "ok":
+            if ev.cache_hit:
+                try:
+                    output = await self._load_output(ev.result_uri)
+                except OcrError as err:
+                    if err.code != ErrorCode.MISSING_OBJECT:
+                        raise
+                    # The cached document vanished (purged bucket): compute it again.
+                    log.warning("sink: cached result %s is gone; re-sending %s to inference", ev.result_uri, req.request_id)
+                    return [], [Outgoing(self.s.topics.infer, req.content_sha256, dumps(InferEvent(request=req, cache_key=key)), headers)]
+                entry = None
+            else:
+                output, entry = await self._store_output(ev)
+            waiters = await self._waiters(key, entry, self.s.ttl_for(req.source, req.task))
+            docs = [self._doc(r, output, ev, queued, started, cache_hit=ev.cache_hit or r is not req)
+                    for r in [req, *waiters]]
+            return docs, extra
+        # error
+        waiters: list[RequestEvent] = []
+        if key:
+            code = ev.error.code if ev.error else ErrorCode.INTERNAL_ERROR
+            if code in RETRYABLE_CODES and ev.attempt < self.s.max_attempts:
+                try:
+                    outcome, raw = await self.cache.promote(key, 600_000, expected_holder=req.request_id)
+                    if outcome == "promoted" and raw:
+                        promoted = RequestEvent.model_validate_json(raw)
+                        log.warning("sink: %s failed (%s); promoting waiter %s", req.request_id, code.value, promoted.request_id)
+                        extra.append(Outgoing(self.s.topics.infer, promoted.content_sha256,
+                                              dumps(InferEvent(request=promoted, cache_key=key, attempt=ev.attempt + 1)), headers))
+                except CacheUnavailable:
+                    pass
+            else:
+                waiters = await self._waiters(key, None, 0)
+        docs = [self._doc(r, None, ev, queued, started, cache_hit=False) for r in [req, *waiters]]
+        return docs, extra
+
+    async def _waiters(self, key: str | None, entry: CacheEntry | None, ttl_s: int) -> list[RequestEvent]:
+        if not key:
+            return []
+        try:
+            raw = await self.cache.complete_begin(key, entry, ttl_s)
+        except CacheUnavailable as exc:
+            log.warning("sink: Redis unavailable (%s); waiters on %s are completed when their lease expires", exc, key)
+            return []
+        self._pending_end.append((key, len(raw)))
+        return [RequestEvent.model_validate_json(w) for w in raw]
+
+    async def _store_output(self, ev: ResultEvent) -> tuple[OcrOutput, CacheEntry]:
+        req = ev.request
+        output = OcrOutput(
+            cache_key=ev.cache_key, content_sha256=req.content_sha256, engine=ev.engine or "", model=ev.model or "",
+            model_revision=ev.model_revision or "", task=req.task, pages=ev.pages, lines=ev.lines,
+            text=full_text(ev.lines),
+        )
+        okey = result_object_key(ev.cache_key)
+        body = dumps(output)
+        await self.store.put(okey, body, "application/json")
+        uri = self.store.uri(okey)
+        await self.db.write_result(
+            cache_key=ev.cache_key, content_sha256=req.content_sha256, engine=output.engine, model=output.model,
+            model_revision=output.model_revision, task=req.task, result_uri=uri, line_count=len(output.lines),
+            text=output.text, created_at_ms=output.created_at_ms,
+        )
+        self._remember(uri, output)
+        return output, CacheEntry(uri, len(output.lines), len(output.text), output.created_at_ms)
+
+    async def _load_output(self, uri: str) -> OcrOutput:
+        cached = self._outputs.get(uri)
+        if cached is not None:
+            self._outputs.move_to_end(uri)
+            return cached
+        bucket, key = parse_s3_uri(uri)
+        output = OcrOutput.model_validate_json(await self.store.get(key, bucket=bucket))
+        self._remember(uri, output)
+        return output
+
+    def _remember(self, uri: str, output: OcrOutput) -> None:
+        self._outputs[uri] = output
+        self._outputs.move_to_end(uri)
+        while len(self._outputs) > self.s.output_lru_entries:
+            self._outputs.popitem(last=False)
+
+    def _doc(self, req: RequestEvent, output: OcrOutput | None, ev: ResultEvent, queued: float,
+             started: float, cache_hit: bool) -> ResultDocument:
+        completed = now_ms()
+        own = req is ev.request
+        timings = dict(req.timings_ms if not own else ev.request.timings_ms)
+        timings["queue_sink"] = round(queued, 3) if own else 0.0
+        timings["write"] = round((time.perf_counter() - started) * 1000, 3)
+        timings["total"] = float(max(0, completed - req.submitted_at_ms))
+        pages = output.pages if output else ev.pages
+        first = pages[0] if pages else None
+        return ResultDocument(
+            request_id=req.request_id,
+            status=ev.status,
+            error=ev.error if ev.status == "error" else None,
+            content_sha256=req.content_sha256,
+            cache_key=ev.cache_key,
+            cache_hit=cache_hit,
+            engine=ev.engine,
+            model=ev.model,
+            model_revision=ev.model_revision,
+            width=first.width if first else req.width,
+            height=first.height if first else req.height,
+            pages=pages,
+            lines=output.lines if output else [],
+            text=output.text if output else "",
+            task=req.task,
+            source=req.source,
+            filename=req.filename,
+            result_uri=self.store.uri(result_object_key(ev.cache_key)) if output and ev.cache_key else None,
+            submitted_at_ms=req.submitted_at_ms,
+            completed_at_ms=completed,
+            timings_ms=timings,
+        )

@@ -1,0 +1,26 @@
+"""Wires the sink stage: settings, S3, MariaDB, Redis, handler and the runner."""
+
+from __future__ import annotations
+
+from services.common.app import StageContext, run_stage
+from services.common.cache import ResultCache
+from services.common.db import Database
+from services.common.s3 import ObjectStore
+from services.sink.handler import SinkHandler
+from services.sink.settings import SinkSettings
+
+
+async def main(settings: SinkSettings | None = None) -> None:
+    """Run sink until SIGTERM: consume ``ocr.results``; produce ``ocr.completed``."""
+    s = settings or SinkSettings()
+
+    async def build(ctx: StageContext) -> SinkHandler:
+        return SinkHandler(
+            s, ObjectStore(s.s3, ctx.telemetry), Database(s.mysql, telemetry=ctx.telemetry),
+            ResultCache(s.redis, ctx.telemetry, "sink"), ctx.telemetry,
+        )
+
+    await run_stage(
+        stage="sink", settings=s, topic=s.topics.results, group_id=s.sink_group_id,
+        build_handler=build, max_batch=s.sink_max_batch, max_wait_ms=s.sink_max_wait_ms,
+    )

@@ -1,0 +1,24 @@
+"""Sink settings (env prefix ``OCRSTREAM_``)."""
+
+from pydantic import Field
+
+from services.common.settings import CommonSettings
+
+
+class SinkSettings(CommonSettings):
+    """Settings of the sink stage."""
+
+    sink_group_id: str = "ocrstream-sink"
+    sink_max_batch: int = 64
+    sink_max_wait_ms: int = 5
+    cache_ttl_s: int = Field(default=86_400, description="cache entry TTL (static documents: ~24 h)")
+    cache_ttl_by_source: dict[str, int] = Field(
+        default_factory=lambda: {"screenshot": 600},
+        description='TTL overrides per request source, JSON, e.g. {"screenshot": 600}',
+    )
+    cache_ttl_by_task: dict[str, int] = Field(default_factory=dict, description="TTL overrides per task, JSON")
+    output_lru_entries: int = Field(default=256, description="result documents kept in memory for cache hits")
+
+    def ttl_for(self, source: str, task: str) -> int:
+        """Cache TTL in seconds: the source's override, else the task's, else ``cache_ttl_s``."""
+        return self.cache_ttl_by_source.get(source, self.cache_ttl_by_task.get(task, self.cache_ttl_s))

@@ -1,0 +1,127 @@
+"""Sniffing and decoding: every EXIF orientation, every Pillow mode, limits before decoding."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from schemas.errors import ErrorCode
+from services.common.errors import OcrError
+from services.common.imaging import decode, sniff
+
+BIG = 100_000_000
+
+
+def encode(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def marker_image(w: int = 120, h: int = 80) -> Image.Image:
+    """White image with a black block in the top-left corner (to check orientation)."""
+    img = Image.new("RGB", (w, h), "white")
+    img.paste((0, 0, 0), (0, 0, 30, 20))
+    return img
+
+
+# Pillow's transpose that *stores* an upright image under each EXIF orientation value
+_STORE = {
+    1: None, 2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_90, 7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_270,
+}
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_exif_orientation_is_applied(orientation):
+    upright = marker_image()
+    stored = upright if _STORE[orientation] is None else upright.transpose(_STORE[orientation])
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    [page] = decode(encode(stored, "JPEG", exif=exif, quality=95), BIG, 5)
+    assert page.shape == (80, 120, 3)
+    assert page[:20, :30].mean() < 60, "marker must be top-left after applying EXIF"
+    assert page[60:, 90:].mean() > 200
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "LA", "P", "RGB", "RGBA", "I;16", "I", "F", "CMYK", "YCbCr"])
+def test_every_mode_decodes_to_dark_text_on_white(mode):
+    base = marker_image()
+    if mode == "I;16":
+        arr = np.where(np.asarray(base.convert("L")) > 128, 65535, 0).astype(np.uint16)
+        img = Image.fromarray(arr)
+        assert img.mode == "I;16"
+    elif mode == "I":
+        img = Image.fromarray(np.where(np.asarray(base.convert("L")) > 128, 65535, 0).astype(np.int32))
+        assert img.mode == "I"
+    elif mode == "F":
+        img = Image.fromarray(np.where(np.asarray(base.convert("L")) > 128, 1.0, 0.0).astype(np.float32))
+        assert img.mode == "F"
+    else:
+        img = base.convert(mode)
+    fmt = {"CMYK": "TIFF", "YCbCr": "TIFF", "I": "TIFF", "F": "TIFF", "LA": "PNG"}.get(mode, "PNG")
+    if mode == "YCbCr":
+        fmt = "JPEG"
+    [page] = decode(encode(img, fmt), BIG, 5)
+    assert page.dtype == np.uint8 and page.shape == (80, 120, 3)
+    assert page[:20, :30].mean() < 60 and page[40:, 60:].mean() > 200
+
+
+def test_transparent_background_is_composited_on_white():
+    arr = np.zeros((40, 60, 4), dtype=np.uint8)  # fully transparent black
+    arr[5:15, 5:25] = (0, 0, 0, 255)  # opaque black text
+    [page] = decode(encode(Image.fromarray(arr, "RGBA")), BIG, 5)
+    assert page[5:15, 5:25].mean() < 10 and page[30:, 40:].mean() == 255
+
+
+def test_palette_with_transparency_key():
+    img = marker_image().convert("P")
+    white_index = img.getpixel((100, 70))
+    [page] = decode(encode(img, "PNG", transparency=white_index), BIG, 5)
+    assert page[40:, 60:].mean() == 255 and page[:20, :30].mean() < 60
+
+
+def test_sixteen_bit_is_scaled_by_bit_depth_not_clipped():
+    img = Image.fromarray(np.full((10, 10), 32896, dtype=np.uint16))  # 32896/257 = 128
+    [page] = decode(encode(img), BIG, 5)
+    assert int(page[0, 0, 0]) == 128
+
+
+def test_multi_frame_tiff_gives_every_page():
+    frames = [marker_image(), Image.new("RGB", (120, 80), "white"), marker_image()]
+    data = encode(frames[0], "TIFF", save_all=True, append_images=frames[1:])
+    assert sniff(data, BIG, 5).frames == 3
+    pages = decode(data, BIG, 5)
+    assert len(pages) == 3 and pages[1].mean() == 255
+    with pytest.raises(OcrError) as e:
+        decode(data, BIG, 2)
+    assert e.value.code is ErrorCode.TOO_MANY_PAGES
+
+
+def test_limits_and_bad_bytes():
+    with pytest.raises(OcrError) as e:
+        sniff(b"", BIG, 5)
+    assert e.value.code is ErrorCode.EMPTY_INPUT
+    with pytest.raises(OcrError) as e:
+        sniff(b"hello, I am text pretending to be a png", BIG, 5)
+    assert e.value.code is ErrorCode.UNSUPPORTED_FORMAT
+    big = encode(Image.new("L", (3000, 3000)))
+    with pytest.raises(OcrError) as e:
+        sniff(big, 1_000_000, 5)
+    assert e.value.code is ErrorCode.IMAGE_TOO_LARGE
+    jpeg = encode(marker_image(600, 400), "JPEG")
+    with pytest.raises(OcrError) as e:
+        decode(jpeg[: len(jpeg) // 2], BIG, 5)
+    assert e.value.code is ErrorCode.CORRUPT_IMAGE
+
+
+def test_pdf_pages_are_rendered():
+    img = marker_image(300, 200)
+    data = encode(img, "PDF", resolution=72)
+    info = sniff(data, BIG, 5)
+    assert info.format == "PDF" and info.frames == 1
+    [page] = decode(data, BIG, 5)
+    h, w = page.shape[:2]
+    assert abs(w / h - 1.5) < 0.02 and page[: h // 10, : w // 10].mean() < 60

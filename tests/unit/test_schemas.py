@@ -1,0 +1,80 @@
+"""Event models: validation, round trips and the JSON Schema drift check."""
+
+import base64
+
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from schemas import generate
+from schemas.errors import ErrorCode
+from schemas.events import ALL_EVENTS, CompletedEvent, Line, RequestEvent, ResultDocument, ResultEvent, SubmitEvent
+from services.common.events import completion_event_id, derived_request_id, dumps, loads
+
+
+def test_jsonschema_files_match_models():
+    """Fails when a model changed without `python -m schemas.generate`."""
+    for fname, text in generate.render().items():
+        path = generate.OUT_DIR / fname
+        assert path.exists(), f"missing {path}: run python -m schemas.generate"
+        assert path.read_text() == text, f"{path} is stale: run python -m schemas.generate"
+    assert sorted(p.name for p in generate.OUT_DIR.glob("*.json")) == sorted(f"{n}.json" for n in ALL_EVENTS)
+
+
+def test_submit_needs_exactly_one_image():
+    with pytest.raises(ValidationError, match="exactly one of image_b64 or image_uri"):
+        SubmitEvent()
+    with pytest.raises(ValidationError, match="exactly one"):
+        SubmitEvent(image_b64="AA==", image_uri="s3://b/k")
+    with pytest.raises(ValidationError):
+        SubmitEvent(image_uri="http://example/x.png")
+    ev = SubmitEvent(image_b64=base64.b64encode(b"\x89PNG").decode())
+    assert ev.image_bytes() == b"\x89PNG"
+
+
+def test_submit_rejects_bad_request_id():
+    with pytest.raises(ValidationError):
+        SubmitEvent(request_id="has space", image_uri="s3://b/k")
+
+
+def test_round_trip_keeps_schema_name():
+    req = RequestEvent(request_id="r1", content_sha256="a" * 64, image_uri="s3://b/images/aa/" + "a" * 64)
+    raw = dumps(req)
+    assert orjson.loads(raw)["schema"] == "ocr.request.v1"
+    back = loads(RequestEvent, raw)
+    assert back == req
+
+
+def test_line_box_must_have_four_points():
+    with pytest.raises(ValidationError):
+        Line(text="x", box=[[0, 0], [1, 0], [1, 1]], confidence=0.5)
+    with pytest.raises(ValidationError):
+        Line(text="x", box=[[0, 0], [1, 0], [1, 1], [0, 1]], confidence=1.5)
+
+
+def test_result_event_error_code_is_enum():
+    ev = ResultEvent.model_validate(
+        {"request": {"request_id": "r"}, "status": "error", "error": {"code": "corrupt_image", "message": "m"}}
+    )
+    assert ev.error.code is ErrorCode.CORRUPT_IMAGE
+    with pytest.raises(ValidationError):
+        ResultEvent.model_validate({"request": {"request_id": "r"}, "status": "error", "error": {"code": "nope", "message": "m"}})
+
+
+def test_completion_ids_are_deterministic():
+    assert completion_event_id("abc") == completion_event_id("abc")
+    assert completion_event_id("abc") != completion_event_id("abd")
+    assert len(completion_event_id("abc")) == 32
+    assert derived_request_id("ocr.submit", 1, 42) == derived_request_id("ocr.submit", 1, 42)
+    assert derived_request_id("ocr.submit", 1, 42) != derived_request_id("ocr.submit", 2, 42)
+    doc = ResultDocument(request_id="abc", status="ok")
+    a = dumps(CompletedEvent(event_id=completion_event_id("abc"), request_id="abc", result=doc))
+    b = dumps(CompletedEvent(event_id=completion_event_id("abc"), request_id="abc", result=doc))
+    assert a == b
+
+
+def test_error_codes_are_the_documented_list():
+    assert [c.value for c in ErrorCode] == [
+        "empty_input", "input_too_large", "unsupported_format", "corrupt_image", "image_too_large",
+        "too_many_pages", "missing_object", "invalid_request", "timeout", "engine_error", "internal_error",
+    ]

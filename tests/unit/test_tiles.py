@@ -1,0 +1,40 @@
+"""Tiling long pages and mapping boxes back to page pixels."""
+
+import numpy as np
+
+from services.common.textlines import Segment
+from services.infer.tiles import make_tiles, map_back
+
+
+def test_regular_page_is_one_tile():
+    [t] = make_tiles(np.zeros((800, 600, 3), np.uint8), max_aspect=3, max_side=2000)
+    assert t.scale == 1.0 and (t.x0, t.y0) == (0, 0) and t.image.shape == (800, 600, 3)
+
+
+def test_big_page_is_downscaled_and_boxes_scale_back():
+    [t] = make_tiles(np.zeros((4000, 3000, 3), np.uint8), max_aspect=3, max_side=2000)
+    assert t.scale == 0.5 and t.image.shape[:2] == (2000, 1500)
+    [s] = map_back(t, [Segment([[10, 20], [110, 20], [110, 40], [10, 40]], "x", 0.9)], 3000, 4000)
+    assert s.box == [[20, 40], [220, 40], [220, 80], [20, 80]]
+
+
+def test_long_receipt_is_sliced_and_each_line_kept_once():
+    h, w = 12000, 600
+    tiles = make_tiles(np.zeros((h, w, 3), np.uint8), max_aspect=3, max_side=2000)
+    assert len(tiles) > 5 and all(t.scale == 1.0 for t in tiles)
+    assert tiles[0].y0 == 0 and tiles[-1].y0 + tiles[-1].image.shape[0] == h
+    # a line every 150 px: each must be reported by exactly one tile
+    found = []
+    for t in tiles:
+        segs = []
+        for y in range(20, h, 150):
+            top = y - t.y0
+            if 0 <= top and top + 34 <= t.image.shape[0]:
+                segs.append(Segment([[10, top], [300, top], [300, top + 34], [10, top + 34]], str(y), 0.9))
+        found += [s.text for s in map_back(t, segs, w, h)]
+    assert sorted(found, key=int) == [str(y) for y in range(20, h, 150)]
+
+
+def test_wide_page_is_sliced_left_to_right():
+    tiles = make_tiles(np.zeros((100, 1000, 3), np.uint8), max_aspect=3, max_side=2000)
+    assert len(tiles) > 1 and all(t.y0 == 0 for t in tiles) and tiles[1].x0 > 0
