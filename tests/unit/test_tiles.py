@@ -36,5 +36,10 @@ def test_long_receipt_is_sliced_and_each_line_kept_once():
 
 
 def test_wide_page_is_sliced_left_to_right():
-    tiles = make_tiles(np.zeros((100, 1000, 3), np.uint8), max_aspect=3, max_side=2000)
+    tiles = make_tiles(np.zeros((100, 5000, 3), np.uint8), max_aspect=3, max_side=2000)
     assert len(tiles) > 1 and all(t.y0 == 0 for t in tiles) and tiles[1].x0 > 0
+
+
+def test_a_single_long_text_line_that_fits_is_not_cut():
+    [t] = make_tiles(np.zeros((25, 323, 3), np.uint8), max_aspect=3, max_side=2000)
+    assert t.image.shape == (25, 323, 3) and t.scale == 1.0

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: install, bring up the local stack, run every test tier. Extra args go to pytest.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/install.sh
+bash deploy/local/up.sh
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

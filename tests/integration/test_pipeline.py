@@ -1,0 +1,86 @@
+"""The pipeline end to end on the real stack: samples, repeats, bad inputs (issue: pipeline)."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pymysql
+
+from schemas.errors import ErrorCode
+from schemas.events import OcrOutput
+from services.common.s3 import ObjectStore
+from services.common.settings import CommonSettings
+from services.common.textlines import cer
+from tests.conftest import CASES, REPO, SAMPLES, text_image
+
+BOUNDS = json.loads((REPO / "tests" / "data" / "cer_bounds.json").read_text())["images"]
+
+
+def db_rows(sql: str, *args) -> list[dict]:
+    s = CommonSettings().mysql
+    conn = pymysql.connect(host=s.host, port=s.port, user=s.user, password=s.password.get_secret_value(),
+                           database=s.database, cursorclass=pymysql.cursors.DictCursor)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, args)
+            return list(cur.fetchall())
+    finally:
+        conn.close()
+
+
+async def test_samples_complete_with_bounded_cer_and_agree_everywhere(pipeline, manifest):
+    items = [((SAMPLES / m["file"]).read_bytes(), m["file"]) for m in manifest]
+    docs = await pipeline.run(items, timeout=600)
+    store = ObjectStore(CommonSettings().s3)
+    for m, doc in zip(manifest, docs):
+        assert doc.status == "ok", (m["file"], doc.error)
+        assert (doc.width, doc.height) == (m["width"], m["height"]), m["file"]
+        got = cer("\n".join(m["lines"]), doc.text)
+        assert got <= BOUNDS[m["file"]]["bound"], f"{m['file']}: CER {got:.4f} > bound {BOUNDS[m['file']]}"
+        for line in doc.lines:
+            for x, y in line.box:
+                assert 0 <= x <= doc.width and 0 <= y <= doc.height, (m["file"], line)
+            assert 0 <= line.confidence <= 1
+        # S3 document, MariaDB row and completion event agree
+        output = OcrOutput.model_validate_json(await store.get_uri(doc.result_uri))
+        assert [l.text for l in output.lines] == [l.text for l in doc.lines]
+        [row] = db_rows("SELECT * FROM requests WHERE request_id = %s", doc.request_id)
+        assert row["status"] == "ok" and row["line_count"] == len(doc.lines)
+        assert row["content_sha256"] == doc.content_sha256 and row["result_uri"] == doc.result_uri
+        assert orjson.loads(row["document_json"])["lines"] == orjson.loads(doc.model_dump_json())["lines"]
+        [res] = db_rows("SELECT * FROM results WHERE cache_key = %s", doc.cache_key)
+        assert res["text"] == doc.text
+        for step in ("queue_ingest", "ingest", "dedup", "fetch", "decode", "inference", "write", "total"):
+            assert step in doc.timings_ms, (step, doc.timings_ms)
+
+
+async def test_repeat_is_a_cache_hit_without_engine_call(pipeline):
+    data = text_image(["REPEAT ME 4242", "SECOND LINE 77"])
+    [first] = await pipeline.run([(data, "repeat.png")])
+    assert first.status == "ok" and not first.cache_hit
+    assert [l.text for l in first.lines] == ["REPEAT ME 4242", "SECOND LINE 77"]
+    calls = pipeline.engine_calls()
+    [again] = await pipeline.run([(data, "repeat-again.png")])
+    assert again.cache_hit and again.status == "ok"
+    assert again.request_id != first.request_id
+    assert [l.model_dump() for l in again.lines] == [l.model_dump() for l in first.lines]
+    assert pipeline.engine_calls() == calls
+
+
+async def test_bad_inputs_get_specific_errors_and_the_next_image_goes_through(pipeline):
+    truncated = (CASES / "img17_truncated.jpg").read_bytes()
+    items = [
+        (b"", "empty.jpg"),
+        (truncated, "truncated.jpg"),
+        (b"just some text, not an image\n" * 20, "notes.png"),
+        (text_image(["AFTER THE BAD ONES 123"]), "good.png"),
+    ]
+    docs = await pipeline.run(items)
+    assert [d.status for d in docs] == ["error", "error", "error", "ok"]
+    assert [d.error.code for d in docs[:3]] == [ErrorCode.EMPTY_INPUT, ErrorCode.CORRUPT_IMAGE,
+                                                ErrorCode.UNSUPPORTED_FORMAT]
+    assert docs[3].text == "AFTER THE BAD ONES 123"
+    for d in docs[:3]:
+        [row] = db_rows("SELECT status, error_code FROM requests WHERE request_id = %s", d.request_id)
+        assert row == {"status": "error", "error_code": d.error.code.value}

@@ -1,0 +1,199 @@
+"""Test helpers that run the real pipeline: stage processes against the local stack.
+
+Each test session gets its own namespace (topic names, consumer groups, Redis key prefix),
+so tests never see a running demo's messages and leave the defaults untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.events import ResultDocument
+from services.cli.client import CompletionWatcher, Submitter
+from services.common.settings import CommonSettings
+
+REPO = Path(__file__).resolve().parent.parent
+STAGES = ("ingest", "dedup", "infer", "sink")
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def namespace_env(tag: str | None = None, partitions: int = 2) -> dict[str, str]:
+    """Environment variables isolating one test namespace."""
+    ns = tag or f"t{uuid.uuid4().hex[:8]}"
+    env = {
+        "OCRSTREAM_KAFKA__PARTITIONS": str(partitions),
+        "OCRSTREAM_REDIS__KEY_PREFIX": ns,
+        "OCRSTREAM_INGEST_GROUP_ID": f"{ns}-ingest",
+        "OCRSTREAM_DEDUP_GROUP_ID": f"{ns}-dedup",
+        "OCRSTREAM_INFER_GROUP_ID": f"{ns}-infer",
+        "OCRSTREAM_SINK_GROUP_ID": f"{ns}-sink",
+        "OCRSTREAM_TELEMETRY__LOG_LEVEL": "INFO",
+    }
+    for name in ("submit", "requests", "infer", "results", "completed", "dlq"):
+        env[f"OCRSTREAM_TOPICS__{name.upper()}"] = f"{ns}.ocr.{name}"
+    return env
+
+
+def stack_reachable() -> str | None:
+    """None if Kafka, Redis, MariaDB and S3 answer on their default ports, else what is missing."""
+    missing = []
+    for name, port in (("kafka", 9092), ("redis", 6379), ("mariadb", 3306), ("s3", 9000)):
+        with socket.socket() as s:
+            s.settimeout(1)
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                missing.append(f"{name}:{port}")
+    return ", ".join(missing) or None
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        m = re.match(r"([^{ ]+)(\{(.*)\})? ([0-9.eE+-]+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(4))
+    return total
+
+
+@dataclass
+class Stage:
+    """One running stage process."""
+
+    name: str
+    port: int
+    log: Path
+    proc: subprocess.Popen | None = None
+
+
+@dataclass
+class Pipeline:
+    """The four stages as real processes, plus helpers to submit and wait."""
+
+    env: dict[str, str]
+    logdir: Path
+    stages: dict[str, list[Stage]] = field(default_factory=dict)
+
+    def settings(self) -> CommonSettings:
+        """Settings as the stages see them."""
+        return CommonSettings()
+
+    def start(self, name: str, extra_env: dict[str, str] | None = None, wait_ready: bool = True) -> Stage:
+        """Start one more process of stage ``name``."""
+        port = free_port()
+        idx = len(self.stages.get(name, []))
+        st = Stage(name, port, self.logdir / f"{name}-{idx}.log")
+        env = dict(os.environ, **self.env, **(extra_env or {}), OCRSTREAM_TELEMETRY__METRICS_PORT=str(port),
+                   PYTHONUNBUFFERED="1")
+        with open(st.log, "ab") as logf:
+            st.proc = subprocess.Popen([sys.executable, "-m", f"services.{name}"], cwd=REPO, env=env,
+                                       stdout=logf, stderr=subprocess.STDOUT)
+        self.stages.setdefault(name, []).append(st)
+        if wait_ready:
+            self.wait_ready(st)
+        return st
+
+    def wait_ready(self, st: Stage, timeout: float = 180) -> None:
+        """Block until ``/readyz`` of ``st`` answers 200."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if st.proc.poll() is not None:
+                raise RuntimeError(f"{st.name} exited with {st.proc.returncode}:\n{st.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{st.port}/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{st.name} not ready after {timeout}s:\n{st.log.read_text()[-3000:]}")
+
+    def start_all(self) -> None:
+        """Start one process per stage and wait for all of them."""
+        for name in STAGES:
+            self.start(name, wait_ready=False)
+        for name in STAGES:
+            self.wait_ready(self.stages[name][-1])
+
+    def metrics(self, name: str) -> str:
+        """Concatenated ``/metrics`` text of every live process of stage ``name``."""
+        out = []
+        for st in self.stages.get(name, []):
+            if st.proc and st.proc.poll() is None:
+                with urllib.request.urlopen(f"http://127.0.0.1:{st.port}/metrics", timeout=5) as r:
+                    out.append(r.read().decode())
+        return "\n".join(out)
+
+    def engine_calls(self) -> float:
+        """Images the infer processes have run through the engine (live processes only)."""
+        return metric_value(self.metrics("infer"), "ocrstream_engine_images_total")
+
+    def stop(self, st: Stage, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal a stage process and wait for it to exit; returns its exit code."""
+        if st.proc.poll() is None:
+            st.proc.send_signal(sig)
+        return st.proc.wait(timeout)
+
+    def stop_all(self) -> None:
+        """SIGTERM every stage process (SIGKILL after 30 s)."""
+        for sts in self.stages.values():
+            for st in sts:
+                if st.proc and st.proc.poll() is None:
+                    st.proc.send_signal(signal.SIGTERM)
+        for sts in self.stages.values():
+            for st in sts:
+                if st.proc:
+                    try:
+                        st.proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        st.proc.kill()
+
+    async def run(self, items: list[tuple[bytes, str]], timeout: float = 300, source: str = "test",
+                  task: str = "ocr") -> list[ResultDocument]:
+        """Submit ``(bytes, filename)`` items through ``ocr.submit`` and wait for every completion.
+
+        Returns:
+            The result documents, in submission order.
+        """
+        s = CommonSettings()
+        watcher = CompletionWatcher(s)
+        submitter = Submitter(s)
+        await watcher.start()
+        await submitter.start()
+        try:
+            ids = [await submitter.submit_bytes(data, filename=name, source=source, task=task) for data, name in items]
+        finally:
+            await submitter.stop()
+        done: dict[str, ResultDocument] = {}
+        try:
+            async def collect():
+                async for ev in watcher.completions(set(ids)):
+                    done[ev.request_id] = ev.result
+
+            await asyncio.wait_for(collect(), timeout)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"only {len(done)}/{len(ids)} completed in {timeout}s; logs in {self.logdir}")
+        finally:
+            await watcher.stop()
+        return [done[i] for i in ids]
