@@ -19,7 +19,7 @@ class InferSettings(CommonSettings):
     rapidocr_threads: int = Field(default=2, description="ONNX Runtime intra-op threads per image")
     rapidocr_workers: int = Field(default=1, description="images in flight per process")
     engine_max_side: int = Field(default=2000, description="longest side (px) handed to the engine; larger is downscaled")
-    tile_max_aspect: float = Field(default=3.0, description="longer/shorter side above which pages are sliced into tiles")
+    tile_max_aspect: float = Field(default=3.0, description="pages longer than engine_max_side and longer/shorter above this are sliced into tiles")
     device: str = Field(default="cuda:0", description="GPU engines: the one device this process uses")
     engine_kind: Literal["rapidocr", "vllm", "openai"] | None = Field(
         default=None, description="defaults to engine.engine"

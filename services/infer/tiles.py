@@ -1,8 +1,9 @@
 """Preparing pages for the engine and mapping boxes back.
 
-* Long pages (longer side / shorter side > ``max_aspect``) are sliced along the long side into
-  overlapping tiles of aspect ``max_aspect``, so a 1:20 receipt is read at full resolution
-  instead of being shrunk until its text is a few pixels tall.
+* Long pages (longer side > the engine's ``max_side`` and longer/shorter > ``max_aspect``) are
+  sliced along the long side into overlapping tiles ``max_side`` long, so a 1:20 receipt is
+  read at full resolution instead of being shrunk until its text is a few pixels tall. Pages
+  that already fit (a single 25x323 text line, say) are left whole.
 * Tiles larger than the engine's ``max_side`` are downscaled for the engine.
 * Boxes are mapped back to the original (upright) page: scaled up, shifted by the tile offset;
   a line seen in two overlapping tiles is kept only from the tile whose core holds its centre.
@@ -43,10 +44,10 @@ def make_tiles(page: np.ndarray, max_aspect: float, max_side: int, overlap_frac:
     h, w = page.shape[:2]
     vertical = h >= w
     long, short = (h, w) if vertical else (w, h)
-    if long <= max_aspect * short:
+    if long <= max_side or long <= max_aspect * short:
         spans = [(0, long)]
     else:
-        size = int(max_aspect * short)
+        size = max(max_side, short)
         overlap = max(32, int(size * overlap_frac))
         stride = size - overlap
         starts = list(range(0, max(1, long - size) + 1, stride))
