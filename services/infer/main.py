@@ -24,7 +24,15 @@ def build_engine(s: InferSettings) -> OcrEngine:
         from services.infer.engines.rapid import RapidOcrEngine
 
         return RapidOcrEngine(s.rapidocr_threads, s.rapidocr_workers, s.engine_max_side)
-    raise ValueError(f"engine {kind!r} is not available in this build (install the gpu extra)")
+    if kind == "vllm":
+        from services.infer.engines.vllm_engine import VllmEngine  # vllm itself is imported in start()
+
+        return VllmEngine.from_settings(s)
+    if kind == "openai":
+        from services.infer.engines.openai_engine import OpenAiEngine
+
+        return OpenAiEngine.from_settings(s)
+    raise ValueError(f"unknown engine {kind!r}: use rapidocr, vllm or openai")
 
 
 async def main(settings: InferSettings | None = None) -> None:

@@ -1,8 +1,8 @@
 """Infer settings (env prefix ``OCRSTREAM_``)."""
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from services.common.settings import CommonSettings
 
@@ -24,3 +24,37 @@ class InferSettings(CommonSettings):
     engine_kind: Literal["rapidocr", "vllm", "openai"] | None = Field(
         default=None, description="defaults to engine.engine"
     )
+    # vLLM (in-process, GPU) engine; model default HunyuanOCR. Keep engine.model equal to vllm_model.
+    vllm_model: str = Field(default="tencent/HunyuanOCR", description="HF id or local path vLLM loads (no download if cached/local)")
+    vllm_revision: str | None = Field(default=None, description="HF revision of vllm_model")
+    vllm_dtype: str = "auto"
+    vllm_gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1)
+    vllm_max_num_seqs: int = Field(default=64, ge=1, description="requests decoded together")
+    vllm_max_model_len: int = Field(default=16384, description="prompt (a 2K page is ~4,100 image tokens) + output")
+    vllm_max_num_batched_tokens: int = Field(default=32768, description="well above one page's tokens, so pages overlap")
+    vllm_max_tokens: int = Field(default=4096, ge=1, description="generation cap per image")
+    vllm_repetition_penalty: float = Field(default=1.08, description="HunyuanOCR's official sampling value")
+    vllm_repeat_stop: bool = Field(default=True, description="abort a request whose output ends in a loop")
+    vllm_trust_remote_code: bool = True
+    vllm_enforce_eager: bool = Field(default=False, description="no CUDA graphs (faster start, slower decode)")
+    vllm_prompt: str = Field(default="检测并识别图片中的文字，将文本坐标格式化输出。", description="HunyuanOCR text-spotting prompt")
+    vllm_prompt_template: str = Field(
+        default="auto", description="auto | hunyuan | chat | a literal template containing {prompt}"
+    )
+    vllm_engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM AsyncEngineArgs (JSON)")
+    vllm_sampling_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM SamplingParams (JSON)")
+    vllm_warmup_timeout_s: float = 600.0
+    # OpenAI-compatible server engine (e.g. `vllm serve tencent/HunyuanOCR --no-enable-prefix-caching --mm-processor-cache-gb 0`)
+    openai_base_url: str = "http://127.0.0.1:8000/v1"
+    openai_api_key: SecretStr | None = None
+    openai_model: str = "tencent/HunyuanOCR"
+    openai_prompt: str = Field(default="检测并识别图片中的文字，将文本坐标格式化输出。", description="HunyuanOCR text-spotting prompt")
+    openai_max_tokens: int = Field(default=4096, ge=1)
+    openai_timeout_s: float = Field(default=300.0, gt=0, description="socket timeout of one HTTP attempt")
+    openai_retries: int = Field(default=3, ge=1, description="attempts on 5xx/429/connection errors")
+    openai_backoff_s: float = Field(default=0.5, ge=0, description="first retry backoff, doubling")
+    openai_max_concurrency: int = Field(default=32, ge=1, description="requests in flight per process")
+    openai_ready_timeout_s: float = Field(default=900.0, description="wait for the server at start-up")
+    openai_image_format: Literal["png", "jpeg"] = "png"
+    openai_repetition_penalty: float = 1.08
+    openai_extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields (JSON)")

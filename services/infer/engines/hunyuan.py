@@ -1,0 +1,441 @@
+"""HunyuanOCR text spotting: the prompt, chat messages, and parsing the answer into segments.
+
+Prompts are the official ones of tencent/HunyuanOCR (Tencent-Hunyuan/HunyuanOCR,
+``inference/utils/tasks.py``: ``spotting_hunyuan`` and ``spotting_json``; the English wording
+of the first is the README's "Text Spotting" row). The model answers ``spotting_hunyuan`` with
+items ``text(x1,y1),(x2,y2)`` (top-left, bottom-right), back to back or one per line, the
+coordinates normalised to 0..1000 of the image's width and height; ``spotting_json`` answers a
+JSON array ``[{"box": [xmin, ymin, xmax, ymax], "text": "..."}]`` on the same 0..1000 scale.
+The official scorer (``train_verl/reward/task_scorers/spotting.py``) also reads two tagged
+forms, ``<ref>text</ref><quad>(x1,y1),(x2,y2)</quad>`` and
+``<quad><pos_x1><pos_y1><pos_x2><pos_y2></quad><ref>text</ref>``; :func:`parse_spotting` reads
+all four.
+
+Confidence: a VLM gives no per-line score. Every segment gets :data:`VLM_CONFIDENCE` (1.0).
+Token log-probabilities could give a page-level figure, but vLLM exposes no mapping from
+tokens to the lines parsed out of the text, so a per-line value would be made up.
+
+Nothing here needs vLLM, torch or a network: it is plain text and geometry, unit tested on
+recorded answers.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+from services.common.textlines import Segment
+
+log = logging.getLogger(__name__)
+
+#: Official text-spotting prompt (``spotting_hunyuan``); answers ``text(x1,y1),(x2,y2)``.
+SPOTTING_PROMPT = "检测并识别图片中的文字，将文本坐标格式化输出。"
+#: English wording of the same task, from the model card's prompt table.
+SPOTTING_PROMPT_EN = "Detect and recognize text in the image, and output the text coordinates in a formatted manner."
+#: Official JSON spotting prompt (``spotting_json``, HunyuanOCR-1.5); answers a JSON array.
+SPOTTING_JSON_PROMPT = (
+    "检测并识别图中所有的文字行，请按从上到下、从左到右的阅读顺序进行识别。 "
+    "输出格式为 JSON 数组，每个元素必须包含："
+    '"box": [xmin, ymin, xmax, ymax]（坐标需归一化到 [0, 1000] 范围内）；'
+    '"text": "识别出的文字内容"。 '
+    "注意：请直接输出 JSON 数组，不要包含任何多余的描述性文字。"
+)
+#: Raw prompt for in-process vLLM (no chat template), as in vLLM's own HunyuanOCR example
+#: (``examples/offline_inference/vision_language.py``, ``run_hunyuan_vl``): BOS, the image
+#: placeholder tokens, the instruction, then the user/assistant turn marker.
+HUNYUAN_RAW_TEMPLATE = (
+    "<｜hy_begin▁of▁sentence｜><｜hy_place▁holder▁no▁100｜><｜hy_place▁holder▁no▁102｜>"
+    "<｜hy_place▁holder▁no▁101｜>{prompt}<｜hy_User｜>"
+)
+#: Confidence given to every VLM segment (the model has no per-line score).
+VLM_CONFIDENCE = 1.0
+#: Official sampling for HunyuanOCR-1.5 on vLLM: greedy, repetition_penalty 1.08.
+DEFAULT_REPETITION_PENALTY = 1.08
+#: Coordinates are normalised to 0..SCALE.
+SCALE = 1000.0
+
+
+# --------------------------------------------------------------------------- prompts / input
+
+
+def pad_for_vlm(image: np.ndarray, min_side: int = 32, max_aspect: float = 150.0) -> np.ndarray:
+    """Pad with white on the right/bottom so the image is at least ``min_side`` on each side and
+    at most ``max_aspect`` long/short (vLLM's processors reject tiny sides and aspect ratios over
+    200). Padding right/bottom keeps the original pixels at the same coordinates.
+
+    Returns the image itself when nothing is needed.
+    """
+    h, w = image.shape[:2]
+    nh, nw = max(h, min_side), max(w, min_side)
+    if nw > max_aspect * nh:
+        nh = int(np.ceil(nw / max_aspect))
+    elif nh > max_aspect * nw:
+        nw = int(np.ceil(nh / max_aspect))
+    if (nh, nw) == (h, w):
+        return image
+    out = np.full((nh, nw, 3), 255, dtype=np.uint8)
+    out[:h, :w] = image[..., :3]
+    return out
+
+
+def encode_data_url(image: np.ndarray, fmt: str = "png", quality: int = 95) -> str:
+    """An RGB ``uint8`` array as a ``data:`` URL (PNG is lossless; JPEG is smaller)."""
+    buf = io.BytesIO()
+    pil = Image.fromarray(np.ascontiguousarray(image[..., :3], dtype=np.uint8))
+    if fmt.lower() in ("jpg", "jpeg"):
+        pil.save(buf, format="JPEG", quality=quality)
+        mime = "image/jpeg"
+    else:
+        pil.save(buf, format="PNG", compress_level=1)
+        mime = "image/png"
+    return f"data:{mime};base64,{base64.b64encode(buf.getvalue()).decode('ascii')}"
+
+
+def chat_messages(image_url: str, prompt: str = SPOTTING_PROMPT) -> list[dict]:
+    """OpenAI chat-completions messages as HunyuanOCR's own clients send them: an empty system
+    message, then one user turn with the image first and the instruction after it."""
+    return [
+        {"role": "system", "content": ""},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_url}},
+                {"type": "text", "text": prompt},
+            ],
+        },
+    ]
+
+
+def build_messages(image: np.ndarray, prompt: str = SPOTTING_PROMPT, fmt: str = "png") -> list[dict]:
+    """Chat-completions messages with ``image`` inline as a base64 data URL."""
+    return chat_messages(encode_data_url(image, fmt), prompt)
+
+
+def template_messages(prompt: str = SPOTTING_PROMPT) -> list[dict]:
+    """Messages for a Hugging Face chat template (``apply_chat_template``): the image is a
+    ``{"type": "image"}`` placeholder; vLLM receives the pixels as ``multi_modal_data``."""
+    return [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]},
+    ]
+
+
+def render_template(template: str, prompt: str) -> str:
+    """``template`` with ``{prompt}`` replaced (plain replacement: templates hold braces-free
+    special tokens, but this never interprets other braces)."""
+    return template.replace("{prompt}", prompt)
+
+
+# --------------------------------------------------------------------------- output parsing
+
+
+@dataclass
+class ParseStats:
+    """What :func:`parse_spotting` saw, for logs and tests."""
+
+    format: str = "empty"
+    items: int = 0
+    kept: int = 0
+    malformed: int = 0
+    duplicates: int = 0
+    runaway: int = 0
+    tail_trimmed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+_NUM = r"(-?\d+(?:\.\d+)?)"
+_PAIR = re.compile(rf"\(\s*{_NUM}\s*,\s*{_NUM}\s*\)\s*,\s*\(\s*{_NUM}\s*,\s*{_NUM}\s*\)")
+# What is left of a coordinate pair that did not parse: a "),(" joint (its second half runs to
+# the next ")"), or two numeric pairs with the comma between them missing.
+_DEBRIS = re.compile(r"\)\s*,\s*\(|\(\s*-?\d+(?:\.\d+)?\s*,\s*-?\d+(?:\.\d+)?\s*\)\s*\(\s*-?\d+(?:\.\d+)?\s*,\s*-?\d+(?:\.\d+)?\s*\)")
+_REF_QUAD = re.compile(r"<ref>(.*?)</ref>\s*<quad>(.*?)</quad>", re.S)
+_QUAD_REF = re.compile(r"<quad>((?:\s*<pos_[^>]*>){4})\s*</quad>\s*<ref>(.*?)</ref>", re.S)
+_POS = re.compile(r"<pos_\s*(-?\d+(?:\.\d+)?)\s*>")
+_FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*\n?|\n?\s*```\s*$")
+_TEXT_KEYS = ("text", "content", "transcription", "words", "label")
+_BOX_KEYS = ("box", "bbox", "quad", "polygon", "points", "coordinates", "position")
+
+
+def trim_repeated_tail(text: str, min_repeats: int = 8, max_unit: int = 400) -> tuple[str, bool]:
+    """Cut a runaway loop off the end of a generation.
+
+    When the text ends with one unit (1..``max_unit`` characters, not only whitespace) repeated
+    at least ``min_repeats`` times back to back, all copies but the first are removed.
+
+    Returns:
+        ``(text, trimmed)``.
+    """
+    n = len(text)
+    for size in range(1, min(max_unit, n // min_repeats) + 1):
+        unit = text[n - size:]
+        if not unit.strip():
+            continue
+        count, end = 1, n - size
+        while end - size >= 0 and text[end - size:end] == unit:
+            count += 1
+            end -= size
+        if count >= min_repeats:
+            return text[: end + size], True
+    return text, False
+
+
+def has_tail_repetition(text: str, min_repeats: int = 8, max_unit: int = 400) -> bool:
+    """True when ``text`` ends in a loop (see :func:`trim_repeated_tail`)."""
+    return trim_repeated_tail(text, min_repeats, max_unit)[1]
+
+
+def _num(v) -> float | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        f = float(v)
+    elif isinstance(v, str):
+        try:
+            f = float(v.strip())
+        except ValueError:
+            return None
+    else:
+        return None
+    return f if np.isfinite(f) else None
+
+
+def _box_numbers(raw) -> list[float] | None:
+    """A box value from JSON as 4 numbers (xmin, ymin, xmax, ymax) or 8 (a quad), else None."""
+    if isinstance(raw, dict):
+        keys = [("xmin", "ymin", "xmax", "ymax"), ("x1", "y1", "x2", "y2"), ("left", "top", "right", "bottom")]
+        for ks in keys:
+            if all(k in raw for k in ks):
+                raw = [raw[k] for k in ks]
+                break
+        else:
+            return None
+    if isinstance(raw, str):
+        raw = re.findall(r"-?\d+(?:\.\d+)?", raw)
+    if not isinstance(raw, (list, tuple)):
+        return None
+    flat: list = []
+    for v in raw:
+        if isinstance(v, (list, tuple)):
+            if len(v) != 2:
+                return None
+            flat.extend(v)
+        else:
+            flat.append(v)
+    nums = [_num(v) for v in flat]
+    if any(v is None for v in nums) or len(nums) not in (4, 8):
+        return None
+    return nums  # type: ignore[return-value]
+
+
+def _json_items(body: str, stats: ParseStats) -> list[tuple[str, list[float]]] | None:
+    """Items of the JSON form, or None when ``body`` is not JSON spotting output."""
+    if not body.startswith(("[", "{")):
+        return None
+    objs: list = []
+    try:
+        data = json.loads(body)
+        if isinstance(data, dict):
+            data = next((v for v in data.values() if isinstance(v, list)), [data])
+        if not isinstance(data, list):
+            return None
+        objs = data
+    except ValueError:
+        # Truncated or slightly broken array: salvage every complete flat object.
+        for m in re.finditer(r"\{[^{}]*\}", body):
+            try:
+                objs.append(json.loads(m.group(0)))
+            except ValueError:
+                stats.malformed += 1
+        stats.notes.append("json salvaged")
+        if not objs:
+            return None
+    items = []
+    for obj in objs:
+        if not isinstance(obj, dict):
+            stats.malformed += 1
+            continue
+        text = next((obj[k] for k in _TEXT_KEYS if k in obj), None)
+        box = next((obj[k] for k in _BOX_KEYS if k in obj), None)
+        nums = _box_numbers(box)
+        if text is None or nums is None:
+            stats.malformed += 1
+            continue
+        items.append((str(text), nums))
+    return items
+
+
+def _tag_items(body: str, stats: ParseStats) -> list[tuple[str, list[float]]] | None:
+    """Items of the two tagged forms, or None when there are no tags."""
+    items: list[tuple[str, list[float]]] = []
+    found = False
+    for m in _REF_QUAD.finditer(body):
+        found = True
+        pm = _PAIR.search(m.group(2))
+        if pm is None:
+            stats.malformed += 1
+            continue
+        items.append((m.group(1), [float(g) for g in pm.groups()]))
+    for m in _QUAD_REF.finditer(body):
+        found = True
+        nums = [float(g) for g in _POS.findall(m.group(1))]
+        if len(nums) != 4:
+            stats.malformed += 1
+            continue
+        items.append((m.group(2), nums))
+    return items if found else None
+
+
+def _plain_items(body: str, stats: ParseStats) -> list[tuple[str, list[float]]]:
+    """Items of ``text(x1,y1),(x2,y2)``: each item's text is what precedes its coordinate pair,
+    back to the previous pair. A gap holding several lines, or the debris of a pair that did
+    not parse (``(a,b),(3,4)``, ``1,2),(3,4)``), holds malformed entries: only its last line,
+    after the last debris, is the item's text. Text after the last pair (a truncated entry) is
+    dropped."""
+    items = []
+    last = 0
+    for m in _PAIR.finditer(body):
+        gap = body[last:m.start()]
+        last = m.end()
+        # Extra pairs right after a pair ("Hello(1,2),(3,4),(5,6),(7,8)") bind to the first.
+        if not re.search(r"[^\s(),]", gap):
+            if items or gap.strip():
+                stats.malformed += 1
+            continue
+        lines = [ln for ln in gap.split("\n") if ln.strip()]
+        if len(lines) > 1:
+            stats.malformed += len(lines) - 1
+        text = lines[-1]
+        debris = list(_DEBRIS.finditer(text))
+        if debris:
+            stats.malformed += 1
+            text = text[debris[-1].end():]
+            if debris[-1].group(0).endswith("("):
+                text = text.split(")", 1)[1] if ")" in text else ""
+        text = text.strip().lstrip(",").strip()
+        if not text:
+            stats.malformed += 1
+            continue
+        items.append((text, [float(g) for g in m.groups()]))
+    if body[last:].strip():
+        stats.malformed += 1
+        stats.notes.append("truncated tail")
+    return items
+
+
+def _to_pixels(nums: list[float], width: int, height: int) -> list[list[float]] | None:
+    """0..1000 numbers -> 4 pixel corners clockwise from top-left, clamped to the image."""
+    sx, sy = width / SCALE, height / SCALE
+
+    def px(x: float, y: float) -> list[float]:
+        x = min(SCALE, max(0.0, x)) * sx
+        y = min(SCALE, max(0.0, y)) * sy
+        return [round(x, 1), round(y, 1)]
+
+    if len(nums) == 4:
+        x1, y1, x2, y2 = nums
+        x1, x2 = sorted((x1, x2))
+        y1, y2 = sorted((y1, y2))
+        tl, br = px(x1, y1), px(x2, y2)
+        if br[0] - tl[0] <= 0 or br[1] - tl[1] <= 0:
+            return None
+        return [tl, [br[0], tl[1]], br, [tl[0], br[1]]]
+    pts = [px(nums[i], nums[i + 1]) for i in range(0, 8, 2)]
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    if max(xs) - min(xs) <= 0 or max(ys) - min(ys) <= 0:
+        return None
+    return pts
+
+
+def parse_spotting(
+    text: str,
+    width: int,
+    height: int,
+    *,
+    max_run: int = 12,
+    clip: tuple[int, int] | None = None,
+    stats: ParseStats | None = None,
+) -> list[Segment]:
+    """HunyuanOCR text-spotting output -> segments in pixels of the image the model saw.
+
+    Reads ``text(x1,y1),(x2,y2)`` items (one per line or back to back; text may hold
+    parentheses), the two tagged forms, and the JSON form (``box``/``bbox``/``quad``/... with 4
+    numbers or 4 points; ``text``/``content``/...; a truncated array is salvaged object by
+    object). ``<answer>`` wrappers and Markdown code fences are removed first.
+
+    Coordinates are on a 0..1000 scale of ``width`` x ``height``; values outside are clamped to
+    the image, corners are ordered, and a box of zero width or height after clamping is dropped.
+    Malformed entries (no or non-numeric coordinates, missing parentheses, wrong counts,
+    truncated last entry) are skipped, never raised.
+
+    Runaway guard: a loop at the end of the raw text (a unit repeated 8+ times) is trimmed to
+    one copy; an entry identical to an earlier one (same text and box) is dropped; a run of
+    more than ``max_run`` consecutive entries with the same text keeps only the first
+    ``max_run``.
+
+    Args:
+        text: The model's answer.
+        width, height: Size in pixels of the image sent to the model.
+        max_run: Longest run of consecutive same-text entries kept.
+        clip: ``(width, height)`` to clamp boxes to, when the image sent was padded.
+        stats: Filled with counts of what was seen, if given.
+
+    Returns:
+        One :class:`Segment` per entry, in output order, confidence :data:`VLM_CONFIDENCE`.
+    """
+    st = stats if stats is not None else ParseStats()
+    if not text or not text.strip() or width <= 0 or height <= 0:
+        return []
+    body = text
+    m = re.search(r"<answer>(.*?)(?:</answer>|$)", body, re.S)
+    if m:
+        body = m.group(1)
+    body, st.tail_trimmed = trim_repeated_tail(body)
+    body = _FENCE.sub("", body.strip()).strip()
+
+    items = _json_items(body, st)
+    st.format = "json"
+    if items is None:
+        items = _tag_items(body, st)
+        st.format = "tagged"
+    if items is None:
+        items = _plain_items(body, st)
+        st.format = "plain"
+    st.items = len(items)
+
+    cw, ch = clip if clip else (width, height)
+    out: list[Segment] = []
+    seen: set[tuple] = set()
+    run_text, run_len = None, 0
+    for raw_text, nums in items:
+        t = " ".join(raw_text.split())
+        box = _to_pixels(nums, width, height)
+        if box is None or not t:
+            st.malformed += 1
+            continue
+        if clip:
+            box = [[min(float(cw), x), min(float(ch), y)] for x, y in box]
+            if max(p[0] for p in box) - min(p[0] for p in box) <= 0 or max(p[1] for p in box) - min(p[1] for p in box) <= 0:
+                st.malformed += 1
+                continue
+        key = (t, tuple(tuple(p) for p in box))
+        if key in seen:
+            st.duplicates += 1
+            continue
+        seen.add(key)
+        run_len = run_len + 1 if t == run_text else 1
+        run_text = t
+        if run_len > max_run:
+            st.runaway += 1
+            continue
+        out.append(Segment(box=box, text=t, confidence=VLM_CONFIDENCE))
+    st.kept = len(out)
+    if st.malformed or st.duplicates or st.runaway or st.tail_trimmed:
+        log.debug("hunyuan parse: %s", st)
+    return out

@@ -1,0 +1,308 @@
+"""In-process vLLM serving an OCR VLM (default tencent/HunyuanOCR): the GPU engine.
+
+vLLM is imported inside :meth:`VllmEngine.start`, so this module imports (and its settings
+validate) on a machine without the ``gpu`` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from services.infer.engines import hunyuan
+from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
+
+log = logging.getLogger(__name__)
+
+
+def select_device(device: str, environ: dict | None = None) -> str | None:
+    """Make ``device`` (``cuda:N``) the only GPU this process sees, before CUDA initialises.
+
+    One infer process serves one GPU. With ``CUDA_VISIBLE_DEVICES`` unset it becomes ``N``;
+    when it is already set (by the orchestrator) ``N`` indexes into that list. ``cpu`` or
+    ``cuda`` leave it alone.
+
+    Returns:
+        The value of ``CUDA_VISIBLE_DEVICES`` afterwards (None when unset).
+    """
+    env = os.environ if environ is None else environ
+    dev = (device or "").strip().lower()
+    if not dev.startswith("cuda:"):
+        return env.get("CUDA_VISIBLE_DEVICES")
+    index = int(dev.split(":", 1)[1])
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        env["CUDA_VISIBLE_DEVICES"] = str(index)
+    else:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index >= len(ids):
+            raise ValueError(f"device {device!r}: CUDA_VISIBLE_DEVICES={visible!r} has only {len(ids)} GPU(s)")
+        env["CUDA_VISIBLE_DEVICES"] = ids[index]
+    return env["CUDA_VISIBLE_DEVICES"]
+
+
+def _supported_args(cls: type, wanted: dict[str, Any]) -> dict[str, Any]:
+    """``wanted`` less the keys ``cls`` (a dataclass or any callable) does not take; logs drops."""
+    if dataclasses.is_dataclass(cls):
+        names = {f.name for f in dataclasses.fields(cls)}
+    elif hasattr(cls, "__struct_fields__"):  # msgspec.Struct (vLLM's SamplingParams)
+        names = set(cls.__struct_fields__)
+    else:
+        try:
+            params = inspect.signature(cls).parameters
+        except (TypeError, ValueError):
+            return dict(wanted)
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return dict(wanted)
+        names = set(params)
+    dropped = sorted(k for k in wanted if k not in names)
+    if dropped:
+        log.warning("vllm: %s does not take %s in this vLLM version; ignored", cls.__name__, ", ".join(dropped))
+    return {k: v for k, v in wanted.items() if k in names}
+
+
+class VllmEngine(OcrEngine):
+    """vLLM's async engine in this process, continuous batching across the images of a batch.
+
+    Every image of an ``ocr`` call is its own request (own id), all submitted at once so vLLM
+    schedules them together; each has its own timeout, after which the request is aborted and
+    the image gets :class:`EngineTimeout`. Output is streamed; when the text ends in a loop
+    (a unit repeated 8+ times) the request is aborted early and the text so far is parsed
+    (vLLM has no stop-on-repetition; ``repetition_penalty`` makes loops rarer).
+
+    Args:
+        model: HF id or local path (no download happens when it is a local path or already in
+            the HF cache; with ``HF_HUB_OFFLINE=1`` nothing is fetched).
+        revision: HF revision of the model, or None.
+        device: ``cuda:N``; sets ``CUDA_VISIBLE_DEVICES`` (see :func:`select_device`).
+        prompt: The instruction (default: HunyuanOCR's text-spotting prompt).
+        prompt_template: ``auto`` (HunyuanOCR's raw prompt for a model named like HunyuanOCR,
+            else the tokenizer's chat template), ``chat``, or a literal string with ``{prompt}``.
+        max_tokens: Generation cap per image.
+        repetition_penalty: vLLM sampling repetition penalty (1.0 = off).
+        repeat_stop: Abort a request whose text ends in a loop.
+        engine_args: Extra ``AsyncEngineArgs`` fields (``load_format``, ``enforce_eager``, ...),
+            which override the ones built here.
+        sampling_args: Extra ``SamplingParams`` fields (``ignore_eos`` for benchmarks, ...).
+        warmup_timeout_s: Time limit of the warm-up request.
+    """
+
+    name = "vllm"
+    max_side = 2048
+
+    def __init__(
+        self,
+        model: str = "tencent/HunyuanOCR",
+        *,
+        revision: str | None = None,
+        device: str = "cuda:0",
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.90,
+        max_num_seqs: int = 64,
+        max_model_len: int = 16384,
+        max_num_batched_tokens: int = 32768,
+        trust_remote_code: bool = True,
+        enforce_eager: bool = False,
+        prompt: str = hunyuan.SPOTTING_PROMPT,
+        prompt_template: str = "auto",
+        max_tokens: int = 4096,
+        repetition_penalty: float = hunyuan.DEFAULT_REPETITION_PENALTY,
+        repeat_stop: bool = True,
+        engine_args: dict[str, Any] | None = None,
+        sampling_args: dict[str, Any] | None = None,
+        warmup_timeout_s: float = 600.0,
+    ):
+        self.model = model
+        self.revision = revision
+        self.device = device
+        self.dtype = dtype
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.trust_remote_code = trust_remote_code
+        self.enforce_eager = enforce_eager
+        self.prompt = prompt
+        self.prompt_template = prompt_template
+        self.max_tokens = max_tokens
+        self.repetition_penalty = repetition_penalty
+        self.repeat_stop = repeat_stop
+        self.engine_args = dict(engine_args or {})
+        self.sampling_args = dict(sampling_args or {})
+        self.warmup_timeout_s = warmup_timeout_s
+        self._engine = None
+        self._sampling = None
+        self._prompt_text: str | None = None
+
+    @classmethod
+    def from_settings(cls, s) -> VllmEngine:
+        """Build from :class:`~services.infer.settings.InferSettings`."""
+        if s.engine.engine == "vllm" and s.engine.model != s.vllm_model:
+            log.warning(
+                "vllm: engine.model=%r (the cache key) differs from vllm_model=%r (what is loaded)",
+                s.engine.model, s.vllm_model,
+            )
+        return cls(
+            s.vllm_model, revision=s.vllm_revision, device=s.device, dtype=s.vllm_dtype,
+            gpu_memory_utilization=s.vllm_gpu_memory_utilization, max_num_seqs=s.vllm_max_num_seqs,
+            max_model_len=s.vllm_max_model_len, max_num_batched_tokens=s.vllm_max_num_batched_tokens,
+            trust_remote_code=s.vllm_trust_remote_code, enforce_eager=s.vllm_enforce_eager,
+            prompt=s.vllm_prompt, prompt_template=s.vllm_prompt_template, max_tokens=s.vllm_max_tokens,
+            repetition_penalty=s.vllm_repetition_penalty, repeat_stop=s.vllm_repeat_stop,
+            engine_args=s.vllm_engine_args, sampling_args=s.vllm_sampling_args,
+            warmup_timeout_s=s.vllm_warmup_timeout_s,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def engine_kwargs(self, arg_fields: set[str] | None = None) -> dict[str, Any]:
+        """The ``AsyncEngineArgs`` built from the settings. With ``arg_fields`` (the field names
+        of this vLLM's ``AsyncEngineArgs``), the multimodal processor cache is switched off
+        under whichever name that version has."""
+        kw: dict[str, Any] = dict(
+            model=self.model,
+            revision=self.revision,
+            dtype=self.dtype,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=False,
+            limit_mm_per_prompt={"image": 1},
+            trust_remote_code=self.trust_remote_code,
+            enforce_eager=self.enforce_eager,
+            disable_log_stats=True,
+        )
+        if arg_fields is None or "mm_processor_cache_gb" in arg_fields:
+            kw["mm_processor_cache_gb"] = 0  # vLLM >= 0.10.2
+        elif "disable_mm_preprocessor_cache" in arg_fields:
+            kw["disable_mm_preprocessor_cache"] = True  # older releases
+        kw.update(self.engine_args)
+        return kw
+
+    async def start(self) -> None:
+        """Pick the GPU, load the model (minutes the first time), answer a warm-up image."""
+        select_device(self.device)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        try:
+            import vllm  # noqa: F401
+            from vllm import AsyncEngineArgs, SamplingParams
+        except ImportError as exc:  # pragma: no cover - depends on the gpu extra
+            raise RuntimeError("engine 'vllm' needs the gpu extra (pip install 'ocrstream[gpu]')") from exc
+        try:
+            from vllm.v1.engine.async_llm import AsyncLLM as Engine
+        except ImportError:  # pragma: no cover - older vLLM
+            from vllm import AsyncLLMEngine as Engine
+
+        fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        args = AsyncEngineArgs(**_supported_args(AsyncEngineArgs, self.engine_kwargs(fields)))
+        t0 = time.perf_counter()
+        log.info("vllm: loading %s (vLLM %s) on CUDA_VISIBLE_DEVICES=%s", self.model, vllm.__version__,
+                 os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self._engine = Engine.from_engine_args(args)
+        log.info("vllm: engine up in %.1f s", time.perf_counter() - t0)
+
+        sampling = dict(temperature=0.0, max_tokens=self.max_tokens, repetition_penalty=self.repetition_penalty,
+                        skip_special_tokens=True)
+        sampling.update(self.sampling_args)
+        self._sampling = SamplingParams(**_supported_args(SamplingParams, sampling))
+        self._prompt_text = await self._render_prompt()
+        log.info("vllm: prompt %r", self._prompt_text[:300])
+
+        warm = np.full((96, 384, 3), 255, dtype=np.uint8)
+        warm[40:56, 24:340] = 0
+        (res,) = await self.ocr([warm], timeout_s=self.warmup_timeout_s)
+        if isinstance(res, BaseException):
+            raise RuntimeError(f"vllm warm-up failed: {res!r}") from res
+        log.info("vllm: warm-up answered in %.0f ms (%d segments)", res.inference_ms, len(res.segments))
+        self.ready = True
+
+    async def _render_prompt(self) -> str:
+        mode = self.prompt_template
+        if mode == "auto":
+            mode = "hunyuan" if "hunyuanocr" in self.model.lower().replace("-", "").replace("_", "") else "chat"
+        if mode == "hunyuan":
+            return hunyuan.render_template(hunyuan.HUNYUAN_RAW_TEMPLATE, self.prompt)
+        if mode != "chat":
+            return hunyuan.render_template(mode, self.prompt)
+        tok = getattr(self._engine, "tokenizer", None)
+        if tok is None and hasattr(self._engine, "get_tokenizer"):
+            tok = self._engine.get_tokenizer()
+            if inspect.isawaitable(tok):
+                tok = await tok
+        tok = getattr(tok, "tokenizer", tok)  # old vLLM: a TokenizerGroup
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise RuntimeError(
+                f"model {self.model!r} has no chat template; set vllm_prompt_template to a string with {{prompt}}"
+            )
+        return tok.apply_chat_template(hunyuan.template_messages(self.prompt), tokenize=False, add_generation_prompt=True)
+
+    async def close(self) -> None:
+        """Shut the engine (and its core process) down."""
+        eng, self._engine = self._engine, None
+        self.ready = False
+        if eng is not None and hasattr(eng, "shutdown"):
+            try:
+                res = eng.shutdown()
+                if inspect.isawaitable(res):
+                    await res
+            except Exception:  # pragma: no cover
+                log.exception("vllm: shutdown failed")
+
+    # ------------------------------------------------------------------ inference
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            res = self._engine.abort(request_id)
+            if inspect.isawaitable(res):
+                await res
+        except Exception:  # pragma: no cover - finished requests may refuse
+            log.debug("vllm: abort %s failed", request_id, exc_info=True)
+
+    async def _generate(self, image: np.ndarray, request_id: str) -> str:
+        """One request; returns its (possibly early-stopped) text."""
+        from PIL import Image
+
+        inputs = {"prompt": self._prompt_text, "multi_modal_data": {"image": Image.fromarray(image[..., :3])}}
+        text, checked = "", 0
+        async for out in self._engine.generate(inputs, self._sampling, request_id):
+            text = out.outputs[0].text if out.outputs else text
+            if self.repeat_stop and len(text) - checked >= 256 and len(text) >= 512:
+                checked = len(text)
+                if hunyuan.has_tail_repetition(text[-6000:]):
+                    log.info("vllm: %s stuck in a loop after %d chars; stopped", request_id, len(text))
+                    await self._abort(request_id)
+                    break
+        return text
+
+    async def _one(self, image: np.ndarray, timeout_s: float) -> EngineOutput | BaseException:
+        h, w = image.shape[:2]
+        padded = hunyuan.pad_for_vlm(image)
+        ph, pw = padded.shape[:2]
+        request_id = f"ocr-{uuid.uuid4().hex}"
+        started = time.perf_counter()
+        try:
+            text = await asyncio.wait_for(self._generate(padded, request_id), timeout_s)
+        except asyncio.TimeoutError:
+            await self._abort(request_id)
+            return EngineTimeout(f"inference took longer than {timeout_s:g} s")
+        except Exception as exc:
+            await self._abort(request_id)
+            return exc
+        segs = hunyuan.parse_spotting(text, pw, ph, clip=(w, h) if (pw, ph) != (w, h) else None)
+        return EngineOutput(segs, (time.perf_counter() - started) * 1000)
+
+    async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
+        """See :meth:`OcrEngine.ocr`. All images are in flight at once (vLLM batches them);
+        each image's timeout starts at submission."""
+        if self._engine is None:
+            raise RuntimeError("vllm engine not started")
+        return list(await asyncio.gather(*(self._one(np.ascontiguousarray(img), timeout_s) for img in images)))
