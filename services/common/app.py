@@ -85,6 +85,8 @@ async def run_stage(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    started = asyncio.Event()  # readiness: Kafka connected, clients open, engine warmed up
+    telemetry.ready_checks.append(lambda: started.is_set() and not stop.is_set())
     server = None
     if settings.telemetry.metrics_port:
         server = await telemetry.serve(settings.telemetry.metrics_port)
@@ -98,7 +100,7 @@ async def run_stage(
     )
     consumer.subscribe([topic])
     await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)
-    telemetry.ready_checks.append(lambda: not stop.is_set())  # Kafka, clients and engine are up by now
+    started.set()
     log.info("%s: consuming %s as group %s", stage, topic, group_id)
 
     runner = StageRunner(

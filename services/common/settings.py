@@ -20,66 +20,66 @@ from schemas.topics import Topics
 class KafkaSettings(BaseModel):
     """Kafka connection, producer and consumer-group settings (aiokafka)."""
 
-    bootstrap_servers: str = "127.0.0.1:9092"
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
-    ssl_cafile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
+    bootstrap_servers: str = Field(default="127.0.0.1:9092", description="comma-separated host:port list")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(default="PLAINTEXT", description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL")
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(default=None, description="PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512")
+    sasl_username: str | None = Field(default=None, description="SASL user")
+    sasl_password: SecretStr | None = Field(default=None, description="SASL password (from a Secret)")
+    ssl_cafile: str | None = Field(default=None, description="CA bundle (PEM) to verify the brokers")
+    ssl_certfile: str | None = Field(default=None, description="client certificate (PEM) for mTLS")
+    ssl_keyfile: str | None = Field(default=None, description="client key (PEM) for mTLS")
     partitions: int = Field(default=4, ge=1, description="partitions per topic created by `ocrstream init`")
-    replication_factor: int = Field(default=1, ge=1)
-    acks: Literal["all", "1", "0"] = "all"
-    enable_idempotence: bool = True
-    linger_ms: int = 2
+    replication_factor: int = Field(default=1, ge=1, description="replication factor of topics created by `ocrstream init`")
+    acks: Literal["all", "1", "0"] = Field(default="all", description="producer acks; `all` with idempotence never loses an acknowledged message")
+    enable_idempotence: bool = Field(default=True, description="idempotent producer (no duplicates from producer retries)")
+    linger_ms: int = Field(default=2, description="producer batching delay, ms")
     max_request_size: int = Field(default=1_048_576, description="bytes; the broker's default message limit")
-    session_timeout_ms: int = 30_000
-    heartbeat_interval_ms: int = 3_000
-    max_poll_interval_ms: int = 300_000
-    request_timeout_ms: int = 30_000
+    session_timeout_ms: int = Field(default=30_000, description="consumer group session timeout, ms")
+    heartbeat_interval_ms: int = Field(default=3_000, description="consumer heartbeat interval, ms")
+    max_poll_interval_ms: int = Field(default=300_000, description="max time between polls, ms (the runner keeps polling while a batch runs)")
+    request_timeout_ms: int = Field(default=30_000, description="Kafka request timeout, ms")
 
 
 class S3Settings(BaseModel):
     """S3-compatible object store holding images (by content hash) and result documents."""
 
-    endpoint_url: str | None = "http://127.0.0.1:9000"
-    access_key: str = "ocrstream"
-    secret_key: SecretStr = SecretStr("ocrstream-secret")
-    region: str = "us-east-1"
-    bucket: str = "ocrstream"
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 30.0
-    max_pool_connections: int = 32
+    endpoint_url: str | None = Field(default="http://127.0.0.1:9000", description="S3 endpoint; unset for AWS")
+    access_key: str = Field(default="ocrstream", description="access key id")
+    secret_key: SecretStr = Field(default=SecretStr("ocrstream-secret"), description="secret access key")
+    region: str = Field(default="us-east-1", description="region")
+    bucket: str = Field(default="ocrstream", description="bucket for images/ and results/")
+    connect_timeout_s: float = Field(default=5.0, description="connect timeout, s")
+    read_timeout_s: float = Field(default=30.0, description="read timeout, s")
+    max_pool_connections: int = Field(default=32, description="HTTP connections per process")
 
 
 class RedisSettings(BaseModel):
     """Redis holding the result cache, in-flight leases and waiters."""
 
-    url: str = "redis://127.0.0.1:6379/0"
-    password: SecretStr | None = None
+    url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL (rediss:// for TLS)")
+    password: SecretStr | None = Field(default=None, description="Redis password")
     timeout_ms: int = Field(default=100, ge=1, description="time budget of every Redis call")
-    key_prefix: str = "ocr"
+    key_prefix: str = Field(default="ocr", description="prefix of every key ocrstream writes")
 
 
 class MySQLSettings(BaseModel):
     """MariaDB/MySQL holding the requests and results tables."""
 
-    host: str = "127.0.0.1"
-    port: int = 3306
-    user: str = "ocrstream"
-    password: SecretStr = SecretStr("ocrstream")
-    database: str = "ocrstream"
-    connect_timeout_s: float = 5.0
+    host: str = Field(default="127.0.0.1", description="MariaDB/MySQL host")
+    port: int = Field(default=3306, description="port")
+    user: str = Field(default="ocrstream", description="user")
+    password: SecretStr = Field(default=SecretStr("ocrstream"), description="password")
+    database: str = Field(default="ocrstream", description="database")
+    connect_timeout_s: float = Field(default=5.0, description="connect timeout, s")
 
 
 class TelemetrySettings(BaseModel):
     """Logging, metrics and tracing."""
 
-    log_level: str = "INFO"
+    log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
     metrics_port: int | None = Field(default=None, description="port for /metrics, /healthz, /readyz; None = off")
-    traces_exporter: Literal["none", "console", "otlp"] = "none"
-    otlp_endpoint: str | None = None
+    traces_exporter: Literal["none", "console", "otlp"] = Field(default="none", description="none, console or otlp")
+    otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces")
 
 
 class EngineIdentity(BaseModel):
@@ -88,9 +88,9 @@ class EngineIdentity(BaseModel):
     dedup and infer must agree on these: they decide the cache generation.
     """
 
-    engine: Literal["rapidocr", "vllm", "openai"] = "rapidocr"
-    model: str = "PP-OCRv4-ch"
-    model_revision: str = "rapidocr-onnxruntime-1.4.4"
+    engine: Literal["rapidocr", "vllm", "openai"] = Field(default="rapidocr", description="engine name (part of the cache key)")
+    model: str = Field(default="PP-OCRv4-ch", description="model id (part of the cache key)")
+    model_revision: str = Field(default="rapidocr-onnxruntime-1.4.4", description="model revision (part of the cache key)")
     preprocess_version: int = Field(default=1, description="bump when decoding/preprocessing changes results")
 
     def generation(self, task: str) -> CacheGeneration:

@@ -10,7 +10,7 @@ from services.common.settings import CommonSettings
 class InferSettings(CommonSettings):
     """Settings of the infer stage and its engine."""
 
-    infer_group_id: str = "ocrstream-infer"
+    infer_group_id: str = Field(default="ocrstream-infer", description="consumer group of the infer stage")
     max_batch: int = Field(default=8, ge=1, description="events per micro-batch")
     max_wait_ms: int = Field(default=20, ge=0, description="longest wait for a micro-batch to fill")
     infer_max_poll_interval_ms: int = Field(default=300_000, description="partitions are paused while a batch runs")

@@ -1,12 +1,14 @@
 """Ingest settings (env prefix ``OCRSTREAM_``, e.g. ``OCRSTREAM_INGEST_MAX_BATCH``)."""
 
+from pydantic import Field
+
 from services.common.settings import CommonSettings
 
 
 class IngestSettings(CommonSettings):
     """Settings of the ingest stage."""
 
-    ingest_group_id: str = "ocrstream-ingest"
-    ingest_max_batch: int = 32
-    ingest_max_wait_ms: int = 5
-    ingest_concurrency: int = 8
+    ingest_group_id: str = Field(default="ocrstream-ingest", description="consumer group of the ingest stage")
+    ingest_max_batch: int = Field(default=32, description="records per batch")
+    ingest_max_wait_ms: int = Field(default=5, description="longest wait for a batch to fill, ms")
+    ingest_concurrency: int = Field(default=8, description="submissions processed concurrently")

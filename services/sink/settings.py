@@ -8,9 +8,9 @@ from services.common.settings import CommonSettings
 class SinkSettings(CommonSettings):
     """Settings of the sink stage."""
 
-    sink_group_id: str = "ocrstream-sink"
-    sink_max_batch: int = 64
-    sink_max_wait_ms: int = 5
+    sink_group_id: str = Field(default="ocrstream-sink", description="consumer group of the sink stage")
+    sink_max_batch: int = Field(default=64, description="records per batch")
+    sink_max_wait_ms: int = Field(default=5, description="longest wait for a batch to fill, ms")
     cache_ttl_s: int = Field(default=86_400, description="cache entry TTL (static documents: ~24 h)")
     cache_ttl_by_source: dict[str, int] = Field(
         default_factory=lambda: {"screenshot": 600},

@@ -1,0 +1,336 @@
+"""The Helm chart, checked on `helm template` output: GPU scheduling, probes, env var names equal to the
+settings fields, grace periods, the init hook, credentials only through secretKeyRef.
+
+helm comes from scripts/k8s-tools.sh (~/.cache/ocrstream/bin, or OCRSTREAM_TOOLS_DIR/bin, or PATH);
+schema validation of the same manifests is scripts/helm-check.sh (kubeconform).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from services.common.settings import CommonSettings
+from services.dedup.settings import DedupSettings
+from services.infer.settings import InferSettings
+from services.ingest.settings import IngestSettings
+from services.sink.settings import SinkSettings
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "ocrstream"
+REQUIRED = REPO / "tests" / "helm" / "required-values.yaml"
+EXAMPLES = sorted((REPO / "deploy").glob("values-*.yaml"))
+STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings}
+SECRET_FIELDS = {
+    "OCRSTREAM_KAFKA__SASL_PASSWORD",
+    "OCRSTREAM_S3__ACCESS_KEY",
+    "OCRSTREAM_S3__SECRET_KEY",
+    "OCRSTREAM_MYSQL__PASSWORD",
+    "OCRSTREAM_REDIS__PASSWORD",
+    "OCRSTREAM_OPENAI_API_KEY",
+}
+WORKLOADS = ("Deployment", "DaemonSet")
+
+
+def _helm() -> str | None:
+    tools = Path(os.environ.get("OCRSTREAM_TOOLS_DIR", Path.home() / ".cache" / "ocrstream"))
+    cached = tools / "bin" / "helm"
+    return str(cached) if cached.is_file() else shutil.which("helm")
+
+
+HELM = _helm()
+pytestmark = pytest.mark.skipif(HELM is None, reason="helm not installed: run `bash scripts/k8s-tools.sh`")
+
+
+def env_names(settings_cls: type[BaseModel]) -> set[str]:
+    """Every env var name the settings class reads: OCRSTREAM_<FIELD>, nested models OCRSTREAM_<FIELD>__<SUB>."""
+    prefix = settings_cls.model_config.get("env_prefix", "")
+    delim = settings_cls.model_config.get("env_nested_delimiter") or "__"
+
+    def walk(model: type[BaseModel], path: str) -> set[str]:
+        out: set[str] = set()
+        for name, field in model.model_fields.items():
+            full = f"{path}{name.upper()}"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                out |= walk(ann, full + delim)
+            else:
+                out.add(full)
+        return out
+
+    return walk(settings_cls, prefix)
+
+
+def render(*values: Path, sets: tuple[str, ...] = ()) -> list[dict]:
+    """The chart's manifests for these values files and --set flags."""
+    cmd = [HELM, "template", "ocrstream", str(CHART), "--namespace", "ocrstream", "--kube-version", "1.33.0"]
+    for v in values:
+        cmd += ["-f", str(v)]
+    for s in sets:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+CASES = {"default": (REQUIRED,), **{p.stem: (p,) for p in EXAMPLES}}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def manifests(request) -> list[dict]:
+    return render(*CASES[request.param])
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def component(doc: dict) -> str:
+    return doc["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in WORKLOADS]
+
+
+def container(doc: dict) -> dict:
+    (c,) = doc["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_examples_exist():
+    assert {p.name for p in EXAMPLES} >= {"values-gpu-cluster.yaml", "values-cpu-small.yaml"}
+
+
+def test_settings_introspection_knows_nested_and_stage_fields():
+    names = env_names(InferSettings)
+    assert {"OCRSTREAM_KAFKA__BOOTSTRAP_SERVERS", "OCRSTREAM_S3__SECRET_KEY", "OCRSTREAM_MAX_BATCH"} <= names
+    assert "OCRSTREAM_KAFKA" not in names and "OCRSTREAM_INGEST_MAX_BATCH" not in names
+
+
+def test_every_stage_has_one_workload_with_stage_args(manifests):
+    stages = {component(w): w for w in workloads(manifests)}
+    assert set(stages) == set(STAGES)
+    for stage, w in stages.items():
+        assert container(w)["args"] == ["python", "-m", f"services.{stage}"]
+
+
+def test_probes_on_every_workload(manifests):
+    for w in workloads(manifests):
+        c = container(w)
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", component(w)
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz", component(w)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert c["readinessProbe"]["httpGet"]["port"] in ports
+
+
+def test_infer_startup_probe_allows_minutes_of_model_loading(manifests):
+    (infer,) = [w for w in workloads(manifests) if component(w) == "infer"]
+    c = container(infer)
+    p = c["startupProbe"]
+    window = p.get("initialDelaySeconds", 0) + p["periodSeconds"] * p["failureThreshold"]
+    gpu = "nvidia.com/gpu" in c.get("resources", {}).get("limits", {})
+    # a GPU model downloads and loads for minutes; RapidOCR's ONNX models load in seconds
+    assert window >= (600 if gpu else 120), f"startup window {window}s"
+
+
+def test_metrics_port_matches_settings(manifests):
+    cms = {component(c): c["data"] for c in by_kind(manifests, "ConfigMap")}
+    for w in workloads(manifests):
+        port = container(w)["ports"][0]["containerPort"]
+        assert cms[component(w)]["OCRSTREAM_TELEMETRY__METRICS_PORT"] == str(port)
+
+
+def _stage_env(docs: list[dict], w: dict) -> dict[str, object]:
+    """The env a workload's container sees: its ConfigMap (envFrom) then env (values or valueFrom)."""
+    cms = {c["metadata"]["name"]: c["data"] for c in by_kind(docs, "ConfigMap")}
+    c = container(w)
+    env: dict[str, object] = {}
+    for src in c.get("envFrom", []):
+        env.update(cms[src["configMapRef"]["name"]])
+    for e in c.get("env", []):
+        env[e["name"]] = e.get("value", e.get("valueFrom"))
+    return env
+
+
+def test_env_var_names_are_settings_fields(manifests):
+    for w in workloads(manifests):
+        stage = component(w)
+        valid = env_names(STAGES[stage])
+        unknown = set(_stage_env(manifests, w)) - valid
+        assert not unknown, f"{stage}: not fields of {STAGES[stage].__name__}: {sorted(unknown)}"
+    for job in by_kind(manifests, "Job"):
+        unknown = {e["name"] for e in container(job)["env"]} - env_names(CommonSettings)
+        assert not unknown, f"init job: {sorted(unknown)}"
+
+
+def test_env_values_parse_as_the_stage_settings(manifests, monkeypatch):
+    """The rendered values are accepted by the settings classes (types, literals), secrets stubbed."""
+    for w in workloads(manifests):
+        stage = component(w)
+        for k in list(os.environ):
+            if k.startswith("OCRSTREAM_"):
+                monkeypatch.delenv(k)
+        for k, v in _stage_env(manifests, w).items():
+            monkeypatch.setenv(k, v if isinstance(v, str) else "stub")
+        s = STAGES[stage]()
+        assert s.telemetry.metrics_port
+
+
+def test_credentials_only_from_secret_key_refs(manifests):
+    for doc in workloads(manifests) + by_kind(manifests, "Job"):
+        env = {e["name"]: e for e in container(doc).get("env", [])}
+        for name in SECRET_FIELDS & set(env):
+            assert "value" not in env[name], f"{name} is a literal"
+            assert env[name]["valueFrom"]["secretKeyRef"]["name"], name
+        for name in ("OCRSTREAM_S3__ACCESS_KEY", "OCRSTREAM_S3__SECRET_KEY", "OCRSTREAM_MYSQL__PASSWORD"):
+            assert name in env, f"{component(doc)}: {name} missing"
+    for cm in by_kind(manifests, "ConfigMap"):
+        assert not SECRET_FIELDS & set(cm["data"]), cm["metadata"]["name"]
+    assert not by_kind(manifests, "Secret"), "the chart must not hold credentials"
+
+
+def test_grace_period_exceeds_shutdown_timeout(manifests):
+    for w in workloads(manifests):
+        shutdown = float(_stage_env(manifests, w).get("OCRSTREAM_SHUTDOWN_TIMEOUT_S", CommonSettings().shutdown_timeout_s))
+        grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        # run_stage drains for shutdown_timeout_s, then stops the consumer and the producer (10 s each)
+        assert grace > shutdown + 20, f"{component(w)}: grace {grace}s vs shutdown {shutdown}s"
+
+
+def test_init_job_is_a_pre_install_pre_upgrade_hook(manifests):
+    (job,) = by_kind(manifests, "Job")
+    ann = job["metadata"]["annotations"]
+    assert set(ann["helm.sh/hook"].split(",")) == {"pre-install", "pre-upgrade"}
+    assert "before-hook-creation" in ann["helm.sh/hook-delete-policy"]
+    assert container(job)["args"] == ["ocrstream", "init"]
+    # a hook runs before the release's ConfigMaps exist: its settings must be inline
+    assert "envFrom" not in container(job)
+
+
+def test_security_context(manifests):
+    for doc in workloads(manifests) + by_kind(manifests, "Job"):
+        pod = doc["spec"]["template"]["spec"]
+        sc = container(doc)["securityContext"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        mounts = {m["mountPath"] for m in container(doc)["volumeMounts"]}
+        assert "/tmp" in mounts
+
+
+def test_selectors_use_name_instance_component_only(manifests):
+    keys = {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"}
+    for doc in manifests:
+        sel = doc.get("spec", {}).get("selector")
+        if doc["kind"] == "Service":
+            assert set(sel) == keys
+        elif sel is not None:
+            assert set(sel["matchLabels"]) == keys, doc["metadata"]["name"]
+
+
+@pytest.mark.parametrize("case", ["default", "values-gpu-cluster"])
+def test_infer_requests_one_gpu_on_gpu_nodes(case):
+    (infer,) = [w for w in workloads(render(*CASES[case])) if component(w) == "infer"]
+    res = container(infer)["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == 1 and res["limits"]["nvidia.com/gpu"] == 1
+    pod = infer["spec"]["template"]["spec"]
+    assert any(t.get("key") == "nvidia.com/gpu" for t in pod["tolerations"])
+    # one replica per GPU node: required anti-affinity on the hostname
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_cpu_small_has_no_gpu():
+    docs = render(REPO / "deploy" / "values-cpu-small.yaml")
+    for w in workloads(docs):
+        res = container(w).get("resources", {})
+        assert "nvidia.com/gpu" not in {**res.get("requests", {}), **res.get("limits", {})}
+
+
+def test_gpu_cluster_kafka_scram_tls():
+    docs = render(REPO / "deploy" / "values-gpu-cluster.yaml")
+    (w,) = [w for w in workloads(docs) if component(w) == "infer"]
+    env = _stage_env(docs, w)
+    assert env["OCRSTREAM_KAFKA__SECURITY_PROTOCOL"] == "SASL_SSL"
+    assert env["OCRSTREAM_KAFKA__SASL_MECHANISM"] == "SCRAM-SHA-512"
+    assert env["OCRSTREAM_KAFKA__ACKS"] == "all" and env["OCRSTREAM_KAFKA__ENABLE_IDEMPOTENCE"] == "true"
+    assert "secretKeyRef" in env["OCRSTREAM_KAFKA__SASL_PASSWORD"]
+    cafile = env["OCRSTREAM_KAFKA__SSL_CAFILE"]
+    mounts = {m["name"]: m["mountPath"] for m in container(w)["volumeMounts"]}
+    assert cafile.startswith(mounts["kafka-ca"] + "/")
+    assert env["OCRSTREAM_ENGINE__ENGINE"] == "vllm"
+
+
+def test_daemonset_mode():
+    docs = render(REQUIRED, sets=("infer.kind=DaemonSet",))
+    (ds,) = by_kind(docs, "DaemonSet")
+    assert component(ds) == "infer"
+    assert "startupProbe" in container(ds)
+    assert container(ds)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert not [d for d in by_kind(docs, "Deployment") if component(d) == "infer"]
+
+
+def test_autoscalers_off_by_default_and_render_when_enabled():
+    assert not by_kind(render(REQUIRED), "HorizontalPodAutoscaler")
+    assert not by_kind(render(REQUIRED), "ScaledObject")
+    docs = render(REQUIRED, sets=("ingest.autoscaling.hpa.enabled=true", "infer.autoscaling.keda.enabled=true"))
+    (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"].endswith("-ingest")
+    (so,) = by_kind(docs, "ScaledObject")
+    trig = so["spec"]["triggers"][0]
+    assert trig["type"] == "kafka"
+    assert trig["metadata"]["consumerGroup"] == InferSettings().infer_group_id
+    assert trig["metadata"]["topic"] == InferSettings().topics.infer
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "ocrstream-infer"}
+    (infer,) = [d for d in by_kind(docs, "Deployment") if component(d) == "infer"]
+    assert "replicas" not in infer["spec"], "KEDA owns the replica count"
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        ((), "auth.existingSecret"),
+        (("infer.terminationGracePeriodSeconds=100",), "terminationGracePeriodSeconds"),
+        (("config.s3.secret_key=x",), "config.s3.secret_key"),
+        (("infer.kind=DaemonSet", "infer.autoscaling.keda.enabled=true"), "KEDA"),
+        (("config.kafka.security_protocol=SASL_SSL",), "sasl_mechanism"),
+    ],
+)
+def test_validate_values_fails_early(sets, message):
+    values = [] if not sets else ["-f", str(REQUIRED)]
+    cmd = [HELM, "template", "x", str(CHART), *values]
+    for s in sets:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_every_values_key_documented_with_param():
+    """Bitnami style: each key of values.yaml has a `## @param` (a documented map covers its keys), and
+    each `@param` names a key that exists."""
+    text = (CHART / "values.yaml").read_text()
+    params = {line.split()[2] for line in text.splitlines() if line.strip().startswith("## @param ")}
+
+    def leaves(node: object, path: str) -> set[str]:
+        if isinstance(node, dict) and node and path not in params:
+            return set().union(*(leaves(v, f"{path}.{k}" if path else k) for k, v in node.items()))
+        return {path}
+
+    keys = leaves(yaml.safe_load(text), "")
+    assert not keys - params, f"undocumented: {sorted(keys - params)}"
+
+    def exists(path: str) -> bool:
+        node: object = yaml.safe_load(text)
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    assert all(exists(p) for p in params), [p for p in params if not exists(p)]
