@@ -127,6 +127,11 @@ class RequestEvent(_Frozen):
     accepted_at_ms: int = Field(default_factory=now_ms)
     timings_ms: dict[str, float] = Field(default_factory=dict)
     metadata: dict[str, str] = Field(default_factory=dict)
+    traceparent: str | None = Field(
+        default=None,
+        description="W3C trace context of the request's trace (set by ingest); keeps a request completed "
+        "on another's behalf (a single-flight waiter) in its own trace",
+    )
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -183,8 +188,10 @@ class ResultDocument(_Frozen):
         text: All lines joined with newlines; pages separated by a blank line.
         width, height: Size of page 1 in pixels (upright); every page in ``pages``.
         timings_ms: Where the time went, in ms: ``queue_<stage>`` waits (from Kafka timestamps),
-            ``ingest``, ``dedup``, ``fetch``, ``decode``, ``inference``, ``postprocess``,
-            ``write`` and ``total`` (submit to completion).
+            ``ingest``, ``dedup``, ``fetch``, ``decode``, ``preprocess``, ``inference`` (this
+            image's share of its engine batch), ``postprocess``, ``batch_wait`` (in infer,
+            waiting on the rest of the batch), ``write`` and ``total`` (submit to completion).
+        trace_id: The request's OpenTelemetry trace id (32 hex digits).
     """
 
     schema_: Literal["ocr.result_document.v1"] = Field(default="ocr.result_document.v1", alias="schema")

@@ -182,7 +182,7 @@ class Pipeline:
         await watcher.start()
         await submitter.start()
         try:
-            ids = [await submitter.submit_bytes(data, filename=name, source=source, task=task) for data, name in items]
+            ids = await submitter.submit_many(items, source=source, task=task)
         finally:
             await submitter.stop()
         done: dict[str, ResultDocument] = {}

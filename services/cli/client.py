@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiokafka import TopicPartition
+from opentelemetry import trace
 
 from schemas.events import CompletedEvent, SubmitEvent
 from schemas.keys import image_object_key
@@ -18,6 +19,7 @@ from services.common.events import dumps, loads
 from services.common.kafka import make_consumer, make_producer
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings
+from services.common.telemetry import Telemetry
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff", ".gif", ".bmp", ".webp", ".pdf", ".jp2", ".ppm", ".pgm", ".pbm"}
 
@@ -82,9 +84,26 @@ class CompletionWatcher:
                         remaining.discard(ev.request_id)
                         yield ev
 
+    async def completions_forever(self) -> AsyncIterator[CompletedEvent]:
+        """Yield every completion from the start position on (duplicates included)."""
+        while True:
+            batch = await self.consumer.getmany(timeout_ms=500)
+            for recs in batch.values():
+                for rec in recs:
+                    yield loads(CompletedEvent, rec.value)
+
     async def stop(self) -> None:
         """Disconnect."""
         await self.consumer.stop()
+
+
+def _trace_headers(request_id: str) -> list[tuple[str, bytes]] | None:
+    """``traceparent`` of a new ``ocr.request`` root span when this process has a tracer
+    provider configured; None otherwise (ingest then starts the request's trace)."""
+    with trace.get_tracer("ocrstream.cli").start_as_current_span(
+        "ocr.request", kind=trace.SpanKind.PRODUCER, attributes={"ocrstream.request_id": request_id}
+    ):
+        return Telemetry.inject() or None
 
 
 class Submitter:
@@ -103,24 +122,40 @@ class Submitter:
         """Flush and disconnect."""
         await self.producer.stop()
 
+    async def _event(self, data: bytes, filename: str | None, task: str, source: str, rid: str) -> SubmitEvent:
+        if len(data) <= self.s.limits.inline_max_bytes:
+            return SubmitEvent(request_id=rid, image_b64=base64.b64encode(data).decode(), filename=filename,
+                               task=task, source=source)
+        key = image_object_key(hashlib.sha256(data).hexdigest())
+        await self.store.put_if_absent(key, data)
+        return SubmitEvent(request_id=rid, image_uri=self.store.uri(key), filename=filename, task=task, source=source)
+
     async def submit_bytes(self, data: bytes, *, filename: str | None, task: str = "ocr", source: str = "cli",
                            request_id: str | None = None) -> str:
-        """Publish one image; returns its request id (a new UUID unless given)."""
+        """Publish one image and wait for the broker's ack; returns its request id (a new UUID unless given)."""
         rid = request_id or uuid.uuid4().hex
-        if len(data) <= self.s.limits.inline_max_bytes:
-            ev = SubmitEvent(request_id=rid, image_b64=base64.b64encode(data).decode(), filename=filename,
-                             task=task, source=source)
-        else:
-            key = image_object_key(hashlib.sha256(data).hexdigest())
-            await self.store.put_if_absent(key, data)
-            ev = SubmitEvent(request_id=rid, image_uri=self.store.uri(key), filename=filename, task=task, source=source)
-        await self.producer.send_and_wait(self.s.topics.submit, dumps(ev), key=rid.encode())
+        ev = await self._event(data, filename, task, source, rid)
+        await self.producer.send_and_wait(self.s.topics.submit, dumps(ev), key=rid.encode(), headers=_trace_headers(rid))
         return rid
+
+    async def submit_many(self, items: list[tuple[bytes, str | None]], task: str = "ocr", source: str = "cli") -> list[str]:
+        """Publish ``(bytes, filename)`` items without waiting for each ack in turn (all acked on return).
+
+        Returns:
+            The request ids, in order.
+        """
+        ids, acks = [], []
+        for data, filename in items:
+            rid = uuid.uuid4().hex
+            ev = await self._event(data, filename, task, source, rid)
+            acks.append(await self.producer.send(self.s.topics.submit, dumps(ev), key=rid.encode(),
+                                                 headers=_trace_headers(rid)))
+            ids.append(rid)
+        await asyncio.gather(*acks)
+        return ids
 
     async def submit_files(self, files: list[Path], task: str = "ocr", source: str = "cli") -> list[Submission]:
         """Publish every file (read one at a time); returns one :class:`Submission` each."""
-        subs = []
-        for f in files:
-            data = await asyncio.to_thread(f.read_bytes)
-            subs.append(Submission(f, await self.submit_bytes(data, filename=f.name, task=task, source=source)))
-        return subs
+        items = [(await asyncio.to_thread(f.read_bytes), f.name) for f in files]
+        ids = await self.submit_many(items, task=task, source=source)
+        return [Submission(f, rid) for f, rid in zip(files, ids)]

@@ -183,6 +183,30 @@ def run(
     raise typer.Exit(0 if stopping and all(c in (0, -signal.SIGTERM) for c in codes) else 1)
 
 
+@app.command()
+def report(
+    since: str = typer.Option("1h", "--since", help="window start: a duration back (90s, 15m, 1h, 2d) or an ISO time"),
+    png: Optional[Path] = typer.Option(None, "--png", help="also write a chart (stage shares, latency histogram)"),
+    source: Optional[str] = typer.Option(None, "--source", help="only requests of this source label"),
+) -> None:
+    """Per-stage p50/p95/p99 and share of total time of the requests completed in a window (MariaDB)."""
+    from services.cli.report import load_rows, parse_since, render_table, summarize, write_png
+    from services.common.db import Database
+
+    try:
+        since_ms = parse_since(since)
+    except ValueError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    rows = asyncio.run(load_rows(Database(CommonSettings().mysql, pool_size=1), since_ms, source))
+    rep = summarize(rows, since_ms)
+    console.print(render_table(rep))
+    if png:
+        console.print(f"chart: {write_png(rep, png)}")
+    if not rep.requests:
+        raise typer.Exit(1)
+
+
 @cache_app.command("purge")
 def cache_purge(
     model: Optional[str] = typer.Option(None, "--model", help="model revision whose entries to delete"),

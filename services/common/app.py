@@ -15,19 +15,21 @@ from aiokafka.errors import KafkaError
 from services.common.kafka import make_consumer, make_producer
 from services.common.runner import Handler, StageRunner
 from services.common.settings import CommonSettings
-from services.common.telemetry import Telemetry
+from services.common.telemetry import Telemetry, TraceIdLogFilter
 
 log = logging.getLogger("ocrstream")
 
 
 def setup_logging(stage: str, level: str) -> None:
-    """Log lines as ``time level stage message`` to stderr."""
+    """Log lines as ``time level stage message [trace_id=...]`` to stderr."""
     logging.basicConfig(
         level=level.upper(),
-        format=f"%(asctime)s %(levelname)s {stage} %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {stage} %(name)s: %(message)s%(trace)s",
         stream=sys.stderr,
         force=True,
     )
+    for h in logging.getLogger().handlers:  # `` trace_id=<hex>`` on lines logged inside a request's trace
+        h.addFilter(TraceIdLogFilter())
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
 
 
@@ -53,6 +55,19 @@ async def _start_with_retry(name: str, start: Callable[[], Awaitable[None]], sto
             delay = min(cap_s, 0.5 * 2**attempt)
             log.warning("%s: Kafka not reachable (%r); retry %d in %.1fs", name, exc, attempt, delay)
             await asyncio.sleep(delay)
+
+
+async def kafka_reachable(bootstrap_servers: str, timeout_s: float = 2.0) -> bool:
+    """True if a TCP connection to one of the bootstrap servers opens (a cheap readiness check)."""
+    for hostport in bootstrap_servers.split(","):
+        host, _, port = hostport.strip().rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host or "127.0.0.1", int(port or 9092)), timeout_s)
+        except (OSError, ValueError, asyncio.TimeoutError):
+            continue
+        writer.close()
+        return True
+    return False
 
 
 async def run_stage(
@@ -87,6 +102,7 @@ async def run_stage(
 
     started = asyncio.Event()  # readiness: Kafka connected, clients open, engine warmed up
     telemetry.ready_checks.append(lambda: started.is_set() and not stop.is_set())
+    telemetry.add_probe("kafka", lambda: kafka_reachable(settings.kafka.bootstrap_servers))
     server = None
     if settings.telemetry.metrics_port:
         server = await telemetry.serve(settings.telemetry.metrics_port)
@@ -98,7 +114,6 @@ async def run_stage(
     consumer: AIOKafkaConsumer = make_consumer(
         settings.kafka, [topic], group_id, client_id=f"ocrstream-{stage}", max_poll_interval_ms=max_poll_interval_ms
     )
-    consumer.subscribe([topic])
     await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)
     started.set()
     log.info("%s: consuming %s as group %s", stage, topic, group_id)
@@ -133,7 +148,7 @@ async def run_stage(
     finally:
         if server:
             server.close()
-        telemetry.provider.shutdown()
+        telemetry.close()
     log.info("%s: stopped", stage)
     if task.done() and not task.cancelled() and task.exception():
         raise SystemExit(1)

@@ -146,16 +146,18 @@ class ResultCache:
         return [f"{self.p}:c:{key}", f"{self.p}:lease:{key}", f"{self.p}:wait:{key}", f"{self.p}:inflight"]
 
     async def _call(self, op: str, coro):
-        started = time.perf_counter()
+        if self.telemetry is None:
+            return await self._call_raw(op, coro)
+        with self.telemetry.store_call("redis", op):
+            return await self._call_raw(op, coro)
+
+    async def _call_raw(self, op: str, coro):
         try:
             return await asyncio.wait_for(coro, self.timeout)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             if self.telemetry:
                 self.telemetry.cache.labels(self.stage, "error", "redis").inc()
             raise CacheUnavailable(f"redis {op}: {exc!r}") from exc
-        finally:
-            if self.telemetry:
-                self.telemetry.store_seconds.labels("redis", op).observe(time.perf_counter() - started)
 
     async def close(self) -> None:
         """Close the connection pool."""

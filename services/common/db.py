@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import time
 from contextlib import contextmanager
 from importlib import resources
 
@@ -48,6 +47,7 @@ class Database:
     def __init__(self, cfg: MySQLSettings, pool_size: int = 4, telemetry: Telemetry | None = None):
         self.cfg = cfg
         self.telemetry = telemetry
+        self._probe_conn: pymysql.connections.Connection | None = None
         self._pool: queue.LifoQueue[pymysql.connections.Connection | None] = queue.LifoQueue()
         for _ in range(pool_size):
             self._pool.put(None)
@@ -85,12 +85,25 @@ class Database:
             self._pool.put(conn)
 
     async def _run(self, op: str, fn, *args):
-        started = time.perf_counter()
-        try:
+        if self.telemetry is None:
             return await asyncio.to_thread(fn, *args)
-        finally:
-            if self.telemetry:
-                self.telemetry.store_seconds.labels("mysql", op).observe(time.perf_counter() - started)
+        with self.telemetry.store_call("mysql", op):
+            return await asyncio.to_thread(fn, *args)
+
+    def _ping(self) -> bool:
+        # a connection of its own: a probe never waits for (or holds) one of the pool's
+        if self._probe_conn is None:
+            self._probe_conn = self._connect()
+        try:
+            self._probe_conn.ping(reconnect=True)
+            return True
+        except Exception:
+            self._probe_conn = None
+            raise
+
+    async def ping(self) -> bool:
+        """True if MariaDB answers ``SELECT 1`` (a readiness check)."""
+        return await self._run("ping", self._ping)
 
     # -- schema ---------------------------------------------------------------------------
     def _migrate(self) -> list[str]:
@@ -176,6 +189,15 @@ class Database:
     async def query(self, sql: str, *args) -> list[dict]:
         """Run a read query; rows as dicts."""
         return await self._run("query", self._query, sql, args)
+
+    async def get_requests(self, request_ids: list[str]) -> dict[str, ResultDocument]:
+        """The stored final results of ``request_ids`` that have completed, by request id."""
+        if not request_ids:
+            return {}
+        ids = list(dict.fromkeys(request_ids))
+        marks = ",".join(["%s"] * len(ids))
+        rows = await self.query(f"SELECT request_id, document_json FROM requests WHERE request_id IN ({marks})", *ids)
+        return {r["request_id"]: ResultDocument.model_validate_json(r["document_json"]) for r in rows}
 
     async def get_request(self, request_id: str) -> ResultDocument | None:
         """The final result of ``request_id``, or None if it has not completed."""

@@ -36,7 +36,7 @@ def request_id_of(record: ConsumerRecord) -> str | None:
 
 def poison_messages(
     *, stage: str, topics: Topics, record: ConsumerRecord, exc: BaseException, attempts: int,
-    request: RequestEvent | None = None,
+    request: RequestEvent | None = None, cache_key: str | None = None,
 ) -> list[Outgoing]:
     """The DLQ event for ``record`` plus, when it names a request, an error result for it.
 
@@ -47,6 +47,7 @@ def poison_messages(
         exc: The last error.
         attempts: How many times processing was tried.
         request: The parsed request, if the record could be parsed that far.
+        cache_key: The request's cache key, so the sink also settles the requests waiting on it.
     """
     code = exc.code if isinstance(exc, OcrError) else ErrorCode.INTERNAL_ERROR
     rid = request.request_id if request else request_id_of(record)
@@ -68,6 +69,7 @@ def poison_messages(
         req = request or RequestEvent(request_id=rid)
         result = ResultEvent(
             request=req,
+            cache_key=cache_key,
             status="error",
             error=ErrorInfo(code=code, message=f"{stage}: {exc}"[:1000]),
             attempt=attempts,

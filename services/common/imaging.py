@@ -25,6 +25,7 @@ from PIL import Image, ImageOps, ImageSequence
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
+from services.common.telemetry import traced
 
 PDF_MAGIC = b"%PDF-"
 PDF_RENDER_DPI = 200
@@ -135,6 +136,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+@traced("decode")
 def decode(data: bytes, max_pixels: int, max_pages: int) -> list[np.ndarray]:
     """Decode every page/frame to an upright RGB array.
 

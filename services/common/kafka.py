@@ -82,6 +82,8 @@ def make_consumer(
         request_timeout_ms=max(cfg.request_timeout_ms, cfg.session_timeout_ms + 5_000),
         **_security_kwargs(cfg),
     )
+    if topics:
+        consumer.subscribe(topics)
     return consumer
 
 

@@ -57,6 +57,10 @@ class Handler(ABC):
         """Called about once a second when no records arrive (housekeeping). Default: nothing."""
         return []
 
+    def prefetch(self, records: list[ConsumerRecord]) -> None:
+        """Called with records of the *next* batch while the current one runs; may start their
+        I/O (e.g. S3 gets). They are passed to :meth:`handle` later as usual. Default: nothing."""
+
     async def after_produce(self) -> None:
         """Called once the messages of the last ``handle`` are acknowledged, before the commit."""
 
@@ -102,8 +106,8 @@ class StageRunner:
         self.max_attempts = max_attempts
         self.max_backoff_s = max_backoff_s
         self._carry: list[ConsumerRecord] = []
-        self._busy = False
         self._last_idle = 0.0
+        self._last_lag = 0.0
 
     # -- public -------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -120,6 +124,7 @@ class StageRunner:
             await self._retrying(self.handler.after_produce)
             await self._commit(records)
             self.telemetry.batch_done(self.stage, len(records), time.perf_counter() - started)
+            await self._idle()  # housekeeping runs under load too (at most once a second)
 
     # -- steps --------------------------------------------------------------------------
     async def _next_batch(self) -> list[ConsumerRecord]:
@@ -144,6 +149,7 @@ class StageRunner:
         if now - self._last_idle < 1.0:
             return
         self._last_idle = now
+        await self._report_lag()
         try:
             out = await self.handler.on_idle()
         except Exception as exc:  # housekeeping must never stop the loop
@@ -151,22 +157,34 @@ class StageRunner:
             return
         if out:
             await self._produce(out)
+            await self._retrying(self.handler.after_produce)
 
     async def _with_keepalive(self, coro):
-        """Run ``coro`` while partitions are paused and the consumer keeps polling."""
+        """Run ``coro`` (the batch) while the consumer keeps polling.
+
+        Up to one more batch of records is fetched meanwhile and handed to
+        :meth:`Handler.prefetch` (pipelining: the next batch's I/O overlaps this batch's
+        compute); once that buffer is full the partitions are paused, so memory stays bounded.
+        Polling never stops, so ``max.poll.interval.ms`` is never exceeded.
+        """
         task = asyncio.ensure_future(coro)
-        self._busy = True
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=1.0)
+                done, _ = await asyncio.wait({task}, timeout=0.2)
                 if done:
                     return task.result()
-                self.consumer.pause(*self.consumer.assignment())
-                extra = await self.consumer.getmany(timeout_ms=0)
-                for recs in extra.values():
-                    self._carry.extend(recs)
+                assigned = self.consumer.assignment()
+                room = self.max_batch - len(self._carry)
+                if room > 0:
+                    self.consumer.resume(*assigned)
+                else:
+                    self.consumer.pause(*assigned)
+                got = await self.consumer.getmany(timeout_ms=0, max_records=max(1, room))
+                new = [r for recs in got.values() for r in recs]
+                if new:
+                    self._carry.extend(new)
+                    self.handler.prefetch(new)
         finally:
-            self._busy = False
             if not task.done():
                 task.cancel()
             self.consumer.resume(*self.consumer.assignment())
@@ -211,7 +229,7 @@ class StageRunner:
         assert last_exc is not None
         log.error("%s: %s[%d]@%d is poison, sending to DLQ: %r",
                   self.stage, record.topic, record.partition, record.offset, last_exc)
-        self.telemetry.poison(self.stage)
+        self.telemetry.poison(self.stage, getattr(getattr(last_exc, "code", None), "value", "internal_error"))
         return self.handler.poison(record, last_exc, attempts)
 
     async def _retrying(self, fn) -> None:
@@ -239,13 +257,17 @@ class StageRunner:
         attempt = 0
         pending = list(outgoing)
         while pending:
-            futures = []
+            futures, spans = [], []
             for msg in pending:
                 key = msg.key.encode() if isinstance(msg.key, str) else msg.key
+                span, headers = self.telemetry.produce_span(msg.topic, msg.headers)  # traced messages only
+                spans.append(span)
                 futures.append(
-                    await self.producer.send(msg.topic, msg.value, key=key, headers=msg.headers or None)
+                    await self.producer.send(msg.topic, msg.value, key=key, headers=headers or None)
                 )
             results = await asyncio.gather(*futures, return_exceptions=True)
+            for span, res in zip(spans, results):
+                self.telemetry.end_produce(span, res)
             failed = [m for m, r in zip(pending, results) if isinstance(r, BaseException)]
             for msg, res in zip(pending, results):
                 if not isinstance(res, BaseException):
@@ -257,6 +279,24 @@ class StageRunner:
                     raise err
                 await self._backoff(attempt, err)
             pending = failed
+
+    async def _report_lag(self) -> None:
+        """Consumer lag per assigned partition (highwater - position), at most once a second."""
+        now = time.monotonic()
+        if now - self._last_lag < 1.0:
+            return
+        self._last_lag = now
+        lags: dict[TopicPartition, int] = {}
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            if high is None:
+                continue
+            try:
+                pos = await asyncio.wait_for(self.consumer.position(tp), 0.5)
+            except Exception:  # no position yet (being reset) or a rebalance: skip this time
+                continue
+            lags[tp] = max(0, high - pos)
+        self.telemetry.lag(self.stage, lags)
 
     async def _commit(self, records: list[ConsumerRecord]) -> None:
         """Commit the next offset of every partition in the batch that is still assigned."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import boto3
 from botocore.config import Config
@@ -61,12 +60,15 @@ class ObjectStore:
         return f"s3://{bucket or self.bucket}/{key}"
 
     async def _call(self, op: str, fn, **kw):
-        started = time.perf_counter()
-        try:
+        if self.telemetry is None:
             return await asyncio.to_thread(fn, **kw)
-        finally:
-            if self.telemetry:
-                self.telemetry.store_seconds.labels("s3", op).observe(time.perf_counter() - started)
+        with self.telemetry.store_call("s3", op, **{"s3.key": kw["Key"]} if "Key" in kw else {}):
+            return await asyncio.to_thread(fn, **kw)
+
+    async def ping(self) -> bool:
+        """True if the bucket answers (a readiness check; raises on connection errors)."""
+        await self._call("head_bucket", self.client.head_bucket, Bucket=self.bucket)
+        return True
 
     async def ensure_bucket(self) -> bool:
         """Create the bucket if missing. Returns True when it was created."""

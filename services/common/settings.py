@@ -78,8 +78,13 @@ class TelemetrySettings(BaseModel):
 
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
     metrics_port: int | None = Field(default=None, description="port for /metrics, /healthz, /readyz; None = off")
-    traces_exporter: Literal["none", "console", "otlp"] = Field(default="none", description="none, console or otlp")
+    traces_exporter: Literal["none", "console", "otlp", "file"] = Field(
+        default="none",
+        description="none (ids propagate, nothing recorded), console, otlp (extra `otlp`) or file (JSON lines)",
+    )
     otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces")
+    traces_file: str | None = Field(default=None, description="JSON-lines span file for the `file` exporter (appended to by every process)")
+    probe_interval_s: float = Field(default=5.0, gt=0, description="seconds between readiness checks of Kafka and the stores")
 
 
 class EngineIdentity(BaseModel):

@@ -77,12 +77,36 @@ def group_lines(segments: list[Segment], min_overlap: float = 0.5) -> list[Segme
         lines.append(
             Segment(
                 box=[[left, top], [right, top], [right, bottom], [left, bottom]],
-                text=" ".join(s.text.strip() for s in row),
+                text=_join_row(row),
                 confidence=min(1.0, max(0.0, conf)),
             )
         )
     lines.sort(key=lambda s: (s.top + s.bottom) / 2)
     return lines
+
+
+def _join_row(row: list[Segment]) -> str:
+    """Join a row's segments left to right with spaces.
+
+    Where two neighbouring detections overlap horizontally, the detector often read the
+    overlapped characters twice ("QTY 1" + "12 PCS"); the repeated characters are dropped
+    from the left segment when its last characters equal the right segment's first ones
+    (at most as many as the overlap is wide, estimated from the left segment's character width).
+    """
+    parts = [row[0].text.strip()]
+    for a, b in zip(row, row[1:]):
+        text_b = b.text.strip()
+        overlap = a.right - b.left
+        left = parts[-1]
+        if overlap > 0 and left:
+            char_w = max(1.0, (a.right - a.left) / len(left))
+            most = min(len(left) - 1, len(text_b), round(overlap / char_w) + 1)
+            for k in range(most, 0, -1):
+                if left[-k:] == text_b[:k]:
+                    parts[-1] = left[:-k].rstrip()
+                    break
+        parts.append(text_b)
+    return " ".join(p for p in parts if p)
 
 
 def _overlap_x(a: Segment, b: Segment) -> bool:

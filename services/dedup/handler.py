@@ -14,7 +14,7 @@ from services.common.dlq import poison_messages
 from services.common.events import dumps, loads, queue_wait_ms
 from services.common.kafka import Outgoing
 from services.common.runner import Handler
-from services.common.telemetry import Telemetry
+from services.common.telemetry import SpanKind, Telemetry, record_attrs
 from services.dedup.lru import EntryLru
 from services.dedup.settings import DedupSettings
 
@@ -34,7 +34,7 @@ class DedupHandler(Handler):
         self.s = settings
         self.cache = cache
         self.telemetry = telemetry
-        self.lru = EntryLru(settings.lru_entries, settings.lru_bytes)
+        self.lru = EntryLru(settings.lru_entries, settings.lru_bytes, settings.lru_ttl_s)
         self._known_gens: set[str] = set()
 
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
@@ -42,7 +42,13 @@ class DedupHandler(Handler):
         out: list[Outgoing] = []
         for record in records:
             req = loads(RequestEvent, record.value)
-            out.extend(await self._one(req, queue_wait_ms(record), list(record.headers or [])))
+            queued = queue_wait_ms(record)
+            with self.telemetry.span("dedup", parent_headers=record.headers, kind=SpanKind.CONSUMER,
+                                     attributes=record_attrs(record)):
+                msgs = await self._one(req, queued, self.telemetry.inject(record.headers))
+                log.info("dedup: %s[%d]@%d request %s -> %s", record.topic, record.partition, record.offset,
+                         req.request_id, ", ".join(m.topic for m in msgs) or "joined the in-flight request")
+            out.extend(msgs)
         return out
 
     async def _one(self, req: RequestEvent, queued: float, headers) -> list[Outgoing]:
@@ -102,9 +108,10 @@ class DedupHandler(Handler):
                     continue
                 req = RequestEvent.model_validate_json(raw)
                 self.telemetry.cache.labels("dedup", "promoted", "redis").inc()
-                log.warning("dedup: lease on %s expired; promoting waiting request %s", key, req.request_id)
-                ev = InferEvent(request=req, cache_key=key, attempt=2)
-                out.append(Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev)))
+                with self.telemetry.span("dedup.promote", traceparent=req.traceparent, root=True):  # the waiter's trace
+                    log.warning("dedup: lease on %s expired; promoting waiting request %s", key, req.request_id)
+                    ev = InferEvent(request=req, cache_key=key, attempt=2)
+                    out.append(Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev), self.telemetry.inject()))
         except CacheUnavailable:
             pass
         return out

@@ -13,7 +13,9 @@ async def main(settings: DedupSettings | None = None) -> None:
     s = settings or DedupSettings()
 
     async def build(ctx: StageContext) -> DedupHandler:
-        return DedupHandler(s, ResultCache(s.redis, ctx.telemetry, "dedup"), ctx.telemetry)
+        cache = ResultCache(s.redis, ctx.telemetry, "dedup")
+        ctx.telemetry.add_probe("redis", cache.ping)
+        return DedupHandler(s, cache, ctx.telemetry)
 
     await run_stage(
         stage="dedup", settings=s, topic=s.topics.requests, group_id=s.dedup_group_id,

@@ -15,3 +15,4 @@ class DedupSettings(CommonSettings):
     lease_ms: int = Field(default=600_000, description="in-flight lease; a holder silent this long is replaced")
     lru_entries: int = Field(default=10_000, description="in-process LRU in front of Redis: entries")
     lru_bytes: int = Field(default=8 * 1024 * 1024, description="in-process LRU in front of Redis: bytes")
+    lru_ttl_s: float = Field(default=60.0, description="in-process LRU: entry age limit, s (bounds how long a purge takes to reach dedup)")

@@ -44,7 +44,9 @@ async def main(settings: InferSettings | None = None) -> None:
         log.info("infer: loading engine %s (%s @ %s)", engine.name, s.engine.model, s.engine.model_revision)
         await engine.start()
         ctx.telemetry.ready_checks.append(lambda: engine.ready)
-        return InferHandler(s, ObjectStore(s.s3, ctx.telemetry), engine, ctx.telemetry)
+        store = ObjectStore(s.s3, ctx.telemetry)
+        ctx.telemetry.add_probe("s3", store.ping)
+        return InferHandler(s, store, engine, ctx.telemetry)
 
     await run_stage(
         stage="infer", settings=s, topic=s.topics.infer, group_id=s.infer_group_id,

@@ -21,7 +21,7 @@ from services.common.imaging import sniff
 from services.common.kafka import Outgoing
 from services.common.runner import Handler
 from services.common.s3 import ObjectStore
-from services.common.telemetry import Telemetry
+from services.common.telemetry import SpanKind, Telemetry, record_attrs as _record_attrs
 from services.ingest.settings import IngestSettings
 
 log = logging.getLogger(__name__)
@@ -53,36 +53,46 @@ class IngestHandler(Handler):
 
     async def _one(self, record: ConsumerRecord) -> list[Outgoing]:
         async with self._sem:
-            queued = queue_wait_ms(record)
-            started = time.perf_counter()
-            headers = list(record.headers or [])
-            try:
-                event = loads(SubmitEvent, record.value)
-            except (ValueError, ValidationError) as exc:
-                # Not retried: the same bytes fail the same way. DLQ + error result if we know the id.
-                self.telemetry.requests_done.labels("ingest", "error", ErrorCode.INVALID_REQUEST.value).inc()
-                return poison_messages(
-                    stage="ingest", topics=self.s.topics, record=record,
-                    exc=OcrError(ErrorCode.INVALID_REQUEST, f"submit event rejected: {exc}"[:1000]), attempts=1,
-                )
-            rid = event.request_id or derived_request_id(record.topic, record.partition, record.offset)
-            base = RequestEvent(
-                request_id=rid, task=event.task, source=event.source, filename=event.filename,
-                callback_url=event.callback_url, submitted_at_ms=event.submitted_at_ms,
-                metadata=event.metadata,
+            # continues the submitter's trace, or starts the request's trace when it sent none
+            with self.telemetry.span("ingest", parent_headers=record.headers, kind=SpanKind.CONSUMER,
+                                     attributes=_record_attrs(record)):
+                return await self._traced_one(record)
+
+    async def _traced_one(self, record: ConsumerRecord) -> list[Outgoing]:
+        queued = queue_wait_ms(record)
+        started = time.perf_counter()
+        headers = self.telemetry.inject(record.headers)
+        try:
+            event = loads(SubmitEvent, record.value)
+        except (ValueError, ValidationError) as exc:
+            # Not retried: the same bytes fail the same way. DLQ + error result if we know the id.
+            self.telemetry.requests_done.labels("ingest", "error", ErrorCode.INVALID_REQUEST.value).inc()
+            return poison_messages(
+                stage="ingest", topics=self.s.topics, record=record,
+                exc=OcrError(ErrorCode.INVALID_REQUEST, f"submit event rejected: {exc}"[:1000]), attempts=1,
             )
-            try:
-                req = await self._accept(event, base)
-            except OcrError as err:
-                timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
-                failed = base.model_copy(update={"timings_ms": timings})
-                result = ResultEvent(request=failed, status="error", error=ErrorInfo(code=err.code, message=err.message))
-                self.telemetry.requests_done.labels("ingest", "error", err.code.value).inc()
-                log.info("ingest: request %s rejected: %s", rid, err)
-                return [Outgoing(self.s.topics.results, rid, dumps(result), headers)]
+        rid = event.request_id or derived_request_id(record.topic, record.partition, record.offset)
+        base = RequestEvent(
+            request_id=rid, task=event.task, source=event.source, filename=event.filename,
+            callback_url=event.callback_url, submitted_at_ms=event.submitted_at_ms,
+            metadata=event.metadata, traceparent=self.telemetry.traceparent(),
+        )
+        try:
+            req = await self._accept(event, base)
+        except OcrError as err:
+            if err.code == ErrorCode.MISSING_OBJECT:
+                raise  # retried a bounded number of times, then DLQ + error result (Handler.poison)
             timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
-            req = req.model_copy(update={"timings_ms": timings, "accepted_at_ms": now_ms()})
-            return [Outgoing(self.s.topics.requests, req.content_sha256, dumps(req), headers)]
+            failed = base.model_copy(update={"timings_ms": timings})
+            result = ResultEvent(request=failed, status="error", error=ErrorInfo(code=err.code, message=err.message))
+            self.telemetry.requests_done.labels("ingest", "error", err.code.value).inc()
+            log.info("ingest: request %s rejected: %s", rid, err)
+            return [Outgoing(self.s.topics.results, rid, dumps(result), headers)]
+        timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
+        req = req.model_copy(update={"timings_ms": timings, "accepted_at_ms": now_ms()})
+        log.info("ingest: %s[%d]@%d request %s accepted (%s, %d bytes)", record.topic, record.partition,
+                 record.offset, rid, req.format, req.size_bytes)
+        return [Outgoing(self.s.topics.requests, req.content_sha256, dumps(req), headers)]
 
     async def _accept(self, event: SubmitEvent, base: RequestEvent) -> RequestEvent:
         limits = self.s.limits

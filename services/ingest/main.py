@@ -14,6 +14,7 @@ async def main(settings: IngestSettings | None = None) -> None:
 
     async def build(ctx: StageContext) -> IngestHandler:
         store = ObjectStore(s.s3, ctx.telemetry)
+        ctx.telemetry.add_probe("s3", store.ping)
         return IngestHandler(s, store, ctx.telemetry)
 
     await run_stage(

@@ -22,7 +22,7 @@ from services.common.events import completion_event_id, dumps, loads, queue_wait
 from services.common.kafka import Outgoing
 from services.common.runner import Handler
 from services.common.s3 import ObjectStore, parse_s3_uri
-from services.common.telemetry import Telemetry
+from services.common.telemetry import Span, SpanKind, Telemetry, record_attrs
 from services.sink.settings import SinkSettings
 
 log = logging.getLogger(__name__)
@@ -61,34 +61,80 @@ class SinkHandler(Handler):
         self.cache = cache
         self.telemetry = telemetry
         self._outputs: OrderedDict[str, OcrOutput] = OrderedDict()
-        self._pending_end: list[tuple[str, int]] = []
+        self._pending_end: dict[str, int] = {}  # cache key -> waiters completed, released after the acks
+        # cache key -> (entry, ttl, result, output) of results whose waiters could not be read (Redis down)
+        self._deferred: dict[str, tuple[CacheEntry | None, int, ResultEvent, OcrOutput | None]] = {}
+        self._batch_pending: dict[str, int] = {}
+        self._spans: dict[str, Span] = {}  # request id -> its span in this batch (own or waiter's)
 
     # -- Handler API ----------------------------------------------------------------------
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
-        """See :meth:`Handler.handle`."""
-        self._pending_end = []
+        """See :meth:`Handler.handle`. Waiters are released only for batches that succeed."""
+        self._batch_pending = {}
+        self._spans = {}
         docs: list[ResultDocument] = []
         out: list[Outgoing] = []
         for rec in records:
             ev = loads(ResultEvent, rec.value)
             started = time.perf_counter()
-            d, extra = await self._one(ev, queue_wait_ms(rec), started, list(rec.headers or []))
+            queued = queue_wait_ms(rec)
+            with self.telemetry.span("sink", parent_headers=rec.headers, kind=SpanKind.CONSUMER,
+                                     attributes=record_attrs(rec)):
+                d, extra = await self._one(ev, queued, started, self.telemetry.inject(rec.headers))
             docs.extend(d)
             out.extend(extra)
-        t0 = time.perf_counter()
-        await self.db.write_requests(docs)
-        db_ms = (time.perf_counter() - t0) * 1000 / max(1, len(docs))
-        for doc in docs:
-            doc = doc.model_copy(update={"timings_ms": dict(doc.timings_ms, write=round(doc.timings_ms.get("write", 0) + db_ms, 3))})
-            ev = CompletedEvent(event_id=completion_event_id(doc.request_id), request_id=doc.request_id, result=doc)
-            out.append(Outgoing(self.s.topics.completed, doc.request_id, dumps(ev), []))
-            self.telemetry.requests_done.labels("sink", doc.status, doc.error.code.value if doc.error else "").inc()
+        out.extend(await self._complete(docs))
         return out
+
+    async def _complete(self, docs: list[ResultDocument]) -> list[Outgoing]:
+        """Insert the final states, then one completion per request carrying what the DB holds."""
+        out: list[Outgoing] = []
+        # one batched write for all requests: a span of its own, linked to each request's span
+        links = [lk for sp in self._spans.values() for lk in self.telemetry.link(sp)]
+        with self.telemetry.span("sink.write_requests", root=True, links=links,
+                                 attributes={"ocrstream.batch_size": len(docs)}):
+            await self.db.write_requests(docs)
+            # Emit what the database holds: a replayed result re-emits the first final state, so a
+            # duplicated completion carries the same request id and the same content.
+            stored = await self.db.get_requests([d.request_id for d in docs])
+        emitted: set[str] = set()
+        for doc in docs:
+            if doc.request_id in emitted:
+                continue
+            emitted.add(doc.request_id)
+            final = stored[doc.request_id]
+            ev = CompletedEvent(event_id=completion_event_id(final.request_id), request_id=final.request_id, result=final)
+            headers = self.telemetry.inject([], span=self._spans.get(final.request_id))
+            out.append(Outgoing(self.s.topics.completed, final.request_id, dumps(ev), headers))
+            self.telemetry.requests_done.labels("sink", final.status, final.error.code.value if final.error else "").inc()
+        for key, n in self._batch_pending.items():
+            self._pending_end[key] = max(n, self._pending_end.get(key, 0))
+        return out
+
+    async def on_idle(self) -> list[Outgoing]:
+        """Complete waiters whose holder finished while Redis was down, once Redis answers again."""
+        if not self._deferred:
+            return []
+        self._batch_pending, self._spans = {}, {}
+        docs: list[ResultDocument] = []
+        for key, (entry, ttl_s, ev, output) in list(self._deferred.items()):
+            try:
+                raw = await self.cache.complete_begin(key, entry, ttl_s)
+            except CacheUnavailable:
+                break
+            del self._deferred[key]
+            self._batch_pending[key] = len(raw)
+            for w in raw:
+                docs.append(self._doc(RequestEvent.model_validate_json(w), output, ev, 0.0, time.perf_counter(),
+                                      cache_hit=output is not None))
+        if docs:
+            log.info("sink: Redis is back: completing %d waiting request(s)", len(docs))
+        return await self._complete(docs) if docs or self._batch_pending else []
 
     async def after_produce(self) -> None:
         """Completions are durable: remove the completed waiters and release the leases."""
-        pending, self._pending_end = self._pending_end, []
-        for key, n in pending:
+        pending, self._pending_end = self._pending_end, {}
+        for key, n in pending.items():
             try:
                 await self.cache.complete_end(key, n)
             except CacheUnavailable as exc:
@@ -125,7 +171,7 @@ class SinkHandler(Handler):
                 entry = None
             else:
                 output, entry = await self._store_output(ev)
-            waiters = await self._waiters(key, entry, self.s.ttl_for(req.source, req.task))
+            waiters = await self._waiters(key, entry, self.s.ttl_for(req.source, req.task), ev, output)
             docs = [self._doc(r, output, ev, queued, started, cache_hit=ev.cache_hit or r is not req)
                     for r in [req, *waiters]]
             return docs, extra
@@ -144,19 +190,24 @@ class SinkHandler(Handler):
                 except CacheUnavailable:
                     pass
             else:
-                waiters = await self._waiters(key, None, 0)
+                waiters = await self._waiters(key, None, 0, ev, None)
         docs = [self._doc(r, None, ev, queued, started, cache_hit=False) for r in [req, *waiters]]
         return docs, extra
 
-    async def _waiters(self, key: str | None, entry: CacheEntry | None, ttl_s: int) -> list[RequestEvent]:
+    async def _waiters(self, key: str | None, entry: CacheEntry | None, ttl_s: int, ev: ResultEvent,
+                       output: OcrOutput | None) -> list[RequestEvent]:
         if not key:
             return []
         try:
             raw = await self.cache.complete_begin(key, entry, ttl_s)
         except CacheUnavailable as exc:
-            log.warning("sink: Redis unavailable (%s); waiters on %s are completed when their lease expires", exc, key)
+            # Completed from on_idle as soon as Redis answers (bounded: one entry per key); if this
+            # process dies first, the lease expires and dedup's reaper promotes a waiter instead.
+            if len(self._deferred) < self.s.deferred_max_keys:
+                self._deferred[key] = (entry, ttl_s, ev, output)
+            log.warning("sink: Redis unavailable (%s); waiters on %s will be completed when it is back", exc, key)
             return []
-        self._pending_end.append((key, len(raw)))
+        self._batch_pending[key] = len(raw)
         return [RequestEvent.model_validate_json(w) for w in raw]
 
     async def _store_output(self, ev: ResultEvent) -> tuple[OcrOutput, CacheEntry]:
@@ -198,13 +249,18 @@ class SinkHandler(Handler):
              started: float, cache_hit: bool) -> ResultDocument:
         completed = now_ms()
         own = req is ev.request
+        # a waiter completed on the holder's behalf stays in its own trace, linked to the holder's
+        span = self.telemetry.current_span() if own else self.telemetry.start_span(
+            "sink.complete_waiter", traceparent=req.traceparent, root=True,
+            links=self.telemetry.link(self.telemetry.current_span()))
+        self._spans[req.request_id] = span
         timings = dict(req.timings_ms if not own else ev.request.timings_ms)
         timings["queue_sink"] = round(queued, 3) if own else 0.0
         timings["write"] = round((time.perf_counter() - started) * 1000, 3)
         timings["total"] = float(max(0, completed - req.submitted_at_ms))
         pages = output.pages if output else ev.pages
         first = pages[0] if pages else None
-        return ResultDocument(
+        doc = ResultDocument(
             request_id=req.request_id,
             status=ev.status,
             error=ev.error if ev.status == "error" else None,
@@ -226,4 +282,11 @@ class SinkHandler(Handler):
             submitted_at_ms=req.submitted_at_ms,
             completed_at_ms=completed,
             timings_ms=timings,
+            trace_id=self.telemetry.trace_id(span),
         )
+        with self.telemetry.use(span):
+            log.info("sink: request %s completed: %s%s in %.0f ms", req.request_id, ev.status,
+                     " (cache hit)" if cache_hit else "", timings["total"])
+        if not own:
+            span.end()
+        return doc

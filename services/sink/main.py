@@ -15,10 +15,11 @@ async def main(settings: SinkSettings | None = None) -> None:
     s = settings or SinkSettings()
 
     async def build(ctx: StageContext) -> SinkHandler:
-        return SinkHandler(
-            s, ObjectStore(s.s3, ctx.telemetry), Database(s.mysql, telemetry=ctx.telemetry),
-            ResultCache(s.redis, ctx.telemetry, "sink"), ctx.telemetry,
-        )
+        store, db = ObjectStore(s.s3, ctx.telemetry), Database(s.mysql, telemetry=ctx.telemetry)
+        cache = ResultCache(s.redis, ctx.telemetry, "sink")
+        for name, check in (("s3", store.ping), ("mysql", db.ping), ("redis", cache.ping)):
+            ctx.telemetry.add_probe(name, check)
+        return SinkHandler(s, store, db, cache, ctx.telemetry)
 
     await run_stage(
         stage="sink", settings=s, topic=s.topics.results, group_id=s.sink_group_id,

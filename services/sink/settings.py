@@ -17,6 +17,7 @@ class SinkSettings(CommonSettings):
         description='TTL overrides per request source, JSON, e.g. {"screenshot": 600}',
     )
     cache_ttl_by_task: dict[str, int] = Field(default_factory=dict, description="TTL overrides per task, JSON")
+    deferred_max_keys: int = Field(default=10_000, description="results kept to complete their waiters once Redis is back")
     output_lru_entries: int = Field(default=256, description="result documents kept in memory for cache hits")
 
     def ttl_for(self, source: str, task: str) -> int:

@@ -198,7 +198,7 @@ def test_credentials_only_from_secret_key_refs(manifests):
 
 def test_grace_period_exceeds_shutdown_timeout(manifests):
     for w in workloads(manifests):
-        shutdown = float(_stage_env(manifests, w).get("OCRSTREAM_SHUTDOWN_TIMEOUT_S", CommonSettings().shutdown_timeout_s))
+        shutdown = float(_stage_env(manifests, w).get("OCRSTREAM_SHUTDOWN_TIMEOUT_S", CommonSettings.model_fields["shutdown_timeout_s"].default))
         grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         # run_stage drains for shutdown_timeout_s, then stops the consumer and the producer (10 s each)
         assert grace > shutdown + 20, f"{component(w)}: grace {grace}s vs shutdown {shutdown}s"
@@ -285,8 +285,8 @@ def test_autoscalers_off_by_default_and_render_when_enabled():
     (so,) = by_kind(docs, "ScaledObject")
     trig = so["spec"]["triggers"][0]
     assert trig["type"] == "kafka"
-    assert trig["metadata"]["consumerGroup"] == InferSettings().infer_group_id
-    assert trig["metadata"]["topic"] == InferSettings().topics.infer
+    assert trig["metadata"]["consumerGroup"] == InferSettings.model_fields["infer_group_id"].default
+    assert trig["metadata"]["topic"] == InferSettings.model_fields["topics"].default.infer
     assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "ocrstream-infer"}
     (infer,) = [d for d in by_kind(docs, "Deployment") if component(d) == "infer"]
     assert "replicas" not in infer["spec"], "KEDA owns the replica count"

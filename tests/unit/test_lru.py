@@ -31,3 +31,9 @@ def test_entry_too_big_is_not_kept():
     lru = EntryLru(max_entries=10, max_bytes=5)
     lru.put("k", entry(1))
     assert len(lru) == 0 and lru.bytes == 0
+
+
+def test_entries_expire_after_ttl():
+    lru = EntryLru(max_entries=10, max_bytes=10**6, ttl_s=0.0)
+    lru.put("k", entry(1))
+    assert lru.get("k") is None and len(lru) == 0 and lru.bytes == 0

@@ -17,6 +17,15 @@ def test_segments_on_one_row_merge_left_to_right():
     assert abs(lines[0].confidence - (0.5 * 7 + 1.0 * 4) / 11) < 1e-9
 
 
+def test_characters_read_twice_in_overlapping_detections_are_dropped():
+    # RapidOCR on the CMYK case reads "QTY 1" and "12 PCS", the two boxes overlapping by ~28 px
+    lines = group_lines([seg(41, 165, 253, 235, "QTY 1"), seg(225, 168, 509, 227, "12 PCS")])
+    assert [l.text for l in lines] == ["QTY 12 PCS"]
+    # no overlap: nothing dropped even if the characters repeat
+    lines = group_lines([seg(0, 0, 100, 40, "AB 1"), seg(120, 0, 200, 40, "12")])
+    assert [l.text for l in lines] == ["AB 1 12"]
+
+
 def test_rows_that_barely_touch_stay_apart():
     lines = group_lines([seg(0, 0, 100, 40, "A"), seg(0, 35, 100, 75, "B")])
     assert [l.text for l in lines] == ["A", "B"]

@@ -1,0 +1,131 @@
+"""Dedup and cache through the full Kafka path, with the cache on and off, in one run.
+
+N requests (default 12,000) of which a share (default 43%) are byte-identical repeats of
+earlier images, re-ordered, paced at --rate requests/s. Small printed-text images keep the
+engine's share small, so what is measured is the pipeline. For each setting it prints:
+engine calls vs distinct images (must be equal with the cache on), and submit->completion
+latency p50/p99 of repeats that arrived after their first copy completed (served from the
+cache), of repeats that joined an in-flight inference, and of first copies.
+
+Usage: python -m bench.cache_bench [--n 12000] [--dup-ratio 0.43] [--rate 150]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import pct
+from services.cli.client import CompletionWatcher, Submitter
+from services.common.settings import CommonSettings
+from tests.conftest import text_image
+from tests.stack import Pipeline, namespace_env
+
+
+def make_workload(n: int, dup_ratio: float, seed: int = 11) -> tuple[list[bytes], int]:
+    """Request bodies: distinct printed images, then repeats of earlier ones spliced in at random later places."""
+    rng = random.Random(seed)
+    unique = round(n * (1 - dup_ratio))
+    images = [text_image([f"BENCH {i:05d} {rng.randrange(10**6):06d}"], size=28) for i in range(unique)]
+    seq = list(range(unique))
+    for _ in range(n - unique):
+        j = rng.randrange(unique)
+        seq.insert(rng.randrange(seq.index(j) + 1, len(seq) + 1), j)  # a repeat comes after its first copy
+    return [images[i] for i in seq], unique
+
+
+async def drive(p: Pipeline, bodies: list[bytes], rate: float, timeout: float) -> list[tuple[bytes, float, float]]:
+    """Submit at ``rate``/s; returns (body, submitted_at, completed_at) in seconds since the epoch."""
+    s = CommonSettings()
+    watcher, submitter = CompletionWatcher(s), Submitter(s)
+    await watcher.start()
+    await submitter.start()
+    sent: dict[str, tuple[bytes, float]] = {}
+    done: dict[str, float] = {}
+
+    async def collect():
+        async for ev in watcher.completions_forever():
+            done[ev.request_id] = ev.result.completed_at_ms / 1000
+            if len(done) == len(bodies):
+                return
+
+    collector = asyncio.create_task(collect())
+    t0 = time.time()
+    chunk = max(1, int(rate / 20))
+    for i in range(0, len(bodies), chunk):
+        part = bodies[i : i + chunk]
+        now = time.time()
+        ids = await submitter.submit_many([(b, None) for b in part], source="bench")
+        for rid, body in zip(ids, part):
+            sent[rid] = (body, now)
+        lag = t0 + (i + len(part)) / rate - time.time()
+        if lag > 0:
+            await asyncio.sleep(lag)
+    await submitter.stop()
+    await asyncio.wait_for(collector, timeout)
+    await watcher.stop()
+    return [(body, at, done[rid]) for rid, (body, at) in sent.items()]
+
+
+def summarize(label: str, rows: list[tuple[bytes, float, float]], calls: float, unique: int) -> None:
+    first_done: dict[bytes, float] = {}
+    first_seen: set[bytes] = set()
+    firsts, joined, hits = [], [], []
+    for body, sub, comp in sorted(rows, key=lambda r: r[1]):
+        ms = (comp - sub) * 1000
+        if body not in first_seen:
+            first_seen.add(body)
+            first_done[body] = comp
+            firsts.append(ms)
+        elif sub >= first_done[body]:
+            hits.append(ms)
+        else:
+            joined.append(ms)
+    print(f"[{label}] requests {len(rows)}, distinct {unique}, engine calls {calls:.0f}")
+    for name, vals in (("first copies", firsts), ("repeats after completion", hits), ("repeats joining in-flight", joined)):
+        if vals:
+            print(f"[{label}]   {name:26} n={len(vals):6d}  p50 {pct(vals, 50):8.1f} ms  p99 {pct(vals, 99):8.1f} ms")
+
+
+def run_setting(label: str, bodies: list[bytes], unique: int, rate: float, extra: dict[str, str]) -> None:
+    env = namespace_env(partitions=4)
+    os.environ.update(env)
+    subprocess.run([sys.executable, "-m", "services.cli", "init"], check=True, capture_output=True)
+    p = Pipeline(env={**env, **extra}, logdir=Path(tempfile.mkdtemp(prefix="cache-bench-")))
+    p.start_all()
+    try:
+        t0 = time.perf_counter()
+        rows = asyncio.run(drive(p, bodies, rate, timeout=7200))
+        wall = time.perf_counter() - t0
+        calls = p.engine_calls()
+    finally:
+        p.stop_all()
+    print(f"[{label}] {len(rows)} requests in {wall:.1f}s = {len(rows) / wall:.1f} requests/s")
+    summarize(label, rows, calls, unique)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=12000)
+    ap.add_argument("--dup-ratio", type=float, default=0.43)
+    ap.add_argument("--rate", type=float, default=150.0, help="submitted requests per second")
+    ap.add_argument("--skip-disabled", action="store_true", help="only the cache-on run")
+    args = ap.parse_args()
+    bodies, unique = make_workload(args.n, args.dup_ratio)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.n} requests, {unique} distinct "
+          f"({1 - unique / args.n:.0%} repeats), paced at {args.rate:.0f}/s")
+    run_setting("cache on", bodies, unique, args.rate, {})
+    if not args.skip_disabled:
+        run_setting("cache off", bodies, unique, args.rate, {"OCRSTREAM_CACHE_ENABLED": "false"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Fault-test fixtures: a pipeline of their own, helpers to stop and start stack services."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pymysql
+import pytest
+
+from services.common.settings import CommonSettings
+from tests.conftest import text_image
+from tests.stack import REPO, Pipeline, namespace_env, stack_reachable
+
+
+@pytest.fixture(scope="module")
+def fault_pipeline(tmp_path_factory):
+    """Stages in a fresh namespace, short retry backoff and drain bound."""
+    missing = stack_reachable()
+    if missing:
+        pytest.fail(f"local stack not reachable ({missing}): run deploy/local/up.sh first", pytrace=False)
+    env = namespace_env(partitions=4)
+    env.update({"OCRSTREAM_RETRY_MAX_BACKOFF_S": "2", "OCRSTREAM_SHUTDOWN_TIMEOUT_S": "15"})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
+    p = Pipeline(env=env, logdir=tmp_path_factory.mktemp("fault-logs"))
+    p.start_all()
+    yield p
+    p.stop_all()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def stack(action: str, service: str) -> None:
+    """``deploy/local/up.sh SERVICE`` or ``down.sh SERVICE``."""
+    script = {"up": "up.sh", "down": "down.sh"}[action]
+    subprocess.run(["bash", f"deploy/local/{script}", service], cwd=REPO, check=True, capture_output=True, timeout=180)
+
+
+def distinct_images(n: int, tag: str) -> list[tuple[bytes, str]]:
+    """``n`` small distinct printed-text images named by their text."""
+    return [(text_image([f"{tag} {i:04d}"], size=32), f"{tag} {i:04d}") for i in range(n)]
+
+
+def db_count(request_ids: list[str]) -> dict[str, int]:
+    """Rows per request id in MariaDB ``requests``."""
+    s = CommonSettings().mysql
+    conn = pymysql.connect(host=s.host, port=s.port, user=s.user, password=s.password.get_secret_value(),
+                           database=s.database)
+    try:
+        with conn.cursor() as cur:
+            marks = ",".join(["%s"] * len(request_ids))
+            cur.execute(f"SELECT request_id, COUNT(*) FROM requests WHERE request_id IN ({marks}) GROUP BY request_id",
+                        request_ids)
+            return dict(cur.fetchall())
+    finally:
+        conn.close()

@@ -1,0 +1,103 @@
+"""The infer handler's batch logic with a small in-memory engine and store (no Kafka, no S3)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import numpy as np
+import orjson
+from aiokafka import ConsumerRecord
+from PIL import Image
+
+from schemas.errors import ErrorCode
+from schemas.events import InferEvent, RequestEvent, ResultEvent
+from services.common.errors import OcrError
+from services.common.events import dumps
+from services.common.settings import TelemetrySettings
+from services.common.telemetry import Telemetry
+from services.common.textlines import Segment
+from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
+from services.infer.handler import InferHandler
+from services.infer.settings import InferSettings
+
+
+class MemoryStore:
+    """The two ObjectStore calls the handler makes, over a dict."""
+
+    def __init__(self, objects: dict[str, bytes]):
+        self.objects = objects
+
+    async def get_uri(self, uri: str, max_bytes: int | None = None) -> bytes:
+        if uri not in self.objects:
+            raise OcrError(ErrorCode.MISSING_OBJECT, uri)
+        return self.objects[uri]
+
+
+class ScriptedEngine(OcrEngine):
+    """Answers by image height: 111 -> timeout, 222 -> raises, else one segment spanning the image."""
+
+    name = "scripted"
+    max_side = 1000
+
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []
+
+    async def start(self) -> None:
+        self.ready = True
+
+    async def ocr(self, images, timeout_s):
+        out = []
+        for img in images:
+            h, w = img.shape[:2]
+            self.calls.append((h, w))
+            if h == 111:
+                out.append(EngineTimeout("too slow"))
+            elif h == 222:
+                out.append(RuntimeError("kaboom"))
+            else:
+                out.append(EngineOutput([Segment([[0, 0], [w, 0], [w, h], [0, h]], f"TEXT {h}x{w}", 0.9)], 5.0))
+        return out
+
+
+def png(w: int, h: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), "white").save(buf, "PNG")
+    return buf.getvalue()
+
+
+def record(i: int, uri: str) -> ConsumerRecord:
+    ev = InferEvent(request=RequestEvent(request_id=f"r{i}", content_sha256=f"{i:064d}", image_uri=uri),
+                    cache_key=f"abcdefabcdef:{i:064d}")
+    return ConsumerRecord("ocr.infer", 0, i, 0, 0, None, dumps(ev), None, 0, 0, [])
+
+
+def run(objects: dict[str, bytes], uris: list[str]):
+    engine = ScriptedEngine()
+    handler = InferHandler(InferSettings(), MemoryStore(objects), engine, Telemetry("infer", TelemetrySettings()))
+    out = asyncio.run(handler.handle([record(i, u) for i, u in enumerate(uris)]))
+    return [ResultEvent.model_validate(orjson.loads(o.value)) for o in out], engine
+
+
+def test_one_slow_or_failing_image_does_not_fail_the_batch():
+    objs = {"s3://b/ok": png(300, 100), "s3://b/slow": png(300, 111), "s3://b/bad": png(300, 222),
+            "s3://b/junk": b"not an image"}
+    results, engine = run(objs, ["s3://b/ok", "s3://b/slow", "s3://b/bad", "s3://b/junk", "s3://b/ok"])
+    assert [r.status for r in results] == ["ok", "error", "error", "error", "ok"]
+    assert [r.error.code for r in results[1:4]] == [ErrorCode.TIMEOUT, ErrorCode.ENGINE_ERROR,
+                                                    ErrorCode.UNSUPPORTED_FORMAT]
+    assert results[0].lines[0].text == "TEXT 100x300" and results[0].pages[0].width == 300
+    assert len(engine.calls) == 4  # the undecodable image never reaches the engine
+    assert {"fetch", "decode", "inference", "queue_infer"} <= set(results[0].request.timings_ms)
+
+
+def test_large_pages_are_downscaled_for_the_engine_and_boxes_mapped_back():
+    results, engine = run({"s3://b/big": png(2000, 1500)}, ["s3://b/big"])
+    assert engine.calls == [(750, 1000)]  # max_side 1000
+    assert results[0].lines[0].box == [[0, 0], [2000, 0], [2000, 1500], [0, 1500]]
+
+
+def test_long_pages_are_sliced_and_every_tile_reaches_the_engine():
+    results, engine = run({"s3://b/long": png(300, 5000)}, ["s3://b/long"])
+    assert len(engine.calls) > 4 and all(h <= 1000 and w == 300 for h, w in engine.calls)
+    assert results[0].status == "ok" and results[0].pages[0].height == 5000
