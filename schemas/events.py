@@ -89,6 +89,8 @@ class SubmitEvent(_Frozen):
     def _one_image(self) -> "SubmitEvent":
         if (self.image_b64 is None) == (self.image_uri is None):
             raise ValueError("exactly one of image_b64 or image_uri is required")
+        if sum(len(k) + len(v) for k, v in self.metadata.items()) > 16_384:
+            raise ValueError("metadata is limited to 16 KiB")
         return self
 
     def image_bytes(self) -> bytes:

@@ -116,9 +116,10 @@ def submit(
             head = f"== {sub.path.name}  [{res.status}{' cache hit' if res.cache_hit else ''}]  {sub.request_id}"
             if res.status != "ok":
                 failed += 1
-                console.print(f"{head}\n   error {res.error.code.value}: {res.error.message}", highlight=False)
+                console.print(f"{head}\n   error {res.error.code.value}: {res.error.message}", highlight=False, markup=False)
             elif not quiet:
-                console.print(f"{head}  {len(res.lines)} lines, {res.timings_ms.get('total', 0):.0f} ms", highlight=False)
+                console.print(f"{head}  {len(res.lines)} lines, {res.timings_ms.get('total', 0):.0f} ms", highlight=False,
+                              markup=False)
                 console.print(res.text or "(no text)", highlight=False, markup=False)
         console.print(f"{len(done)}/{len(subs)} completed, {failed} failed or missing"
                       + (f"; results in {out.resolve()}" if out else ""))

@@ -128,6 +128,7 @@ async def run_stage(
         max_wait_ms=max_wait_ms,
         max_attempts=settings.max_attempts,
         max_backoff_s=settings.retry_max_backoff_s,
+        dlq_topic=settings.topics.dlq,
     )
     task = asyncio.create_task(runner.run(stop))
     stopped = asyncio.create_task(stop.wait())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 
 import orjson
 from aiokafka import ConsumerRecord
@@ -15,8 +16,14 @@ from services.common.kafka import Outgoing
 from schemas.topics import Topics
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+DLQ_VALUE_MAX_BYTES = 512 * 1024
+"""Original values larger than this are cut in the DLQ event (base64 grows them by a third)."""
+
+
 def _b64(raw: bytes | None) -> str | None:
-    return base64.b64encode(raw).decode() if raw is not None else None
+    return base64.b64encode(raw[:DLQ_VALUE_MAX_BYTES]).decode() if raw is not None else None
 
 
 def request_id_of(record: ConsumerRecord) -> str | None:
@@ -51,6 +58,9 @@ def poison_messages(
     """
     code = exc.code if isinstance(exc, OcrError) else ErrorCode.INTERNAL_ERROR
     rid = request.request_id if request else request_id_of(record)
+    if rid is None and record.topic == topics.submit and record.key:
+        key = record.key.decode(errors="replace")
+        rid = key if _REQUEST_ID.fullmatch(key) else None  # upstream keys submissions by request id
     dlq = DlqEvent(
         stage=stage,
         topic=record.topic,
@@ -59,7 +69,8 @@ def poison_messages(
         key_b64=_b64(record.key),
         value_b64=_b64(record.value),
         headers={k: base64.b64encode(v).decode() for k, v in (record.headers or [])},
-        reason=f"{type(exc).__name__}: {exc}"[:2000],
+        reason=(f"{type(exc).__name__}: {exc}"[:2000]
+                + (f" (value cut to {DLQ_VALUE_MAX_BYTES} bytes)" if record.value and len(record.value) > DLQ_VALUE_MAX_BYTES else "")),
         error_code=code,
         attempts=attempts,
         request_id=rid,

@@ -29,6 +29,9 @@ from services.common.telemetry import traced
 
 PDF_MAGIC = b"%PDF-"
 PDF_RENDER_DPI = 200
+TOTAL_PIXELS_FACTOR = 2
+"""All pages of one input together may hold at most this many times ``max_pixels`` (a small
+multi-page file must not decode to gigabytes)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
         finally:
             doc.close()
         _check_pixels(w, h, max_pixels)
+        _check_total(w * h * n, max_pixels)
         return ImageInfo("PDF", w, h, n)
     try:
         with warnings.catch_warnings():
@@ -96,7 +100,14 @@ def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
         frames = getattr(img, "n_frames", 1) or 1
         if frames > max_pages:
             raise OcrError(ErrorCode.TOO_MANY_PAGES, f"image has {frames} frames, limit {max_pages}")
+        _check_total(w * h * frames, max_pixels)
         return ImageInfo(img.format or "unknown", w, h, frames)
+
+
+def _check_total(total: int, max_pixels: int) -> None:
+    if total > TOTAL_PIXELS_FACTOR * max_pixels:
+        raise OcrError(ErrorCode.IMAGE_TOO_LARGE,
+                       f"all pages hold {total} pixels, limit {TOTAL_PIXELS_FACTOR * max_pixels}")
 
 
 def _check_pixels(w: int, h: int, max_pixels: int) -> None:
@@ -156,10 +167,13 @@ def decode(data: bytes, max_pixels: int, max_pages: int) -> list[np.ndarray]:
     if info.format == "PDF":
         return _render_pdf(data, max_pixels)
     pages: list[np.ndarray] = []
+    total = 0
     try:
         with Image.open(io.BytesIO(data)) as img:
             for frame in ImageSequence.Iterator(img):
                 _check_pixels(frame.size[0], frame.size[1], max_pixels)
+                total += frame.size[0] * frame.size[1]
+                _check_total(total, max_pixels)
                 frame.load()
                 upright = ImageOps.exif_transpose(frame) if len(pages) == 0 else frame
                 pages.append(np.asarray(to_rgb(upright), dtype=np.uint8).copy())

@@ -25,13 +25,25 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, MessageSizeTooLargeError
 
 from services.common.errors import is_transient
 from services.common.kafka import Outgoing
 from services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
+
+
+def _oversized_stub(stage: str, dlq_topic: str, msg: Outgoing, key: bytes | None, exc: BaseException) -> tuple:
+    """``(topic, value, key)`` of a DLQ event standing in for a message too large to produce."""
+    from schemas.errors import ErrorCode
+    from schemas.events import DlqEvent
+    from services.common.events import dumps
+
+    ev = DlqEvent(stage=stage, topic=msg.topic, partition=-1, offset=-1, reason=f"message too large: {exc}"[:2000],
+                  error_code=ErrorCode.INPUT_TOO_LARGE,
+                  request_id=(key.decode(errors="replace")[:64] if key else None))
+    return (dlq_topic, dumps(ev), key)
 
 
 class Handler(ABC):
@@ -81,6 +93,7 @@ class StageRunner:
         max_wait_ms: Longest time to wait for a batch to fill; a lone record never waits longer.
         max_attempts: Attempts before a record is handed to ``Handler.poison``.
         max_backoff_s: Cap of the backoff between retries while a dependency is down.
+        dlq_topic: Where a stub goes in place of a message too large to produce.
     """
 
     def __init__(
@@ -95,6 +108,7 @@ class StageRunner:
         max_wait_ms: int = 20,
         max_attempts: int = 3,
         max_backoff_s: float = 10.0,
+        dlq_topic: str = "ocr.dlq",
     ):
         self.stage = stage
         self.consumer = consumer
@@ -105,6 +119,7 @@ class StageRunner:
         self.max_wait_ms = max_wait_ms
         self.max_attempts = max_attempts
         self.max_backoff_s = max_backoff_s
+        self.dlq_topic = dlq_topic
         self._carry: list[ConsumerRecord] = []
         self._last_idle = 0.0
         self._last_lag = 0.0
@@ -262,9 +277,15 @@ class StageRunner:
                 key = msg.key.encode() if isinstance(msg.key, str) else msg.key
                 span, headers = self.telemetry.produce_span(msg.topic, msg.headers)  # traced messages only
                 spans.append(span)
-                futures.append(
-                    await self.producer.send(msg.topic, msg.value, key=key, headers=headers or None)
-                )
+                try:
+                    futures.append(
+                        await self.producer.send(msg.topic, msg.value, key=key, headers=headers or None)
+                    )
+                except MessageSizeTooLargeError as exc:
+                    # Never crash-loop on one oversized message: a small DLQ stub takes its place.
+                    log.error("%s: %d-byte message for %s is over the size limit; sent to the DLQ instead",
+                              self.stage, len(msg.value), msg.topic)
+                    futures.append(await self.producer.send(*_oversized_stub(self.stage, self.dlq_topic, msg, key, exc)))
             results = await asyncio.gather(*futures, return_exceptions=True)
             for span, res in zip(spans, results):
                 self.telemetry.end_produce(span, res)

@@ -159,7 +159,9 @@ class InferHandler(Handler):
                 if it.error is not None:
                     continue
                 if isinstance(res, BaseException):
-                    code = ErrorCode.TIMEOUT if isinstance(res, EngineTimeout) else ErrorCode.ENGINE_ERROR
+                    code = (ErrorCode.TIMEOUT if isinstance(res, EngineTimeout)
+                        else ErrorCode.IMAGE_TOO_LARGE if isinstance(res, MemoryError)  # deterministic: not retried
+                        else ErrorCode.ENGINE_ERROR)
                     it.error = OcrError(code, str(res) or type(res).__name__)
                     continue
                 weight[id(it)] = weight.get(id(it), 0.0) + res.inference_ms

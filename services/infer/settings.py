@@ -16,7 +16,7 @@ class InferSettings(CommonSettings):
     infer_max_poll_interval_ms: int = Field(default=300_000, description="partitions are paused while a batch runs")
     fetch_concurrency: int = Field(default=8, description="S3 gets in flight per batch")
     # RapidOCR (CPU) engine
-    rapidocr_threads: int = Field(default=2, description="ONNX Runtime intra-op threads per image")
+    rapidocr_threads: int = Field(default=1, description="ONNX Runtime intra-op threads per image (bench/engine_tuning.py)")
     rapidocr_workers: int = Field(default=1, description="images in flight per process")
     engine_max_side: int = Field(default=2000, description="longest side (px) handed to the engine; larger is downscaled")
     tile_max_aspect: float = Field(default=3.0, description="pages longer than engine_max_side and longer/shorter above this are sliced into tiles")

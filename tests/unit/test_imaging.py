@@ -125,3 +125,12 @@ def test_pdf_pages_are_rendered():
     [page] = decode(data, BIG, 5)
     h, w = page.shape[:2]
     assert abs(w / h - 1.5) < 0.02 and page[: h // 10, : w // 10].mean() < 60
+
+
+def test_total_pixels_of_all_pages_are_bounded():
+    frames = [Image.new("L", (1000, 1000), 255) for _ in range(5)]  # 5 Mpx in a tiny file
+    data = encode(frames[0], "TIFF", save_all=True, append_images=frames[1:], compression="tiff_deflate")
+    with pytest.raises(OcrError) as e:
+        sniff(data, 2_000_000, 20)  # each page fits, all together do not (limit 2 x 2 Mpx)
+    assert e.value.code is ErrorCode.IMAGE_TOO_LARGE
+    assert len(decode(data, 3_000_000, 20)) == 5

@@ -12,6 +12,12 @@ from services.common.textlines import Segment
 from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
 
 
+MIN_SIDE = 8
+"""Pages thinner than this (pixels) cannot hold legible text: an empty result, no engine call."""
+MAX_ASPECT = 10
+"""Longest side / shortest side handed to RapidOCR; thinner strips are padded with white."""
+
+
 class RapidOcrEngine(OcrEngine):
     """RapidOCR (PP-OCRv4 det + rec, mobile cls) on ONNX Runtime.
 
@@ -27,7 +33,7 @@ class RapidOcrEngine(OcrEngine):
 
     name = "rapidocr"
 
-    def __init__(self, intra_op_threads: int = 2, workers: int = 1, max_side: int = 2000):
+    def __init__(self, intra_op_threads: int = 1, workers: int = 1, max_side: int = 2000):
         self.intra_op_threads = intra_op_threads
         self.workers = workers
         self.max_side = max_side
@@ -55,6 +61,16 @@ class RapidOcrEngine(OcrEngine):
 
     def _one(self, image: np.ndarray) -> EngineOutput:
         started = time.perf_counter()
+        h, w = image.shape[:2]
+        if min(h, w) < MIN_SIDE:
+            return EngineOutput([], 0.0)  # too thin to hold legible text
+        if max(h, w) > MAX_ASPECT * min(h, w):
+            # RapidOCR scales the short side up to 736 px: a 30x2000 strip would become a
+            # 49,000x736 detector input (GiBs). Pad the short side with white instead.
+            ph, pw = (max(h, -(-w // MAX_ASPECT)), w) if h < w else (h, max(w, -(-h // MAX_ASPECT)))
+            padded = np.full((ph, pw, 3), 255, dtype=np.uint8)
+            padded[:h, :w] = image
+            image = padded
         result, _ = self._ocr(image)
         segs = [
             Segment(box=[[float(x), float(y)] for x, y in box], text=str(text), confidence=float(score))
@@ -69,14 +85,17 @@ class RapidOcrEngine(OcrEngine):
         loop = asyncio.get_running_loop()
 
         async def one(img: np.ndarray) -> EngineOutput | BaseException:
-            async with self._slots:
-                fut = loop.run_in_executor(self._pool, self._one, img)
-                try:
-                    return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-                except asyncio.TimeoutError:
-                    return EngineTimeout(f"inference took longer than {timeout_s:g} s")
-                except Exception as exc:
-                    return exc
+            # The slot is held until the thread really finishes (not just until the timeout), so a
+            # timed-out image never eats into the next image's time budget.
+            await self._slots.acquire()
+            fut = loop.run_in_executor(self._pool, self._one, img)
+            fut.add_done_callback(lambda _: self._slots.release())
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            except asyncio.TimeoutError:
+                return EngineTimeout(f"inference took longer than {timeout_s:g} s")
+            except Exception as exc:
+                return exc
 
         return list(await asyncio.gather(*(one(img) for img in images)))
 

@@ -1,0 +1,45 @@
+"""The CPU engine's guards: thin strips, per-image timeouts that do not leak into the next image."""
+
+import asyncio
+
+import numpy as np
+
+from services.infer.engines.base import EngineTimeout
+from services.infer.engines.rapid import RapidOcrEngine
+from tests.conftest import text_image
+
+
+def test_thin_strips_are_handled_without_blowing_up_memory():
+    async def run():
+        engine = RapidOcrEngine()
+        await engine.start()
+        try:
+            white = lambda h, w: np.full((h, w, 3), 255, np.uint8)  # noqa: E731
+            out = await engine.ocr([white(1, 100_000), white(30, 1999), white(1999, 30)], timeout_s=120)
+            assert all(not isinstance(o, BaseException) and o.segments == [] for o in out), out
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_a_timed_out_image_does_not_eat_the_next_images_budget():
+    from io import BytesIO
+
+    from PIL import Image
+
+    page = np.asarray(Image.open(BytesIO(text_image(["TIMEOUT CHECK 42"]))).convert("RGB"))
+
+    async def run():
+        engine = RapidOcrEngine(workers=1)
+        await engine.start()
+        try:
+            [first] = await engine.ocr([page], timeout_s=0.001)
+            assert isinstance(first, EngineTimeout)
+            [second] = await engine.ocr([page], timeout_s=60)
+            assert not isinstance(second, BaseException), second
+            assert " ".join(s.text for s in second.segments) == "TIMEOUT CHECK 42"
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
