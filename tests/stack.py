@@ -7,6 +7,7 @@ so tests never see a running demo's messages and leave the defaults untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -197,3 +198,33 @@ class Pipeline:
         finally:
             await watcher.stop()
         return [done[i] for i in ids]
+
+
+@contextlib.contextmanager
+def namespaced_pipeline(logdir: Path, extra_env: dict[str, str] | None = None, partitions: int = 4):
+    """A running pipeline in a fresh namespace (topics created), with this process's environment
+    pointed at it for the duration; restored afterwards.
+
+    Args:
+        logdir: Folder for the stage logs (created).
+        extra_env: Settings for these stages on top of the namespace (e.g. shorter timeouts).
+        partitions: Partitions per topic.
+    """
+    env = {**namespace_env(partitions=partitions), **(extra_env or {})}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
+        logdir.mkdir(parents=True, exist_ok=True)
+        p = Pipeline(env=env, logdir=logdir)
+        try:
+            p.start_all()
+            yield p
+        finally:
+            p.stop_all()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

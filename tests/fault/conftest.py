@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pymysql
 import pytest
 
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
-from tests.stack import REPO, Pipeline, namespace_env, stack_reachable
+from tests.stack import REPO, namespaced_pipeline, stack_reachable
 
 
 @pytest.fixture(scope="module")
@@ -20,21 +18,10 @@ def fault_pipeline(tmp_path_factory):
     missing = stack_reachable()
     if missing:
         pytest.fail(f"local stack not reachable ({missing}): run deploy/local/up.sh first", pytrace=False)
-    env = namespace_env(partitions=4)
-    env.update({"OCRSTREAM_RETRY_MAX_BACKOFF_S": "2", "OCRSTREAM_SHUTDOWN_TIMEOUT_S": "15",
-                "OCRSTREAM_KAFKA__SESSION_TIMEOUT_MS": "10000", "OCRSTREAM_KAFKA__HEARTBEAT_INTERVAL_MS": "1000"})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
-    p = Pipeline(env=env, logdir=tmp_path_factory.mktemp("fault-logs"))
-    p.start_all()
-    yield p
-    p.stop_all()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    extra = {"OCRSTREAM_RETRY_MAX_BACKOFF_S": "2", "OCRSTREAM_SHUTDOWN_TIMEOUT_S": "15",
+             "OCRSTREAM_KAFKA__SESSION_TIMEOUT_MS": "10000", "OCRSTREAM_KAFKA__HEARTBEAT_INTERVAL_MS": "1000"}
+    with namespaced_pipeline(tmp_path_factory.mktemp("fault-logs"), extra) as p:
+        yield p
 
 
 def stack(action: str, service: str) -> None:

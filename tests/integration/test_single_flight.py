@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -11,25 +10,14 @@ import time
 import pytest
 
 from tests.conftest import REPO, SAMPLES, text_image
-from tests.stack import Pipeline, metric_value, namespace_env
+from tests.stack import metric_value, namespaced_pipeline
 
 
 @pytest.fixture(scope="module")
 def sf_pipeline(stack_env, tmp_path_factory):
     """A pipeline of its own (own topics and Redis prefix), default (long) in-flight lease."""
-    env = namespace_env(partitions=4)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
-    p = Pipeline(env=env, logdir=tmp_path_factory.mktemp("sf-logs"))
-    p.start_all()
-    yield p
-    p.stop_all()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with namespaced_pipeline(tmp_path_factory.mktemp("sf-logs")) as p:
+        yield p
 
 
 async def test_thousand_requests_over_hundred_images_cost_hundred_inferences(sf_pipeline):

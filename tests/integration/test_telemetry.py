@@ -21,7 +21,7 @@ from PIL import Image
 
 from services.cli.report import STAGES as REPORT_STAGES
 from tests.conftest import REPO, SAMPLES
-from tests.stack import Pipeline, metric_value, namespace_env
+from tests.stack import Pipeline, metric_value, namespaced_pipeline
 
 SOURCE = f"tel-{uuid.uuid4().hex[:8]}"  # unique: the report filters on it
 N_SAMPLES = 4
@@ -34,23 +34,10 @@ MISS_KEYS = ("queue_ingest", "ingest", "queue_dedup", "dedup", "queue_infer", "f
 def tel_pipeline(stack_env, tmp_path_factory):
     """Own topics and Redis prefix (so every image is a cache miss), spans to a JSON-lines file."""
     tmp = tmp_path_factory.mktemp("telemetry")
-    env = namespace_env(partitions=2)
-    env["OCRSTREAM_TELEMETRY__TRACES_EXPORTER"] = "file"
-    env["OCRSTREAM_TELEMETRY__TRACES_FILE"] = str(tmp / "spans.jsonl")
-    env["OCRSTREAM_TELEMETRY__PROBE_INTERVAL_S"] = "1"
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
-    p = Pipeline(env=env, logdir=tmp / "logs")
-    p.logdir.mkdir()
-    p.start_all()
-    yield p
-    p.stop_all()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    extra = {"OCRSTREAM_TELEMETRY__TRACES_EXPORTER": "file", "OCRSTREAM_TELEMETRY__TRACES_FILE": str(tmp / "spans.jsonl"),
+             "OCRSTREAM_TELEMETRY__PROBE_INTERVAL_S": "1"}
+    with namespaced_pipeline(tmp / "logs", extra, partitions=2) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
