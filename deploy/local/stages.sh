@@ -16,8 +16,15 @@ case "${1:-}" in
   start)
     for st in ingest dedup infer sink; do
       if alive "$st"; then echo "$st: already running (pid $(cat "$PIDS/stage-$st.pid"))"; continue; fi
-      (cd "$ROOT" && OCRSTREAM_TELEMETRY__METRICS_PORT="${PORT[$st]}" setsid nohup "$PY" -m "services.$st" \
-        >>"$LOGS/stage-$st.log" 2>&1 </dev/null & echo $! >"$PIDS/stage-$st.pid")
+      if curl -fsS "http://127.0.0.1:${PORT[$st]}/healthz" >/dev/null 2>&1; then
+        echo "$st: port ${PORT[$st]} is already served by a process this script did not start; stop it first"; exit 1
+      fi
+      rm -f "$PIDS/stage-$st.pid"
+      # the stage records its own pid (bash execs python), so stop signals the stage itself
+      (cd "$ROOT" && OCRSTREAM_TELEMETRY__METRICS_PORT="${PORT[$st]}" setsid nohup bash -c \
+        'echo $$ >"$0"; exec "$1" -m "services.$2"' "$PIDS/stage-$st.pid" "$PY" "$st" \
+        >>"$LOGS/stage-$st.log" 2>&1 </dev/null &)
+      for _ in $(seq 1 50); do [[ -s "$PIDS/stage-$st.pid" ]] && break; sleep 0.1; done
       echo "$st: started (pid $(cat "$PIDS/stage-$st.pid")), log $LOGS/stage-$st.log, metrics :${PORT[$st]}"
     done
     for st in ingest dedup infer sink; do
