@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.common import pct
 from tests.conftest import text_image
-from tests.stack import Pipeline, namespace_env
+from tests.stack import Pipeline, env_applied, namespace_env
 
 
 def images(n: int, tag: str) -> list[tuple[bytes, str]]:
@@ -35,16 +35,8 @@ def images(n: int, tag: str) -> list[tuple[bytes, str]]:
 
 def start(env: dict[str, str], logdir: Path, max_batch: int) -> Pipeline:
     """A pipeline in namespace ``env`` (topics created), one process per stage, ready."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with env_applied(env):
         subprocess.run([sys.executable, "-m", "services.cli", "init"], check=True, capture_output=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     p = Pipeline(env=env, logdir=logdir)
     for st in ("ingest", "dedup", "sink"):
         p.start(st, wait_ready=False)
@@ -57,18 +49,10 @@ def start(env: dict[str, str], logdir: Path, max_batch: int) -> Pipeline:
 
 def run_round(p: Pipeline, items: list[tuple[bytes, str]]) -> tuple[float, list[float]]:
     """Push ``items`` through ``p``; returns (images/s, submit->completion latencies in ms)."""
-    saved = {k: os.environ.get(k) for k in p.env}
-    os.environ.update(p.env)  # the submitter reads the namespace's topics from the environment
-    try:
+    with env_applied(p.env):  # the submitter reads the namespace's topics from the environment
         t0 = time.perf_counter()
         docs = asyncio.run(p.run(items, timeout=1800, source="bench"))
         wall = time.perf_counter() - t0
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     bad = [d for d in docs if d.status != "ok"]
     assert not bad, bad[0].error
     return len(docs) / wall, [d.completed_at_ms - d.submitted_at_ms for d in docs]

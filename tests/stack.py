@@ -201,6 +201,21 @@ class Pipeline:
 
 
 @contextlib.contextmanager
+def env_applied(env: dict[str, str]):
+    """This process's environment updated with ``env`` for the duration; restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def namespaced_pipeline(logdir: Path, extra_env: dict[str, str] | None = None, partitions: int = 4):
     """A running pipeline in a fresh namespace (topics created), with this process's environment
     pointed at it for the duration; restored afterwards.
@@ -211,9 +226,7 @@ def namespaced_pipeline(logdir: Path, extra_env: dict[str, str] | None = None, p
         partitions: Partitions per topic.
     """
     env = {**namespace_env(partitions=partitions), **(extra_env or {})}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with env_applied(env):
         subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
         logdir.mkdir(parents=True, exist_ok=True)
         p = Pipeline(env=env, logdir=logdir)
@@ -222,9 +235,3 @@ def namespaced_pipeline(logdir: Path, extra_env: dict[str, str] | None = None, p
             yield p
         finally:
             p.stop_all()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
