@@ -134,6 +134,9 @@ class RequestEvent(_Frozen):
         description="W3C trace context of the request's trace (set by ingest); keeps a request completed "
         "on another's behalf (a single-flight waiter) in its own trace",
     )
+    api_key_id: str | None = Field(
+        default=None, description="id of the API key that submitted the request over HTTP (None: Kafka or no auth)"
+    )
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -194,6 +197,9 @@ class ResultDocument(_Frozen):
             image's share of its engine batch), ``postprocess``, ``batch_wait`` (in infer,
             waiting on the rest of the batch), ``write`` and ``total`` (submit to completion).
         trace_id: The request's OpenTelemetry trace id (32 hex digits).
+        callback_url: Where the completion is delivered as a signed webhook (HTTP submissions).
+        api_key_id: The API key that submitted the request over HTTP, when keys are required.
+        metadata: The submitter's own key/value pairs, returned unchanged.
     """
 
     schema_: Literal["ocr.result_document.v1"] = Field(default="ocr.result_document.v1", alias="schema")
@@ -219,6 +225,9 @@ class ResultDocument(_Frozen):
     completed_at_ms: int | None = None
     timings_ms: dict[str, float] = Field(default_factory=dict)
     trace_id: str | None = None
+    callback_url: str | None = None
+    api_key_id: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 

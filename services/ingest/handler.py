@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import binascii
-import hashlib
 import logging
 import time
 
@@ -13,22 +12,17 @@ from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
-from schemas.keys import image_object_key
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.events import derived_request_id, dumps, loads, queue_wait_ms
-from services.common.imaging import sniff
 from services.common.kafka import Outgoing
 from services.common.runner import Handler
 from services.common.s3 import ObjectStore
 from services.common.telemetry import SpanKind, Telemetry, record_attrs as _record_attrs
+from services.ingest.accept import accept_image
 from services.ingest.settings import IngestSettings
 
 log = logging.getLogger(__name__)
-
-_CONTENT_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "TIFF": "image/tiff",
-                  "WEBP": "image/webp", "BMP": "image/bmp", "PDF": "application/pdf"}
-
 
 class IngestHandler(Handler):
     """Checks each submission and stores its image by content hash.
@@ -103,16 +97,12 @@ class IngestHandler(Handler):
                 raise OcrError(ErrorCode.INVALID_REQUEST, f"image_b64 is not valid base64: {exc}") from exc
         else:
             data = await self.store.get_uri(event.image_uri, max_bytes=limits.max_image_bytes)
-        if len(data) > limits.max_image_bytes:
-            raise OcrError(ErrorCode.INPUT_TOO_LARGE, f"{len(data)} bytes exceeds the limit of {limits.max_image_bytes}")
-        info = await asyncio.to_thread(sniff, data, limits.max_pixels, limits.max_pages)
-        sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-        key = image_object_key(sha)
-        await self.store.put_if_absent(key, data, _CONTENT_TYPES.get(info.format, "application/octet-stream"))
+        acc = await accept_image(data, limits, self.store)
         return base.model_copy(
             update={
-                "content_sha256": sha, "image_uri": self.store.uri(key), "size_bytes": len(data),
-                "format": info.format, "width": info.width, "height": info.height, "frames": info.frames,
+                "content_sha256": acc.content_sha256, "image_uri": acc.image_uri, "size_bytes": acc.size_bytes,
+                "format": acc.info.format, "width": acc.info.width, "height": acc.info.height,
+                "frames": acc.info.frames,
             }
         )
 

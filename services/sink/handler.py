@@ -283,6 +283,9 @@ class SinkHandler(Handler):
             completed_at_ms=completed,
             timings_ms=timings,
             trace_id=self.telemetry.trace_id(span),
+            callback_url=req.callback_url,
+            api_key_id=req.api_key_id,
+            metadata=req.metadata,
         )
         with self.telemetry.use(span):
             log.info("sink: request %s completed: %s%s in %.0f ms", req.request_id, ev.status,
