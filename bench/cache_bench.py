@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from bench.common import pct
-from services.cli.client import CompletionWatcher, Submitter
+from services.cli.client import Submitter
+from services.common.completions import CompletionWatcher
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
 from tests.stack import Pipeline, namespace_env

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas.events import ResultDocument
-from services.cli.client import CompletionWatcher, Submitter
+from services.cli.client import Submitter
+from services.common.completions import CompletionWatcher
 from services.common.settings import CommonSettings
 
 REPO = Path(__file__).resolve().parent.parent

@@ -6,17 +6,16 @@ import asyncio
 import base64
 import hashlib
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiokafka import TopicPartition
 from opentelemetry import trace
 
-from schemas.events import CompletedEvent, SubmitEvent
+from schemas.events import SubmitEvent
 from schemas.keys import image_object_key
-from services.common.events import dumps, loads
-from services.common.kafka import make_consumer, make_producer
+from services.common.events import dumps
+
+from services.common.kafka import make_producer
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings
 from services.common.telemetry import Telemetry
@@ -47,54 +46,6 @@ def collect_files(paths: list[Path]) -> list[Path]:
         else:
             raise FileNotFoundError(f"no such file or folder: {p}")
     return out
-
-
-class CompletionWatcher:
-    """Reads ``ocr.completed`` from the current end of every partition (no consumer group).
-
-    Start it *before* submitting so no completion is missed.
-    """
-
-    def __init__(self, settings: CommonSettings):
-        self.s = settings
-        self.consumer = make_consumer(settings.kafka, [], None, client_id="ocrstream-cli", auto_offset_reset="latest")
-
-    async def start(self) -> None:
-        """Connect, assign all partitions of ``ocr.completed`` and seek to their end."""
-        await self.consumer.start()
-        parts = self.consumer.partitions_for_topic(self.s.topics.completed)
-        if not parts:
-            await self.consumer._client.force_metadata_update()
-            parts = self.consumer.partitions_for_topic(self.s.topics.completed) or set()
-        tps = [TopicPartition(self.s.topics.completed, p) for p in sorted(parts)]
-        self.consumer.assign(tps)
-        await self.consumer.seek_to_end(*tps)
-        for tp in tps:  # resolve positions now, before anything is submitted
-            await self.consumer.position(tp)
-
-    async def completions(self, request_ids: set[str]) -> AsyncIterator[CompletedEvent]:
-        """Yield the completion of each id in ``request_ids`` once (duplicates skipped)."""
-        remaining = set(request_ids)
-        while remaining:
-            batch = await self.consumer.getmany(timeout_ms=500)
-            for recs in batch.values():
-                for rec in recs:
-                    ev = loads(CompletedEvent, rec.value)
-                    if ev.request_id in remaining:
-                        remaining.discard(ev.request_id)
-                        yield ev
-
-    async def completions_forever(self) -> AsyncIterator[CompletedEvent]:
-        """Yield every completion from the start position on (duplicates included)."""
-        while True:
-            batch = await self.consumer.getmany(timeout_ms=500)
-            for recs in batch.values():
-                for rec in recs:
-                    yield loads(CompletedEvent, rec.value)
-
-    async def stop(self) -> None:
-        """Disconnect."""
-        await self.consumer.stop()
 
 
 def _trace_headers(request_id: str) -> list[tuple[str, bytes]] | None:

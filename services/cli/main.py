@@ -59,7 +59,8 @@ def submit(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the text"),
 ) -> None:
     """Publish images to ocr.submit; with --wait, show progress and print each image's text."""
-    from services.cli.client import CompletionWatcher, Submitter, collect_files
+    from services.cli.client import Submitter, collect_files
+    from services.common.completions import CompletionWatcher
 
     s = CommonSettings()
     try:
