@@ -251,3 +251,13 @@ class ResultCache:
                 deleted += await self.client.delete(k)
             await self.client.hdel(f"{self.p}:gens", gid)
         return deleted
+
+    # -- requests accepted over HTTP, not yet completed ----------------------------------------
+    async def mark_accepted(self, request_id: str, value: bytes, ttl_s: int) -> None:
+        """Remember an accepted request (``<prefix>:req:<id>`` = ``value``, expiring after ``ttl_s``)
+        so ``GET /v1/ocr/{id}`` can tell "pending" from "unknown". Raises :class:`CacheUnavailable`."""
+        await self._call("set", self.client.set(f"{self.p}:req:{request_id}", value, ex=ttl_s))
+
+    async def accepted(self, request_id: str) -> bytes | None:
+        """The value stored by :meth:`mark_accepted`, or None. Raises :class:`CacheUnavailable`."""
+        return await self._call("get", self.client.get(f"{self.p}:req:{request_id}"))
