@@ -161,7 +161,9 @@ class ResultEvent(_Frozen):
     """The outcome for one request on ``ocr.results`` (read by sink).
 
     From infer: ``lines``/``pages`` filled. From dedup on a cache hit: ``cache_hit`` true and
-    ``result_uri`` points at the stored result document. From ingest on bad input: status error.
+    ``result_uri`` points at the stored result document; on a near-duplicate hit, ``cache_hit``
+    true, ``near_duplicate_of`` set and ``lines``/``pages`` filled (the other image's lines,
+    boxes rescaled to this image). From ingest on bad input: status error.
     """
 
     schema_: Literal["ocr.result.v1"] = Field(default="ocr.result.v1", alias="schema")
@@ -169,6 +171,9 @@ class ResultEvent(_Frozen):
     request: RequestEvent
     cache_key: str | None = None
     cache_hit: bool = False
+    near_duplicate_of: str | None = Field(
+        default=None, description="SHA-256 of the image whose result was reused, boxes rescaled (near-duplicate hit)"
+    )
     status: Literal["ok", "error"]
     error: ErrorInfo | None = None
     engine: str | None = None
@@ -209,6 +214,10 @@ class ResultDocument(_Frozen):
     content_sha256: str | None = None
     cache_key: str | None = None
     cache_hit: bool = False
+    near_duplicate_of: str | None = Field(
+        default=None, description="set when the result is another image's (a verified near duplicate: re-encoded "
+        "or rescaled copy), boxes rescaled to this image: that image's SHA-256"
+    )
     engine: str | None = None
     model: str | None = None
     model_revision: str | None = None
@@ -247,6 +256,9 @@ class OcrOutput(_Frozen):
     lines: list[Line]
     text: str
     created_at_ms: int = Field(default_factory=now_ms)
+    near_duplicate_of: str | None = Field(
+        default=None, description="SHA-256 of the image this output was copied from (near duplicate), boxes rescaled"
+    )
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
