@@ -27,6 +27,7 @@ from services.common.settings import CommonSettings
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("ingest", "dedup", "infer", "sink")
+API = "ingest.api"  # the HTTP front door: ``Pipeline.start(API)``
 
 
 def free_port() -> int:
@@ -102,12 +103,14 @@ class Pipeline:
         return CommonSettings()
 
     def start(self, name: str, extra_env: dict[str, str] | None = None, wait_ready: bool = True) -> Stage:
-        """Start one more process of stage ``name``."""
+        """Start one more process of stage ``name`` (or of the HTTP door, :data:`API`, on ``Stage.port``)."""
         port = free_port()
         idx = len(self.stages.get(name, []))
         st = Stage(name, port, self.logdir / f"{name}-{idx}.log")
         env = dict(os.environ, **self.env, **(extra_env or {}), OCRSTREAM_TELEMETRY__METRICS_PORT=str(port),
                    PYTHONUNBUFFERED="1")
+        if name == API:  # the HTTP door serves /readyz and /metrics on its own port
+            env["OCRSTREAM_HTTP_PORT"] = str(port)
         with open(st.log, "ab") as logf:
             st.proc = subprocess.Popen([sys.executable, "-m", f"services.{name}"], cwd=REPO, env=env,
                                        stdout=logf, stderr=subprocess.STDOUT)

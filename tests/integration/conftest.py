@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
-from tests.stack import REPO, Pipeline, namespace_env, stack_reachable
+from tests.stack import API, REPO, Pipeline, namespace_env, stack_reachable
+
+API_MAX_BYTES = 1_000_000
+WEBHOOK_SECRET = "test-webhook-secret"
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +34,19 @@ def pipeline(stack_env, tmp_path_factory):
     p.start_all()
     yield p
     p.stop_all()
+
+
+@pytest.fixture(scope="session")
+def api(pipeline):
+    """The HTTP front door (one process) in front of the session's pipeline; base URL in ``.url``.
+
+    Uploads are limited to 1 MB here so the over-size tests stay small; webhooks may go to loopback.
+    """
+    st = pipeline.start(API, extra_env={
+        "OCRSTREAM_LIMITS__MAX_IMAGE_BYTES": str(API_MAX_BYTES),
+        "OCRSTREAM_WEBHOOK_ALLOWED_HOSTS": '["127.0.0.1", "localhost"]',
+        "OCRSTREAM_WEBHOOK_ALLOW_PRIVATE": "true",
+        "OCRSTREAM_WEBHOOK_SECRET": WEBHOOK_SECRET,
+    })
+    st.url = f"http://127.0.0.1:{st.port}"
+    return st

@@ -1,0 +1,1 @@
+"""The HTTP front door of the ingest stage: ``python -m services.ingest.api``."""

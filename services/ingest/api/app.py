@@ -1,0 +1,503 @@
+"""The HTTP front door of the ingest stage (FastAPI): submit, wait, read; no Kafka needed by callers.
+
+Routes (all JSON; errors are ``{"error": {"code", "message"}}``, see :mod:`.errors`):
+
+* ``POST /v1/ocr`` — one image, as the raw body (options in the query string) or as
+  ``multipart/form-data`` (a file part plus option fields). The byte limit is enforced while
+  reading (413 before the body is read when ``Content-Length`` is over it). A cached image is
+  answered at once with 200 and the finished result; otherwise the image is checked from its
+  header, stored once under its SHA-256 and sent on ``ocr.requests``: 202 with the request id.
+* ``POST /v1/ocr/batch`` — many images in one multipart body; one item per file.
+* ``GET /v1/ocr/{request_id}?wait=S`` — the request's state; with ``wait`` the call returns as
+  soon as the completion arrives on ``ocr.completed`` (or after S seconds, still pending).
+* ``GET /healthz``, ``GET /readyz``, ``GET /metrics``; ``GET /`` the web page.
+
+A request answered from the cache still gets its row in MariaDB, its completion on
+``ocr.completed`` and its webhook: the door publishes the cache hit on ``ocr.results`` for
+the sink, without waiting for the broker's acknowledgement (the caller already has the result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated
+
+import orjson
+from aiokafka import AIOKafkaProducer
+from fastapi import FastAPI, Query, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import FileResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from pydantic import BaseModel, Field, ValidationError
+
+from schemas.events import (
+    CompletedEvent, ErrorInfo, OcrOutput, RequestEvent, ResultDocument, ResultEvent, new_id, now_ms,
+)
+from schemas.keys import cache_key, image_object_key
+from services.common.app import kafka_reachable, setup_logging
+from services.common.cache import CacheUnavailable, ResultCache
+from services.common.db import Database
+from services.common.errors import OcrError
+from services.common.events import dumps
+from services.common.kafka import make_producer
+from services.common.s3 import ObjectStore, parse_s3_uri
+from services.common.telemetry import SpanKind, Telemetry
+from services.ingest.accept import accept_image
+from services.ingest.api.auth import Guard, Principal
+from services.ingest.api.errors import STATUS_OF_CODE, ApiError, api_error_handler
+from services.ingest.api.hub import CompletionHub
+from services.ingest.api.models import ApiErrorBody, BatchItem, BatchResponse, Health, Links, OcrResponse
+from services.ingest.api.settings import ApiSettings
+from services.ingest.api.uploads import MULTIPART_OVERHEAD, Upload, read_multipart, read_raw
+from services.ingest.api.webhooks import WebhookDispatcher, validate_callback_url
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).parent / "static"
+_ERRORS = {s: {"model": ApiErrorBody} for s in (400, 401, 413, 415, 422, 429, 503)}
+_RAW_TYPES = ("image/", "application/pdf", "application/octet-stream")
+
+
+class SubmitOptions(BaseModel):
+    """Options of one submission (query string for a raw body, form fields for multipart);
+    the same constraints as ``SubmitEvent``."""
+
+    request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")
+    task: str = Field(default="ocr", min_length=1, max_length=64)
+    source: str = Field(default="http", min_length=1, max_length=64)
+    filename: str | None = Field(default=None, max_length=512)
+    callback_url: str | None = Field(default=None, max_length=2048)
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, fields: dict[str, str]) -> "SubmitOptions":
+        """From query/form fields; ``metadata`` is a JSON object of strings.
+
+        Raises:
+            ApiError: 400 ``invalid_request`` naming the bad field.
+        """
+        data: dict = {k: v for k, v in fields.items() if k in cls.model_fields and v != ""}
+        if "metadata" in data:
+            try:
+                data["metadata"] = orjson.loads(data["metadata"])
+            except orjson.JSONDecodeError:
+                raise ApiError(400, "invalid_request", "metadata must be a JSON object of strings") from None
+        try:
+            opts = cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ApiError(400, "invalid_request", f"{where}: {first['msg']}") from None
+        if sum(len(k) + len(v) for k, v in opts.metadata.items()) > 16_384:
+            raise ApiError(400, "invalid_request", "metadata is limited to 16 KiB")
+        return opts
+
+
+class FrontDoor:
+    """Clients and logic behind the routes (one per process).
+
+    Args:
+        settings: The door's settings.
+    """
+
+    def __init__(self, settings: ApiSettings):
+        s = self.s = settings
+        self.telemetry = Telemetry("api", s.telemetry)
+        self.producer: AIOKafkaProducer | None = None  # Kafka clients need the running loop: made in start()
+        self.store = ObjectStore(s.s3, self.telemetry)
+        self.cache = ResultCache(s.redis, self.telemetry, stage="api")
+        self.db = Database(s.mysql, pool_size=8, telemetry=self.telemetry)
+        self.hub: CompletionHub | None = None
+        self.guard = Guard(s, self.cache, self.db)
+        self.webhooks = WebhookDispatcher(s, self.db, self.telemetry) if s.webhook_enabled else None
+        self._outputs: OrderedDict[str, OcrOutput] = OrderedDict()
+        self._tasks: set[asyncio.Task] = set()  # fire-and-forget work, referenced until done
+        self.started = asyncio.Event()
+        r = self.telemetry.registry
+        self.http_requests = Counter("ocrstream_http_requests", "HTTP submissions and reads by outcome",
+                                     ["route", "outcome"], registry=r)
+        self.http_seconds = Histogram("ocrstream_http_seconds", "Time to answer, by route and outcome",
+                                      ["route", "outcome"], registry=r,
+                                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 60))
+        self.telemetry.ready_checks.append(self.started.is_set)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect Kafka (producer and completion reader), start probes and webhook delivery.
+
+        Raises:
+            aiokafka.errors.KafkaError: Kafka unreachable (the process exits; k8s restarts it).
+        """
+        self.producer = make_producer(self.s.kafka, client_id="ocrstream-api")
+        await self.producer.start()
+        self.hub = CompletionHub(self.s, self.s.http_max_waiters)
+        await self.hub.start()
+        self.telemetry.add_probe("kafka", lambda: kafka_reachable(self.s.kafka.bootstrap_servers))
+        self.telemetry.add_probe("s3", self.store.ping)
+        if self.webhooks:
+            await self.webhooks.start()
+        self.started.set()
+        log.info("api: listening on http://%s:%d", self.s.http_host, self.s.http_port)
+
+    async def stop(self) -> None:
+        """Stop webhook delivery and the reader, flush the producer, close the pools."""
+        self.started.clear()
+        if self.webhooks:
+            await self.webhooks.stop()
+        await self.hub.stop()
+        await self.producer.stop()
+        await self.cache.close()
+        self.telemetry.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def links(self, rid: str) -> Links:
+        return Links(self=f"/v1/ocr/{rid}", wait=f"/v1/ocr/{rid}?wait={int(self.s.http_wait_max_s)}")
+
+    async def _output(self, uri: str) -> OcrOutput:
+        out = self._outputs.get(uri)
+        if out is not None:
+            self._outputs.move_to_end(uri)
+            return out
+        bucket, key = parse_s3_uri(uri)
+        out = OcrOutput.model_validate_json(await self.store.get(key, bucket=bucket))
+        if self.s.http_result_lru_entries:
+            self._outputs[uri] = out
+            while len(self._outputs) > self.s.http_result_lru_entries:
+                self._outputs.popitem(last=False)
+        return out
+
+    async def _known(self, rid: str, principal: Principal) -> ResultDocument | bool:
+        """The finished document, True if accepted and pending (or unknowable: Redis down), False if unknown."""
+        doc = await self.db.get_request(rid)
+        if doc is not None:
+            return doc if principal.key_id is None or doc.api_key_id == principal.key_id else False
+        try:
+            raw = await self.cache.accepted(rid)
+        except CacheUnavailable:
+            return True
+        if raw is None:
+            return False
+        owner = orjson.loads(raw).get("key")
+        return principal.key_id is None or owner == principal.key_id
+
+    # -- submit -------------------------------------------------------------------------------
+    async def submit(self, up: Upload, opts: SubmitOptions, principal: Principal,
+                     traceparent: str | None) -> tuple[int, OcrResponse]:
+        """One image: 200 + result when cached, 202 + request id when queued.
+
+        Raises:
+            ApiError: 4xx for bad input or options (nothing is stored or sent then);
+                503 ``unavailable`` when Kafka or S3 does not take the request.
+        """
+        started = time.perf_counter()
+        submitted = now_ms()
+        if opts.callback_url:
+            validate_callback_url(opts.callback_url, self.s)
+        rid = opts.request_id or new_id()
+        if opts.request_id:  # idempotent: a known id is answered with its state, not sent again
+            known = await self._known(rid, principal)
+            if isinstance(known, ResultDocument):
+                return 200, self._done(known)
+            if known is True:
+                return 202, OcrResponse(request_id=rid, status="pending", links=self.links(rid))
+        gen = self.s.engine.generation(opts.task)
+        key = cache_key(up.sha256, gen)
+        parent = [("traceparent", traceparent.encode())] if traceparent else None
+        with self.telemetry.span("api.submit", parent_headers=parent, kind=SpanKind.SERVER,
+                                 attributes={"ocrstream.request_id": rid}):
+            base = RequestEvent(
+                request_id=rid, content_sha256=up.sha256, image_uri=self.store.uri(image_object_key(up.sha256)),
+                size_bytes=len(up.data), task=opts.task, source=opts.source,
+                filename=opts.filename or up.filename, callback_url=opts.callback_url, submitted_at_ms=submitted,
+                metadata=opts.metadata, traceparent=self.telemetry.traceparent(), api_key_id=principal.key_id,
+            )
+            hit = await self._cached(key)
+            if hit is not None:
+                # until the sink stores its row, GET must know the id (not awaited: the caller has the result)
+                self._background(self._mark_accepted(rid, principal, up.sha256))
+                return 200, self._answer_from_cache(base, key, gen, *hit, started)
+            try:
+                acc = await accept_image(up.data, self.s.limits, self.store, sha256=up.sha256)
+            except OcrError as err:
+                if err.code.value in STATUS_OF_CODE:
+                    raise ApiError(STATUS_OF_CODE[err.code.value], err.code.value, err.message) from None
+                raise ApiError(503, "unavailable", f"the image could not be stored: {err.message}") from None
+            except Exception as exc:  # S3 down: nothing was promised yet, the caller may retry
+                raise ApiError(503, "unavailable", f"the image could not be stored: {exc!r}") from None
+            req = base.model_copy(update={
+                "format": acc.info.format, "width": acc.info.width, "height": acc.info.height,
+                "frames": acc.info.frames, "accepted_at_ms": now_ms(),
+                "timings_ms": {"http": round((time.perf_counter() - started) * 1000, 3)},
+            })
+            try:
+                await self.producer.send_and_wait(self.s.topics.requests, dumps(req), key=up.sha256.encode(),
+                                                  headers=self.telemetry.inject())
+            except Exception as exc:  # noqa: BLE001 - not acknowledged: not accepted
+                raise ApiError(503, "unavailable", f"Kafka did not acknowledge the request: {exc!r}") from None
+            await self._mark_accepted(rid, principal, up.sha256)
+            return 202, OcrResponse(request_id=rid, status="pending", links=self.links(rid))
+
+    async def _mark_accepted(self, rid: str, principal: Principal, sha: str) -> None:
+        try:
+            await self.cache.mark_accepted(rid, orjson.dumps({"key": principal.key_id, "sha": sha}),
+                                           self.s.http_accepted_ttl_s)
+        except CacheUnavailable:
+            pass  # GET then treats the id as pending-or-unknown and still waits for it
+
+    def _background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _cached(self, key: str) -> tuple[str, OcrOutput] | None:
+        """(result_uri, output) of a cached result, or None (miss, Redis down, document gone)."""
+        try:
+            entry = await self.cache.get(key)
+        except CacheUnavailable:
+            return None
+        if entry is None:
+            return None
+        try:
+            return entry.result_uri, await self._output(entry.result_uri)
+        except Exception:  # noqa: BLE001 - a vanished/unreadable document: compute it again
+            return None
+
+    def _answer_from_cache(self, base: RequestEvent, key: str, gen, result_uri: str, output: OcrOutput,
+                           started: float) -> OcrResponse:
+        elapsed = round((time.perf_counter() - started) * 1000, 3)
+        req = base.model_copy(update={"timings_ms": {"http": elapsed}})
+        ev = ResultEvent(request=req, cache_key=key, cache_hit=True, status="ok", result_uri=result_uri,
+                         engine=gen.engine, model=gen.model, model_revision=gen.model_revision)
+        fut = asyncio.ensure_future(self.producer.send(self.s.topics.results, dumps(ev), key=req.content_sha256.encode(),
+                                                       headers=self.telemetry.inject()))
+        fut.add_done_callback(self._count_send)
+        first = output.pages[0] if output.pages else None
+        doc = ResultDocument(
+            request_id=req.request_id, status="ok", content_sha256=req.content_sha256, cache_key=key, cache_hit=True,
+            engine=gen.engine, model=gen.model, model_revision=gen.model_revision,
+            width=first.width if first else None, height=first.height if first else None, pages=output.pages,
+            lines=output.lines, text=output.text, task=req.task, source=req.source, filename=req.filename,
+            result_uri=ev.result_uri, submitted_at_ms=req.submitted_at_ms, completed_at_ms=now_ms(),
+            timings_ms={"http": elapsed, "total": elapsed}, trace_id=self.telemetry.trace_id(),
+            callback_url=req.callback_url, api_key_id=req.api_key_id, metadata=req.metadata,
+        )
+        return OcrResponse(request_id=req.request_id, status="ok", cache_hit=True, result=doc,
+                           links=self.links(req.request_id))
+
+    def _count_send(self, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception():
+            self.http_requests.labels("submit", "cache_hit_publish_failed").inc()
+            log.warning("api: publishing a cache hit failed: %r", None if fut.cancelled() else fut.exception())
+            return
+        inner = fut.result()  # the broker's acknowledgement, awaited in the background
+        inner.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                                or self.http_requests.labels("submit", "cache_hit_publish_failed").inc())
+
+    # -- read ---------------------------------------------------------------------------------
+    def _done(self, doc: ResultDocument) -> OcrResponse:
+        return OcrResponse(request_id=doc.request_id, status=doc.status, cache_hit=doc.cache_hit, result=doc,
+                           error=doc.error, links=self.links(doc.request_id))
+
+    async def read(self, rid: str, wait: float, principal: Principal) -> OcrResponse:
+        """The request's state, waiting up to ``wait`` seconds for its completion.
+
+        Raises:
+            ApiError: 404 ``not_found`` (unknown id, or another key's request), 503
+                ``overloaded`` (too many long-polls) or ``unavailable`` (MariaDB down).
+        """
+        fut = None
+        if wait > 0:
+            try:
+                fut = self.hub.register(rid)
+            except OverflowError as exc:
+                raise ApiError(503, "overloaded", str(exc), {"Retry-After": "1"}) from None
+        try:
+            try:
+                known = await self._known(rid, principal)
+            except Exception as exc:  # noqa: BLE001 - MariaDB down: only a wait can still answer
+                if fut is None:
+                    raise ApiError(503, "unavailable", f"results store unavailable: {exc!r}") from None
+                known = True
+            if isinstance(known, ResultDocument):
+                return self._done(known)
+            if known is False:
+                raise ApiError(404, "not_found", f"no request {rid!r}")
+            if fut is not None:
+                try:
+                    ev: CompletedEvent = await asyncio.wait_for(asyncio.shield(fut), wait)
+                except asyncio.TimeoutError:
+                    pass
+                else:
+                    if principal.key_id is None or ev.result.api_key_id == principal.key_id:
+                        return self._done(ev.result)
+            return OcrResponse(request_id=rid, status="pending", links=self.links(rid))
+        finally:
+            if fut is not None:
+                self.hub.unregister(rid, fut)
+
+
+def _json(model: BaseModel, status: int) -> Response:
+    return Response(model.model_dump_json(by_alias=True), status_code=status, media_type="application/json")
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
+    """The ASGI app. Clients connect in the lifespan (so importing this module is cheap).
+
+    Args:
+        settings: Defaults to :class:`ApiSettings` read from the environment.
+    """
+    s = settings or ApiSettings()
+    door = FrontDoor(s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await door.start()
+        try:
+            yield
+        finally:
+            await door.stop()
+
+    app = FastAPI(
+        title="ocrstream",
+        version="1",
+        summary="Streaming OCR over Kafka: submit images over HTTP, get results at once, by long-poll or webhook.",
+        lifespan=lifespan,
+        responses=_ERRORS,
+    )
+    app.state.door = door
+    app.add_exception_handler(ApiError, api_error_handler)
+    if s.http_cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=s.http_cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Content-Type", "X-API-Key", "Authorization"])
+
+    @app.post("/v1/ocr", response_model=OcrResponse, status_code=202, tags=["ocr"],
+              responses={200: {"model": OcrResponse, "description": "cached: the finished result"}},
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "image/*": {"schema": {"type": "string", "format": "binary"}},
+                  "application/pdf": {"schema": {"type": "string", "format": "binary"}},
+                  "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                  "multipart/form-data": {"schema": {
+                      "type": "object", "required": ["file"],
+                      "properties": {"file": {"type": "string", "format": "binary"},
+                                     **{k: {"type": "string"} for k in SubmitOptions.model_fields}}}}}}})
+    async def submit(
+        request: Request,
+        task: Annotated[str | None, Query(max_length=64)] = None,
+        source: Annotated[str | None, Query(max_length=64)] = None,
+        filename: Annotated[str | None, Query(max_length=512)] = None,
+        callback_url: Annotated[str | None, Query(max_length=2048)] = None,
+        request_id: Annotated[str | None, Query(max_length=64)] = None,
+        metadata: Annotated[str | None, Query(description="JSON object of strings")] = None,
+    ) -> Response:
+        """Submit one image: 200 with the result when cached, else 202 with the request id."""
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            principal = await door.guard.check(request)
+            ctype = request.headers.get("content-type", "")
+            query = {k: v for k, v in dict(task=task, source=source, filename=filename, callback_url=callback_url,
+                                           request_id=request_id, metadata=metadata).items() if v is not None}
+            if ctype.startswith("multipart/form-data"):
+                ups, fields = await read_multipart(request, s.limits.max_image_bytes,
+                                                   s.limits.max_image_bytes + MULTIPART_OVERHEAD, 1)
+                up = ups[0]
+                opts = SubmitOptions.parse({**query, **fields})
+            elif ctype.startswith(_RAW_TYPES) or not ctype:
+                opts = SubmitOptions.parse(query)
+                up = await read_raw(request, s.limits.max_image_bytes)
+            else:
+                raise ApiError(415, "unsupported_format", f"Content-Type {ctype!r}: send image bytes or multipart/form-data")
+            status, body = await door.submit(up, opts, principal, request.headers.get("traceparent"))
+            outcome = "cached" if status == 200 else "accepted"
+            return _json(body, status)
+        except ApiError as err:
+            outcome = err.code
+            raise
+        finally:
+            door.http_requests.labels("submit", outcome).inc()
+            door.http_seconds.labels("submit", outcome).observe(time.perf_counter() - started)
+
+    @app.post("/v1/ocr/batch", response_model=BatchResponse, status_code=202, tags=["ocr"],
+              responses={200: {"model": BatchResponse, "description": "every item finished (cached or rejected)"}},
+              openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+                  "type": "object", "required": ["files"],
+                  "properties": {"files": {"type": "array", "items": {"type": "string", "format": "binary"}},
+                                 **{k: {"type": "string"} for k in SubmitOptions.model_fields if k != "request_id"}}}}}}})
+    async def submit_batch(request: Request) -> Response:
+        """Submit many images in one multipart body (every file part; shared option fields)."""
+        principal = await door.guard.check(request)
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise ApiError(415, "unsupported_format", "send multipart/form-data with one file part per image")
+        ups, fields = await read_multipart(request, s.limits.max_image_bytes, s.http_batch_max_bytes,
+                                           s.http_batch_max_files)
+        fields.pop("request_id", None)
+        opts = SubmitOptions.parse(fields)
+        sem = asyncio.Semaphore(s.ingest_concurrency)
+
+        async def one(i: int, up: Upload) -> BatchItem:
+            async with sem:
+                try:
+                    _, res = await door.submit(up, opts, principal, request.headers.get("traceparent"))
+                except ApiError as err:
+                    return BatchItem(index=i, filename=up.filename, request_id="", status="error",
+                                     error=ErrorInfo.model_construct(code=err.code, message=err.message))
+                return BatchItem(index=i, filename=up.filename, **res.model_dump(exclude={"links"}), links=res.links)
+
+        items = await asyncio.gather(*(one(i, u) for i, u in enumerate(ups)))
+        door.http_requests.labels("batch", "accepted").inc(len(items))
+        status = 200 if all(it.status != "pending" for it in items) else 202
+        return _json(BatchResponse(items=list(items)), status)
+
+    @app.get("/v1/ocr/{request_id}", response_model=OcrResponse, tags=["ocr"])
+    async def read(
+        request: Request,
+        request_id: Annotated[str, Field(max_length=64)],
+        wait: Annotated[float, Query(ge=0, description="seconds to wait for completion (long-poll)")] = 0,
+    ) -> Response:
+        """The request's state; ``?wait=S`` returns as soon as it completes, or pending after S seconds."""
+        principal = await door.guard.check(request)
+        started = time.perf_counter()
+        res = await door.read(request_id, min(wait, s.http_wait_max_s), principal)
+        door.http_seconds.labels("read", res.status).observe(time.perf_counter() - started)
+        return _json(res, 200)
+
+    @app.get("/healthz", response_model=Health, tags=["ops"])
+    async def healthz() -> Response:
+        """Liveness: the process answers."""
+        return _json(Health(ok=True), 200)
+
+    @app.get("/readyz", response_model=Health, tags=["ops"], responses={503: {"model": Health}})
+    async def readyz() -> Response:
+        """Readiness: Kafka connected, S3 reachable."""
+        missing = door.telemetry.not_ready()
+        return _json(Health(ok=not missing, not_ready=missing), 503 if missing else 200)
+
+    @app.get("/metrics", tags=["ops"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus metrics of this process."""
+        return Response(generate_latest(door.telemetry.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> Response:
+        page = STATIC / "index.html"
+        if not page.exists():
+            raise ApiError(404, "not_found", "the web page is not installed")
+        return FileResponse(page, media_type="text/html")
+
+    return app
+
+
+def serve(settings: ApiSettings | None = None) -> None:
+    """Run the door with uvicorn until SIGTERM (blocking)."""
+    import uvicorn
+
+    s = settings or ApiSettings()
+    setup_logging("api", s.telemetry.log_level)
+    config = uvicorn.Config(create_app(s), host=s.http_host, port=s.http_port, loop="uvloop", http="httptools",
+                            access_log=False, log_config=None, timeout_graceful_shutdown=int(s.shutdown_timeout_s))
+    uvicorn.Server(config).run()

@@ -1,0 +1,55 @@
+"""HTTP errors of the front door: a status plus a stable error code and a message.
+
+Every error response has the body ``{"error": {"code": "...", "message": "..."}}``. Codes are
+those of :class:`schemas.errors.ErrorCode` for bad images (``input_too_large``,
+``unsupported_format``, ...) plus the HTTP door's own: ``unauthorized``, ``rate_limited``,
+``quota_exceeded``, ``not_found``, ``callback_not_allowed``, ``overloaded``, ``unavailable``.
+"""
+
+from __future__ import annotations
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from schemas.errors import ErrorCode
+
+#: HTTP status for each image error code raised by :func:`services.ingest.accept.accept_image`.
+STATUS_OF_CODE: dict[str, int] = {
+    ErrorCode.EMPTY_INPUT.value: 400,
+    ErrorCode.INPUT_TOO_LARGE.value: 413,
+    ErrorCode.UNSUPPORTED_FORMAT.value: 415,
+    ErrorCode.CORRUPT_IMAGE.value: 422,
+    ErrorCode.IMAGE_TOO_LARGE.value: 413,
+    ErrorCode.TOO_MANY_PAGES.value: 413,
+    ErrorCode.INVALID_REQUEST.value: 400,
+}
+
+
+class ApiError(Exception):
+    """An error answered as ``status`` with ``{"error": {"code", "message"}}``.
+
+    Args:
+        status: HTTP status code.
+        code: Stable error code (see the module docstring).
+        message: Human-readable detail.
+        headers: Extra response headers (e.g. ``Retry-After`` on 429).
+    """
+
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or {}
+
+    def response(self) -> Response:
+        """The JSON error response."""
+        body = orjson.dumps({"error": {"code": self.code, "message": self.message}})
+        return Response(body, status_code=self.status, media_type="application/json", headers=self.headers)
+
+
+async def api_error_handler(_: Request, exc: Exception) -> Response:
+    """Starlette exception handler for :class:`ApiError`."""
+    assert isinstance(exc, ApiError)
+    return exc.response()

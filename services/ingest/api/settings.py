@@ -1,0 +1,43 @@
+"""Settings of the HTTP front door (env prefix ``OCRSTREAM_``, e.g. ``OCRSTREAM_HTTP_PORT``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+
+from services.ingest.settings import IngestSettings
+
+
+class ApiSettings(IngestSettings):
+    """Settings of ``python -m services.ingest.api`` (the ingest stage's HTTP door).
+
+    Off-by-default for local use: no API keys, no rate limits, CORS closed, webhooks only to
+    hosts on an allow-list. The Helm values turn keys and limits on.
+    """
+
+    http_host: str = Field(default="127.0.0.1", description="address the HTTP door listens on")
+    http_port: int = Field(default=8080, description="port of the HTTP door (also serves /metrics, /healthz, /readyz)")
+    http_wait_max_s: float = Field(default=60.0, gt=0, description="longest long-poll a GET ?wait= may ask for, s")
+    http_max_waiters: int = Field(default=10_000, ge=1, description="long-polls held at once per process; more get 503")
+    http_batch_max_files: int = Field(default=64, ge=1, description="images per POST /v1/ocr/batch")
+    http_batch_max_bytes: int = Field(default=128 * 1024 * 1024, description="body bytes per POST /v1/ocr/batch")
+    http_accepted_ttl_s: int = Field(default=7 * 86_400, description="how long an accepted request id is remembered as pending, s")
+    http_result_lru_entries: int = Field(default=4_096, ge=0, description="result documents kept in memory for cached answers")
+    http_cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty = closed")
+
+    auth_required: bool = Field(default=False, description="require an API key (X-API-Key or Bearer) on /v1/ routes")
+    rate_limit_per_s: float = Field(default=0.0, ge=0, description="default per-key request rate, tokens/s; 0 = unlimited")
+    rate_limit_burst: int = Field(default=20, ge=1, description="default per-key token bucket size")
+
+    webhook_enabled: bool = Field(default=True, description="deliver completions to callback URLs from this process")
+    webhook_group_id: str = Field(default="ocrstream-webhooks", description="consumer group of the webhook dispatcher")
+    webhook_allowed_hosts: list[str] = Field(
+        default_factory=list, description="host names (fnmatch patterns) callbacks may go to; empty = none"
+    )
+    webhook_allow_private: bool = Field(
+        default=False, description="allow callbacks to loopback/private/link-local addresses (local testing only)"
+    )
+    webhook_secret: SecretStr | None = Field(
+        default=None, description="HMAC key for callbacks of requests made without an API key"
+    )
+    webhook_timeout_s: float = Field(default=10.0, gt=0, description="per-attempt timeout of a callback, s")
+    webhook_retry_for_s: float = Field(default=3_600.0, gt=0, description="how long a failing callback is retried, s")

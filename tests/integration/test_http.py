@@ -1,0 +1,166 @@
+"""The HTTP front door on the real stack: upload, long-poll, cached answers, limits, batch."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import text_image
+from tests.integration.conftest import API_MAX_BYTES
+
+pytestmark = pytest.mark.stack
+
+
+def _client(api) -> httpx.Client:
+    return httpx.Client(base_url=api.url, timeout=90)
+
+
+def test_upload_long_poll_and_cached_repeat_match_the_kafka_path(api, pipeline):
+    img = text_image(["HTTP DESK", "LONG POLL"], size=40)
+    with _client(api) as c:
+        r = c.post("/v1/ocr", content=img, headers={"Content-Type": "image/png"},
+                   params={"source": "web", "filename": "door.png", "metadata": '{"ticket": "T-1"}'})
+        assert r.status_code == 202, r.text
+        body = r.json()
+        rid = body["request_id"]
+        assert body["status"] == "pending" and body["links"]["self"] == f"/v1/ocr/{rid}"
+
+        t0 = time.monotonic()
+        got = c.get(f"/v1/ocr/{rid}", params={"wait": 60}).json()
+        assert got["status"] == "ok", got
+        assert time.monotonic() - t0 < 60  # woken by the completion, not by the timeout
+        doc = got["result"]
+        assert doc["text"] == "HTTP DESK\nLONG POLL"
+        assert doc["source"] == "web" and doc["filename"] == "door.png" and doc["metadata"] == {"ticket": "T-1"}
+        assert doc["cache_hit"] is False
+
+        # the same image through Kafka gives the same result
+        [kafka_doc] = asyncio.run(pipeline.run([(img, "door.png")]))
+        assert kafka_doc.text == doc["text"]
+        assert [ln.text for ln in kafka_doc.lines] == [ln["text"] for ln in doc["lines"]]
+        assert [ln.box for ln in kafka_doc.lines] == [ln["box"] for ln in doc["lines"]]
+
+        # a repeat is answered at once from the cache, 200 with the full result
+        r2 = c.post("/v1/ocr", content=img, headers={"Content-Type": "image/png"})
+        assert r2.status_code == 200, r2.text
+        hit = r2.json()
+        assert hit["status"] == "ok" and hit["cache_hit"] is True
+        assert hit["result"]["text"] == doc["text"] and hit["result"]["lines"] == doc["lines"]
+        # ... and still gets its row in MariaDB through the sink
+        rid2 = hit["request_id"]
+        deadline = time.monotonic() + 60
+        while True:
+            stored = c.get(f"/v1/ocr/{rid2}", params={"wait": 5}).json()
+            if stored["status"] != "pending" or time.monotonic() > deadline:
+                break
+        assert stored["status"] == "ok" and stored["result"]["cache_hit"] is True
+        assert stored["result"]["text"] == doc["text"]
+
+
+def test_multipart_upload_with_options_and_idempotent_request_id(api):
+    img = text_image(["MULTIPART 0815"], size=40)
+    rid = f"mp-{time.time_ns()}"
+    with _client(api) as c:
+        files = {"file": ("form.png", img, "image/png")}
+        r = c.post("/v1/ocr", files=files, data={"request_id": rid, "task": "ocr", "source": "form"})
+        assert r.status_code == 202, r.text
+        assert r.json()["request_id"] == rid
+        again = c.post("/v1/ocr", files=files, data={"request_id": rid})  # a retry by the client
+        assert again.status_code in (200, 202) and again.json()["request_id"] == rid
+        got = c.get(f"/v1/ocr/{rid}", params={"wait": 60}).json()
+        assert got["status"] == "ok" and got["result"]["text"] == "MULTIPART 0815"
+        assert got["result"]["filename"] == "form.png" and got["result"]["source"] == "form"
+
+
+def test_bad_input_gets_a_specific_error_and_the_next_image_still_goes_through(api):
+    with _client(api) as c:
+        r = c.post("/v1/ocr", content=b"%!PS-Adobe not an image", headers={"Content-Type": "application/octet-stream"})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_format"
+        r = c.post("/v1/ocr", content=b"", headers={"Content-Type": "image/png"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "empty_input"
+        r = c.post("/v1/ocr", content=b"x", headers={"Content-Type": "text/plain"})
+        assert r.status_code == 415
+        r = c.post("/v1/ocr", content=text_image(["X"]), headers={"Content-Type": "image/png"},
+                   params={"request_id": "bad id with spaces"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        assert "request_id" in r.json()["error"]["message"]
+        jpeg = text_image(["TRUNCATED"], fmt="JPEG")
+        truncated = jpeg[: len(jpeg) // 2]  # header fine, data cut: found by the decoder
+        r = c.post("/v1/ocr", content=truncated, headers={"Content-Type": "image/jpeg"})
+        assert r.status_code == 202
+        bad = c.get(f"/v1/ocr/{r.json()['request_id']}", params={"wait": 60}).json()
+        assert bad["status"] == "error" and bad["error"]["code"] == "corrupt_image"
+        ok = c.post("/v1/ocr", content=text_image(["NEXT ONE 77"]), headers={"Content-Type": "image/png"}).json()
+        got = c.get(f"/v1/ocr/{ok['request_id']}", params={"wait": 60}).json()
+        assert got["status"] == "ok" and got["result"]["text"] == "NEXT ONE 77"
+        r = c.get("/v1/ocr/no-such-request")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def _raw_http(port: int, head: bytes, body_chunks: list[bytes]) -> tuple[bytes, int]:
+    """Send ``head`` then body chunks until the server answers; returns (status line, body bytes sent)."""
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head)
+        s.settimeout(0.2)
+        for chunk in body_chunks:
+            try:
+                data = s.recv(4096)
+                if data:
+                    return data.split(b"\r\n", 1)[0], sent
+            except socket.timeout:
+                pass
+            try:
+                s.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(chunk)
+        s.settimeout(10)
+        return s.recv(4096).split(b"\r\n", 1)[0], sent
+
+
+def test_oversize_upload_is_refused_before_the_body_is_read(api):
+    port = api.port
+    chunk = b"\0" * 65536
+    # declared too large: 413 before a byte of the body is sent
+    head = (f"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            f"Content-Length: {API_MAX_BYTES * 50}\r\n\r\n").encode()
+    status, sent = _raw_http(port, head, [chunk] * 800)
+    assert b" 413 " in status + b" ", status
+    assert sent < API_MAX_BYTES * 50 // 4, sent
+    # chunked, no length: refused as soon as the limit is passed, not after the whole body
+    head = b"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nTransfer-Encoding: chunked\r\n\r\n"
+    framed = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
+    status, sent = _raw_http(port, head, [framed] * 800)
+    assert b" 413 " in status + b" ", status
+    assert sent < 800 * len(framed) // 2, sent
+
+
+def test_batch_upload_one_item_per_file(api):
+    imgs = [text_image([f"BATCH ITEM {i}"], size=40) for i in range(3)]
+    with _client(api) as c:
+        files = [("files", (f"b{i}.png", img, "image/png")) for i, img in enumerate(imgs)]
+        files.append(("files", ("junk.bin", b"not an image at all", "application/octet-stream")))
+        r = c.post("/v1/ocr/batch", files=files, data={"source": "batch"})
+        assert r.status_code == 202, r.text
+        items = r.json()["items"]
+        assert [it["index"] for it in items] == [0, 1, 2, 3]
+        assert items[3]["status"] == "error" and items[3]["error"]["code"] == "unsupported_format"
+        texts = []
+        for it in items[:3]:
+            got = c.get(f"/v1/ocr/{it['request_id']}", params={"wait": 60}).json()
+            assert got["status"] == "ok"
+            texts.append(got["result"]["text"])
+        assert texts == ["BATCH ITEM 0", "BATCH ITEM 1", "BATCH ITEM 2"]
+
+
+def test_health_and_metrics(api):
+    with _client(api) as c:
+        assert c.get("/healthz").json() == {"ok": True, "not_ready": []}
+        assert c.get("/readyz").status_code == 200
+        text = c.get("/metrics").text
+        assert "ocrstream_http_requests_total" in text
