@@ -159,7 +159,7 @@ class SinkHandler(Handler):
         key = ev.cache_key
         extra: list[Outgoing] = []
         if ev.status == "ok":
-            if ev.cache_hit:
+            if ev.cache_hit and ev.near_duplicate_of is None:  # exact hit: the document exists
                 try:
                     output = await self._load_output(ev.result_uri)
                 except OcrError as err:
@@ -169,7 +169,7 @@ class SinkHandler(Handler):
                     log.warning("sink: cached result %s is gone; re-sending %s to inference", ev.result_uri, req.request_id)
                     return [], [Outgoing(self.s.topics.infer, req.content_sha256, dumps(InferEvent(request=req, cache_key=key)), headers)]
                 entry = None
-            else:
+            else:  # computed, or a near-duplicate hit (lines rescaled by dedup): stored under this key
                 output, entry = await self._store_output(ev)
             waiters = await self._waiters(key, entry, self.s.ttl_for(req.source, req.task), ev, output)
             docs = [self._doc(r, output, ev, queued, started, cache_hit=ev.cache_hit or r is not req)
@@ -215,7 +215,7 @@ class SinkHandler(Handler):
         output = OcrOutput(
             cache_key=ev.cache_key, content_sha256=req.content_sha256, engine=ev.engine or "", model=ev.model or "",
             model_revision=ev.model_revision or "", task=req.task, pages=ev.pages, lines=ev.lines,
-            text=full_text(ev.lines),
+            text=full_text(ev.lines), near_duplicate_of=ev.near_duplicate_of,
         )
         okey = result_object_key(ev.cache_key)
         body = dumps(output)
@@ -267,6 +267,7 @@ class SinkHandler(Handler):
             content_sha256=req.content_sha256,
             cache_key=ev.cache_key,
             cache_hit=cache_hit,
+            near_duplicate_of=output.near_duplicate_of if output else None,
             engine=ev.engine,
             model=ev.model,
             model_revision=ev.model_revision,
