@@ -29,14 +29,14 @@ from typing import Annotated
 
 import orjson
 from aiokafka import AIOKafkaProducer
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Path as PathParam, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 
 from schemas.events import (
-    CompletedEvent, ErrorInfo, OcrOutput, RequestEvent, ResultDocument, ResultEvent, new_id, now_ms,
+    CompletedEvent, OcrOutput, RequestEvent, ResultDocument, ResultEvent, new_id, now_ms,
 )
 from schemas.keys import cache_key, image_object_key
 from services.common.app import kafka_reachable, setup_logging
@@ -51,7 +51,7 @@ from services.ingest.accept import accept_image
 from services.ingest.api.auth import Guard, Principal
 from services.ingest.api.errors import STATUS_OF_CODE, ApiError, api_error_handler
 from services.ingest.api.hub import CompletionHub
-from services.ingest.api.models import ApiErrorBody, BatchItem, BatchResponse, Health, Links, OcrResponse
+from services.ingest.api.models import ApiErrorBody, ApiErrorDetail, BatchItem, BatchResponse, Health, Links, OcrResponse
 from services.ingest.api.settings import ApiSettings
 from services.ingest.api.uploads import MULTIPART_OVERHEAD, Upload, read_multipart, read_raw
 from services.ingest.api.webhooks import WebhookDispatcher, validate_callback_url
@@ -200,7 +200,10 @@ class FrontDoor:
             validate_callback_url(opts.callback_url, self.s)
         rid = opts.request_id or new_id()
         if opts.request_id:  # idempotent: a known id is answered with its state, not sent again
-            known = await self._known(rid, principal)
+            try:
+                known = await self._known(rid, principal)
+            except Exception:  # noqa: BLE001 - MariaDB down: send it; the sink stores each id once
+                known = False
             if isinstance(known, ResultDocument):
                 return 200, self._done(known)
             if known is True:
@@ -300,8 +303,9 @@ class FrontDoor:
 
     # -- read ---------------------------------------------------------------------------------
     def _done(self, doc: ResultDocument) -> OcrResponse:
+        err = ApiErrorDetail(code=doc.error.code.value, message=doc.error.message) if doc.error else None
         return OcrResponse(request_id=doc.request_id, status=doc.status, cache_hit=doc.cache_hit, result=doc,
-                           error=doc.error, links=self.links(doc.request_id))
+                           error=err, links=self.links(doc.request_id))
 
     async def read(self, rid: str, wait: float, principal: Principal) -> OcrResponse:
         """The request's state, waiting up to ``wait`` seconds for its completion.
@@ -445,7 +449,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                     _, res = await door.submit(up, opts, principal, request.headers.get("traceparent"))
                 except ApiError as err:
                     return BatchItem(index=i, filename=up.filename, request_id="", status="error",
-                                     error=ErrorInfo.model_construct(code=err.code, message=err.message))
+                                     error=ApiErrorDetail(code=err.code, message=err.message))
                 return BatchItem(index=i, filename=up.filename, **res.model_dump(exclude={"links"}), links=res.links)
 
         items = await asyncio.gather(*(one(i, u) for i, u in enumerate(ups)))
@@ -456,7 +460,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     @app.get("/v1/ocr/{request_id}", response_model=OcrResponse, tags=["ocr"])
     async def read(
         request: Request,
-        request_id: Annotated[str, Field(max_length=64)],
+        request_id: Annotated[str, PathParam(max_length=64)],
         wait: Annotated[float, Query(ge=0, description="seconds to wait for completion (long-poll)")] = 0,
     ) -> Response:
         """The request's state; ``?wait=S`` returns as soon as it completes, or pending after S seconds."""

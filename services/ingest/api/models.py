@@ -6,9 +6,17 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from schemas.events import ErrorInfo, ResultDocument
+from schemas.events import ResultDocument
 
 Status = Literal["pending", "ok", "error"]
+
+
+class ApiErrorDetail(BaseModel):
+    """An error: a stable ``code`` (an image error code of the pipeline, or one of the HTTP door's
+    own such as ``rate_limited``) and a human-readable ``message``."""
+
+    code: str
+    message: str
 
 
 class Links(BaseModel):
@@ -29,7 +37,7 @@ class OcrResponse(BaseModel):
     status: Status
     cache_hit: bool = False
     result: ResultDocument | None = None
-    error: ErrorInfo | None = None
+    error: ApiErrorDetail | None = None
     links: Links
 
 
@@ -50,7 +58,7 @@ class BatchResponse(BaseModel):
 class ApiErrorBody(BaseModel):
     """Body of every 4xx/5xx answer."""
 
-    error: ErrorInfo | dict
+    error: ApiErrorDetail
 
 
 class Health(BaseModel):
