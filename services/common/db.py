@@ -190,6 +190,19 @@ class Database:
         """Run a read query; rows as dicts."""
         return await self._run("query", self._query, sql, args)
 
+    def _execute(self, sql: str, args: tuple) -> int:
+        with self._conn() as conn, conn.cursor() as cur:
+            return cur.execute(sql, args)
+
+    async def execute(self, sql: str, *args) -> int:
+        """Run one write statement (autocommit); returns the number of rows it changed.
+
+        Raises:
+            pymysql.IntegrityError: a unique key was violated (e.g. a duplicate primary key).
+            pymysql.OperationalError: MariaDB unreachable.
+        """
+        return await self._run("execute", self._execute, sql, args)
+
     async def get_requests(self, request_ids: list[str]) -> dict[str, ResultDocument]:
         """The stored final results of ``request_ids`` that have completed, by request id."""
         if not request_ids:
