@@ -8,6 +8,7 @@ Keys (prefix ``ocr`` by default; ``<key>`` is a cache key ``<gen_id>:<sha256>``)
 * ``ocr:wait:<key>``   list of waiting requests (RequestEvent JSON), completed with the holder.
 * ``ocr:inflight``     sorted set of keys with a lease, scored by lease deadline (ms), for the reaper.
 * ``ocr:gens``         hash gen_id -> generation JSON, so ``cache purge --model REV`` finds entries.
+* ``ocr:nd:<gen_id>:*`` near-duplicate index (LSH buckets, ``services/common/neardup_index.py``).
 
 Every call has a time budget (``redis.timeout_ms``). A failed or slow call is counted and
 reported to the caller as :class:`CacheUnavailable`; the stages then carry on without the
@@ -159,6 +160,14 @@ class ResultCache:
                 self.telemetry.cache.labels(self.stage, "error", "redis").inc()
             raise CacheUnavailable(f"redis {op}: {exc!r}") from exc
 
+    async def call(self, op: str, coro):
+        """Await one Redis command (or ``pipeline.execute()``) under the time budget, timed as ``op``.
+
+        Raises:
+            CacheUnavailable: Redis errored or did not answer within ``redis.timeout_ms``.
+        """
+        return await self._call(op, coro)
+
     async def close(self) -> None:
         """Close the connection pool."""
         await self.client.aclose()
@@ -249,6 +258,8 @@ class ResultCache:
         for gid in targets:
             async for k in self.client.scan_iter(match=f"{self.p}:c:{gid}:*", count=1000):
                 deleted += await self.client.delete(k)
+            async for k in self.client.scan_iter(match=f"{self.p}:nd:{gid}:*", count=1000):
+                await self.client.delete(k)  # the generation's near-duplicate index (not counted)
             await self.client.hdel(f"{self.p}:gens", gid)
         return deleted
 

@@ -7,7 +7,7 @@ import time
 
 from aiokafka import ConsumerRecord
 
-from schemas.events import InferEvent, RequestEvent, ResultEvent
+from schemas.events import InferEvent, Page, RequestEvent, ResultEvent
 from schemas.keys import cache_key
 from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
 from services.common.dlq import poison_messages
@@ -16,6 +16,7 @@ from services.common.kafka import Outgoing
 from services.common.runner import Handler
 from services.common.telemetry import SpanKind, Telemetry, record_attrs
 from services.dedup.lru import EntryLru
+from services.dedup.near import NearDupLookup, NearHit
 from services.dedup.settings import DedupSettings
 
 log = logging.getLogger(__name__)
@@ -28,12 +29,19 @@ class DedupHandler(Handler):
 
     Records are handled one after another, so copies of one image in one batch (same key, same
     partition) find the lease taken by the first.
+
+    With ``near_dup`` on (``near`` given), a request that took the lease is first looked up by
+    perceptual hash; a verified near duplicate goes to ``ocr.results`` as a hit carrying the
+    other image's lines rescaled to this one (the sink stores it under this image's key and
+    completes any waiters), otherwise the request goes to inference as usual.
     """
 
-    def __init__(self, settings: DedupSettings, cache: ResultCache, telemetry: Telemetry):
+    def __init__(self, settings: DedupSettings, cache: ResultCache, telemetry: Telemetry,
+                 near: NearDupLookup | None = None):
         self.s = settings
         self.cache = cache
         self.telemetry = telemetry
+        self.near = near
         self.lru = EntryLru(settings.lru_entries, settings.lru_bytes, settings.lru_ttl_s)
         self._known_gens: set[str] = set()
 
@@ -59,6 +67,14 @@ class DedupHandler(Handler):
         def timed(r: RequestEvent) -> RequestEvent:
             t = dict(r.timings_ms, queue_dedup=queued, dedup=(time.perf_counter() - started) * 1000)
             return r.model_copy(update={"timings_ms": t})
+
+        def near_hit(n: NearHit) -> list[Outgoing]:
+            self.telemetry.cache.labels("dedup", "hit", "near").inc()
+            ev = ResultEvent(request=timed(req), cache_key=key, cache_hit=True, status="ok", engine=gen.engine,
+                             model=gen.model, model_revision=gen.model_revision,
+                             pages=[Page(index=1, width=n.width, height=n.height)], lines=n.lines,
+                             near_duplicate_of=n.of_sha256)
+            return [Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), headers)]
 
         def hit(entry: CacheEntry, tier: str) -> list[Outgoing]:
             self.telemetry.cache.labels("dedup", "hit", tier).inc()
@@ -90,10 +106,30 @@ class DedupHandler(Handler):
             self.lru.put(key, claim.entry)
             return hit(claim.entry, "redis")
         if claim.outcome == "lead":
+            found = await self._near(req, gen) if self.near is not None else None
+            if found is not None:
+                return near_hit(found)
             self.telemetry.cache.labels("dedup", "miss", "redis").inc()
             return to_infer()
         self.telemetry.cache.labels("dedup", "joined", "redis").inc()
         return []
+
+    async def _near(self, req: RequestEvent, gen) -> NearHit | None:
+        """The verified near duplicate of ``req``'s image, or None. Never raises: any trouble
+        (Redis, S3, an undecodable image) makes it a plain miss, and inference decides."""
+        if req.image_uri is None or req.size_bytes > self.s.near_dup.max_image_bytes:
+            return None
+        with self.telemetry.span("dedup.near_dup"):
+            try:
+                found = await self.near.find(req.content_sha256, req.image_uri, req.frames, gen)
+            except Exception as exc:  # noqa: BLE001 - near duplicates are an optimisation only
+                self.telemetry.cache.labels("dedup", "error", "near").inc()
+                log.warning("dedup: near-duplicate lookup of %s failed (%r); plain miss", req.request_id, exc)
+                return None
+        if found is not None:
+            log.info("dedup: request %s is a near duplicate of %s (%d bits, worst window %.2f)", req.request_id,
+                     found.of_sha256, found.distance, found.verdict.worst_block)
+        return found
 
     async def on_idle(self) -> list[Outgoing]:
         """Reaper: for each expired lease, promote the first waiter (re-sent to inference), or

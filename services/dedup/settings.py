@@ -1,8 +1,37 @@
 """Dedup settings (env prefix ``OCRSTREAM_``)."""
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
+from services.common.neardup import VerifyParams
 from services.common.settings import CommonSettings
+
+
+class NearDupSettings(BaseModel):
+    """Near-duplicate lookup (off by default): a re-encoded or rescaled copy of an image already
+    done is answered from that image's result, boxes rescaled. Candidates come from a
+    perceptual hash; each is verified window by window (``services/common/neardup.py``), so
+    two documents of one template that differ in one digit never match."""
+
+    enabled: bool = Field(default=False, description="look up near duplicates on an exact miss (fetches and decodes the image in dedup)")
+    max_hamming: int = Field(default=8, ge=0, le=16, description="pHash bits (of 64) a candidate may differ in")
+    max_candidates: int = Field(default=3, ge=1, description="candidates verified per request, closest hash first")
+    bucket_size: int = Field(default=64, ge=1, description="newest images kept per LSH bucket (8 buckets per image)")
+    index_ttl_s: int = Field(default=86_400, ge=1, description="an LSH bucket expires this long after its last write, s")
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, description="larger images are not looked up (bytes)")
+    block_px: int = Field(default=12, ge=2, description="verification window side, px of the compared page")
+    max_block_diff: float = Field(default=6.0, gt=0, description="largest mean grey difference (0-255) of any window")
+    blur_radius: float = Field(default=1.0, ge=0, description="Gaussian blur (px) before comparing")
+    max_aspect_diff: float = Field(default=0.01, ge=0, description="largest relative difference of aspect ratios")
+    max_scale_ratio: float = Field(default=1.5, ge=1, description="largest width ratio of the two images")
+    min_compare_width: int = Field(default=300, ge=1, description="narrower pages are never matched, px")
+
+    def verify_params(self) -> VerifyParams:
+        """The verification thresholds as :class:`VerifyParams`."""
+        return VerifyParams(
+            block_px=self.block_px, max_block_diff=self.max_block_diff, blur_radius=self.blur_radius,
+            max_aspect_diff=self.max_aspect_diff, max_scale_ratio=self.max_scale_ratio,
+            min_compare_width=self.min_compare_width,
+        )
 
 
 class DedupSettings(CommonSettings):
@@ -16,3 +45,4 @@ class DedupSettings(CommonSettings):
     lru_entries: int = Field(default=10_000, description="in-process LRU in front of Redis: entries")
     lru_bytes: int = Field(default=8 * 1024 * 1024, description="in-process LRU in front of Redis: bytes")
     lru_ttl_s: float = Field(default=60.0, description="in-process LRU: entry age limit, s (bounds how long a purge takes to reach dedup)")
+    near_dup: NearDupSettings = NearDupSettings()

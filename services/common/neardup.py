@@ -1,0 +1,212 @@
+"""Near-duplicate images: a perceptual hash finds candidates, a block-wise comparison verifies them.
+
+A perceptual hash (pHash) is the same for a page and its JPEG re-encode or rescale, but it is
+also the same, or nearly so, for two invoices printed from one template that differ in a few
+digits. A hash match is therefore only a *candidate*; :func:`verify` accepts it only when the
+two pages are the same picture everywhere, down to one changed digit:
+
+1. both pages are upright 8-bit RGB; their aspect ratios must agree within
+   ``max_aspect_diff`` and their sizes within ``max_scale_ratio``;
+2. both are converted to grey and resampled (Lanczos) to the size of the *smaller* one (never
+   upsampled, so the comparison sees what the smaller image holds), capped at
+   ``max_compare_pixels``;
+3. both get a light Gaussian blur (``blur_radius`` px), which absorbs JPEG ringing and the
+   sub-pixel shifts of resampling but keeps a character's strokes;
+4. the mean absolute grey difference is taken over every ``block_px`` x ``block_px`` window
+   at a stride of half a block (so a character straddling a block border is still seen whole),
+   and the pair matches only if *every* window is within ``max_block_diff`` grey levels.
+
+A changed digit moves a stroke's worth of ink inside one window, which raises that window's
+mean difference far above the noise a re-encode leaves, however uniform the rest of the page
+is; a global score (mean difference, SSIM, hash distance) would average it away.
+The thresholds are measured, not derived: see ``bench/near_dup_bench.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import imagehash
+import numpy as np
+from PIL import Image, ImageFilter
+
+from schemas.events import Line
+
+HASH_BITS = 64
+
+
+@dataclass(frozen=True)
+class VerifyParams:
+    """Thresholds of :func:`verify` (defaults measured by ``bench/near_dup_bench.py``).
+
+    Attributes:
+        block_px: Side of a comparison window, in pixels of the compared (smaller) page.
+        max_block_diff: Largest mean absolute grey difference (0-255) any window may have.
+        blur_radius: Gaussian blur radius (px) applied to both pages before differencing.
+        shift_px: A pixel's difference is the smallest over shifts of up to this many pixels
+            (each axis) of the other page, so resampling misregistration is not counted.
+        max_aspect_diff: Largest relative difference of width/height ratios, e.g. 0.01 = 1 %.
+        max_scale_ratio: Largest ratio of the two pages' widths (the larger over the smaller).
+        min_compare_width: Pages narrower than this (px) are never matched: too few pixels to
+            tell one digit from another.
+        max_compare_pixels: The compared pages are downscaled to at most this many pixels.
+    """
+
+    block_px: int = 12
+    max_block_diff: float = 6.0
+    blur_radius: float = 1.0
+    shift_px: int = 1
+    max_aspect_diff: float = 0.01
+    max_scale_ratio: float = 1.5
+    min_compare_width: int = 300
+    max_compare_pixels: int = 6_000_000
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of :func:`verify`.
+
+    Attributes:
+        match: True only if every check passed.
+        reason: ``"ok"``, ``"aspect"``, ``"scale"``, ``"small"`` or ``"blocks"``.
+        worst_block: Largest window mean difference in grey levels (0-255); NaN when the pages
+            were not compared pixel by pixel.
+        compared: ``(width, height)`` in pixels at which the pages were compared, or None.
+    """
+
+    match: bool
+    reason: str
+    worst_block: float = float("nan")
+    compared: tuple[int, int] | None = None
+
+
+def phash64(page: np.ndarray) -> int:
+    """The 64-bit DCT perceptual hash of one page, as an unsigned integer.
+
+    Uses ``imagehash.phash`` (grey, 32 x 32, 2-D DCT, top-left 8 x 8 coefficients against
+    their median), after N. Krawetz, "Looks Like It" (hackerfactor.com, 2011).
+
+    Args:
+        page: ``uint8`` array of shape ``(height, width, 3)`` (RGB) or ``(height, width)`` (grey).
+
+    Returns:
+        An int in ``[0, 2**64)``; bit ``i`` is hash bit ``i`` in row-major order.
+    """
+    h = imagehash.phash(Image.fromarray(page))
+    return int(str(h), 16)
+
+
+def hamming(a: int, b: int) -> int:
+    """Number of differing bits of two hashes."""
+    return (a ^ b).bit_count()
+
+
+def bands(h: int, n_bands: int = 8) -> list[int]:
+    """Split a 64-bit hash into ``n_bands`` equal slices (LSH bands), most significant first.
+
+    Two hashes within Hamming distance ``n_bands - 1`` share at least one band exactly
+    (pigeonhole), so looking up every band finds every such candidate.
+
+    Raises:
+        ValueError: if 64 is not a multiple of ``n_bands``.
+    """
+    if HASH_BITS % n_bands:
+        raise ValueError(f"{HASH_BITS} bits do not split into {n_bands} bands")
+    width = HASH_BITS // n_bands
+    mask = (1 << width) - 1
+    return [(h >> (HASH_BITS - width * (i + 1))) & mask for i in range(n_bands)]
+
+
+def _grey(page: np.ndarray) -> Image.Image:
+    img = Image.fromarray(page)
+    return img if img.mode == "L" else img.convert("L")
+
+
+def _window_means(diff: np.ndarray, block: int) -> np.ndarray:
+    """Mean of ``diff`` over every ``block`` x ``block`` window at stride ``block // 2``
+    (windows at the right and bottom edges are aligned to the edge)."""
+    h, w = diff.shape
+    block = max(1, min(block, h, w))
+    integral = np.zeros((h + 1, w + 1), dtype=np.float64)
+    integral[1:, 1:] = diff.cumsum(0).cumsum(1)
+    step = max(1, block // 2)
+    ys = np.unique(np.r_[np.arange(0, h - block + 1, step), h - block])
+    xs = np.unique(np.r_[np.arange(0, w - block + 1, step), w - block])
+    y0, x0 = ys[:, None], xs[None, :]
+    sums = integral[y0 + block, x0 + block] - integral[y0, x0 + block] - integral[y0 + block, x0] + integral[y0, x0]
+    return sums / (block * block)
+
+
+def _shifted_diff(a: np.ndarray, b: np.ndarray, shift: int) -> np.ndarray:
+    """Per pixel, ``min |a(x) - b(x + s)|`` over integer shifts ``s`` with ``|s| <= shift`` on
+    each axis: differences that a small misregistration explains are ignored, ink that has
+    no counterpart within ``shift`` px is kept."""
+    if shift <= 0:
+        return np.abs(a - b)
+    h, w = a.shape
+    pad = np.pad(b, shift, mode="edge")
+    out = np.full(a.shape, np.inf, dtype=np.float32)
+    for dy in range(2 * shift + 1):
+        for dx in range(2 * shift + 1):
+            np.minimum(out, np.abs(a - pad[dy:dy + h, dx:dx + w]), out=out)
+    return out
+
+
+def verify(a: np.ndarray, b: np.ndarray, params: VerifyParams = VerifyParams()) -> Verdict:
+    """Decide whether page ``b`` is the same picture as page ``a`` (re-encoded or rescaled).
+
+    See the module docstring for the method. Symmetric up to resampling.
+
+    Args:
+        a: ``uint8`` array ``(height, width, 3)`` or ``(height, width)``: the candidate page.
+        b: the same for the new page.
+        params: Thresholds.
+
+    Returns:
+        The :class:`Verdict`; ``match`` is True only if every window is within threshold.
+    """
+    ha, wa = a.shape[:2]
+    hb, wb = b.shape[:2]
+    ra, rb = wa / ha, wb / hb
+    if abs(ra - rb) / max(ra, rb) > params.max_aspect_diff:
+        return Verdict(False, "aspect")
+    if max(wa, wb) / min(wa, wb) > params.max_scale_ratio:
+        return Verdict(False, "scale")
+    small = a if wa * ha <= wb * hb else b
+    h, w = small.shape[:2]
+    if w * h > params.max_compare_pixels:
+        f = (params.max_compare_pixels / (w * h)) ** 0.5
+        w, h = max(1, int(w * f)), max(1, int(h * f))
+    if w < params.min_compare_width:
+        return Verdict(False, "small", compared=(w, h))
+    blur = ImageFilter.GaussianBlur(params.blur_radius)
+
+    def prepared(page: np.ndarray) -> np.ndarray:
+        img = _grey(page)
+        if img.size != (w, h):
+            img = img.resize((w, h), Image.Resampling.LANCZOS)
+        return np.asarray(img.filter(blur), dtype=np.float32)
+
+    pa, pb = prepared(a), prepared(b)
+    diff = np.maximum(_shifted_diff(pa, pb, params.shift_px), _shifted_diff(pb, pa, params.shift_px))
+    worst = float(_window_means(diff, params.block_px).max())
+    return Verdict(worst <= params.max_block_diff, "ok" if worst <= params.max_block_diff else "blocks", worst, (w, h))
+
+
+def scale_lines(lines: list[Line], src: tuple[int, int], dst: tuple[int, int]) -> list[Line]:
+    """Map lines from one page size to another (boxes scaled per axis, text unchanged).
+
+    Args:
+        lines: Lines whose boxes are in pixels of a page of size ``src``.
+        src: ``(width, height)`` of the page the boxes refer to, in pixels.
+        dst: ``(width, height)`` of the page to map them onto, in pixels.
+
+    Returns:
+        New lines; each corner ``(x, y)`` becomes ``(x * dst_w / src_w, y * dst_h / src_h)``,
+        rounded to 0.01 px.
+    """
+    sx, sy = dst[0] / src[0], dst[1] / src[1]
+    return [
+        line.model_copy(update={"box": [[round(x * sx, 2), round(y * sy, 2)] for x, y in line.box]})
+        for line in lines
+    ]

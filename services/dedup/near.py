@@ -1,0 +1,137 @@
+"""Near-duplicate lookup for dedup: on an exact miss, find a verified look-alike already done."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas.events import Line, OcrOutput
+from schemas.keys import CacheGeneration, cache_key, image_object_key
+from services.common.cache import ResultCache
+from services.common.imaging import decode
+from services.common.neardup import Verdict, phash64, scale_lines, verify
+from services.common.neardup_index import NearDupIndex
+from services.common.s3 import ObjectStore
+from services.common.settings import Limits
+from services.dedup.settings import NearDupSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NearHit:
+    """A verified near duplicate: the new image's result, built from the candidate's.
+
+    Attributes:
+        of_sha256: SHA-256 of the image whose result is reused.
+        distance: pHash Hamming distance between the two images (bits).
+        verdict: The window-by-window verification that accepted the pair.
+        width, height: Size of the new image (upright), in pixels.
+        lines: The candidate's lines with boxes scaled to the new image's size.
+        output: The candidate's stored result document.
+    """
+
+    of_sha256: str
+    distance: int
+    verdict: Verdict
+    width: int
+    height: int
+    lines: list[Line]
+    output: OcrOutput
+
+
+class NearDupLookup:
+    """Looks up and indexes images by perceptual hash; verifies every candidate before use.
+
+    Only single-page images are looked up. Images that go to inference are indexed (under
+    their cache generation); near hits are not, so a chain of look-alikes never drifts away
+    from the image that was actually read.
+
+    Args:
+        settings: Near-duplicate settings (thresholds, index bounds).
+        limits: Pixel and page limits used to decode.
+        store: Where the images and result documents are (S3).
+        cache: The result cache (entries, and the Redis client for the index).
+        index: The pHash index; by default a :class:`NearDupIndex` on ``cache``'s Redis.
+    """
+
+    def __init__(self, settings: NearDupSettings, limits: Limits, store: ObjectStore, cache: ResultCache,
+                 index: NearDupIndex | None = None):
+        self.s = settings
+        self.limits = limits
+        self.store = store
+        self.cache = cache
+        self.index = index or NearDupIndex(cache, settings.bucket_size, settings.index_ttl_s)
+        self.params = settings.verify_params()
+
+    def _decode(self, data: bytes) -> np.ndarray | None:
+        pages = decode(data, self.limits.max_pixels, self.limits.max_pages)
+        return pages[0] if len(pages) == 1 else None
+
+    async def _page(self, uri_or_key: str, is_uri: bool) -> np.ndarray | None:
+        get = self.store.get_uri if is_uri else self.store.get
+        data = await get(uri_or_key, max_bytes=self.s.max_image_bytes)
+        return await asyncio.to_thread(self._decode, data)
+
+    async def find(self, content_sha256: str, image_uri: str, frames: int, gen: CacheGeneration) -> NearHit | None:
+        """The verified near duplicate of this image under ``gen``, or None (then it is indexed).
+
+        Args:
+            content_sha256: The new image's SHA-256 (an exact miss).
+            image_uri: Where the new image is (``s3://``).
+            frames: Pages/frames of the new image (only 1 is looked up).
+            gen: The cache generation; only results of this generation are candidates.
+
+        Raises:
+            CacheUnavailable: Redis down or slow (the caller treats it as a miss).
+            OcrError: The image could not be fetched or decoded (the caller treats it as a miss;
+                inference then reports the error properly).
+        """
+        if frames != 1:
+            return None
+        page = await self._page(image_uri, is_uri=True)
+        if page is None:
+            return None
+        h = await asyncio.to_thread(phash64, page)
+        for distance, sha in (await self.index.candidates(gen.gen_id, h, self.s.max_hamming, exclude=content_sha256))[: self.s.max_candidates]:
+            hit = await self._try(sha, distance, page, gen)
+            if hit is not None:
+                return hit
+        await self.index.add(gen.gen_id, content_sha256, h)
+        return None
+
+    async def _try(self, sha: str, distance: int, page: np.ndarray, gen: CacheGeneration) -> NearHit | None:
+        entry = await self.cache.get(cache_key(sha, gen))
+        if entry is None:  # not done yet, failed, expired or purged
+            return None
+        try:
+            other = await self._page(image_object_key(sha), is_uri=False)
+        except Exception as exc:  # noqa: BLE001 - a candidate we cannot read is no candidate
+            log.info("dedup: near-duplicate candidate %s unreadable (%s)", sha, exc)
+            return None
+        if other is None:
+            return None
+        verdict = await asyncio.to_thread(verify, other, page, self.params)
+        log.info("dedup: near-duplicate candidate %s at %d bits: %s (worst window %.2f)", sha, distance,
+                 verdict.reason, verdict.worst_block)
+        if not verdict.match:
+            return None
+        output = await self._output(entry.result_uri)
+        if output is None or len(output.pages) != 1:
+            return None
+        src = (output.pages[0].width, output.pages[0].height)
+        if src != (other.shape[1], other.shape[0]):  # boxes must be in the pixels we compared
+            return None
+        h, w = page.shape[:2]
+        return NearHit(sha, distance, verdict, w, h, scale_lines(output.lines, src, (w, h)), output)
+
+    async def _output(self, uri: str) -> OcrOutput | None:
+        try:
+            return OcrOutput.model_validate_json(await self.store.get_uri(uri))
+        except Exception as exc:  # noqa: BLE001 - a vanished or unreadable document: no hit
+            log.info("dedup: near-duplicate result %s unreadable (%s)", uri, exc)
+            return None
+

@@ -1,0 +1,169 @@
+"""Dedup's near-duplicate path with in-memory store, cache and index (no Kafka, no Redis, no S3)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+
+import orjson
+from aiokafka import ConsumerRecord
+from PIL import Image
+
+from schemas.errors import ErrorCode
+from schemas.events import InferEvent, Line, OcrOutput, Page, RequestEvent, ResultEvent
+from schemas.keys import cache_key, image_object_key
+from services.common.cache import CacheEntry, CacheUnavailable, Claim
+from services.common.errors import OcrError
+from services.common.events import dumps
+from services.common.settings import TelemetrySettings
+from services.common.telemetry import Telemetry
+from services.dedup.handler import DedupHandler
+from services.dedup.near import NearDupLookup
+from services.dedup.settings import DedupSettings
+from tests.conftest import text_image
+
+S = DedupSettings(near_dup={"enabled": True})
+GEN = S.engine.generation("ocr")
+BUCKET = "bkt"
+
+
+class MemoryStore:
+    """The ObjectStore reads the lookup makes, over a dict keyed by object key."""
+
+    def __init__(self):
+        self.objects: dict[str, bytes] = {}
+
+    async def get(self, key: str, bucket: str | None = None, max_bytes: int | None = None) -> bytes:
+        if key not in self.objects:
+            raise OcrError(ErrorCode.MISSING_OBJECT, key)
+        return self.objects[key]
+
+    async def get_uri(self, uri: str, max_bytes: int | None = None) -> bytes:
+        return await self.get(uri.removeprefix(f"s3://{BUCKET}/"))
+
+
+class MemoryCache:
+    """Claims always lead; entries from a dict; ``down`` makes every call fail."""
+
+    def __init__(self):
+        self.entries: dict[str, CacheEntry] = {}
+        self.down = False
+
+    async def register_generation(self, gen) -> None:
+        if self.down:
+            raise CacheUnavailable("down")
+
+    async def claim(self, key, request_id, waiter_json, lease_ms) -> Claim:
+        if self.down:
+            raise CacheUnavailable("down")
+        return Claim("lead")
+
+    async def get(self, key: str) -> CacheEntry | None:
+        return self.entries.get(key)
+
+
+class MemoryIndex:
+    """pHash index over a list (every entry is a candidate; the lookup filters by distance)."""
+
+    def __init__(self):
+        self.items: list[tuple[str, int]] = []
+
+    async def add(self, gen_id: str, sha: str, h: int) -> None:
+        self.items.append((sha, h))
+
+    async def candidates(self, gen_id, h, max_hamming, exclude=None):
+        return sorted(((h ^ x).bit_count(), s) for s, x in self.items if s != exclude and (h ^ x).bit_count() <= max_hamming)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def setup():
+    store, cache, index = MemoryStore(), MemoryCache(), MemoryIndex()
+    near = NearDupLookup(S.near_dup, S.limits, store, cache, index=index)
+    handler = DedupHandler(S, cache, Telemetry("dedup", TelemetrySettings()), near)
+    return handler, store, cache, index
+
+
+def put_image(store: MemoryStore, data: bytes) -> RequestEvent:
+    h = sha(data)
+    store.objects[image_object_key(h)] = data
+    img = Image.open(io.BytesIO(data))
+    return RequestEvent(request_id=f"req-{h[:8]}", content_sha256=h, image_uri=f"s3://{BUCKET}/{image_object_key(h)}",
+                        size_bytes=len(data), width=img.width, height=img.height)
+
+
+def handle(handler: DedupHandler, req: RequestEvent):
+    rec = ConsumerRecord("ocr.requests", 0, 0, 0, 0, None, dumps(req), None, 0, 0, [])
+    [out] = asyncio.run(handler.handle([rec]))
+    return out.topic, orjson.loads(out.value)
+
+
+def done(store: MemoryStore, cache: MemoryCache, req: RequestEvent, text: str) -> None:
+    """Store a result for ``req`` as the sink would: one line across the top half."""
+    key = cache_key(req.content_sha256, GEN)
+    w, h = req.width, req.height
+    out = OcrOutput(cache_key=key, content_sha256=req.content_sha256, engine=GEN.engine, model=GEN.model,
+                    model_revision=GEN.model_revision, task="ocr", pages=[Page(index=1, width=w, height=h)],
+                    lines=[Line(text=text, box=[[0, 0], [w, 0], [w, h / 2], [0, h / 2]], confidence=0.9)], text=text)
+    store.objects[f"results/{req.content_sha256}.json"] = dumps(out)
+    cache.entries[key] = CacheEntry(f"s3://{BUCKET}/results/{req.content_sha256}.json", 1, len(text), 0)
+
+
+def reencoded(data: bytes, scale: float = 1.0, quality: int = 70) -> bytes:
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    img = img.resize((round(img.width * scale), round(img.height * scale)), Image.Resampling.BICUBIC)
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def test_rescaled_copy_is_a_near_hit_with_boxes_in_its_own_pixels():
+    handler, store, cache, index = setup()
+    original = text_image(["INVOICE 40213", "TOTAL 237.60"], size=30, width=700)
+    first = put_image(store, original)
+    topic, _ = handle(handler, first)
+    assert topic == S.topics.infer and [s for s, _ in index.items] == [first.content_sha256]  # indexed on its miss
+    done(store, cache, first, "INVOICE 40213 TOTAL 237.60")
+    copy = put_image(store, reencoded(original, scale=1.2))
+    topic, value = handle(handler, copy)
+    assert topic == S.topics.results
+    ev = ResultEvent.model_validate(value)
+    assert ev.cache_hit and ev.status == "ok" and ev.near_duplicate_of == first.content_sha256
+    assert ev.cache_key == cache_key(copy.content_sha256, GEN)
+    assert ev.pages == [Page(index=1, width=copy.width, height=copy.height)]
+    [line] = ev.lines
+    assert line.text == "INVOICE 40213 TOTAL 237.60"
+    assert line.box[2] == [copy.width, round(copy.height / 2, 2)]
+    assert len(index.items) == 1  # near hits are not indexed
+
+
+def test_same_template_other_number_goes_to_inference():
+    handler, store, cache, index = setup()
+    first = put_image(store, text_image(["INVOICE 40213", "TOTAL 237.60"], size=30, width=700))
+    handle(handler, first)
+    done(store, cache, first, "INVOICE 40213 TOTAL 237.60")
+    other = put_image(store, text_image(["INVOICE 40218", "TOTAL 237.60"], size=30, width=700))
+    topic, value = handle(handler, other)
+    assert topic == S.topics.infer and InferEvent.model_validate(value).request.request_id == other.request_id
+    assert len(index.items) == 2
+
+
+def test_candidate_without_result_and_lookup_trouble_are_plain_misses():
+    handler, store, cache, index = setup()
+    original = text_image(["RECEIPT 77"], size=30)
+    first = put_image(store, original)
+    handle(handler, first)  # indexed, but never completed: no cache entry
+    copy = put_image(store, reencoded(original))
+    assert handle(handler, copy)[0] == S.topics.infer
+    gone = put_image(store, reencoded(original, quality=50))
+    del store.objects[image_object_key(gone.content_sha256)]  # S3 trouble: a miss, inference reports it
+    assert handle(handler, gone)[0] == S.topics.infer
+    cache.down = True  # Redis down: no lease, no lookup
+    assert handle(handler, put_image(store, reencoded(original, quality=60)))[0] == S.topics.infer
+
+
+def test_disabled_by_default():
+    assert DedupSettings().near_dup.enabled is False
