@@ -21,12 +21,19 @@ class ApiSettings(IngestSettings):
     http_batch_max_files: int = Field(default=64, ge=1, description="images per POST /v1/ocr/batch")
     http_batch_max_bytes: int = Field(default=128 * 1024 * 1024, description="body bytes per POST /v1/ocr/batch")
     http_accepted_ttl_s: int = Field(default=7 * 86_400, description="how long an accepted request id is remembered as pending, s")
+    http_upload_budget_bytes: int = Field(
+        default=512 * 1024 * 1024, ge=0, description="request bodies held in memory at once, bytes; past it 503 (0 = unbounded)"
+    )
     http_result_lru_entries: int = Field(default=4_096, ge=0, description="result documents kept in memory for cached answers")
     http_cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty = closed")
 
     auth_required: bool = Field(default=False, description="require an API key (X-API-Key or Bearer) on /v1/ routes")
     rate_limit_per_s: float = Field(default=0.0, ge=0, description="default per-key request rate, tokens/s; 0 = unlimited")
-    rate_limit_burst: int = Field(default=20, ge=1, description="default per-key token bucket size")
+    rate_limit_burst: int = Field(default=20, ge=1, description="default per-key token bucket size, requests")
+    quota_per_day: int = Field(default=0, ge=0, description="default per-key submissions per UTC day; 0 = none")
+    auth_cache_s: float = Field(
+        default=5.0, ge=0, description="how long a key lookup is reused in-process, s (a revoked key works at most this long); 0 = none"
+    )
 
     webhook_enabled: bool = Field(default=True, description="deliver completions to callback URLs from this process")
     webhook_group_id: str = Field(default="ocrstream-webhooks", description="consumer group of the webhook dispatcher")

@@ -26,6 +26,52 @@ class Upload:
     filename: str | None
 
 
+class UploadBudget:
+    """Bytes of request bodies held in memory at once by this process, across all requests.
+
+    Each request takes a :class:`Reservation`, charged chunk by chunk as its body arrives and
+    released when the request ends; a chunk that would pass the budget fails the request with
+    503 ``overloaded`` (and ``Retry-After``) instead of letting many large uploads exhaust memory.
+
+    Args:
+        limit: Bytes; 0 = unbounded.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+    def reservation(self) -> "Reservation":
+        """A per-request account; call :meth:`Reservation.release` when the request ends."""
+        return Reservation(self)
+
+
+class Reservation:
+    """One request's share of an :class:`UploadBudget`."""
+
+    def __init__(self, budget: UploadBudget):
+        self.budget = budget
+        self.held = 0
+
+    def take(self, n: int) -> None:
+        """Charge ``n`` bytes.
+
+        Raises:
+            ApiError: 503 ``overloaded`` when the process already holds its budget.
+        """
+        b = self.budget
+        if b.limit and b.used + n > b.limit:
+            raise ApiError(503, "overloaded", f"uploads in progress already hold {b.used} bytes (limit {b.limit}); retry shortly",
+                           {"Retry-After": "1"})
+        b.used += n
+        self.held += n
+
+    def release(self) -> None:
+        """Give back everything this request took (idempotent)."""
+        self.budget.used -= self.held
+        self.held = 0
+
+
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, "input_too_large", f"the upload exceeds the limit of {limit} bytes")
 
@@ -48,12 +94,12 @@ def check_declared_length(request: Request, limit: int) -> None:
         raise _too_large(limit)
 
 
-async def limited_stream(request: Request, limit: int) -> AsyncIterator[bytes]:
+async def limited_stream(request: Request, limit: int, budget: Reservation | None = None) -> AsyncIterator[bytes]:
     """The request body in chunks as they arrive, stopping with 413 as soon as more than
     ``limit`` bytes came (chunked uploads have no Content-Length to check up front).
 
     Raises:
-        ApiError: 413 ``input_too_large``.
+        ApiError: 413 ``input_too_large``; 503 ``overloaded`` when ``budget`` runs out.
     """
     check_declared_length(request, limit)
     seen = 0
@@ -61,10 +107,12 @@ async def limited_stream(request: Request, limit: int) -> AsyncIterator[bytes]:
         seen += len(chunk)
         if seen > limit:
             raise _too_large(limit)
+        if budget is not None:
+            budget.take(len(chunk))
         yield chunk
 
 
-async def read_raw(request: Request, limit: int) -> Upload:
+async def read_raw(request: Request, limit: int, budget: Reservation | None = None) -> Upload:
     """A raw-body upload (``Content-Type: image/*``, ``application/pdf`` or
     ``application/octet-stream``), hashed chunk by chunk as it is read.
 
@@ -73,7 +121,7 @@ async def read_raw(request: Request, limit: int) -> Upload:
     """
     h = hashlib.sha256()
     buf = bytearray()
-    async for chunk in limited_stream(request, limit):
+    async for chunk in limited_stream(request, limit, budget):
         h.update(chunk)
         buf += chunk
     if not buf:
@@ -81,8 +129,8 @@ async def read_raw(request: Request, limit: int) -> Upload:
     return Upload(bytes(buf), h.hexdigest(), None)
 
 
-async def read_multipart(request: Request, image_limit: int, total_limit: int, max_files: int
-                         ) -> tuple[list[Upload], dict[str, str]]:
+async def read_multipart(request: Request, image_limit: int, total_limit: int, max_files: int,
+                         budget: Reservation | None = None) -> tuple[list[Upload], dict[str, str]]:
     """A ``multipart/form-data`` upload: the file parts (any field name, in order) and the
     text fields (options such as ``task``, ``callback_url``).
 
@@ -96,7 +144,7 @@ async def read_multipart(request: Request, image_limit: int, total_limit: int, m
             ``invalid_request`` (malformed multipart, too many files or fields), 400
             ``empty_input`` (no file part, or an empty one).
     """
-    parser = MultiPartParser(request.headers, limited_stream(request, total_limit),
+    parser = MultiPartParser(request.headers, limited_stream(request, total_limit, budget),
                              max_files=max_files, max_fields=32, max_part_size=64 * 1024)
     try:
         form = await parser.parse()
