@@ -1,0 +1,493 @@
+"""CPU engine vs pipeline throughput in ONE run: batching on/off, 1 vs 2 infer processes, thread counts.
+
+Every configuration reads the same images, and the rounds are interleaved (round 1 runs every
+configuration in order, round 2 in reverse order, and so on), so slow drifts in machine load
+hit every configuration alike. Ratios are computed within each round, and the median over
+rounds is reported.
+
+Configurations (``--configs``, comma-separated):
+
+- ``engine:PxT[wW][bB]``: the raw engine, without Kafka or stores. P processes, each building
+  its engine with the infer stage's own ``build_engine(InferSettings())``, with
+  ``OCRSTREAM_RAPIDOCR_THREADS=T`` and ``OCRSTREAM_RAPIDOCR_WORKERS=W``. Each process calls
+  ``engine.ocr`` the way the infer stage does: one call per batch of B pages (default 8), on
+  the tiles of ``make_tiles``. Decoding happens before the clock starts. Process i gets
+  the images of the partitions that infer process i would own.
+- ``pipe:PxT[wW][bB]``: the whole pipeline. Submit -> ingest -> dedup -> infer -> sink ->
+  ``ocr.completed``, with P infer processes, each with ``OCRSTREAM_MAX_BATCH=B`` and the same
+  engine settings. Dedup's cache is off (``OCRSTREAM_CACHE_ENABLED=false``), so every image
+  is inferred in every round. Each configuration has its own namespace (topics, groups and
+  Redis prefix), started once and warmed up before round 1. Between its rounds it is idle.
+
+Throughput. A round submits the whole backlog of N images at once (or hands it to the engine
+processes at once) and measures N / (time from submission to the last completion). The warm-up
+is left out: every configuration has loaded its model, served an image in every process and
+settled its consumer groups before round 1. What is left in is one fill latency (the first
+image going through ingest and dedup before infer can start) and one drain latency (the last
+batch going through the sink). That is under 1 s against a round of 20-60 s, and it counts
+against the pipeline, so the pipeline/engine ratio is a slight underestimate. The time to the
+first completion is printed for every round so you can see the fill latency. "First to last
+completion" would leave the fill out too, but with micro-batches of 8 it has only a handful of
+completion groups per round, and with 2 processes their first groups overlap, so it is not used.
+
+The images are generated printed-text pages (``tests.conftest.text_image``), all of the same
+shape (3 lines of similar length), so each one costs the engine about the same. They are
+chosen so that their SHA-256 keys fall evenly on the partitions. That way two infer processes
+get equal shares, and the end of a round does not measure partition imbalance.
+
+Where the CPU goes. For each pipeline round, the CPU seconds per image of each stage process,
+of the local stack (Kafka, Redis, MariaDB, MinIO), of this bench process, of the idle
+configurations, and of the rest of the machine (other users) are read from /proc.
+
+Usage: python -m bench.infer_bench [--n 24] [--rounds 3] [--configs ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/infer_bench.py` as well as `python -m bench.infer_bench`
+    sys.path.insert(0, str(REPO))
+
+DEFAULT_CONFIGS = "engine:1x1,engine:1x2,engine:2x1,engine:1x1w2,pipe:1x1,pipe:1x1b1,pipe:1x2,pipe:2x1,pipe:1x1w2"
+WORDS = ("invoice total amount paid cash change receipt order number date station token item price "
+         "quantity account balance payment customer service").split()
+
+
+# -- configurations -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration: raw engine or pipeline, P processes x T threads, W workers, batch B."""
+
+    kind: str  # "engine" | "pipe"
+    procs: int
+    threads: int
+    workers: int = 1
+    batch: int = 8
+
+    @property
+    def name(self) -> str:
+        w = f"w{self.workers}" if self.workers != 1 else ""
+        b = f"b{self.batch}" if self.batch != 8 else ""
+        return f"{self.kind}:{self.procs}x{self.threads}{w}{b}"
+
+    def engine_env(self) -> dict[str, str]:
+        """Settings of each infer (or raw engine) process."""
+        return {"OCRSTREAM_ENGINE_KIND": "rapidocr", "OCRSTREAM_RAPIDOCR_THREADS": str(self.threads),
+                "OCRSTREAM_RAPIDOCR_WORKERS": str(self.workers), "OCRSTREAM_MAX_BATCH": str(self.batch)}
+
+
+def parse_config(text: str) -> Config:
+    """``engine:1x2``, ``pipe:2x1``, ``pipe:1x1w2b1`` -> :class:`Config`."""
+    m = re.fullmatch(r"(engine|pipe):(\d+)x(\d+)(?:w(\d+))?(?:b(\d+))?", text.strip())
+    if not m:
+        raise ValueError(f"bad configuration {text!r}: use engine:PxT[wW][bB] or pipe:PxT[wW][bB]")
+    kind, p, t, w, b = m.groups()
+    return Config(kind, int(p), int(t), int(w or 1), int(b or 8))
+
+
+# -- images ------------------------------------------------------------------------------------
+def partition_of(key: str, partitions: int) -> int:
+    """The partition Kafka's default partitioner (murmur2, as aiokafka's) gives ``key``."""
+    from aiokafka.partitioner import murmur2
+
+    return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+
+
+def balanced_images(n: int, partitions: int, seed: int = 11) -> list[tuple[bytes, int]]:
+    """``n`` distinct printed-text PNGs of the same shape, ``n / partitions`` per partition.
+
+    Returns:
+        ``(png bytes, partition of its SHA-256 key)`` pairs, interleaved over the partitions.
+    """
+    from tests.conftest import text_image
+
+    if n % partitions:
+        raise ValueError(f"--n must be a multiple of the partitions ({partitions})")
+    rng = random.Random(seed)
+    per = n // partitions
+    buckets: list[list[bytes]] = [[] for _ in range(partitions)]
+    i = 0
+    while any(len(b) < per for b in buckets):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(3)) + f" {i:04d}-{k}" for k in range(3)]
+        data = text_image(lines, size=32, width=640)
+        part = partition_of(hashlib.sha256(data).hexdigest(), partitions)
+        if len(buckets[part]) < per:
+            buckets[part].append(data)
+        i += 1
+    return [(buckets[p][j], p) for j in range(per) for p in range(partitions)]
+
+
+# -- rates -------------------------------------------------------------------------------------
+def backlog_rate(start: float, done: list[float]) -> float:
+    """Images/s from submission (``start``) to the last completion."""
+    return len(done) / (max(done) - start)
+
+
+# -- CPU accounting ----------------------------------------------------------------------------
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads); 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores spent busy since boot (``/proc/stat``, idle and iowait excluded)."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    return (sum(vals[:8]) - vals[3] - vals[4]) / CLK_TCK
+
+
+STACK = {"kafka": "kafka.Kafka", "redis": "redis-server", "mariadb": "mariadbd", "minio": "minio server"}
+
+
+def stack_pids() -> dict[str, list[int]]:
+    """Process ids of the local stack by component: Kafka, Redis, MariaDB and MinIO (from /proc)."""
+    pids: dict[str, list[int]] = {name: [] for name in STACK}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        for name, needle in STACK.items():
+            if needle in cmd:
+                pids[name].append(int(d))
+    return pids
+
+
+# -- raw engine processes ----------------------------------------------------------------------
+def _engine_worker(env: dict[str, str], images: list[bytes], batch: int, conn) -> None:
+    """One raw engine process: build the engine like the infer stage, decode, then run on "go"."""
+    os.environ.update(env)
+
+    from services.common.imaging import decode
+    from services.infer.main import build_engine
+    from services.infer.settings import InferSettings
+    from services.infer.tiles import make_tiles
+
+    async def main() -> None:
+        s = InferSettings()
+        engine = build_engine(s)
+        await engine.start()
+        pages = [p for data in images for p in decode(data, s.limits.max_pixels, s.limits.max_pages)]
+        conn.send("ready")
+        while conn.recv() == "go":
+            done: list[float] = []
+            for i in range(0, len(pages), batch):
+                tiles = [t.image for page in pages[i:i + batch]
+                         for t in make_tiles(page, s.tile_max_aspect, engine.max_side)]
+                outs = await engine.ocr(tiles, s.limits.infer_timeout_s)
+                bad = [o for o in outs if isinstance(o, BaseException)]
+                if bad:
+                    raise RuntimeError(f"engine failed: {bad[0]!r}")
+                done += [time.time()] * len(pages[i:i + batch])
+            conn.send(done)
+        await engine.close()
+
+    asyncio.run(main())
+
+
+@dataclass
+class EngineRunner:
+    """P persistent raw engine processes (models loaded once), started together each round."""
+
+    cfg: Config
+    images: list[tuple[bytes, int]]
+    partitions: int
+    procs: list = field(default_factory=list)
+    conns: list = field(default_factory=list)
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        # partitions of infer process i under the range assignor: a contiguous block
+        per = self.partitions // self.cfg.procs
+        for i in range(self.cfg.procs):
+            own = range(i * per, (i + 1) * per if i < self.cfg.procs - 1 else self.partitions)
+            share = [data for data, part in self.images if part in own]
+            parent, child = ctx.Pipe()
+            env = {**self.cfg.engine_env(), "PYTHONPATH": str(REPO)}
+            p = ctx.Process(target=_engine_worker, args=(env, share, self.cfg.batch, child), daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.conns.append(parent)
+        for c in self.conns:
+            if not c.poll(600):
+                raise TimeoutError(f"{self.cfg.name}: engine process not ready")
+            assert c.recv() == "ready"
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def run_round(self) -> tuple[float, list[float]]:
+        """(start time, completion time of every image)."""
+        t0 = time.time()
+        for c in self.conns:
+            c.send("go")
+        done: list[float] = []
+        for c in self.conns:
+            if not c.poll(3600):
+                raise TimeoutError(f"{self.cfg.name}: round did not finish")
+            done += c.recv()
+        return t0, done
+
+    def stop(self) -> None:
+        for c in self.conns:
+            try:
+                c.send("stop")
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.terminate()
+
+
+# -- pipelines ---------------------------------------------------------------------------------
+@dataclass
+class PipeRunner:
+    """One configuration's own namespaced pipeline: ingest, dedup (cache off), P infer, sink."""
+
+    cfg: Config
+    images: list[tuple[bytes, int]]
+    partitions: int
+    logdir: Path
+    pipeline: object = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        from tests.stack import Pipeline, env_applied, namespace_env
+
+        tag = f"ib{os.getpid()}{re.sub(r'[^a-z0-9]', '', self.cfg.name)}"
+        self.env = {**namespace_env(tag, partitions=self.partitions), "OCRSTREAM_CACHE_ENABLED": "false",
+                    "OCRSTREAM_TELEMETRY__LOG_LEVEL": "WARNING"}
+        with env_applied(self.env):
+            subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
+        self.pipeline = p = Pipeline(env=self.env, logdir=self.logdir / tag)
+        p.logdir.mkdir(parents=True, exist_ok=True)
+        for st in ("ingest", "dedup", "sink"):
+            p.start(st, wait_ready=False)
+        for _ in range(self.cfg.procs):
+            p.start("infer", self.cfg.engine_env(), wait_ready=False)
+
+    def wait_ready(self) -> None:
+        for sts in self.pipeline.stages.values():
+            for st in sts:
+                self.pipeline.wait_ready(st, timeout=600)
+
+    def pids(self) -> dict[str, list[int]]:
+        return {name: [st.proc.pid for st in sts] for name, sts in self.pipeline.stages.items()}
+
+    def run_round(self, items: list[tuple[bytes, str]] | None = None) -> tuple[float, list[float]]:
+        """(submission time, completion time of every image), from the sink's ``completed_at_ms``."""
+        from tests.stack import env_applied
+
+        items = items or [(data, f"bench-{i}.png") for i, (data, _) in enumerate(self.images)]
+        with env_applied(self.env):
+            t0, docs = asyncio.run(_submit_and_wait(items))
+        bad = [d for d in docs if d.status != "ok"]
+        if bad:
+            raise RuntimeError(f"{self.cfg.name}: {len(bad)} images failed, e.g. {bad[0].error}")
+        return t0, [d.completed_at_ms / 1000 for d in docs]
+
+    def warm_up(self) -> None:
+        """One image per partition through every stage (every infer process gets work), not timed."""
+        warm = balanced_images(self.partitions, self.partitions, seed=99)
+        self.run_round([(data, f"warm-{i}.png") for i, (data, _) in enumerate(warm)])
+
+    def stop(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.stop_all()
+
+
+async def _submit_and_wait(items: list[tuple[bytes, str]], timeout: float = 3600):
+    from services.cli.client import Submitter
+    from services.common.completions import CompletionWatcher
+    from services.common.settings import CommonSettings
+
+    s = CommonSettings()
+    watcher, submitter = CompletionWatcher(s), Submitter(s)
+    await watcher.start()
+    await submitter.start()
+    try:
+        t0 = time.time()
+        ids = await submitter.submit_many(items, source="bench")
+    finally:
+        await submitter.stop()
+    done = {}
+    try:
+        async def collect():
+            async for ev in watcher.completions(set(ids)):
+                done[ev.request_id] = ev.result
+
+        await asyncio.wait_for(collect(), timeout)
+    finally:
+        await watcher.stop()
+    return t0, [done[i] for i in ids]
+
+
+# -- the run -----------------------------------------------------------------------------------
+def _ratio_pairs(names: list[str]) -> list[tuple[str, str, str]]:
+    """(label, numerator, denominator) for every ratio whose two configurations were measured."""
+    pairs = []
+    for n in names:
+        c = parse_config(n)
+        if c.kind == "pipe":
+            eng = Config("engine", c.procs, c.threads, c.workers, c.batch).name
+            if eng in names:
+                pairs.append((f"pipeline/engine {n[5:]}", n, eng))
+    for n in names:
+        c = parse_config(n)
+        off = Config(c.kind, c.procs, c.threads, c.workers, 1).name
+        if c.batch != 1 and off in names:
+            pairs.append((f"batch on/off {n}", n, off))
+    for n in names:
+        c = parse_config(n)
+        one = Config(c.kind, 1, c.threads, c.workers, c.batch).name
+        if c.procs == 2 and one in names:
+            pairs.append((f"2 procs/1 proc {n}", n, one))
+    return pairs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=24, help="images per round (a multiple of --partitions)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS)
+    ap.add_argument("--json", type=Path, help="write every measurement here")
+    args = ap.parse_args()
+
+    from tests.stack import stack_reachable
+
+    missing = stack_reachable()
+    if missing:
+        sys.exit(f"local stack not reachable ({missing}): run deploy/local/up.sh")
+    cfgs = [parse_config(c) for c in args.configs.split(",")]
+    names = [c.name for c in cfgs]
+    images = balanced_images(args.n, args.partitions)
+    cpu_model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"machine: {platform.machine()} {cpu_model}, nproc {os.cpu_count()}; load {os.getloadavg()}")
+    print(f"{args.n} generated text images ({args.n // args.partitions} per partition), "
+          f"{args.rounds} interleaved rounds, configs: {', '.join(names)}", flush=True)
+
+    logdir = Path(tempfile.mkdtemp(prefix="infer-bench-"))
+    runners: dict[str, EngineRunner | PipeRunner] = {}
+    try:
+        for c in cfgs:  # start everything (models load in parallel), then wait
+            r = EngineRunner(c, images, args.partitions) if c.kind == "engine" else PipeRunner(c, images, args.partitions, logdir)
+            if c.kind == "pipe":
+                r.start()
+            runners[c.name] = r
+        for r in runners.values():
+            if isinstance(r, EngineRunner):
+                r.start()
+            else:
+                r.wait_ready()
+                r.warm_up()
+        print(f"all configurations ready and warmed up; stage logs in {logdir}", flush=True)
+
+        def all_pids() -> dict[str, list[int]]:
+            out = {}
+            for n, r in runners.items():
+                out[n] = r.pids() if isinstance(r, EngineRunner) else [p for ps in r.pids().values() for p in ps]
+            return out
+
+        stack = stack_pids()
+        # idle cost of everything started, over 10 s (what an idle configuration takes from a measured one)
+        everything = [p for ps in all_pids().values() for p in ps]
+        print("local stack: " + ", ".join(f"{k} {v}" for k, v in stack.items()))
+        c0, m0 = sum(map(cpu_seconds, everything)), machine_busy_seconds()
+        time.sleep(10)
+        idle_cpu = (sum(map(cpu_seconds, everything)) - c0) / 10
+        print(f"idle: all configurations' processes use {idle_cpu * 100:.1f}% of one core; "
+              f"whole machine busy {(machine_busy_seconds() - m0) * 10:.0f}% of one core", flush=True)
+
+        results: dict[str, list[dict]] = {n: [] for n in names}
+        for rnd in range(args.rounds):
+            order = names if rnd % 2 == 0 else names[::-1]
+            for n in order:
+                r = runners[n]
+                pids = all_pids()
+                own = r.pids() if isinstance(r, PipeRunner) else {"engine": r.pids()}
+                others = [p for m, ps in pids.items() if m != n for p in ps]
+                snap = lambda: ({k: sum(map(cpu_seconds, v)) for k, v in {**own, **stack}.items()},  # noqa: E731
+                                0.0, sum(map(cpu_seconds, others)),
+                                cpu_seconds(os.getpid()), machine_busy_seconds())
+                before, load = snap(), os.getloadavg()[0]
+                t0, done = r.run_round()
+                after = snap()
+                wall = max(done) - t0
+                cpu = {f"cpu_{k}": (after[0][k] - before[0][k]) / args.n for k in {**own, **stack}}
+                cpu.update(cpu_idle_configs=(after[2] - before[2]) / args.n,
+                           cpu_bench=(after[3] - before[3]) / args.n)
+                accounted = sum(after[0].values()) - sum(before[0].values()) + sum(
+                    after[i] - before[i] for i in (1, 2, 3))
+                cpu["cpu_rest_of_machine"] = max(0.0, (after[4] - before[4]) - accounted) / args.n
+                rec = dict(round=rnd + 1, rate=backlog_rate(t0, done), first_s=min(done) - t0, wall_s=wall,
+                           load1=load, machine_busy_cores=(after[4] - before[4]) / wall, **cpu)
+                results[n].append(rec)
+                print(f"round {rnd + 1} {n:16s} {rec['rate']:.3f} img/s  first completion {rec['first_s']:.1f}s  "
+                      f"(wall {wall:.1f}s, load {load:.2f}, machine busy {rec['machine_busy_cores']:.2f} cores)  "
+                      + "  ".join(f"{k[4:]} {v:.3f}" for k, v in cpu.items()) + " CPU-s/img", flush=True)
+    finally:
+        for r in runners.values():
+            r.stop()
+
+    print("\n== images/s (median over rounds; every round in brackets)")
+    for n in names:
+        st = [x["rate"] for x in results[n]]
+        print(f"{n:16s} {statistics.median(st):.3f} [{', '.join(f'{v:.3f}' for v in st)}]")
+    print("\n== CPU seconds per image (mean over rounds)")
+    for n in names:
+        keys = [k for k in results[n][0] if k.startswith("cpu_")]
+        print(f"{n:16s} " + "  ".join(f"{k[4:]} {statistics.mean(x[k] for x in results[n]):.3f}" for k in keys))
+    ratios = {}
+    print("\n== ratios (each computed within a round; median [per round])")
+    for label, a, b in _ratio_pairs(names):
+        per = [x["rate"] / y["rate"] for x, y in zip(results[a], results[b])]
+        ratios[label] = per
+        print(f"{label:34s} {statistics.median(per):.3f} [{', '.join(f'{v:.3f}' for v in per)}]")
+    pipes = [n for n in names if n.startswith("pipe:")]
+    engines = [n for n in names if n.startswith("engine:")]
+    if pipes and engines:
+        med = {n: statistics.median(x["rate"] for x in results[n]) for n in names}
+        bp, be = max(pipes, key=med.get), max(engines, key=med.get)
+        per = [max(results[p][i]["rate"] for p in pipes) / max(results[e][i]["rate"] for e in engines)
+               for i in range(args.rounds)]
+        ratios["best pipeline/best engine"] = per
+        print(f"{'best pipeline/best engine':34s} {statistics.median(per):.3f} [{', '.join(f'{v:.3f}' for v in per)}]"
+              f"  (by median: {bp} vs {be})")
+    print(f"\nload average at the end: {os.getloadavg()}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": {"nproc": os.cpu_count(), "cpu": cpu_model},
+                                         "n": args.n, "rounds": args.rounds, "idle_cpu_cores": idle_cpu,
+                                         "results": results, "ratios": ratios}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
