@@ -190,6 +190,31 @@ class Database:
         """Run a read query; rows as dicts."""
         return await self._run("query", self._query, sql, args)
 
+    def _transact(self, fn, args: tuple):
+        with self._conn() as conn:
+            conn.begin()
+            try:
+                with conn.cursor(pymysql.cursors.DictCursor) as cur:
+                    out = fn(cur, *args)
+                conn.commit()
+                return out
+            except BaseException:
+                try:
+                    conn.rollback()
+                except Exception:  # the connection is gone: the server rolls back on its own
+                    pass
+                raise
+
+    async def transact(self, op: str, fn, *args):
+        """Run ``fn(cursor, *args)`` (in a worker thread) inside one transaction on a pooled
+        connection: committed when it returns, rolled back when it raises. The cursor yields
+        dicts. Returns what ``fn`` returns.
+
+        Args:
+            op: Operation name for the call-latency metric.
+        """
+        return await self._run(op, self._transact, fn, args)
+
     def _execute(self, sql: str, args: tuple) -> int:
         with self._conn() as conn, conn.cursor() as cur:
             return cur.execute(sql, args)

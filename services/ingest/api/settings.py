@@ -48,3 +48,11 @@ class ApiSettings(IngestSettings):
     )
     webhook_timeout_s: float = Field(default=10.0, gt=0, description="per-attempt timeout of a callback, s")
     webhook_retry_for_s: float = Field(default=3_600.0, gt=0, description="how long a failing callback is retried, s")
+    webhook_backoff_base_s: float = Field(
+        default=1.0, gt=0, description="delay before the first retry of a callback, doubled per attempt (with jitter), s"
+    )
+    webhook_backoff_max_s: float = Field(default=300.0, gt=0, description="longest delay between callback attempts, s")
+    webhook_concurrency: int = Field(default=16, ge=1, description="callback attempts in flight at once per process")
+    webhook_poll_interval_s: float = Field(
+        default=1.0, gt=0, description="how often the delivery loop looks for due callbacks, s"
+    )
