@@ -117,7 +117,7 @@ class FrontDoor:
         self.cache = ResultCache(s.redis, self.telemetry, stage="api")
         self.db = Database(s.mysql, pool_size=8, telemetry=self.telemetry)
         self.hub: CompletionHub | None = None
-        self.guard = Guard(s, self.cache, self.db)
+        self.guard = Guard(s, self.cache, self.db, self.telemetry)
         self.webhooks = WebhookDispatcher(s, self.db, self.telemetry) if s.webhook_enabled else None
         self._outputs: OrderedDict[str, OcrOutput] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()  # fire-and-forget work, referenced until done

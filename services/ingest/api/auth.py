@@ -1,12 +1,37 @@
-"""API keys and per-key rate limits of the HTTP front door."""
+"""API keys and per-key rate limits of the HTTP front door (the guard every ``/v1/`` route calls).
+
+Off by default (``auth_required`` false: every caller is :data:`ANONYMOUS`, no limits apply,
+since limits are per key); the Helm values turn it on. Then a ``/v1/`` request must carry a key
+(:mod:`.keys`) as ``X-API-Key: <key>`` or ``Authorization: Bearer <key>`` (RFC 6750 §2.1), and:
+
+* no key, a malformed, unknown or revoked key: 401 ``unauthorized`` with a message saying which,
+  and ``WWW-Authenticate: Bearer realm="ocrstream"`` (with ``error="invalid_token"`` when a key
+  was sent, RFC 6750 §3);
+* an empty token bucket: 429 ``rate_limited``; a used-up daily quota (submissions, i.e. POSTs,
+  only: reads never use quota): 429 ``quota_exceeded``; both with ``Retry-After`` in whole
+  seconds (:mod:`.ratelimit`);
+* MariaDB unreachable for a key not in the lookup cache: 503 ``unavailable`` (fail closed:
+  an unverifiable key is never let in);
+* Redis unreachable: the request passes unlimited (fail open, counted in
+  ``ocrstream_rate_limit_total{outcome="unavailable"}``): Redis trouble never stops OCR.
+
+Lookups are cached in-process for ``auth_cache_s`` seconds, so a revoked key keeps working on a
+running door for at most that long after ``ocrstream keys revoke``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pymysql
+from prometheus_client import Counter
 from starlette.requests import Request
 
 from services.ingest.api.errors import ApiError
+from services.ingest.api.keys import KeyStore, MalformedKey, parse_key
+from services.ingest.api.ratelimit import RateLimiter
+
+REALM = 'Bearer realm="ocrstream"'
 
 
 @dataclass(frozen=True)
@@ -19,24 +44,109 @@ class Principal:
 ANONYMOUS = Principal()
 
 
+def _unauthorized(message: str, key_sent: bool) -> ApiError:
+    challenge = REALM if not key_sent else f'{REALM}, error="invalid_token", error_description="{message}"'
+    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": challenge})
+
+
+def presented_key(request: Request) -> str:
+    """The key a request carries, from ``X-API-Key`` or ``Authorization: Bearer``.
+
+    Raises:
+        ApiError: 401 ``unauthorized`` when there is none, when Authorization uses another
+            scheme, or when both headers carry different keys.
+    """
+    header = request.headers.get("x-api-key", "").strip()
+    auth = request.headers.get("authorization", "").strip()
+    bearer = ""
+    if auth:
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise _unauthorized("the Authorization header must be 'Bearer <API key>'", True)
+        bearer = token.strip()
+    if header and bearer and header != bearer:
+        raise _unauthorized("X-API-Key and Authorization carry different keys", True)
+    key = header or bearer
+    if not key:
+        raise _unauthorized("an API key is required: send it as X-API-Key or Authorization: Bearer", False)
+    return key
+
+
 class Guard:
-    """Authenticates a request and applies its key's rate limit.
+    """Authenticates a request and applies its key's rate limit and quota.
 
     Args:
-        settings: ``auth_required`` and the default rate limit.
+        settings: :class:`~services.ingest.api.settings.ApiSettings` (``auth_required``,
+            ``auth_cache_s``, the default ``rate_limit_per_s`` / ``rate_limit_burst`` /
+            ``quota_per_day`` for keys that have none of their own).
+        cache: The door's :class:`~services.common.cache.ResultCache` (its Redis pool and
+            time budget are shared by the rate limiter).
+        db: The door's :class:`~services.common.db.Database` (table ``api_keys``).
+        telemetry: Where ``ocrstream_auth_total`` and ``ocrstream_rate_limit_total`` are registered.
     """
 
-    def __init__(self, settings, cache=None, db=None):
+    def __init__(self, settings, cache=None, db=None, telemetry=None):
         self.s = settings
-        self.cache = cache
-        self.db = db
+        self.keys = KeyStore(db, cache_ttl_s=settings.auth_cache_s) if db is not None else None
+        self.limiter = RateLimiter(cache.client, cache.p, cache.timeout) if cache is not None else None
+        registry = telemetry.registry if telemetry is not None else None  # None: counted, not exported
+        self.auth_total = Counter("ocrstream_auth", "API key checks on /v1/ routes by outcome",
+                                  ["outcome"], registry=registry)
+        self.rate_total = Counter("ocrstream_rate_limit", "Rate limit and quota decisions by outcome "
+                                  "(unavailable = Redis down, let through)", ["outcome"], registry=registry)
 
     async def check(self, request: Request) -> Principal:
-        """The caller's principal.
+        """The caller's principal, after its key's rate limit and quota.
 
         Raises:
-            ApiError: 401 ``unauthorized`` (missing, unknown or revoked key), 429 ``rate_limited``.
+            ApiError: 401 ``unauthorized`` (missing, malformed, unknown or revoked key),
+                429 ``rate_limited`` / ``quota_exceeded`` (with ``Retry-After``),
+                503 ``unavailable`` (the key store cannot be read).
         """
         if not self.s.auth_required:
             return ANONYMOUS
-        raise ApiError(401, "unauthorized", "API keys are not available yet")
+        try:
+            presented = presented_key(request)
+            parse_key(presented)
+        except ApiError as err:
+            sent = "invalid_token" in err.headers["WWW-Authenticate"]
+            self.auth_total.labels("malformed" if sent else "missing").inc()
+            raise
+        except MalformedKey as exc:
+            self.auth_total.labels("malformed").inc()
+            raise _unauthorized(f"malformed API key: {exc}", True) from None
+        if self.keys is None:
+            raise ApiError(503, "unavailable", "API keys are required but no key store is configured")
+        try:
+            key = await self.keys.lookup(presented)
+        except (pymysql.MySQLError, OSError) as exc:
+            self.auth_total.labels("unavailable").inc()
+            raise ApiError(503, "unavailable", f"the key store (MariaDB) cannot be read: {exc!r}",
+                           headers={"Retry-After": "1"}) from None
+        if key is None:
+            self.auth_total.labels("unknown").inc()
+            raise _unauthorized("unknown API key", True)
+        if key.revoked:
+            self.auth_total.labels("revoked").inc()
+            raise _unauthorized(f"API key {key.key_id} has been revoked", True)
+        self.auth_total.labels("ok").inc()
+        await self._limit(key, counts_quota=request.method == "POST")
+        return Principal(key_id=key.key_id)
+
+    async def _limit(self, key, counts_quota: bool) -> None:
+        if self.limiter is None:
+            return
+        rate = self.s.rate_limit_per_s if key.rate_per_s is None else key.rate_per_s
+        burst = self.s.rate_limit_burst if key.burst is None else key.burst
+        quota = self.s.quota_per_day if key.quota_per_day is None else key.quota_per_day
+        d = await self.limiter.hit(key.key_id, rate_per_s=rate, burst=burst,
+                                   quota_per_day=quota if counts_quota else 0)
+        self.rate_total.labels(d.outcome).inc()
+        if d.allowed:
+            return
+        headers = {"Retry-After": str(d.retry_after_s)}
+        if d.outcome == "quota_exceeded":
+            raise ApiError(429, "quota_exceeded", f"API key {key.key_id} has used its {quota} submissions of this "
+                           f"UTC day; retry after {d.retry_after_s} s", headers=headers)
+        raise ApiError(429, "rate_limited", f"API key {key.key_id} is limited to {rate:g} requests/s (burst {burst}); "
+                       f"retry after {d.retry_after_s} s", headers=headers)

@@ -1,0 +1,144 @@
+"""Per-key token buckets and daily quotas in Redis (one atomic Lua script per request).
+
+Keys (``<p>`` is ``redis.key_prefix``):
+
+* ``<p>:rl:<key_id>``           hash ``{tokens, ts}``: tokens left (float) at ``ts`` (Unix ms).
+  Expires once the bucket would be full again (an absent bucket *is* a full one).
+* ``<p>:quota:<key_id>:<day>``  submissions counted on UTC day number ``day`` (Unix ms // 86,400,000);
+  expires after two days.
+
+The bucket holds at most ``burst`` tokens and refills at ``rate_per_s`` tokens per second,
+continuously, by the time elapsed since ``ts``. Every request takes one token; with less than
+one token left it is refused and told to retry after the time until one token has refilled,
+``ceil((1 - tokens) / rate_per_s)`` seconds. The clock is Redis ``TIME`` (one clock for every
+replica of the door), unless the caller passes ``now_ms`` (tests). If a passed clock goes
+backwards, nothing is refilled and the later stamp is kept.
+
+A refused request takes no token and does not count against the quota; a request refused by
+the quota takes no token.
+
+Redis trouble never stops OCR: when Redis errors or does not answer within its time budget,
+the request is let through (outcome ``unavailable``, counted by the caller in
+``ocrstream_rate_limit_total``). Limits are then not enforced until Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+DAY_MS = 86_400_000
+
+# KEYS: bucket, quota base   ARGV: rate_per_s (0 = no bucket), burst, quota (0 = none), now_ms ('' = TIME)
+# Returns {code, wait_ms, tokens}: code 1 allowed, 0 rate limited, 2 quota exceeded.
+_HIT = """
+local rate = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local quota = tonumber(ARGV[3])
+local now = tonumber(ARGV[4])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local qkey = nil
+if quota > 0 then
+  local day = math.floor(now / 86400000)
+  qkey = KEYS[2] .. ':' .. string.format('%d', day)
+  local used = tonumber(redis.call('GET', qkey) or '0')
+  if used >= quota then
+    return {2, math.ceil((day + 1) * 86400000 - now), '0'}
+  end
+end
+local tokens = burst
+if rate > 0 then
+  local st = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+  local ts = tonumber(st[2])
+  tokens = tonumber(st[1])
+  if tokens == nil or ts == nil then
+    tokens = burst
+    ts = now
+  elseif now > ts then
+    tokens = tokens + (now - ts) * rate / 1000
+    ts = now
+  end
+  if tokens > burst then tokens = burst end
+  if tokens < 1 then
+    return {0, math.ceil((1 - tokens) * 1000 / rate), tostring(tokens)}
+  end
+  tokens = tokens - 1
+  redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', string.format('%.3f', ts))
+  redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) * 1000 / rate) + 1000)
+end
+if qkey then
+  redis.call('INCR', qkey)
+  redis.call('PEXPIRE', qkey, 2 * 86400000)
+end
+return {1, 0, tostring(tokens)}
+"""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one request against its key's limits.
+
+    Attributes:
+        allowed: Whether the request may proceed.
+        outcome: ``ok``, ``unlimited`` (no limit applies, Redis not asked), ``rate_limited``,
+            ``quota_exceeded`` or ``unavailable`` (Redis down: allowed, fail open).
+        retry_after_s: When refused, whole seconds until a retry can succeed (rounded up, >= 1);
+            else 0. This is the ``Retry-After`` header (RFC 9110 §10.2.3).
+        tokens: Tokens left in the bucket after this request (``burst`` when no bucket applies).
+    """
+
+    allowed: bool
+    outcome: str
+    retry_after_s: int = 0
+    tokens: float = 0.0
+
+
+class RateLimiter:
+    """Token buckets and daily quotas per API key.
+
+    Args:
+        client: Redis client (the door shares the result cache's pool).
+        prefix: Redis key prefix (``redis.key_prefix``).
+        timeout_s: Time budget of one check, s (``redis.timeout_ms`` / 1000).
+    """
+
+    def __init__(self, client: aioredis.Redis, prefix: str, timeout_s: float):
+        self.client = client
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self._hit = client.register_script(_HIT)
+
+    async def hit(self, key_id: str, *, rate_per_s: float, burst: int, quota_per_day: int = 0,
+                  now_ms: float | None = None) -> Decision:
+        """Take one token from ``key_id``'s bucket and count one against its daily quota.
+
+        Args:
+            key_id: The API key's id.
+            rate_per_s: Refill, tokens/s; 0 = no rate limit.
+            burst: Bucket size, tokens (>= 1).
+            quota_per_day: Requests counted per UTC day; 0 = no quota (not counted at all).
+            now_ms: Clock, Unix ms; None = Redis ``TIME``.
+
+        Returns:
+            The decision; ``unavailable`` (allowed) when Redis errors or is too slow.
+        """
+        if rate_per_s <= 0 and quota_per_day <= 0:
+            return Decision(True, "unlimited", tokens=float(burst))
+        keys = [f"{self.prefix}:rl:{key_id}", f"{self.prefix}:quota:{key_id}"]
+        args = [repr(float(rate_per_s)), int(burst), int(quota_per_day), "" if now_ms is None else repr(float(now_ms))]
+        try:
+            code, wait_ms, tokens = await asyncio.wait_for(self._hit(keys=keys, args=args), self.timeout_s)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            return Decision(True, "unavailable")
+        tokens = float(tokens)
+        if code == 1:
+            return Decision(True, "ok", tokens=tokens)
+        retry = max(1, math.ceil(int(wait_ms) / 1000))
+        return Decision(False, "rate_limited" if code == 0 else "quota_exceeded", retry, tokens)

@@ -1,0 +1,95 @@
+"""The token bucket and daily quota Lua script on the real Redis, with an explicit clock (exact values)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.common.settings import RedisSettings
+from services.ingest.api.ratelimit import DAY_MS, RateLimiter
+
+pytestmark = pytest.mark.stack
+
+T0 = 1_750_000_000_000.0  # a fixed Unix ms; 10:13:20 UTC
+
+
+@pytest.fixture
+async def limiter():
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    client = aioredis.Redis.from_url(RedisSettings().url)
+    yield RateLimiter(client, prefix, timeout_s=2.0)
+    async for k in client.scan_iter(match=f"{prefix}:*"):
+        await client.delete(k)
+    await client.aclose()
+
+
+async def test_bucket_allows_burst_then_refills_by_elapsed_time(limiter):
+    hit = lambda now: limiter.hit("k1", rate_per_s=2, burst=3, now_ms=T0 + now)  # noqa: E731
+    got = [await hit(0) for _ in range(4)]
+    assert [d.outcome for d in got] == ["ok", "ok", "ok", "rate_limited"]
+    assert [d.tokens for d in got[:3]] == [2.0, 1.0, 0.0]
+    assert got[3].allowed is False and got[3].retry_after_s == 1  # 500 ms to one token, rounded up
+    # 250 ms later half a token has refilled: still refused; a refusal takes nothing
+    d = await hit(250)
+    assert d.outcome == "rate_limited" and d.tokens == 0.5 and d.retry_after_s == 1
+    d = await hit(500)
+    assert d.outcome == "ok" and d.tokens == 0.0
+    # a long pause refills to the burst, never beyond it
+    got = [await hit(60_000) for _ in range(4)]
+    assert [d.outcome for d in got] == ["ok", "ok", "ok", "rate_limited"]
+
+
+async def test_retry_after_is_whole_seconds_rounded_up(limiter):
+    d1 = await limiter.hit("slow", rate_per_s=0.01, burst=1, now_ms=T0)
+    d2 = await limiter.hit("slow", rate_per_s=0.01, burst=1, now_ms=T0 + 1)
+    assert d1.outcome == "ok" and d2.outcome == "rate_limited"
+    # 0.00001 tokens refilled in 1 ms: 99,999 ms to go -> 100 s
+    assert d2.retry_after_s == 100
+
+
+async def test_buckets_are_per_key_and_expire_when_full_again(limiter):
+    assert (await limiter.hit("a", rate_per_s=1, burst=1, now_ms=T0)).outcome == "ok"
+    assert (await limiter.hit("a", rate_per_s=1, burst=1, now_ms=T0)).outcome == "rate_limited"
+    assert (await limiter.hit("b", rate_per_s=1, burst=1, now_ms=T0)).outcome == "ok"
+    ttl = await limiter.client.pttl(f"{limiter.prefix}:rl:a")
+    assert 1_000 < ttl <= 2_000  # 1 s to refill one token + 1 s slack
+
+
+async def test_clock_going_backwards_refills_nothing(limiter):
+    assert (await limiter.hit("c", rate_per_s=1, burst=2, now_ms=T0 + 10_000)).tokens == 1.0
+    d = await limiter.hit("c", rate_per_s=1, burst=2, now_ms=T0)  # another replica's slower clock
+    assert d.outcome == "ok" and d.tokens == 0.0
+    d = await limiter.hit("c", rate_per_s=1, burst=2, now_ms=T0 + 10_500)  # refill from the later stamp
+    assert d.outcome == "rate_limited" and d.tokens == 0.5
+
+
+async def test_daily_quota_counts_allowed_requests_and_resets_at_utc_midnight(limiter):
+    day_end = (T0 // DAY_MS + 1) * DAY_MS
+    hit = lambda now, rate=0: limiter.hit("q", rate_per_s=rate, burst=1, quota_per_day=3, now_ms=now)  # noqa: E731
+    assert (await hit(T0)).outcome == "ok"
+    assert (await hit(T0 + 1, rate=0.001)).outcome == "ok"
+    # refused by the bucket: does not count against the quota
+    assert (await hit(T0 + 2, rate=0.001)).outcome == "rate_limited"
+    assert (await hit(T0 + 3)).outcome == "ok"
+    d = await hit(T0 + 4)
+    assert d.outcome == "quota_exceeded" and d.allowed is False
+    assert d.retry_after_s == int((day_end - T0 - 4 + 999) // 1000)
+    assert int(await limiter.client.get(f"{limiter.prefix}:quota:q:{int(T0 // DAY_MS)}")) == 3
+    assert (await hit(day_end)).outcome == "ok"  # a new UTC day
+
+
+async def test_no_limit_does_not_touch_redis_and_redis_down_fails_open():
+    down = RateLimiter(aioredis.Redis.from_url("redis://127.0.0.1:1/0"), "x", timeout_s=0.5)
+    d = await down.hit("k", rate_per_s=0, burst=5)
+    assert d.allowed and d.outcome == "unlimited"
+    d = await down.hit("k", rate_per_s=1, burst=1)
+    assert d.allowed and d.outcome == "unavailable"
+    await down.client.aclose()
+
+
+async def test_redis_clock_is_used_when_no_time_is_passed(limiter):
+    got = [await limiter.hit("live", rate_per_s=0.001, burst=2) for _ in range(3)]
+    assert [d.outcome for d in got] == ["ok", "ok", "rate_limited"]
+    assert 999 <= got[2].retry_after_s <= 1000
