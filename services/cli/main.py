@@ -21,6 +21,8 @@ from services.common.settings import CommonSettings
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Streaming OCR over Kafka.")
 cache_app = typer.Typer(no_args_is_help=True, help="Manage the result cache.")
 app.add_typer(cache_app, name="cache")
+keys_app = typer.Typer(no_args_is_help=True, help="Manage the API keys of the HTTP door.")
+app.add_typer(keys_app, name="keys")
 console = Console()
 err = Console(stderr=True)
 
@@ -229,6 +231,66 @@ def cache_purge(
             await cache.close()
 
     console.print(f"deleted {asyncio.run(_run())} cache entries")
+
+
+def _key_store():
+    from services.common.db import Database
+    from services.ingest.api.keys import KeyStore
+
+    return KeyStore(Database(CommonSettings().mysql, pool_size=1))
+
+
+def _ms_time(ms: int | None) -> str:
+    return "" if ms is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ms / 1000)) + "Z"
+
+
+@keys_app.command("create")
+def keys_create(
+    name: str = typer.Option(..., "--name", help="label of the key (who or what uses it)"),
+    rate: Optional[float] = typer.Option(None, "--rate", min=0, help="requests/s of this key; 0 = unlimited; "
+                                         "default: the door's OCRSTREAM_RATE_LIMIT_PER_S"),
+    burst: Optional[int] = typer.Option(None, "--burst", min=1, help="token bucket size; default: OCRSTREAM_RATE_LIMIT_BURST"),
+    quota_per_day: Optional[int] = typer.Option(None, "--quota-per-day", min=0, help="submissions per UTC day; "
+                                                "0 = none; default: OCRSTREAM_QUOTA_PER_DAY"),
+) -> None:
+    """Create an API key; prints the key and its webhook secret once (only a hash of the key is stored)."""
+    try:
+        new = asyncio.run(_key_store().create(name, rate_per_s=rate, burst=burst, quota_per_day=quota_per_day))
+    except ValueError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    console.print(f"key_id:         {new.key.key_id}", highlight=False)
+    console.print(f"api_key:        {new.token}", highlight=False)
+    console.print(f"webhook_secret: {new.webhook_secret}", highlight=False)
+    err.print("Store both now: the key is not shown again (only its SHA-256 is kept).")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str = typer.Argument(..., help="id of the key (the part after ocs_)")) -> None:
+    """Revoke a key: running doors refuse it within OCRSTREAM_AUTH_CACHE_S seconds (exit 1 if unknown)."""
+    key = asyncio.run(_key_store().revoke(key_id))
+    if key is None:
+        err.print(f"[red]error:[/red] no API key {key_id!r}")
+        raise typer.Exit(1)
+    console.print(f"revoked {key.key_id} ({key.name}) at {_ms_time(key.revoked_at_ms)}", highlight=False)
+
+
+@keys_app.command("list")
+def keys_list(
+    all_: bool = typer.Option(True, "--all/--active", help="include revoked keys"),
+) -> None:
+    """List the API keys: id, name, limits, created, revoked (never a key or a secret)."""
+    from rich.table import Table
+
+    keys = asyncio.run(_key_store().list(include_revoked=all_))
+    dflt = "default"
+    table = Table("key_id", "name", "rate/s", "burst", "quota/day", "created (UTC)", "revoked (UTC)")
+    for k in keys:
+        table.add_row(k.key_id, k.name, dflt if k.rate_per_s is None else f"{k.rate_per_s:g}",
+                      dflt if k.burst is None else str(k.burst),
+                      dflt if k.quota_per_day is None else str(k.quota_per_day),
+                      _ms_time(k.created_at_ms), _ms_time(k.revoked_at_ms))
+    console.print(table)
 
 
 def main() -> None:
