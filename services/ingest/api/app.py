@@ -30,11 +30,14 @@ from typing import Annotated
 import orjson
 from aiokafka import AIOKafkaProducer
 from fastapi import FastAPI, Path as PathParam, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.events import (
     CompletedEvent, OcrOutput, RequestEvent, ResultDocument, ResultEvent, new_id, now_ms,
@@ -50,7 +53,9 @@ from services.common.s3 import ObjectStore, parse_s3_uri
 from services.common.telemetry import SpanKind, Telemetry
 from services.ingest.accept import accept_image
 from services.ingest.api.auth import Guard, Principal
-from services.ingest.api.errors import STATUS_OF_CODE, ApiError, api_error_handler
+from services.ingest.api.errors import (
+    STATUS_OF_CODE, ApiError, api_error_handler, http_error_handler, validation_error_handler,
+)
 from services.ingest.api.hub import CompletionHub
 from services.ingest.api.models import ApiErrorBody, ApiErrorDetail, BatchItem, BatchResponse, Health, Links, OcrResponse
 from services.ingest.api.settings import ApiSettings
@@ -63,7 +68,23 @@ STATIC = Path(__file__).parent / "static"
 #: The web page talks to its own origin only: no CDN, no external fonts (works offline).
 _PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-_ERRORS = {s: {"model": ApiErrorBody} for s in (400, 401, 413, 415, 422, 429, 503)}
+_ERROR_TEXT = {
+    400: "bad request: an invalid option or parameter (`invalid_request`), an empty body (`empty_input`), "
+         "a malformed multipart body, a callback URL that is not allowed (`callback_not_allowed`)",
+    401: "missing, unknown or revoked API key (`unauthorized`)",
+    404: "no such request, or another key's request (`not_found`)",
+    413: "over a limit: bytes (`input_too_large`), pixels (`image_too_large`) or pages (`too_many_pages`)",
+    415: "not a supported image or PDF, or an unsupported Content-Type (`unsupported_format`)",
+    422: "the image header is readable but the image is not (`corrupt_image`)",
+    429: "the key's rate limit or quota is used up (`rate_limited`, `quota_exceeded`); see Retry-After",
+    503: "Kafka, S3 or MariaDB did not answer (`unavailable`), or too many long-polls are waiting (`overloaded`); "
+         "retry later (Retry-After when known)",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict]:
+    """OpenAPI ``responses`` entries for these error statuses, all with the ``ApiErrorBody`` shape."""
+    return {st: {"model": ApiErrorBody, "description": _ERROR_TEXT[st]} for st in statuses}
 _RAW_TYPES = ("image/", "application/pdf", "application/octet-stream")
 
 
@@ -353,6 +374,24 @@ def _json(model: BaseModel, status: int) -> Response:
     return Response(model.model_dump_json(by_alias=True), status_code=status, media_type="application/json")
 
 
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's spec without the 422 ``HTTPValidationError`` answers it adds to every route with
+    parameters: parameter errors are answered 400 ``invalid_request`` in the one error shape
+    (:func:`~services.ingest.api.errors.validation_error_handler`). Built once, then cached."""
+    if app.openapi_schema is None:
+        spec = get_openapi(title=app.title, version=app.version, summary=app.summary, description=app.description,
+                           routes=app.routes, tags=app.openapi_tags, openapi_version=app.openapi_version)
+        for item in spec.get("paths", {}).values():
+            for op in item.values():
+                resp = op.get("responses", {}).get("422")
+                if resp and "HTTPValidationError" in orjson.dumps(resp).decode():
+                    del op["responses"]["422"]
+        for name in ("HTTPValidationError", "ValidationError"):
+            spec.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = spec
+    return app.openapi_schema
+
+
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
     """The ASGI app. Clients connect in the lifespan (so importing this module is cheap).
 
@@ -374,17 +413,26 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         title="ocrstream",
         version="1",
         summary="Streaming OCR over Kafka: submit images over HTTP, get results at once, by long-poll or webhook.",
+        description=("Submit an image with `POST /v1/ocr` (raw bytes or multipart): a cached image is answered "
+                     "200 with its result, a new one 202 with its request id; read it with "
+                     "`GET /v1/ocr/{request_id}?wait=S` (long-poll). Every error answers "
+                     '`{"error": {"code", "message"}}` with a stable code.'),
         lifespan=lifespan,
-        responses=_ERRORS,
     )
     app.state.door = door
     app.add_exception_handler(ApiError, api_error_handler)
+    # FastAPI's parameter checks and Starlette's 404/405 answer in the one error shape too
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.openapi = lambda: _openapi(app)
     if s.http_cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=s.http_cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "X-API-Key", "Authorization"])
 
-    @app.post("/v1/ocr", response_model=OcrResponse, status_code=202, tags=["ocr"],
-              responses={200: {"model": OcrResponse, "description": "cached: the finished result"}},
+    @app.post("/v1/ocr", response_model=OcrResponse, status_code=202, tags=["ocr"], summary="Submit one image",
+              response_description="accepted: the request id, status `pending` and where to read the result",
+              responses={200: {"model": OcrResponse, "description": "cached: the finished result, status `ok`"},
+                         **_errors(400, 401, 413, 415, 422, 429, 503)},
               openapi_extra={"requestBody": {"required": True, "content": {
                   "image/*": {"schema": {"type": "string", "format": "binary"}},
                   "application/pdf": {"schema": {"type": "string", "format": "binary"}},
@@ -431,7 +479,10 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             door.http_seconds.labels("submit", outcome).observe(time.perf_counter() - started)
 
     @app.post("/v1/ocr/batch", response_model=BatchResponse, status_code=202, tags=["ocr"],
-              responses={200: {"model": BatchResponse, "description": "every item finished (cached or rejected)"}},
+              summary="Submit many images in one multipart body",
+              response_description="at least one item is pending: one item per file, in upload order",
+              responses={200: {"model": BatchResponse, "description": "every item finished (cached or rejected)"},
+                         **_errors(400, 401, 413, 415, 429, 503)},
               openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
                   "type": "object", "required": ["files"],
                   "properties": {"files": {"type": "array", "items": {"type": "string", "format": "binary"}},
@@ -461,7 +512,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         status = 200 if all(it.status != "pending" for it in items) else 202
         return _json(BatchResponse(items=list(items)), status)
 
-    @app.get("/v1/ocr/{request_id}", response_model=OcrResponse, tags=["ocr"])
+    @app.get("/v1/ocr/{request_id}", response_model=OcrResponse, tags=["ocr"], summary="Read a request's state",
+              response_description="the state: `pending`, or `ok`/`error` with the result document",
+              responses=_errors(400, 401, 404, 429, 503))
     async def read(
         request: Request,
         request_id: Annotated[str, PathParam(max_length=64)],
@@ -474,18 +527,23 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         door.http_seconds.labels("read", res.status).observe(time.perf_counter() - started)
         return _json(res, 200)
 
-    @app.get("/healthz", response_model=Health, tags=["ops"])
+    @app.get("/healthz", response_model=Health, tags=["ops"], summary="Liveness probe",
+             response_description="the process answers")
     async def healthz() -> Response:
         """Liveness: the process answers."""
         return _json(Health(ok=True), 200)
 
-    @app.get("/readyz", response_model=Health, tags=["ops"], responses={503: {"model": Health}})
+    @app.get("/readyz", response_model=Health, tags=["ops"], summary="Readiness probe",
+             response_description="ready: Kafka connected, S3 reachable",
+             responses={503: {"model": Health, "description": "not ready: `not_ready` names what is missing"}})
     async def readyz() -> Response:
         """Readiness: Kafka connected, S3 reachable."""
         missing = door.telemetry.not_ready()
         return _json(Health(ok=not missing, not_ready=missing), 503 if missing else 200)
 
-    @app.get("/metrics", tags=["ops"], response_class=Response)
+    @app.get("/metrics", tags=["ops"], response_class=Response, summary="Prometheus metrics",
+             responses={200: {"description": "Prometheus text exposition format 0.0.4",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         """Prometheus metrics of this process."""
         return Response(generate_latest(door.telemetry.registry), media_type=CONTENT_TYPE_LATEST)

@@ -3,7 +3,8 @@
 Every error response has the body ``{"error": {"code": "...", "message": "..."}}``. Codes are
 those of :class:`schemas.errors.ErrorCode` for bad images (``input_too_large``,
 ``unsupported_format``, ...) plus the HTTP door's own: ``unauthorized``, ``rate_limited``,
-``quota_exceeded``, ``not_found``, ``callback_not_allowed``, ``overloaded``, ``unavailable``.
+``quota_exceeded``, ``not_found``, ``callback_not_allowed``, ``overloaded``, ``unavailable``,
+``method_not_allowed``; FastAPI's parameter checks answer 400 ``invalid_request``.
 """
 
 from __future__ import annotations
@@ -53,3 +54,29 @@ async def api_error_handler(_: Request, exc: Exception) -> Response:
     """Starlette exception handler for :class:`ApiError`."""
     assert isinstance(exc, ApiError)
     return exc.response()
+
+
+async def validation_error_handler(_: Request, exc: Exception) -> Response:
+    """FastAPI's parameter validation (``RequestValidationError``) as 400 ``invalid_request``
+    naming the first bad parameter, e.g. ``query.wait: Input should be greater than or equal to 0``,
+    instead of FastAPI's own 422 ``{"detail": [...]}`` shape."""
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    if errors:
+        first = errors[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        message = f"{where}: {first.get('msg', 'invalid')}"
+    else:
+        message = "invalid request"
+    return ApiError(400, "invalid_request", message).response()
+
+
+#: Error codes of Starlette's own HTTP errors (unknown path, wrong method).
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def http_error_handler(_: Request, exc: Exception) -> Response:
+    """Starlette's ``HTTPException`` (404 unknown path, 405 wrong method ...) in the one error shape."""
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", None) or "error"
+    headers = dict(getattr(exc, "headers", None) or {})
+    return ApiError(status, _HTTP_CODES.get(status, "http_error"), str(detail), headers).response()
