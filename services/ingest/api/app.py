@@ -222,7 +222,7 @@ class FrontDoor:
         started = time.perf_counter()
         submitted = now_ms()
         if opts.callback_url:
-            validate_callback_url(opts.callback_url, self.s)
+            await validate_callback_url(opts.callback_url, self.s, principal.key_id)
         rid = opts.request_id or new_id()
         if opts.request_id:  # idempotent: a known id is answered with its state, not sent again
             try:

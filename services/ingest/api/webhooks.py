@@ -1,27 +1,375 @@
-"""Signed webhook delivery of completions to per-request callback URLs."""
+"""Signed webhook delivery of completions to per-request callback URLs.
+
+How a completion reaches its callback (never blocking the pipeline):
+
+1. **Intake.** Every API replica runs a member of the consumer group ``webhook_group_id`` on
+   ``ocr.completed``, so each completion is taken by one replica, not one per replica. For a
+   completion whose result has a ``callback_url`` it inserts a ``webhook_deliveries`` row (id
+   derived from the group and the completion's ``event_id``: a replayed completion is not sent
+   twice) and commits the offset only after the rows are written.
+2. **Delivery.** A loop claims due rows of its group (``FOR UPDATE SKIP LOCKED``, see
+   :mod:`.webhook_store`), checks the URL again (:mod:`.callbacks`: allow-list, public
+   addresses; DNS is resolved again), POSTs the completion JSON to the checked address with a
+   timeout and without following redirects, and records the attempt in ``webhook_attempts``.
+   2xx marks the delivery ``delivered``; anything else (3xx included) schedules a retry after
+   an exponential backoff with jitter, until ``webhook_retry_for_s`` after intake, then
+   ``failed``. A URL refused by the guard fails at once (a failed DNS lookup is retried).
+3. **Signature.** Each attempt is signed with HMAC-SHA256 over ``f"{timestamp}.{body}"``
+   (:mod:`.signing`, the Stripe ``v1`` scheme) using the submitting API key's webhook secret,
+   or ``webhook_secret`` for requests made without a key. A request without a key is refused
+   at submit time when ``webhook_secret`` is not set: callbacks are never sent unsigned.
+
+Delivery is at least once: a replica that dies after sending but before recording lets the row
+come due again after its lease. Receivers deduplicate on ``X-Ocrstream-Delivery``.
+
+Headers of every attempt: ``Content-Type: application/json``, ``X-Ocrstream-Delivery`` (the
+delivery id), ``X-Ocrstream-Attempt`` (1, 2, ...), ``X-Ocrstream-Timestamp`` and
+``X-Ocrstream-Signature``. The body is the ``ocr.completed.v1`` event exactly as published
+(``{"schema", "event_id", "request_id", "result": {...ResultDocument}}``).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import inspect
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+from aiokafka import ConsumerRecord
+from prometheus_client import Counter, Histogram
+
+from schemas.events import CompletedEvent, now_ms
+from services.common.db import Database
+from services.common.events import loads
+from services.common.kafka import make_consumer
+from services.common.telemetry import Telemetry
+from services.ingest.api.callbacks import RESOLVE_TIMEOUT_S, CallbackRefused, check_callback
 from services.ingest.api.errors import ApiError
+from services.ingest.api.signing import ATTEMPT_HEADER, DELIVERY_HEADER, sign, verify_signature
+from services.ingest.api.webhook_store import Claimed, NewDelivery, WebhookStore
+
+__all__ = ["WebhookDispatcher", "delivery_id", "validate_callback_url", "verify_signature"]
+
+log = logging.getLogger(__name__)
+
+SecretLookup = Callable[[str], "Awaitable[str | None] | str | None"]
 
 
-def validate_callback_url(url: str, settings) -> None:
-    """Refuse a callback URL the dispatcher would never call (checked at submit time).
+async def validate_callback_url(url: str, settings, key_id: str | None = None) -> None:
+    """Refuse, at submit time, a callback the dispatcher would never send.
+
+    Checks the URL (:func:`.callbacks.check_callback`: scheme, no user info, host on
+    ``webhook_allowed_hosts``, every resolved address public unless ``webhook_allow_private``)
+    and that the callback can be signed: a request without an API key needs ``webhook_secret``.
+
+    Args:
+        url: The ``callback_url`` option.
+        settings: :class:`~services.ingest.api.settings.ApiSettings`.
+        key_id: The submitting API key, or None.
 
     Raises:
-        ApiError: 400 ``callback_not_allowed``.
+        ApiError: 400 ``callback_not_allowed`` with the specific reason.
     """
-    raise ApiError(400, "callback_not_allowed", "webhooks are not available yet")
+    if key_id is None and settings.webhook_secret is None:
+        raise ApiError(400, "callback_not_allowed",
+                       "callbacks of requests without an API key cannot be signed: the server has no webhook_secret")
+    try:
+        await check_callback(url, settings.webhook_allowed_hosts, settings.webhook_allow_private)
+    except CallbackRefused as exc:
+        raise ApiError(400, "callback_not_allowed", exc.reason) from None
+
+
+def delivery_id(group_id: str, event_id: str) -> str:
+    """The deterministic id of the delivery of completion ``event_id`` by dispatcher group
+    ``group_id``: ``"whd_"`` plus 40 hex digits."""
+    return "whd_" + hashlib.sha256(f"{group_id}\n{event_id}".encode()).hexdigest()[:40]
+
+
+def backoff_s(attempt: int, base_s: float, max_s: float) -> float:
+    """Delay after failed attempt ``attempt`` (1-based): ``min(max_s, base_s * 2**(attempt-1))``
+    with equal jitter (between half and all of it), s."""
+    d = min(max_s, base_s * 2 ** min(attempt - 1, 30))
+    return d / 2 + random.uniform(0, d / 2)
+
+
+def _outcome_of(status: int) -> str:
+    return f"{status // 100}xx" if 100 <= status < 600 else "error"
 
 
 class WebhookDispatcher:
-    """Delivers completions that carry a ``callback_url`` (placeholder)."""
+    """Takes completions with a ``callback_url`` off ``ocr.completed`` and delivers them (see the
+    module docstring). One per API process; started and stopped by the front door.
 
-    def __init__(self, settings, db=None, telemetry=None):
+    Args:
+        settings: :class:`~services.ingest.api.settings.ApiSettings` (Kafka, topics, ``webhook_*``).
+        db: The MariaDB pool (deliveries and attempts; API keys' secrets).
+        telemetry: The process's telemetry; metrics go to its registry.
+        secret_of: Returns an API key's webhook secret (or None when the key is unknown),
+            sync or async. Defaults to :class:`services.ingest.api.keys.KeyStore` when that
+            module exists, else a read of ``api_keys.webhook_secret``.
+    """
+
+    def __init__(self, settings, db: Database, telemetry: Telemetry, secret_of: SecretLookup | None = None):
         self.s = settings
+        self.db = db
+        self.store = WebhookStore(db, settings.webhook_group_id)
+        self._secret_of = secret_of
+        self.consumer = None
+        self.client: httpx.AsyncClient | None = None
+        self._loops: list[asyncio.Task] = []
+        self._inflight: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()
+        self._lease_ms = int((settings.webhook_timeout_s + RESOLVE_TIMEOUT_S + 30) * 1000)
+        self._db_down = False
+        r = telemetry.registry
+        self.deliveries = Counter("ocrstream_webhook_deliveries", "Webhook deliveries by outcome (enqueued, delivered, failed)",
+                                  ["outcome"], registry=r)
+        self.attempts = Counter("ocrstream_webhook_attempts",
+                                "Webhook attempts by outcome (2xx, 3xx, 4xx, 5xx, timeout, error, refused)",
+                                ["outcome"], registry=r)
+        self.attempt_seconds = Histogram("ocrstream_webhook_attempt_seconds", "Webhook attempt latency by outcome",
+                                         ["outcome"], registry=r,
+                                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
+    # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start delivering in the background."""
+        """Join the webhook consumer group and start the intake and delivery loops.
 
-    async def stop(self) -> None:
-        """Stop delivering."""
+        Raises:
+            aiokafka.errors.KafkaError: Kafka unreachable.
+        """
+        s = self.s
+        self.consumer = make_consumer(s.kafka, [s.topics.completed], s.webhook_group_id, client_id="ocrstream-webhooks")
+        await self.consumer.start()
+        # no proxies (the checked address must be the one connected to); no keep-alive (a pooled
+        # connection is keyed by address, so it could carry another host's TLS session)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.webhook_timeout_s), follow_redirects=False, trust_env=False,
+            limits=httpx.Limits(max_connections=s.webhook_concurrency, max_keepalive_connections=0),
+        )
+        self._loops = [asyncio.create_task(self._intake(), name="webhook-intake"),
+                       asyncio.create_task(self._deliver(), name="webhook-deliver")]
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop taking work, let attempts in flight finish for up to ``grace_s`` seconds (the rest
+        are released, due again at once), leave the group and close the HTTP client."""
+        for t in self._loops:
+            t.cancel()
+        for t in self._loops:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - a loop that died is logged, shutdown goes on
+                log.error("webhooks: %s ended with %r", t.get_name(), exc)
+        if self._inflight:
+            _, pending = await asyncio.wait(set(self._inflight), timeout=grace_s)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=2.0)
+        if self.consumer is not None:
+            await self.consumer.stop()
+        if self.client is not None:
+            await self.client.aclose()
+
+    # -- intake -------------------------------------------------------------------------------
+    def _delivery_of(self, rec: ConsumerRecord) -> NewDelivery | None:
+        try:
+            ev = loads(CompletedEvent, rec.value)
+        except ValueError as exc:
+            log.warning("webhooks: unreadable completion %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
+            return None
+        url = ev.result.callback_url
+        if not url:
+            return None
+        return NewDelivery(delivery_id(self.s.webhook_group_id, ev.event_id), ev.request_id, ev.result.api_key_id,
+                           url, rec.value.decode())
+
+    async def _intake(self) -> None:
+        c = self.consumer
+        retry_for_ms = int(self.s.webhook_retry_for_s * 1000)
+        while True:
+            try:
+                batch = await c.getmany(timeout_ms=1000, max_records=500)
+            except Exception as exc:  # noqa: BLE001 - Kafka errors are transient here; keep reading
+                log.warning("webhooks: reading %s failed (%r); retrying", self.s.topics.completed, exc)
+                await asyncio.sleep(1.0)
+                continue
+            if not batch:
+                continue
+            items = [d for recs in batch.values() for rec in recs if (d := self._delivery_of(rec))]
+            tries = 0
+            while True:
+                try:
+                    await self.store.enqueue(items, now_ms(), retry_for_ms)
+                    break
+                except Exception as exc:  # noqa: BLE001 - MariaDB down: keep the batch, keep the membership
+                    tries += 1
+                    delay = min(10.0, 0.2 * 2 ** tries)
+                    log.warning("webhooks: storing %d deliveries failed (%r); retry %d in %.1fs",
+                                len(items), exc, tries, delay)
+                    assigned = c.assignment()
+                    c.pause(*assigned)
+                    try:
+                        await c.getmany(timeout_ms=int(delay * 1000))  # polls (no records) so the group keeps us
+                    finally:
+                        c.resume(*c.assignment())
+            owned = c.assignment()
+            offsets = {tp: max(r.offset for r in recs) + 1 for tp, recs in batch.items() if recs and tp in owned}
+            if offsets:
+                try:
+                    await c.commit(offsets)
+                except Exception as exc:  # noqa: BLE001 - redelivered later; enqueue is idempotent
+                    log.warning("webhooks: commit failed (%r); completions will be read again", exc)
+            if items:
+                self.deliveries.labels("enqueued").inc(len(items))
+                self._wake.set()
+
+    # -- delivery -----------------------------------------------------------------------------
+    async def _deliver(self) -> None:
+        s = self.s
+        while True:
+            self._wake.clear()
+            free = s.webhook_concurrency - len(self._inflight)
+            claimed: list[Claimed] = []
+            if free > 0:
+                try:
+                    claimed = await self.store.claim(free, now_ms(), self._lease_ms)
+                    if self._db_down:
+                        log.info("webhooks: MariaDB is back")
+                    self._db_down = False
+                except Exception as exc:  # noqa: BLE001 - MariaDB down: try again next round
+                    if not self._db_down:
+                        log.warning("webhooks: claiming due deliveries failed (%r); retrying", exc)
+                    self._db_down = True
+            for c in claimed:
+                task = asyncio.create_task(self._attempt(c), name=f"webhook-{c.delivery_id}")
+                self._inflight.add(task)
+                task.add_done_callback(self._attempt_done)
+            if claimed and len(claimed) == free:
+                continue  # more may be due
+            try:
+                await asyncio.wait_for(self._wake.wait(), s.webhook_poll_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def _attempt_done(self, task: asyncio.Task) -> None:
+        self._inflight.discard(task)
+        self._wake.set()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("webhooks: attempt task failed: %r", task.exception())
+
+    async def _secret(self, key_id: str | None) -> str | None:
+        if key_id is None:
+            return self.s.webhook_secret.get_secret_value() if self.s.webhook_secret else None
+        if self._secret_of is None:
+            self._secret_of = self._default_secret_lookup()
+        got = self._secret_of(key_id)
+        return await got if inspect.isawaitable(got) else got
+
+    def _default_secret_lookup(self) -> SecretLookup:
+        try:
+            from services.ingest.api.keys import KeyStore  # built alongside; optional until it lands
+        except ImportError:
+            KeyStore = None
+        if KeyStore is not None and hasattr(KeyStore, "secret_of"):
+            try:
+                return KeyStore(self.s, self.db).secret_of
+            except TypeError:
+                pass
+
+        async def from_table(key_id: str) -> str | None:
+            rows = await self.db.query("SELECT webhook_secret FROM api_keys WHERE key_id = %s", key_id)
+            return rows[0]["webhook_secret"] if rows else None
+
+        return from_table
+
+    async def _send(self, c: Claimed, secret: str) -> tuple[int, str | None]:
+        """POST once to a checked address; ``(status, Location header)``.
+
+        Raises:
+            CallbackRefused: The guard refused the URL now.
+            httpx.HTTPError, TimeoutError: The attempt failed.
+        """
+        s = self.s
+        target = await check_callback(c.url, s.webhook_allowed_hosts, s.webhook_allow_private)
+        body = c.body.encode()
+        headers = {"Content-Type": "application/json", "User-Agent": "ocrstream-webhooks/1",
+                   "Host": target.host_header, DELIVERY_HEADER: c.delivery_id, ATTEMPT_HEADER: str(c.attempt),
+                   **sign(secret, body)}
+        ext = {"sni_hostname": target.host} if target.url.scheme == "https" else {}
+        async with asyncio.timeout(s.webhook_timeout_s):
+            for i, addr in enumerate(target.addresses):
+                try:
+                    async with self.client.stream("POST", target.pinned_url(addr), content=body, headers=headers,
+                                                  extensions=ext) as resp:
+                        return resp.status_code, resp.headers.get("location")
+                except httpx.ConnectError:
+                    if i == len(target.addresses) - 1:
+                        raise
+        raise AssertionError("unreachable")
+
+    async def _attempt(self, c: Claimed) -> None:
+        s = self.s
+        t0 = time.perf_counter()
+        at = now_ms()
+        status: int | None = None
+        error: str | None = None
+        permanent = False
+        try:
+            secret = await self._secret(c.key_id)
+            if secret is None:
+                raise CallbackRefused(f"no webhook secret to sign with: API key {c.key_id!r} is unknown"
+                                      if c.key_id else "no webhook secret to sign with: webhook_secret is not set")
+            status, location = await self._send(c, secret)
+            outcome = _outcome_of(status)
+            if 300 <= status < 400:
+                error = f"HTTP {status}: redirect to {location!r} not followed"
+            elif not 200 <= status < 300:
+                error = f"HTTP {status}"
+        except CallbackRefused as exc:
+            outcome, error, permanent = "refused", f"refused: {exc.reason}", not exc.retriable
+        except (TimeoutError, httpx.TimeoutException):
+            outcome, error = "timeout", f"no answer within {s.webhook_timeout_s:g}s"
+        except asyncio.CancelledError:
+            try:
+                await asyncio.shield(self.store.release(c, now_ms()))
+            except Exception:  # noqa: BLE001 - the lease runs out instead
+                pass
+            raise
+        except Exception as exc:  # noqa: BLE001 - connection refused/reset, TLS, DB read of the secret
+            outcome, error = "error", f"{type(exc).__name__}: {exc}"[:1024]
+        seconds = time.perf_counter() - t0
+        self.attempts.labels(outcome).inc()
+        self.attempt_seconds.labels(outcome).observe(seconds)
+        done = now_ms()
+        if outcome == "2xx":
+            state, next_at, delivered_at = "delivered", done, done
+        elif permanent or done >= c.give_up_at_ms:
+            state, next_at, delivered_at = "failed", done, None
+        else:
+            delay_ms = int(backoff_s(c.attempt, s.webhook_backoff_base_s, s.webhook_backoff_max_s) * 1000)
+            state, next_at, delivered_at = "pending", min(done + delay_ms, c.give_up_at_ms), None
+        log_fn = log.info if state != "pending" else log.warning
+        log_fn("webhooks: %s (request %s) attempt %d: %s -> %s", c.delivery_id, c.request_id, c.attempt,
+               error or f"HTTP {status}", state)
+        for tries in range(3):
+            try:
+                kept = await self.store.record(c, at_ms=at, duration_ms=seconds * 1000, http_status=status, error=error,
+                                               state=state, next_attempt_at_ms=next_at, delivered_at_ms=delivered_at)
+                break
+            except Exception as exc:  # noqa: BLE001 - MariaDB down: retry; else the lease runs out
+                if tries == 2:
+                    log.error("webhooks: recording %s attempt %d failed (%r); it comes due again after its lease",
+                              c.delivery_id, c.attempt, exc)
+                    return
+                await asyncio.sleep(1.0)
+        if not kept:
+            log.warning("webhooks: %s attempt %d finished after its claim was taken over", c.delivery_id, c.attempt)
+        elif state != "pending":
+            self.deliveries.labels(state).inc()
