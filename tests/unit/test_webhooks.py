@@ -1,0 +1,147 @@
+"""Webhook pieces without the stack: the SSRF guard, signatures, ids and backoff."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+
+import pytest
+from pydantic import SecretStr
+
+from services.ingest.api.callbacks import CallbackRefused, address_refusal, check_callback, parse_callback_url
+from services.ingest.api.errors import ApiError
+from services.ingest.api.settings import ApiSettings
+from services.ingest.api.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify_signature
+from services.ingest.api.webhooks import backoff_s, delivery_id, validate_callback_url
+
+ALLOW = ["hooks.example.com", "*.partner.example", "127.0.0.1", "localhost", "169.254.169.254", "[::1]", "::1"]
+
+
+# -- URL checks without DNS -------------------------------------------------------------------
+@pytest.mark.parametrize("url, reason", [
+    ("ftp://hooks.example.com/x", "must be http or https, not 'ftp'"),
+    ("file:///etc/passwd", "must be http or https, not 'file'"),
+    ("http://user:pw@hooks.example.com/x", "must not contain a user name or password"),
+    ("http://user@hooks.example.com/x", "must not contain a user name or password"),
+    ("http://evil.example.org/x", "host 'evil.example.org' is not on the allow-list"),
+    ("http://hooks.example.com.evil.org/", "host 'hooks.example.com.evil.org' is not on the allow-list"),
+    ("http://partner.example/x", "host 'partner.example' is not on the allow-list"),  # *. needs a sub-domain
+    ("http://127.0.0.1\\@evil.org/", "must not contain a user name or password"),  # one parser: as sent
+    ("http://:80/x", "no host"),
+])
+def test_static_refusals_name_the_reason(url, reason):
+    with pytest.raises(CallbackRefused) as err:
+        parse_callback_url(url, ALLOW)
+    assert reason in err.value.reason
+    assert err.value.retriable is False
+
+
+def test_allow_list_is_case_insensitive_and_matches_patterns():
+    url, host = parse_callback_url("https://HOOKS.Example.COM./cb?x=1#frag", ALLOW)
+    assert host == "hooks.example.com"
+    assert str(url) == "https://hooks.example.com./cb?x=1"  # the fragment is never sent
+    assert parse_callback_url("http://a.b.partner.example:8443/", ALLOW)[1] == "a.b.partner.example"
+
+
+def test_empty_allow_list_allows_nothing():
+    with pytest.raises(CallbackRefused, match="no host is allowed"):
+        parse_callback_url("https://hooks.example.com/", [])
+
+
+@pytest.mark.parametrize("addr, why", [
+    ("127.0.0.1", "loopback"), ("10.1.2.3", "private"), ("192.168.0.10", "private"), ("172.16.5.5", "private"),
+    ("169.254.169.254", "link-local"), ("100.64.0.1", "not globally routable"), ("0.0.0.0", "unspecified"),
+    ("224.0.0.1", "multicast"), ("::1", "loopback"), ("fd00::1", "private"), ("fe80::1", "link-local"),
+    ("::ffff:169.254.169.254", "link-local"), ("2002:a9fe:a9fe::1", "link-local"),  # 6to4 of 169.254.169.254
+    ("192.0.2.7", "private"), ("240.0.0.1", "private"), ("::", "unspecified"),
+])
+def test_non_public_addresses_are_refused(addr, why):
+    assert address_refusal(ipaddress.ip_address(addr), allow_private=False) == why
+
+
+def test_public_addresses_pass_and_allow_private_keeps_unspecified_and_multicast_out():
+    assert address_refusal(ipaddress.ip_address("93.184.215.14"), False) is None
+    assert address_refusal(ipaddress.ip_address("2606:4700::1111"), False) is None
+    assert address_refusal(ipaddress.ip_address("127.0.0.1"), True) is None
+    assert address_refusal(ipaddress.ip_address("169.254.169.254"), True) is None
+    assert address_refusal(ipaddress.ip_address("0.0.0.0"), True) == "unspecified"
+    assert address_refusal(ipaddress.ip_address("239.1.1.1"), True) == "multicast"
+
+
+# -- checks with resolution (IP literals and localhost only: no network) ----------------------
+async def test_metadata_address_is_refused_even_when_on_the_allow_list():
+    with pytest.raises(CallbackRefused) as err:
+        await check_callback("http://169.254.169.254/latest/meta-data/", ALLOW, allow_private=False)
+    assert err.value.reason == ("callback address 169.254.169.254 is a link-local address; "
+                                "only public addresses may be called")
+
+
+async def test_a_name_resolving_to_loopback_is_refused():
+    with pytest.raises(CallbackRefused) as err:
+        await check_callback("http://localhost:9/hook", ALLOW, allow_private=False)
+    assert err.value.reason.startswith("callback host 'localhost' resolves to ")
+    assert "loopback address" in err.value.reason
+
+
+async def test_allowed_target_is_pinned_to_the_checked_address():
+    t = await check_callback("http://localhost:8123/hook?a=1", ALLOW, allow_private=True)
+    assert t.host == "localhost" and t.host_header == "localhost:8123"
+    assert set(t.addresses) <= {"127.0.0.1", "::1"} and t.addresses
+    pinned = t.pinned_url("127.0.0.1")
+    assert str(pinned) == "http://127.0.0.1:8123/hook?a=1"
+    t6 = await check_callback("https://[::1]/x", ALLOW, allow_private=True)
+    assert t6.addresses == ("::1",) and t6.host_header == "[::1]" and str(t6.pinned_url()) == "https://[::1]/x"
+
+
+async def test_unresolvable_host_is_retriable():
+    with pytest.raises(CallbackRefused) as err:
+        await check_callback("http://no-such-host.invalid/", ["*.invalid"], allow_private=False)
+    assert err.value.retriable is True and "does not resolve" in err.value.reason
+
+
+async def test_submit_check_maps_refusals_to_400_and_needs_a_secret():
+    s = ApiSettings(webhook_allowed_hosts=["127.0.0.1"], webhook_allow_private=False,
+                    webhook_secret=SecretStr("k"))
+    with pytest.raises(ApiError) as err:
+        await validate_callback_url("http://127.0.0.1:9/x", s)
+    assert (err.value.status, err.value.code) == (400, "callback_not_allowed")
+    assert err.value.message == "callback address 127.0.0.1 is a loopback address; only public addresses may be called"
+    unsigned = ApiSettings(webhook_allowed_hosts=["127.0.0.1"], webhook_allow_private=True, webhook_secret=None)
+    with pytest.raises(ApiError) as err:
+        await validate_callback_url("http://127.0.0.1:9/x", unsigned)
+    assert "cannot be signed" in err.value.message
+    await validate_callback_url("http://127.0.0.1:9/x", unsigned, key_id="k_1")  # the key's secret signs
+
+
+# -- signatures -------------------------------------------------------------------------------
+def test_signature_is_hmac_sha256_of_timestamp_dot_body():
+    body = b'{"request_id":"r1","text":"h\xc3\xa9llo"}'
+    h = sign("s3cret", body, timestamp=1_767_225_600)
+    want = hmac.new(b"s3cret", b"1767225600." + body, hashlib.sha256).hexdigest()
+    assert h == {TIMESTAMP_HEADER: "1767225600", SIGNATURE_HEADER: f"v1={want}"}
+    ts, sig = h[TIMESTAMP_HEADER], h[SIGNATURE_HEADER]
+    assert verify_signature("s3cret", ts, body, sig, now=1_767_225_600 + 299)
+    assert not verify_signature("s3cret", ts, body, sig, now=1_767_225_600 + 301)  # replay window
+    assert not verify_signature("other", ts, body, sig, now=1_767_225_600)
+    assert not verify_signature("s3cret", ts, body + b" ", sig, now=1_767_225_600)
+    assert not verify_signature("s3cret", "1767225601", body, sig, now=1_767_225_600)  # timestamp is signed
+    assert not verify_signature("s3cret", "soon", body, sig)
+    assert not verify_signature("s3cret", ts, body, "v0=" + want, now=1_767_225_600)
+    assert not verify_signature("s3cret", ts, body, "v1=ünïcode", now=1_767_225_600)
+    rotated = f"v1={'0' * 64} {sig}"  # two secrets during a rotation: one match suffices
+    assert verify_signature("s3cret", ts, body, rotated, now=1_767_225_600)
+    assert verify_signature("s3cret", ts, body, sig, tolerance_s=0)  # check disabled
+
+
+def test_delivery_ids_are_deterministic_per_group():
+    a = delivery_id("g1", "e" * 32)
+    assert a == delivery_id("g1", "e" * 32) and a.startswith("whd_") and len(a) == 44
+    assert a != delivery_id("g2", "e" * 32) and a != delivery_id("g1", "f" * 32)
+
+
+def test_backoff_doubles_with_jitter_and_is_capped():
+    for attempt, full in ((1, 1.0), (2, 2.0), (3, 4.0), (10, 60.0), (200, 60.0)):
+        got = [backoff_s(attempt, 1.0, 60.0) for _ in range(50)]
+        assert all(full / 2 <= g <= full for g in got), (attempt, min(got), max(got))
+        assert len(set(got)) > 1  # jittered
