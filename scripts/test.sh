@@ -4,6 +4,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/install.sh
+bash scripts/browser.sh
 bash scripts/k8s-tools.sh
 bash scripts/helm-check.sh
 bash deploy/local/up.sh
