@@ -47,6 +47,7 @@ def namespace_env(tag: str | None = None, partitions: int = 2) -> dict[str, str]
         "OCRSTREAM_DEDUP_GROUP_ID": f"{ns}-dedup",
         "OCRSTREAM_INFER_GROUP_ID": f"{ns}-infer",
         "OCRSTREAM_SINK_GROUP_ID": f"{ns}-sink",
+        "OCRSTREAM_WEBHOOK_GROUP_ID": f"{ns}-webhooks",  # also owns the namespace's webhook_deliveries rows
         "OCRSTREAM_TELEMETRY__LOG_LEVEL": "INFO",
     }
     for name in ("submit", "requests", "infer", "results", "completed", "dlq"):
