@@ -49,6 +49,7 @@ from services.common.kafka import make_consumer
 from services.common.telemetry import Telemetry
 from services.ingest.api.callbacks import RESOLVE_TIMEOUT_S, CallbackRefused, check_callback
 from services.ingest.api.errors import ApiError
+from services.ingest.api.keys import KeyStore
 from services.ingest.api.signing import ATTEMPT_HEADER, DELIVERY_HEADER, sign, verify_signature
 from services.ingest.api.webhook_store import Claimed, NewDelivery, WebhookStore
 
@@ -109,15 +110,15 @@ class WebhookDispatcher:
         db: The MariaDB pool (deliveries and attempts; API keys' secrets).
         telemetry: The process's telemetry; metrics go to its registry.
         secret_of: Returns an API key's webhook secret (or None when the key is unknown),
-            sync or async. Defaults to :class:`services.ingest.api.keys.KeyStore` when that
-            module exists, else a read of ``api_keys.webhook_secret``.
+            sync or async. Defaults to :meth:`services.ingest.api.keys.KeyStore.secret_of`
+            (``api_keys.webhook_secret``, read on every attempt: a rotated secret applies at once).
     """
 
     def __init__(self, settings, db: Database, telemetry: Telemetry, secret_of: SecretLookup | None = None):
         self.s = settings
         self.db = db
         self.store = WebhookStore(db, settings.webhook_group_id)
-        self._secret_of = secret_of
+        self._secret_of = secret_of or KeyStore(db).secret_of
         self.consumer = None
         self.client: httpx.AsyncClient | None = None
         self._loops: list[asyncio.Task] = []
@@ -267,27 +268,8 @@ class WebhookDispatcher:
     async def _secret(self, key_id: str | None) -> str | None:
         if key_id is None:
             return self.s.webhook_secret.get_secret_value() if self.s.webhook_secret else None
-        if self._secret_of is None:
-            self._secret_of = self._default_secret_lookup()
         got = self._secret_of(key_id)
         return await got if inspect.isawaitable(got) else got
-
-    def _default_secret_lookup(self) -> SecretLookup:
-        try:
-            from services.ingest.api.keys import KeyStore  # built alongside; optional until it lands
-        except ImportError:
-            KeyStore = None
-        if KeyStore is not None and hasattr(KeyStore, "secret_of"):
-            try:
-                return KeyStore(self.s, self.db).secret_of
-            except TypeError:
-                pass
-
-        async def from_table(key_id: str) -> str | None:
-            rows = await self.db.query("SELECT webhook_secret FROM api_keys WHERE key_id = %s", key_id)
-            return rows[0]["webhook_secret"] if rows else None
-
-        return from_table
 
     async def _send(self, c: Claimed, secret: str) -> tuple[int, str | None]:
         """POST once to a checked address; ``(status, Location header)``.
