@@ -35,6 +35,7 @@ echo "== all-features"
 "$BIN/helm" template ocrstream "$CHART" -n ocrstream -f tests/helm/required-values.yaml \
   --set ingest.autoscaling.hpa.enabled=true,dedup.autoscaling.hpa.enabled=true,sink.autoscaling.hpa.enabled=true \
   --set sink.autoscaling.hpa.targetMemory=80,commonAnnotations.team=ocr \
+  --set api.autoscaling.hpa.enabled=true,api.ingress.enabled=true,api.ingress.className=nginx \
   --set kafkaTls.caSecret=kafka-ca,config.kafka.security_protocol=SASL_SSL \
   --set config.kafka.sasl_mechanism=SCRAM-SHA-512,config.kafka.sasl_username=ocrstream \
   --kube-version "$K8S_SCHEMA_VERSION" >"$OUT/all-features.yaml"

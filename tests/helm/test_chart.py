@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from services.common.settings import CommonSettings
 from services.dedup.settings import DedupSettings
 from services.infer.settings import InferSettings
+from services.ingest.api.settings import ApiSettings
 from services.ingest.settings import IngestSettings
 from services.sink.settings import SinkSettings
 
@@ -26,7 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "ocrstream"
 REQUIRED = REPO / "tests" / "helm" / "required-values.yaml"
 EXAMPLES = sorted((REPO / "deploy").glob("values-*.yaml"))
-STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings}
+STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings,
+          "api": ApiSettings}
+#: The module each component runs (``python -m``); the HTTP door is part of the ingest package.
+MODULES = {**{s: f"services.{s}" for s in STAGES}, "api": "services.ingest.api"}
 SECRET_FIELDS = {
     "OCRSTREAM_KAFKA__SASL_PASSWORD",
     "OCRSTREAM_S3__ACCESS_KEY",
@@ -118,7 +122,7 @@ def test_every_stage_has_one_workload_with_stage_args(manifests):
     stages = {component(w): w for w in workloads(manifests)}
     assert set(stages) == set(STAGES)
     for stage, w in stages.items():
-        assert container(w)["args"] == ["python", "-m", f"services.{stage}"]
+        assert container(w)["args"] == ["python", "-m", MODULES[stage]]
 
 
 def test_probes_on_every_workload(manifests):
@@ -144,7 +148,9 @@ def test_metrics_port_matches_settings(manifests):
     cms = {component(c): c["data"] for c in by_kind(manifests, "ConfigMap")}
     for w in workloads(manifests):
         port = container(w)["ports"][0]["containerPort"]
-        assert cms[component(w)]["OCRSTREAM_TELEMETRY__METRICS_PORT"] == str(port)
+        # the HTTP door serves /metrics and its probes on its HTTP port
+        setting = "OCRSTREAM_HTTP_PORT" if component(w) == "api" else "OCRSTREAM_TELEMETRY__METRICS_PORT"
+        assert cms[component(w)][setting] == str(port)
 
 
 def _stage_env(docs: list[dict], w: dict) -> dict[str, object]:
@@ -334,3 +340,65 @@ def test_every_values_key_documented_with_param():
         return True
 
     assert all(exists(p) for p in params), [p for p in params if not exists(p)]
+
+
+def _api(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in by_kind(docs, kind) if component(d) == "api"]
+
+
+def test_api_door_listens_on_all_interfaces_behind_its_service(manifests):
+    (w,) = _api(manifests, "Deployment")
+    c = container(w)
+    env = _stage_env(manifests, w)
+    assert env["OCRSTREAM_HTTP_HOST"] == "0.0.0.0"
+    (port,) = c["ports"]
+    assert port["name"] == "http" and str(port["containerPort"]) == env["OCRSTREAM_HTTP_PORT"] == "8080"
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz"), ("startupProbe", "/readyz")):
+        assert c[probe]["httpGet"] == {"path": path, "port": "http"}, probe
+    (svc,) = _api(manifests, "Service")
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert svc["metadata"]["annotations"]["prometheus.io/port"] == "8080"
+
+
+def test_api_pdb_and_no_ingress_by_default():
+    docs = render(REQUIRED)
+    (pdb,) = _api(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "api"
+    assert not by_kind(docs, "Ingress")
+
+
+def test_api_ingress_routes_to_the_door_service_with_tls():
+    docs = render(REQUIRED, sets=("api.ingress.enabled=true", "api.ingress.className=nginx",
+                                  "api.ingress.hosts[0].host=ocr.corp.example",
+                                  "api.ingress.hosts[0].paths[0].path=/",
+                                  "api.ingress.tls[0].secretName=ocr-tls",
+                                  "api.ingress.tls[0].hosts[0]=ocr.corp.example"))
+    (ing,) = by_kind(docs, "Ingress")
+    (svc,) = _api(docs, "Service")
+    assert ing["spec"]["ingressClassName"] == "nginx"
+    assert ing["spec"]["tls"] == [{"hosts": ["ocr.corp.example"], "secretName": "ocr-tls"}]
+    (rule,) = ing["spec"]["rules"]
+    assert rule["host"] == "ocr.corp.example"
+    (path,) = rule["http"]["paths"]
+    assert path["pathType"] == "Prefix"
+    assert path["backend"]["service"] == {"name": svc["metadata"]["name"], "port": {"name": "http"}}
+
+
+def test_api_can_be_turned_off():
+    docs = render(REQUIRED, sets=("api.enabled=false", "api.ingress.enabled=true"))
+    assert not [d for d in docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "api"]
+
+
+@pytest.mark.parametrize("sets, message", [
+    (("api.config.http_host=127.0.0.1",), "api.config.http_host"),
+    (("api.terminationGracePeriodSeconds=30",), "api.terminationGracePeriodSeconds"),
+    (("api.service.port=0",), "/api/service/port"),  # the values schema
+])
+def test_api_values_that_cannot_work_fail_early(sets, message):
+    cmd = [HELM, "template", "x", str(CHART), "-f", str(REQUIRED)]
+    for s in sets:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and message in out.stderr, out.stderr

@@ -208,7 +208,7 @@ Usage: include "ocrstream.secretEnv" (dict "component" "infer" "context" $)
 {{- define "ocrstream.probe" -}}
 httpGet:
   path: {{ .path }}
-  port: metrics
+  port: {{ default "metrics" .port }}
 initialDelaySeconds: {{ .probe.initialDelaySeconds }}
 periodSeconds: {{ .probe.periodSeconds }}
 timeoutSeconds: {{ .probe.timeoutSeconds }}
@@ -221,6 +221,11 @@ successThreshold: 1
 {{- $ctx := .context -}}
 {{- $c := index $ctx.Values .component -}}
 {{- $cfg := include "ocrstream.stageConfig" . | fromYaml -}}
+{{- /* the HTTP door serves /metrics and the probes on its HTTP port; the stages on telemetry.metrics_port */ -}}
+{{- $api := eq .component "api" -}}
+{{- $portName := ternary "http" "metrics" $api -}}
+{{- $port := ternary (default 8080 $cfg.http_port) $cfg.telemetry.metrics_port $api -}}
+{{- $module := ternary "services.ingest.api" (printf "services.%s" .component) $api -}}
 metadata:
   labels:
     {{- include "ocrstream.labels" . | nindent 4 }}
@@ -295,7 +300,7 @@ spec:
     - name: {{ .component }}
       image: {{ include "ocrstream.image" . }}
       imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
-      args: ["python", "-m", "services.{{ .component }}"]
+      args: ["python", "-m", {{ $module | quote }}]
       envFrom:
         - configMapRef:
             name: {{ include "ocrstream.componentName" . }}
@@ -305,20 +310,20 @@ spec:
         {{- toYaml . | nindent 8 }}
         {{- end }}
       ports:
-        - name: metrics
-          containerPort: {{ $cfg.telemetry.metrics_port }}
+        - name: {{ $portName }}
+          containerPort: {{ $port }}
           protocol: TCP
       {{- if $c.startupProbe.enabled }}
       startupProbe:
-        {{- include "ocrstream.probe" (dict "probe" $c.startupProbe "path" "/readyz") | nindent 8 }}
+        {{- include "ocrstream.probe" (dict "probe" $c.startupProbe "path" "/readyz" "port" $portName) | nindent 8 }}
       {{- end }}
       {{- if $c.livenessProbe.enabled }}
       livenessProbe:
-        {{- include "ocrstream.probe" (dict "probe" $c.livenessProbe "path" "/healthz") | nindent 8 }}
+        {{- include "ocrstream.probe" (dict "probe" $c.livenessProbe "path" "/healthz" "port" $portName) | nindent 8 }}
       {{- end }}
       {{- if $c.readinessProbe.enabled }}
       readinessProbe:
-        {{- include "ocrstream.probe" (dict "probe" $c.readinessProbe "path" "/readyz") | nindent 8 }}
+        {{- include "ocrstream.probe" (dict "probe" $c.readinessProbe "path" "/readyz" "port" $portName) | nindent 8 }}
       {{- end }}
       {{- $res := deepCopy (default dict $c.resources) }}
       {{- if and (eq .component "infer") $c.gpu.enabled }}
@@ -382,7 +387,7 @@ spec:
 {{- $msgs = append $msgs (printf "config.%s: not a value; it comes from auth.existingSecret (kafkaTls for the CA)" $path) -}}
 {{- end -}}
 {{- end -}}
-{{- range $stage := list "ingest" "dedup" "infer" "sink" -}}
+{{- range $stage := list "ingest" "dedup" "infer" "sink" "api" -}}
 {{- $c := index $v $stage -}}
 {{- if $c.enabled -}}
 {{- $cfg := include "ocrstream.stageConfig" (dict "component" $stage "context" $) | fromYaml -}}
@@ -395,6 +400,12 @@ spec:
 {{- $msgs = append $msgs (printf "%s.extraEnvVars: %s is not an ocrstream setting (OCRSTREAM_*)" $stage $e.name) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if $v.api.enabled -}}
+{{- $apiCfg := include "ocrstream.stageConfig" (dict "component" "api" "context" $) | fromYaml -}}
+{{- if has (toString $apiCfg.http_host) (list "127.0.0.1" "localhost" "::1") -}}
+{{- $msgs = append $msgs (printf "api.config.http_host: %s is not reachable from the Service; use 0.0.0.0" $apiCfg.http_host) -}}
 {{- end -}}
 {{- end -}}
 {{- if not (has $v.infer.kind (list "Deployment" "DaemonSet")) -}}
