@@ -18,19 +18,19 @@ class NearDupSettings(BaseModel):
     bucket_size: int = Field(default=64, ge=1, description="newest images kept per LSH bucket (8 buckets per image)")
     index_ttl_s: int = Field(default=86_400, ge=1, description="an LSH bucket expires this long after its last write, s")
     max_image_bytes: int = Field(default=20 * 1024 * 1024, description="larger images are not looked up (bytes)")
-    block_px: int = Field(default=12, ge=2, description="verification window side, px of the compared page")
-    max_block_diff: float = Field(default=6.0, gt=0, description="largest mean grey difference (0-255) of any window")
+    block_px: int = Field(default=8, ge=2, description="verification window side, px of the compared page")
+    max_block_diff: float = Field(default=16.0, gt=0, description="largest L4-mean grey difference (0-255) of any window")
     blur_radius: float = Field(default=1.0, ge=0, description="Gaussian blur (px) before comparing")
-    max_aspect_diff: float = Field(default=0.01, ge=0, description="largest relative difference of aspect ratios")
+    max_aspect_diff: float = Field(default=0.01, ge=0, description="largest relative error of the shorter side predicted by the other image's aspect ratio (1 px always allowed)")
     max_scale_ratio: float = Field(default=1.5, ge=1, description="largest width ratio of the two images")
-    min_compare_width: int = Field(default=300, ge=1, description="narrower pages are never matched, px")
+    min_compare_side: int = Field(default=256, ge=1, description="pages whose longer side is shorter are never matched, px")
 
     def verify_params(self) -> VerifyParams:
         """The verification thresholds as :class:`VerifyParams`."""
         return VerifyParams(
             block_px=self.block_px, max_block_diff=self.max_block_diff, blur_radius=self.blur_radius,
             max_aspect_diff=self.max_aspect_diff, max_scale_ratio=self.max_scale_ratio,
-            min_compare_width=self.min_compare_width,
+            min_compare_side=self.min_compare_side,
         )
 
 
