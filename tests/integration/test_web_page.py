@@ -1,0 +1,224 @@
+"""The web page at ``/`` in headless Chromium (Debian's, installed by scripts/browser.sh): real
+uploads through the real door and pipeline, text shown, JSON download, boxes found in a screenshot."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from playwright.sync_api import Page, expect, sync_playwright
+
+from tests.conftest import text_image
+
+pytestmark = pytest.mark.stack
+
+CHROMIUM = Path("/usr/bin/chromium")
+DONE_MS = 120_000  # how long a card may take to finish (the pipeline's first image loads the engine)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Debian chromium driven by Playwright (no browser download)."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} missing: run scripts/browser.sh", pytrace=False)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        yield b
+        b.close()
+
+
+class Tab:
+    """One page on the door's ``/`` with everything it asked for and every script error."""
+
+    def __init__(self, page: Page, origin: str):
+        self.page = page
+        self.requests: list = []
+        self.errors: list[str] = []
+        page.on("request", lambda r: self.requests.append(r))
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.origin = origin
+
+    def off_origin(self) -> list[str]:
+        return [r.url for r in self.requests if not r.url.startswith((self.origin + "/", "blob:", "data:"))]
+
+    def upload(self, path: Path):
+        """Choose ``path`` in the file picker; the newest card (the page prepends it)."""
+        self.page.set_input_files("#files", str(path))
+        card = self.page.locator(".card").first
+        expect(card.locator(".name")).to_have_text(path.name)
+        return card
+
+
+@pytest.fixture
+def tab(browser, api):
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900}, device_scale_factor=1, accept_downloads=True)
+    page = ctx.new_page()
+    t = Tab(page, api.url)
+    page.goto(api.url + "/")
+    yield t
+    ctx.close()
+
+
+def _pixels(locator, path: Path) -> tuple[np.ndarray, float, float, float]:
+    """Screenshot of a canvas as an int array, plus (border px, screen px per page px in x, in y)."""
+    locator.screenshot(path=str(path))
+    arr = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    border, client_w, client_h, sx, sy = locator.evaluate(
+        "c => [c.clientLeft, c.clientWidth, c.clientHeight, +c.dataset.scaleX, +c.dataset.scaleY]")
+    cw, ch = locator.evaluate("c => [c.width, c.height]")
+    return arr, border, sx * client_w / cw, sy * client_h / ch
+
+
+def _mask(arr: np.ndarray, rgb: tuple[int, int, int]) -> np.ndarray:
+    """Pixels near a saturated colour (a blend with white or black from scaling stays close on the
+    saturated channels): magenta/cyan never occur in a black-on-white image."""
+    r, g, b = arr[..., 0], arr[..., 1], arr[..., 2]
+    hi = lambda c: c > 180  # noqa: E731
+    lo = lambda c: c < 110  # noqa: E731
+    chans = [r, g, b]
+    return np.logical_and.reduce([hi(c) if v == 255 else lo(c) for c, v in zip(chans, rgb)])
+
+
+def _edge_midpoints(box, border, kx, ky) -> list[tuple[int, int]]:
+    pts = [(border + x * kx, border + y * ky) for x, y in box]
+    return [(round((pts[i][0] + pts[(i + 1) % 4][0]) / 2), round((pts[i][1] + pts[(i + 1) % 4][1]) / 2))
+            for i in range(4)]
+
+
+def _hits_near(mask: np.ndarray, x: int, y: int, r: int = 4) -> int:
+    return int(mask[max(0, y - r): y + r + 1, max(0, x - r): x + r + 1].sum())
+
+
+def _outside(shape, boxes, border, kx, ky, margin: float) -> np.ndarray:
+    """True where a pixel is farther than ``margin`` screen px from every box's bounding rectangle."""
+    out = np.ones(shape[:2], dtype=bool)
+    for box in boxes:
+        xs = [border + x * kx for x, _ in box]
+        ys = [border + y * ky for _, y in box]
+        x0, x1 = int(max(0, min(xs) - margin)), int(max(xs) + margin) + 1
+        y0, y1 = int(max(0, min(ys) - margin)), int(max(ys) + margin) + 1
+        out[y0:y1, x0:x1] = False
+    return out
+
+
+def test_upload_shows_the_text_draws_every_box_and_offers_the_json(tab, tmp_path):
+    expected = ["WEB PAGE 42", "BOXES DRAWN"]
+    img = tmp_path / "web-page.png"
+    img.write_bytes(text_image(expected, size=40))
+    page = tab.page
+    expect(page.get_by_label("Choose files…")).to_be_attached()
+    card = tab.upload(img)
+    expect(card).to_have_attribute("data-state", "done", timeout=DONE_MS)
+    expect(card.locator(".state")).to_have_text("done")
+
+    # the text, exactly, one list item per line
+    assert card.locator(".lines li").all_inner_texts() == expected
+    assert "\n".join(card.locator(".lines li").all_inner_texts()) == "\n".join(expected)
+    expect(card.locator(".ms")).to_have_text(re.compile(r"^\d+ ms$"))
+
+    # the download is the result document
+    with page.expect_download() as dl:
+        card.locator("a.download").click()
+    assert dl.value.suggested_filename == "web-page.ocr.json"
+    doc = json.loads(Path(dl.value.path()).read_text())
+    assert doc["request_id"] == card.get_attribute("data-request-id") and doc["request_id"]
+    assert doc["status"] == "ok" and doc["text"] == "\n".join(expected)
+    assert [ln["text"] for ln in doc["lines"]] == expected
+    assert all(len(ln["box"]) == 4 for ln in doc["lines"])
+    assert card.locator(".cache").is_hidden() is not doc["cache_hit"]
+
+    # the boxes, in the screenshot of the canvas, where the document says they are
+    canvas = card.locator("canvas")
+    expect(canvas).to_have_attribute("data-drawn", "true")
+    assert canvas.get_attribute("aria-label") == "web-page.png with 2 text line boxes"
+    page.mouse.move(0, 0)
+    arr, border, kx, ky = _pixels(canvas, tmp_path / "canvas.png")
+    boxes = [ln["box"] for ln in doc["lines"]]
+    magenta = _mask(arr, (255, 0, 255))
+    assert magenta.sum() > 0
+    for box in boxes:
+        for x, y in _edge_midpoints(box, border, kx, ky):
+            assert _hits_near(magenta, x, y) > 0, f"no box stroke at ({x}, {y}) of {box}; see {tmp_path}"
+    far = _outside(arr.shape, boxes, border, kx, ky, margin=6 + 4 * max(kx, ky))
+    assert far.sum() > arr.shape[0] * arr.shape[1] // 4  # there is room far from the boxes ...
+    assert int((magenta & far).sum()) == 0  # ... and nothing is drawn there
+    # the image is drawn under them, aligned: the glyphs are inside the boxes
+    dark = (arr < 100).all(axis=2)
+    for box in boxes:
+        assert int((dark & ~_outside(arr.shape, [box], border, kx, ky, margin=0)).sum()) > 50
+    near_boxes = ~_outside(arr.shape, boxes, border, kx, ky, margin=4)
+    assert int((dark & near_boxes).sum()) >= 0.98 * int(dark.sum())
+
+    # pointing at a line highlights its box, and only its box
+    card.locator('.lines li[data-index="1"]').hover()
+    arr, border, kx, ky = _pixels(canvas, tmp_path / "canvas-hover.png")
+    cyan = _mask(arr, (0, 255, 255))
+    assert all(_hits_near(cyan, x, y) > 0 for x, y in _edge_midpoints(boxes[1], border, kx, ky))
+    assert all(_hits_near(cyan, x, y) == 0 for x, y in _edge_midpoints(boxes[0], border, kx, ky))
+
+    page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
+    assert tab.off_origin() == [] and tab.errors == []
+
+
+def test_a_bad_file_shows_its_error_code_and_the_next_file_still_works(tab, tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("just some words, not an image\n")
+    card = tab.upload(bad)
+    expect(card).to_have_attribute("data-state", "error", timeout=DONE_MS)
+    expect(card.locator(".error .code")).to_have_text("unsupported_format")
+    assert card.locator(".error .message").inner_text().strip()
+    assert card.locator(".body").is_hidden() and card.locator("a.download").is_hidden()
+
+    good = tmp_path / "after-bad.png"
+    good.write_bytes(text_image(["AFTER BAD 55"], size=40))
+    card = tab.upload(good)
+    expect(card).to_have_attribute("data-state", "done", timeout=DONE_MS)
+    assert card.locator(".lines li").all_inner_texts() == ["AFTER BAD 55"]
+    first_id = card.get_attribute("data-request-id")
+
+    # the same image again: answered from the cache, badge shown; a narrow window does not overflow
+    tab.page.set_viewport_size({"width": 380, "height": 800})
+    again = tmp_path / "after-bad-again.png"
+    again.write_bytes(good.read_bytes())
+    card = tab.upload(again)
+    expect(card).to_have_attribute("data-state", "done", timeout=DONE_MS)
+    expect(card.locator(".cache")).to_be_visible()
+    assert card.locator(".lines li").all_inner_texts() == ["AFTER BAD 55"]
+    assert card.get_attribute("data-request-id") != first_id
+    assert tab.page.evaluate("document.documentElement.scrollWidth") <= 380
+    box = card.locator("canvas").bounding_box()
+    assert box["x"] >= 0 and box["x"] + box["width"] <= 380
+
+    assert len(tab.page.locator(".card").all()) == 3
+    tab.page.screenshot(path=str(tmp_path / "page-narrow.png"), full_page=True)
+    assert tab.off_origin() == []
+    assert [e for e in tab.errors if "415" not in e] == []  # the browser logs the failed POST itself
+
+
+def test_an_api_key_is_kept_in_the_browser_and_sent_as_x_api_key(tab, tmp_path):
+    page = tab.page
+    page.locator("#key-box summary").click()
+    page.get_by_label("API key (kept in this browser, sent as X-API-Key)").fill("web-test-key")
+    page.get_by_role("button", name="Save").click()
+    expect(page.locator("#key-state")).to_have_text("saved")
+    page.reload()
+    assert page.evaluate("localStorage.getItem('ocrstream.apiKey')") == "web-test-key"
+    assert page.locator("#api-key").input_value() == "web-test-key"
+
+    img = tmp_path / "keyed.png"
+    img.write_bytes(text_image(["KEYED UPLOAD"], size=40))
+    with page.expect_request(lambda r: r.method == "POST" and "/v1/ocr" in r.url) as req:
+        card = tab.upload(img)
+    assert req.value.headers.get("x-api-key") == "web-test-key"
+    assert req.value.headers.get("content-type") == "image/png"
+    expect(card).to_have_attribute("data-state", "done", timeout=DONE_MS)
+
+    page.locator("#key-box summary").click()
+    page.get_by_role("button", name="Forget").click()
+    expect(page.locator("#key-state")).to_have_text("cleared")
+    assert page.evaluate("localStorage.getItem('ocrstream.apiKey')") is None
