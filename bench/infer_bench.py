@@ -278,6 +278,7 @@ class PipeRunner:
     logdir: Path
     pipeline: object = None
     env: dict[str, str] = field(default_factory=dict)
+    last_infer_seconds: dict[str, float] = field(default_factory=dict)
 
     def start(self) -> None:
         from tests.stack import Pipeline, env_applied, namespace_env
@@ -307,12 +308,23 @@ class PipeRunner:
         from tests.stack import env_applied
 
         items = items or [(data, f"bench-{i}.png") for i, (data, _) in enumerate(self.images)]
+        m0 = self.infer_seconds()
         with env_applied(self.env):
             t0, docs = asyncio.run(_submit_and_wait(items))
+        m1 = self.infer_seconds()
+        self.last_infer_seconds = {k: m1[k] - m0[k] for k in m0}
         bad = [d for d in docs if d.status != "ok"]
         if bad:
             raise RuntimeError(f"{self.cfg.name}: {len(bad)} images failed, e.g. {bad[0].error}")
         return t0, [d.completed_at_ms / 1000 for d in docs]
+
+    def infer_seconds(self) -> dict[str, float]:
+        """Seconds the infer processes spent so far in engine calls and in whole batches (all processes)."""
+        from tests.stack import metric_value
+
+        text = self.pipeline.metrics("infer")
+        return {"engine": metric_value(text, "ocrstream_engine_batch_seconds_sum"),
+                "batch": metric_value(text, "ocrstream_batch_seconds_sum", stage="infer")}
 
     def warm_up(self) -> None:
         """One image per partition through every stage (every infer process gets work), not timed."""
@@ -392,6 +404,10 @@ def main() -> None:
     images = balanced_images(args.n, args.partitions)
     cpu_model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"machine: {platform.machine()} {cpu_model}, nproc {os.cpu_count()}; load {os.getloadavg()}")
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    dirty = git("status", "--porcelain", "--", "services/infer", "services/common")
+    print(f"code: {git('rev-parse', '--short', 'HEAD')}" + (f", uncommitted changes in: {' '.join(ln[3:] for ln in dirty.splitlines())}"
+                                                           if dirty else ", services/infer and services/common as committed"))
     print(f"{args.n} generated text images ({args.n // args.partitions} per partition), "
           f"{args.rounds} interleaved rounds, configs: {', '.join(names)}", flush=True)
 
@@ -431,7 +447,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             order = names if rnd % 2 == 0 else names[::-1]
             for n in order:
-                r = runners[n]
+                r, c = runners[n], parse_config(n)
                 pids = all_pids()
                 own = r.pids() if isinstance(r, PipeRunner) else {"engine": r.pids()}
                 others = [p for m, ps in pids.items() if m != n for p in ps]
@@ -450,9 +466,17 @@ def main() -> None:
                 cpu["cpu_rest_of_machine"] = max(0.0, (after[4] - before[4]) - accounted) / args.n
                 rec = dict(round=rnd + 1, rate=backlog_rate(t0, done), first_s=min(done) - t0, wall_s=wall,
                            load1=load, machine_busy_cores=(after[4] - before[4]) / wall, **cpu)
+                if isinstance(r, PipeRunner):
+                    # where infer's time goes: engine busy share and engine seconds per image
+                    busy = r.last_infer_seconds
+                    rec.update(engine_busy=busy["engine"] / (c.procs * wall), batch_busy=busy["batch"] / (c.procs * wall),
+                               engine_s_per_img=busy["engine"] / args.n)
+                else:
+                    rec.update(engine_busy=1.0, batch_busy=1.0, engine_s_per_img=c.procs * wall / args.n)
                 results[n].append(rec)
                 print(f"round {rnd + 1} {n:16s} {rec['rate']:.3f} img/s  first completion {rec['first_s']:.1f}s  "
-                      f"(wall {wall:.1f}s, load {load:.2f}, machine busy {rec['machine_busy_cores']:.2f} cores)  "
+                      f"engine busy {rec['engine_busy']:.2f} (in batches {rec['batch_busy']:.2f}), "
+                      f"{rec['engine_s_per_img']:.3f} engine-s/img (wall {wall:.1f}s, load {load:.2f}, machine busy {rec['machine_busy_cores']:.2f} cores)  "
                       + "  ".join(f"{k[4:]} {v:.3f}" for k, v in cpu.items()) + " CPU-s/img", flush=True)
     finally:
         for r in runners.values():
@@ -461,7 +485,9 @@ def main() -> None:
     print("\n== images/s (median over rounds; every round in brackets)")
     for n in names:
         st = [x["rate"] for x in results[n]]
-        print(f"{n:16s} {statistics.median(st):.3f} [{', '.join(f'{v:.3f}' for v in st)}]")
+        print(f"{n:16s} {statistics.median(st):.3f} [{', '.join(f'{v:.3f}' for v in st)}]   engine busy "
+              f"{statistics.median(x['engine_busy'] for x in results[n]):.2f}, "
+              f"{statistics.median(x['engine_s_per_img'] for x in results[n]):.3f} engine-s/img")
     print("\n== CPU seconds per image (mean over rounds)")
     for n in names:
         keys = [k for k in results[n][0] if k.startswith("cpu_")]
