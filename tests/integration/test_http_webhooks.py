@@ -1,0 +1,175 @@
+"""Webhooks on the real stack: signed delivery to a local receiver, retry after a 500, every
+attempt in MariaDB, callbacks refused by the SSRF guard, redirects never followed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import orjson
+import pymysql
+import pytest
+
+from services.common.settings import MySQLSettings
+from services.ingest.api.signing import verify_signature
+from tests.conftest import text_image
+from tests.integration.conftest import WEBHOOK_RETRY_FOR_S, WEBHOOK_SECRET
+from tests.stack import metric_value
+
+pytestmark = pytest.mark.stack
+
+
+class Receiver:
+    """A webhook endpoint on 127.0.0.1 (``http.server`` in a thread) answering attempt ``i``
+    with ``statuses[i]`` (the last one repeats) and recording every request it gets.
+
+    Args:
+        statuses: HTTP statuses to answer, in order.
+        location: ``Location`` header sent with 3xx answers.
+    """
+
+    def __init__(self, statuses: list[int], location: str | None = None):
+        self.statuses = statuses
+        self.location = location
+        self.hits: list[dict] = []
+        self._lock = threading.Lock()
+        rcv = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with rcv._lock:
+                    rcv.hits.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                    status = rcv.statuses[min(len(rcv.hits), len(rcv.statuses)) - 1]
+                self.send_response(status)
+                if 300 <= status < 400 and rcv.location:
+                    self.send_header("Location", rcv.location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "Receiver":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _db_rows(sql: str, *args) -> list[dict]:
+    c = MySQLSettings()
+    conn = pymysql.connect(host=c.host, port=c.port, user=c.user, password=c.password.get_secret_value(),
+                           database=c.database, autocommit=True, cursorclass=pymysql.cursors.DictCursor)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, args)
+            return list(cur.fetchall())
+    finally:
+        conn.close()
+
+
+def _delivery(rid: str, until_state: tuple[str, ...], timeout: float = 90) -> dict:
+    """The request's delivery row once its state is one of ``until_state`` (or the last seen row)."""
+    deadline = time.monotonic() + timeout
+    rows: list[dict] = []
+    while time.monotonic() < deadline:
+        rows = _db_rows("SELECT * FROM webhook_deliveries WHERE request_id = %s", rid)
+        if rows and rows[0]["state"] in until_state:
+            break
+        time.sleep(0.2)
+    assert len(rows) == 1, f"expected one delivery for {rid}, got {rows}"
+    return rows[0]
+
+
+def _attempts(delivery_id: str) -> list[dict]:
+    return _db_rows("SELECT attempt, http_status, error FROM webhook_attempts WHERE delivery_id = %s ORDER BY attempt",
+                    delivery_id)
+
+
+def _submit(c: httpx.Client, lines: list[str], callback_url: str, rid: str) -> httpx.Response:
+    return c.post("/v1/ocr", content=text_image(lines, size=40), headers={"Content-Type": "image/png"},
+                  params={"callback_url": callback_url, "request_id": rid})
+
+
+def test_completion_is_delivered_signed_and_retried_after_a_500(api):
+    rid = f"wh-ok-{time.time_ns()}"
+    with Receiver([500, 200]) as rcv, httpx.Client(base_url=api.url, timeout=90) as c:
+        r = _submit(c, ["HOOK DELIVERED"], f"{rcv.url}/hooks/ocr?tenant=t1", rid)
+        assert r.status_code == 202, r.text
+        done = c.get(f"/v1/ocr/{rid}", params={"wait": 60}).json()
+        assert done["status"] == "ok" and done["result"]["text"] == "HOOK DELIVERED"
+
+        row = _delivery(rid, ("delivered", "failed"))
+        assert row["state"] == "delivered" and row["attempts"] == 2 and row["last_status"] == 200
+        assert row["url"] == f"{rcv.url}/hooks/ocr?tenant=t1"
+        assert _attempts(row["delivery_id"]) == [
+            {"attempt": 1, "http_status": 500, "error": "HTTP 500"},
+            {"attempt": 2, "http_status": 200, "error": None},
+        ]
+
+        assert len(rcv.hits) == 2  # one failure, one retry, nothing after the 200
+        for n, hit in enumerate(rcv.hits, start=1):
+            h = hit["headers"]
+            assert hit["path"] == "/hooks/ocr?tenant=t1"
+            assert h["Host"] == f"127.0.0.1:{rcv.port}" and h["Content-Type"] == "application/json"
+            assert h["X-Ocrstream-Delivery"] == row["delivery_id"] and h["X-Ocrstream-Attempt"] == str(n)
+            assert verify_signature(WEBHOOK_SECRET, h["X-Ocrstream-Timestamp"], hit["body"], h["X-Ocrstream-Signature"])
+            assert not verify_signature("another-secret", h["X-Ocrstream-Timestamp"], hit["body"],
+                                        h["X-Ocrstream-Signature"])
+            ev = orjson.loads(hit["body"])
+            assert ev["schema"] == "ocr.completed.v1" and ev["request_id"] == rid
+            assert ev["result"]["status"] == "ok" and ev["result"]["text"] == "HOOK DELIVERED"
+            assert ev["result"]["callback_url"] == row["url"]
+        assert rcv.hits[0]["body"] == rcv.hits[1]["body"]  # a retry sends the same event
+
+        metrics = c.get("/metrics").text
+        assert metric_value(metrics, "ocrstream_webhook_attempts_total", outcome="5xx") >= 1
+        assert metric_value(metrics, "ocrstream_webhook_deliveries_total", outcome="delivered") >= 1
+
+
+@pytest.mark.parametrize("callback_url, message", [
+    ("http://example.com/hook", "callback host 'example.com' is not on the allow-list"),
+    ("https://127.0.0.1.example.net/hook", "callback host '127.0.0.1.example.net' is not on the allow-list"),
+    ("ftp://127.0.0.1/hook", "callback_url must be http or https, not 'ftp'"),
+    ("http://admin:pw@127.0.0.1/hook", "callback_url must not contain a user name or password"),
+])
+def test_callback_to_a_disallowed_url_is_refused_and_nothing_is_queued(api, callback_url, message):
+    rid = f"wh-refused-{time.time_ns()}"
+    with httpx.Client(base_url=api.url, timeout=30) as c:
+        r = _submit(c, ["NEVER SENT"], callback_url, rid)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"code": "callback_not_allowed", "message": message}
+        assert c.get(f"/v1/ocr/{rid}").status_code == 404
+
+
+def test_redirect_is_not_followed_and_the_delivery_gives_up(api):
+    """A 302 (here to another allowed endpoint, which would show if it were followed; in an
+    attack it points at e.g. http://169.254.169.254/) is a failed attempt; retries stop at the
+    give-up time and the delivery ends ``failed``."""
+    rid = f"wh-302-{time.time_ns()}"
+    with Receiver([200]) as trap, Receiver([302], location=f"{trap.url}/trap") as redirector, \
+            httpx.Client(base_url=api.url, timeout=90) as c:
+        r = _submit(c, ["REDIRECT 302"], f"{redirector.url}/hook", rid)
+        assert r.status_code == 202, r.text
+        assert c.get(f"/v1/ocr/{rid}", params={"wait": 60}).json()["status"] == "ok"
+
+        row = _delivery(rid, ("delivered", "failed"), timeout=WEBHOOK_RETRY_FOR_S + 90)
+        assert row["state"] == "failed" and row["last_status"] == 302 and row["delivered_at_ms"] is None
+        assert row["give_up_at_ms"] - row["created_at_ms"] == WEBHOOK_RETRY_FOR_S * 1000
+        attempts = _attempts(row["delivery_id"])
+        assert len(attempts) >= 2  # retried with backoff until the give-up time
+        assert [a["attempt"] for a in attempts] == list(range(1, len(attempts) + 1))
+        expected = f"HTTP 302: redirect to '{trap.url}/trap' not followed"
+        assert all(a["http_status"] == 302 and a["error"] == expected for a in attempts)
+        assert len(redirector.hits) == len(attempts) == row["attempts"]
+        assert trap.hits == []
