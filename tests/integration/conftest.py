@@ -13,6 +13,19 @@ from tests.stack import API, REPO, Pipeline, namespace_env, stack_reachable
 API_MAX_BYTES = 1_000_000
 WEBHOOK_SECRET = "test-webhook-secret"
 WEBHOOK_RETRY_FOR_S = 8
+#: Settings of the session's HTTP door (tests starting another door start from these).
+API_ENV = {
+    "OCRSTREAM_LIMITS__MAX_IMAGE_BYTES": str(API_MAX_BYTES),
+    "OCRSTREAM_WEBHOOK_ALLOWED_HOSTS": '["127.0.0.1", "localhost"]',
+    "OCRSTREAM_WEBHOOK_ALLOW_PRIVATE": "true",
+    "OCRSTREAM_WEBHOOK_SECRET": WEBHOOK_SECRET,
+    # retries within a test's patience: ~0.2 s apart, given up 8 s after the completion
+    "OCRSTREAM_WEBHOOK_BACKOFF_BASE_S": "0.2",
+    "OCRSTREAM_WEBHOOK_BACKOFF_MAX_S": "1",
+    "OCRSTREAM_WEBHOOK_RETRY_FOR_S": str(WEBHOOK_RETRY_FOR_S),
+    "OCRSTREAM_WEBHOOK_POLL_INTERVAL_S": "0.2",
+    "OCRSTREAM_WEBHOOK_TIMEOUT_S": "5",
+}
 
 
 @pytest.fixture(scope="session")
@@ -44,17 +57,6 @@ def api(pipeline):
     Uploads are limited to 1 MB here so the over-size tests stay small; webhooks may go to loopback
     and are retried quickly, for a short time.
     """
-    st = pipeline.start(API, extra_env={
-        "OCRSTREAM_LIMITS__MAX_IMAGE_BYTES": str(API_MAX_BYTES),
-        "OCRSTREAM_WEBHOOK_ALLOWED_HOSTS": '["127.0.0.1", "localhost"]',
-        "OCRSTREAM_WEBHOOK_ALLOW_PRIVATE": "true",
-        "OCRSTREAM_WEBHOOK_SECRET": WEBHOOK_SECRET,
-        # retries within a test's patience: ~0.2 s apart, given up 8 s after the completion
-        "OCRSTREAM_WEBHOOK_BACKOFF_BASE_S": "0.2",
-        "OCRSTREAM_WEBHOOK_BACKOFF_MAX_S": "1",
-        "OCRSTREAM_WEBHOOK_RETRY_FOR_S": str(WEBHOOK_RETRY_FOR_S),
-        "OCRSTREAM_WEBHOOK_POLL_INTERVAL_S": "0.2",
-        "OCRSTREAM_WEBHOOK_TIMEOUT_S": "5",
-    })
+    st = pipeline.start(API, extra_env=API_ENV)
     st.url = f"http://127.0.0.1:{st.port}"
     return st

@@ -3,6 +3,10 @@ attempt in MariaDB, callbacks refused by the SSRF guard, redirects never followe
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,8 +19,8 @@ import pytest
 from services.common.settings import MySQLSettings
 from services.ingest.api.signing import verify_signature
 from tests.conftest import text_image
-from tests.integration.conftest import WEBHOOK_RETRY_FOR_S, WEBHOOK_SECRET
-from tests.stack import metric_value
+from tests.integration.conftest import API_ENV, WEBHOOK_RETRY_FOR_S, WEBHOOK_SECRET
+from tests.stack import API, REPO, metric_value
 
 pytestmark = pytest.mark.stack
 
@@ -173,3 +177,36 @@ def test_redirect_is_not_followed_and_the_delivery_gives_up(api):
         assert all(a["http_status"] == 302 and a["error"] == expected for a in attempts)
         assert len(redirector.hits) == len(attempts) == row["attempts"]
         assert trap.hits == []
+
+
+@pytest.fixture(scope="module")
+def keyed_api(pipeline):
+    """A door requiring API keys (webhooks as in the session's door, same dispatcher group) and a
+    key made by ``ocrstream keys create``: ``(door, key_id, api_key, webhook_secret)``."""
+    out = subprocess.run([sys.executable, "-m", "services.cli", "keys", "create", "--name", f"wh-{time.time_ns()}",
+                          "--rate", "0"], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, COLUMNS="200"), timeout=60)
+    assert out.returncode == 0, out.stderr
+    fields = dict(re.findall(r"^(\w+):\s+(\S+)$", out.stdout, re.M))
+    st = pipeline.start(API, extra_env={**API_ENV, "OCRSTREAM_AUTH_REQUIRED": "true"})
+    st.url = f"http://127.0.0.1:{st.port}"
+    yield st, fields["key_id"], fields["api_key"], fields["webhook_secret"]
+    pipeline.stop(st)
+    _db_rows("DELETE FROM api_keys WHERE key_id = %s", fields["key_id"])
+
+
+def test_callback_of_a_keyed_request_is_signed_with_the_keys_secret(keyed_api):
+    door, key_id, token, key_secret = keyed_api
+    rid = f"wh-key-{time.time_ns()}"
+    with Receiver([200]) as rcv, httpx.Client(base_url=door.url, timeout=90, headers={"X-API-Key": token}) as c:
+        r = _submit(c, ["HOOK DELIVERED"], f"{rcv.url}/keyed", rid)
+        assert r.status_code in (200, 202), r.text  # the image may be cached by the test above
+        row = _delivery(rid, ("delivered", "failed"))
+        assert row["state"] == "delivered" and row["key_id"] == key_id and row["attempts"] == 1
+        [hit] = rcv.hits
+        h = hit["headers"]
+        assert verify_signature(key_secret, h["X-Ocrstream-Timestamp"], hit["body"], h["X-Ocrstream-Signature"])
+        assert not verify_signature(WEBHOOK_SECRET, h["X-Ocrstream-Timestamp"], hit["body"], h["X-Ocrstream-Signature"])
+        ev = orjson.loads(hit["body"])
+        assert ev["request_id"] == rid and ev["result"]["api_key_id"] == key_id
+        assert ev["result"]["text"] == "HOOK DELIVERED"
