@@ -3,6 +3,7 @@ uploads through the real door and pipeline, text shown, JSON download, boxes fou
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -64,14 +65,13 @@ def tab(browser, api):
     ctx.close()
 
 
-def _pixels(locator, path: Path) -> tuple[np.ndarray, float, float, float]:
-    """Screenshot of a canvas as an int array, plus (border px, screen px per page px in x, in y)."""
+def _pixels(locator, path: Path, doc: dict) -> tuple[np.ndarray, float, float, float]:
+    """Screenshot of the canvas as an int array, plus (border px, screen px per page px in x, in y):
+    the scale comes from the canvas's size on screen and the document's page size, not from the page."""
     locator.screenshot(path=str(path))
     arr = np.asarray(Image.open(path).convert("RGB")).astype(int)
-    border, client_w, client_h, sx, sy = locator.evaluate(
-        "c => [c.clientLeft, c.clientWidth, c.clientHeight, +c.dataset.scaleX, +c.dataset.scaleY]")
-    cw, ch = locator.evaluate("c => [c.width, c.height]")
-    return arr, border, sx * client_w / cw, sy * client_h / ch
+    border, client_w, client_h = locator.evaluate("c => [c.clientLeft, c.clientWidth, c.clientHeight]")
+    return arr, border, client_w / doc["width"], client_h / doc["height"]
 
 
 def _mask(arr: np.ndarray, rgb: tuple[int, int, int]) -> np.ndarray:
@@ -137,7 +137,7 @@ def test_upload_shows_the_text_draws_every_box_and_offers_the_json(tab, tmp_path
     expect(canvas).to_have_attribute("data-drawn", "true")
     assert canvas.get_attribute("aria-label") == "web-page.png with 2 text line boxes"
     page.mouse.move(0, 0)
-    arr, border, kx, ky = _pixels(canvas, tmp_path / "canvas.png")
+    arr, border, kx, ky = _pixels(canvas, tmp_path / "canvas.png", doc)
     boxes = [ln["box"] for ln in doc["lines"]]
     magenta = _mask(arr, (255, 0, 255))
     assert magenta.sum() > 0
@@ -156,7 +156,7 @@ def test_upload_shows_the_text_draws_every_box_and_offers_the_json(tab, tmp_path
 
     # pointing at a line highlights its box, and only its box
     card.locator('.lines li[data-index="1"]').hover()
-    arr, border, kx, ky = _pixels(canvas, tmp_path / "canvas-hover.png")
+    arr, border, kx, ky = _pixels(canvas, tmp_path / "canvas-hover.png", doc)
     cyan = _mask(arr, (0, 255, 255))
     assert all(_hits_near(cyan, x, y) > 0 for x, y in _edge_midpoints(boxes[1], border, kx, ky))
     assert all(_hits_near(cyan, x, y) == 0 for x, y in _edge_midpoints(boxes[0], border, kx, ky))
@@ -222,3 +222,43 @@ def test_an_api_key_is_kept_in_the_browser_and_sent_as_x_api_key(tab, tmp_path):
     page.get_by_role("button", name="Forget").click()
     expect(page.locator("#key-state")).to_have_text("cleared")
     assert page.evaluate("localStorage.getItem('ocrstream.apiKey')") is None
+
+
+def _exif_rotated_jpeg(upright: bytes) -> bytes:
+    """``upright`` stored turned a quarter left with EXIF Orientation 6 (viewers turn it back right)."""
+    img = Image.open(io.BytesIO(upright)).convert("RGB").rotate(90, expand=True)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=95, exif=exif)
+    return buf.getvalue()
+
+
+def test_an_exif_rotated_large_photo_is_drawn_upright_scaled_down_with_its_boxes_on_the_glyphs(tab, tmp_path):
+    expected = ["TURNED PAGE 8"]
+    upright = text_image(expected, size=64, width=2400)  # over the page's 2000 px canvas cap
+    photo = tmp_path / "turned.jpg"
+    photo.write_bytes(_exif_rotated_jpeg(upright))
+    card = tab.upload(photo)
+    expect(card).to_have_attribute("data-state", "done", timeout=DONE_MS)
+    assert card.locator(".lines li").all_inner_texts() == expected
+    with tab.page.expect_download() as dl:
+        card.locator("a.download").click()
+    doc = json.loads(Path(dl.value.path()).read_text())
+    up_w, up_h = Image.open(io.BytesIO(upright)).size
+    assert (doc["width"], doc["height"]) == (up_w, up_h)  # the upright page, not the stored pixels
+
+    canvas = card.locator("canvas")
+    cw, ch = canvas.evaluate("c => [c.width, c.height]")
+    assert cw == 2000 and abs(ch - up_h * 2000 / up_w) <= 1  # drawn upright, scaled down
+    tab.page.mouse.move(0, 0)
+    arr, border, kx, ky = _pixels(canvas, tmp_path / "canvas.png", doc)
+    assert kx < 0.8 and abs(kx - ky) < 0.01  # scaled to fit the card, aspect kept
+    [box] = [ln["box"] for ln in doc["lines"]]
+    magenta = _mask(arr, (255, 0, 255))
+    assert all(_hits_near(magenta, x, y) > 0 for x, y in _edge_midpoints(box, border, kx, ky))
+    assert int((magenta & _outside(arr.shape, [box], border, kx, ky, margin=8)).sum()) == 0
+    dark = (arr < 100).all(axis=2)
+    near_box = ~_outside(arr.shape, [box], border, kx, ky, margin=4)
+    assert int(dark.sum()) > 100 and int((dark & near_box).sum()) >= 0.98 * int(dark.sum())
+    assert tab.errors == []

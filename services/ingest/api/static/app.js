@@ -231,8 +231,6 @@ async function drawPage(card, file, doc) {
   canvas.height = Math.max(1, Math.round(bitmap.height * fit));
   const sx = canvas.width / pageW;
   const sy = canvas.height / pageH;
-  canvas.dataset.scaleX = String(sx);
-  canvas.dataset.scaleY = String(sy);
   const lines = doc.lines.map((line, i) => ({ line, i })).filter(({ line }) => line.page === first.index);
   canvas.setAttribute("aria-label", `${file.name || "image"} with ${lines.length} text line box` +
     `${lines.length === 1 ? "" : "es"}`);
