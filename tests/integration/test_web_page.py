@@ -262,3 +262,18 @@ def test_an_exif_rotated_large_photo_is_drawn_upright_scaled_down_with_its_boxes
     near_box = ~_outside(arr.shape, [box], border, kx, ky, margin=4)
     assert int(dark.sum()) > 100 and int((dark & near_box).sum()) >= 0.98 * int(dark.sum())
     assert tab.errors == []
+
+
+def test_a_pdf_the_browser_cannot_draw_lists_the_text_of_every_page_with_a_note(tab, tmp_path):
+    pages = [Image.open(io.BytesIO(text_image([t], size=40))).convert("RGB") for t in ("KEY SENT 31", "BOXES DRAWN")]
+    pdf = tmp_path / "two-pages.pdf"
+    pages[0].save(pdf, "PDF", save_all=True, append_images=pages[1:], resolution=72)
+    card = tab.upload(pdf)
+    expect(card).to_have_attribute("data-state", "done", timeout=DONE_MS)
+    items = card.locator(".lines li")
+    assert items.all_inner_texts() == ["KEY SENT 31", "BOXES DRAWN"]
+    assert [items.nth(i).get_attribute("data-page") for i in range(2)] == ["1", "2"]
+    expect(card.locator("canvas")).to_be_hidden()
+    expect(card.locator(".note")).to_have_text(
+        "This browser cannot draw application/pdf; the text of 2 pages is listed instead.")
+    assert tab.errors == []
