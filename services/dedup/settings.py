@@ -19,7 +19,7 @@ class NearDupSettings(BaseModel):
     index_ttl_s: int = Field(default=86_400, ge=1, description="an LSH bucket expires this long after its last write, s")
     max_image_bytes: int = Field(default=20 * 1024 * 1024, description="larger images are not looked up (bytes)")
     block_px: int = Field(default=8, ge=2, description="verification window side, px of the compared page")
-    max_block_diff: float = Field(default=16.0, gt=0, description="largest L4-mean grey difference (0-255) of any window")
+    max_block_diff: float = Field(default=12.0, gt=0, description="largest L4-mean grey difference (0-255) of any window")
     blur_radius: float = Field(default=1.0, ge=0, description="Gaussian blur (px) before comparing")
     max_aspect_diff: float = Field(default=0.01, ge=0, description="largest relative error of the shorter side predicted by the other image's aspect ratio (1 px always allowed)")
     max_scale_ratio: float = Field(default=1.5, ge=1, description="largest width ratio of the two images")
