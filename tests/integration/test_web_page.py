@@ -14,6 +14,7 @@ from PIL import Image
 from playwright.sync_api import Page, expect, sync_playwright
 
 from tests.conftest import text_image
+from tests.integration.conftest import API_MAX_BYTES
 
 pytestmark = pytest.mark.stack
 
@@ -277,3 +278,12 @@ def test_a_pdf_the_browser_cannot_draw_lists_the_text_of_every_page_with_a_note(
     expect(card.locator(".note")).to_have_text(
         "This browser cannot draw application/pdf; the text of 2 pages is listed instead.")
     assert tab.errors == []
+
+
+def test_a_file_over_the_byte_limit_shows_input_too_large(tab, tmp_path):
+    big = tmp_path / "huge.png"
+    big.write_bytes(b"\x89PNG\r\n\x1a\n" + np.random.default_rng(8).bytes(API_MAX_BYTES + 200_000))
+    card = tab.upload(big)
+    expect(card).to_have_attribute("data-state", "error", timeout=DONE_MS)
+    expect(card.locator(".error .code")).to_have_text("input_too_large")
+    assert card.locator(".body").is_hidden()
