@@ -418,6 +418,10 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                      "`GET /v1/ocr/{request_id}?wait=S` (long-poll). Every error answers "
                      '`{"error": {"code", "message"}}` with a stable code.'),
         lifespan=lifespan,
+        # FastAPI's own request/operation spans (on by itself once a tracer provider is set) would
+        # double the door's api.submit SERVER span and cost ~3 extra spans per request on the
+        # cached path (measured: bench/http_bench.py); the door traces itself.
+        telemetry={"tracing": False},
     )
     app.state.door = door
     app.add_exception_handler(ApiError, api_error_handler)
