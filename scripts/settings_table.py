@@ -14,11 +14,13 @@ from pydantic import BaseModel, SecretStr
 from services.common.settings import CommonSettings
 from services.dedup.settings import DedupSettings
 from services.infer.settings import InferSettings
+from services.ingest.api.settings import ApiSettings
 from services.ingest.settings import IngestSettings
 from services.sink.settings import SinkSettings
 
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
-STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings}
+STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings,
+          "the HTTP door (`python -m services.ingest.api`; also reads the ingest settings)": ApiSettings}
 
 
 def _default(field) -> str:
@@ -58,7 +60,8 @@ def render() -> str:
     parts = ["Shared by every stage:", "", "| variable | default | meaning |", "|---|---|---|"]
     parts += [f"| `{v}` | `{d}` | {m} |" if d else f"| `{v}` | | {m} |" for v, d, m in rows(CommonSettings)]
     for stage, cls in STAGES.items():
-        own = [r for r in rows(cls) if r[0] not in common]
+        inherited = common | {r[0] for base in cls.__mro__[1:] if base in STAGES.values() for r in rows(base)}
+        own = [r for r in rows(cls) if r[0] not in inherited]
         parts += ["", f"{stage} only:", "", "| variable | default | meaning |", "|---|---|---|"]
         parts += [f"| `{v}` | `{d}` | {m} |" if d else f"| `{v}` | | {m} |" for v, d, m in own]
     return "\n".join(parts)
