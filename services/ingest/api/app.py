@@ -59,7 +59,7 @@ from services.ingest.api.errors import (
 from services.ingest.api.hub import CompletionHub
 from services.ingest.api.models import ApiErrorBody, ApiErrorDetail, BatchItem, BatchResponse, Health, Links, OcrResponse
 from services.ingest.api.settings import ApiSettings
-from services.ingest.api.uploads import MULTIPART_OVERHEAD, Upload, read_multipart, read_raw
+from services.ingest.api.uploads import MULTIPART_OVERHEAD, Upload, UploadBudget, read_multipart, read_raw
 from services.ingest.api.webhooks import WebhookDispatcher, validate_callback_url
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ STATIC = Path(__file__).parent / "static"
 _PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 _ERROR_TEXT = {
+    409: "the `request_id` is already used by another API key (`request_id_conflict`)",
     400: "bad request: an invalid option or parameter (`invalid_request`), an empty body (`empty_input`), "
          "a malformed multipart body, a callback URL that is not allowed (`callback_not_allowed`)",
     401: "missing, unknown or revoked API key (`unauthorized`)",
@@ -92,7 +93,8 @@ class SubmitOptions(BaseModel):
     """Options of one submission (query string for a raw body, form fields for multipart);
     the same constraints as ``SubmitEvent``."""
 
-    request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")
+    # not only dots: "." and ".." are not path segments a client can GET (its links would point elsewhere)
+    request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$")
     task: str = Field(default="ocr", min_length=1, max_length=64)
     source: str = Field(default="http", min_length=1, max_length=64)
     filename: str | None = Field(default=None, max_length=512)
@@ -142,6 +144,7 @@ class FrontDoor:
         self.webhooks = WebhookDispatcher(s, self.db, self.telemetry) if s.webhook_enabled else None
         self._outputs: OrderedDict[str, OcrOutput] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()  # fire-and-forget work, referenced until done
+        self.budget = UploadBudget(s.http_upload_budget_bytes)
         self.started = asyncio.Event()
         r = self.telemetry.registry
         self.http_requests = Counter("ocrstream_http_requests", "HTTP submissions and reads by outcome",
@@ -196,11 +199,12 @@ class FrontDoor:
                 self._outputs.popitem(last=False)
         return out
 
-    async def _known(self, rid: str, principal: Principal) -> ResultDocument | bool:
-        """The finished document, True if accepted and pending (or unknowable: Redis down), False if unknown."""
+    async def _known(self, rid: str, principal: Principal) -> ResultDocument | bool | None:
+        """The finished document, True if accepted and pending (or unknowable: Redis down), False if
+        unknown, None if the id is another API key's (read answers it 404, submit 409)."""
         doc = await self.db.get_request(rid)
         if doc is not None:
-            return doc if principal.key_id is None or doc.api_key_id == principal.key_id else False
+            return doc if principal.key_id is None or doc.api_key_id == principal.key_id else None
         try:
             raw = await self.cache.accepted(rid)
         except CacheUnavailable:
@@ -208,7 +212,7 @@ class FrontDoor:
         if raw is None:
             return False
         owner = orjson.loads(raw).get("key")
-        return principal.key_id is None or owner == principal.key_id
+        return True if principal.key_id is None or owner == principal.key_id else None
 
     # -- submit -------------------------------------------------------------------------------
     async def submit(self, up: Upload, opts: SubmitOptions, principal: Principal,
@@ -216,7 +220,8 @@ class FrontDoor:
         """One image: 200 + result when cached, 202 + request id when queued.
 
         Raises:
-            ApiError: 4xx for bad input or options (nothing is stored or sent then);
+            ApiError: 4xx for bad input or options (nothing is stored or sent then), 409
+                ``request_id_conflict`` for a ``request_id`` another API key submitted;
                 503 ``unavailable`` when Kafka or S3 does not take the request.
         """
         started = time.perf_counter()
@@ -233,6 +238,8 @@ class FrontDoor:
                 return 200, self._done(known)
             if known is True:
                 return 202, OcrResponse(request_id=rid, status="pending", links=self.links(rid))
+            if known is None:  # sending it would take the id (and its result) away from its owner
+                raise ApiError(409, "request_id_conflict", f"request_id {rid!r} is already used by another API key")
         gen = self.s.engine.generation(opts.task)
         key = cache_key(up.sha256, gen)
         parent = [("traceparent", traceparent.encode())] if traceparent else None
@@ -354,7 +361,7 @@ class FrontDoor:
                 known = True
             if isinstance(known, ResultDocument):
                 return self._done(known)
-            if known is False:
+            if known is False or known is None:
                 raise ApiError(404, "not_found", f"no request {rid!r}")
             if fut is not None:
                 try:
@@ -436,7 +443,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     @app.post("/v1/ocr", response_model=OcrResponse, status_code=202, tags=["ocr"], summary="Submit one image",
               response_description="accepted: the request id, status `pending` and where to read the result",
               responses={200: {"model": OcrResponse, "description": "cached: the finished result, status `ok`"},
-                         **_errors(400, 401, 413, 415, 422, 429, 503)},
+                         **_errors(400, 401, 409, 413, 415, 422, 429, 503)},
               openapi_extra={"requestBody": {"required": True, "content": {
                   "image/*": {"schema": {"type": "string", "format": "binary"}},
                   "application/pdf": {"schema": {"type": "string", "format": "binary"}},
@@ -457,19 +464,20 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         """Submit one image: 200 with the result when cached, else 202 with the request id."""
         started = time.perf_counter()
         outcome = "error"
+        held = door.budget.reservation()
         try:
             principal = await door.guard.check(request)
-            ctype = request.headers.get("content-type", "")
+            ctype = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110 §8.3.1)
             query = {k: v for k, v in dict(task=task, source=source, filename=filename, callback_url=callback_url,
                                            request_id=request_id, metadata=metadata).items() if v is not None}
             if ctype.startswith("multipart/form-data"):
                 ups, fields = await read_multipart(request, s.limits.max_image_bytes,
-                                                   s.limits.max_image_bytes + MULTIPART_OVERHEAD, 1)
+                                                   s.limits.max_image_bytes + MULTIPART_OVERHEAD, 1, held)
                 up = ups[0]
                 opts = SubmitOptions.parse({**query, **fields})
             elif ctype.startswith(_RAW_TYPES) or not ctype:
                 opts = SubmitOptions.parse(query)
-                up = await read_raw(request, s.limits.max_image_bytes)
+                up = await read_raw(request, s.limits.max_image_bytes, held)
             else:
                 raise ApiError(415, "unsupported_format", f"Content-Type {ctype!r}: send image bytes or multipart/form-data")
             status, body = await door.submit(up, opts, principal, request.headers.get("traceparent"))
@@ -479,6 +487,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             outcome = err.code
             raise
         finally:
+            held.release()
             door.http_requests.labels("submit", outcome).inc()
             door.http_seconds.labels("submit", outcome).observe(time.perf_counter() - started)
 
@@ -494,10 +503,17 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     async def submit_batch(request: Request) -> Response:
         """Submit many images in one multipart body (every file part; shared option fields)."""
         principal = await door.guard.check(request)
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
             raise ApiError(415, "unsupported_format", "send multipart/form-data with one file part per image")
+        held = door.budget.reservation()
+        try:
+            return await _batch(request, principal, held)
+        finally:
+            held.release()
+
+    async def _batch(request: Request, principal: Principal, held) -> Response:
         ups, fields = await read_multipart(request, s.limits.max_image_bytes, s.http_batch_max_bytes,
-                                           s.http_batch_max_files)
+                                           s.http_batch_max_files, held)
         fields.pop("request_id", None)
         opts = SubmitOptions.parse(fields)
         sem = asyncio.Semaphore(s.ingest_concurrency)
