@@ -31,6 +31,7 @@ def setup_logging(stage: str, level: str) -> None:
     for h in logging.getLogger().handlers:  # `` trace_id=<hex>`` on lines logged inside a request's trace
         h.addFilter(TraceIdLogFilter())
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # its INFO lines carry full URLs (webhook tokens)
 
 
 @dataclass
