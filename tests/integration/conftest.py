@@ -14,6 +14,7 @@ API_MAX_BYTES = 1_000_000
 WEBHOOK_SECRET = "test-webhook-secret"
 WEBHOOK_RETRY_FOR_S = 8
 #: Settings of the session's HTTP door (tests starting another door start from these).
+API_BODY_TIMEOUT_S = 6
 API_ENV = {
     "OCRSTREAM_LIMITS__MAX_IMAGE_BYTES": str(API_MAX_BYTES),
     "OCRSTREAM_WEBHOOK_ALLOWED_HOSTS": '["127.0.0.1", "localhost"]',
@@ -25,6 +26,7 @@ API_ENV = {
     "OCRSTREAM_WEBHOOK_RETRY_FOR_S": str(WEBHOOK_RETRY_FOR_S),
     "OCRSTREAM_WEBHOOK_POLL_INTERVAL_S": "0.2",
     "OCRSTREAM_WEBHOOK_TIMEOUT_S": "5",
+    "OCRSTREAM_HTTP_BODY_TIMEOUT_S": str(API_BODY_TIMEOUT_S),
 }
 
 

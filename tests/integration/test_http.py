@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import text_image
-from tests.integration.conftest import API_MAX_BYTES
+from tests.integration.conftest import API_BODY_TIMEOUT_S, API_MAX_BYTES
 
 pytestmark = pytest.mark.stack
 
@@ -138,6 +138,20 @@ def test_oversize_upload_is_refused_before_the_body_is_read(api):
     status, sent = _raw_http(port, head, [framed] * 800)
     assert b" 413 " in status + b" ", status
     assert sent < 800 * len(framed) // 2, sent
+
+
+def test_a_body_trickling_in_is_cut_off_with_408(api):
+    """A client that sends headers and a few bytes, then nothing (slowloris), is answered 408
+    once the body deadline passes, and its connection and upload budget are freed."""
+    head = b"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 1000\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", api.port), timeout=API_BODY_TIMEOUT_S * 5) as s:
+        s.sendall(head + b"\x89PNG")
+        t0 = time.monotonic()
+        answer = s.recv(4096)
+        waited = time.monotonic() - t0
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"408", answer[:200]
+    assert b'"code":"request_timeout"' in answer
+    assert waited >= API_BODY_TIMEOUT_S - 1
 
 
 def test_batch_upload_one_item_per_file(api):

@@ -74,6 +74,7 @@ _ERROR_TEXT = {
          "a malformed multipart body, a callback URL that is not allowed (`callback_not_allowed`)",
     401: "missing, unknown or revoked API key (`unauthorized`)",
     404: "no such request, or another key's request (`not_found`)",
+    408: "the request body did not arrive within `OCRSTREAM_HTTP_BODY_TIMEOUT_S` (`request_timeout`)",
     413: "over a limit: bytes (`input_too_large`), pixels (`image_too_large`) or pages (`too_many_pages`)",
     415: "not a supported image or PDF, or an unsupported Content-Type (`unsupported_format`)",
     422: "the image header is readable but the image is not (`corrupt_image`)",
@@ -443,7 +444,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     @app.post("/v1/ocr", response_model=OcrResponse, status_code=202, tags=["ocr"], summary="Submit one image",
               response_description="accepted: the request id, status `pending` and where to read the result",
               responses={200: {"model": OcrResponse, "description": "cached: the finished result, status `ok`"},
-                         **_errors(400, 401, 409, 413, 415, 422, 429, 503)},
+                         **_errors(400, 401, 408, 409, 413, 415, 422, 429, 503)},
               openapi_extra={"requestBody": {"required": True, "content": {
                   "image/*": {"schema": {"type": "string", "format": "binary"}},
                   "application/pdf": {"schema": {"type": "string", "format": "binary"}},
@@ -472,12 +473,13 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                                            request_id=request_id, metadata=metadata).items() if v is not None}
             if ctype.startswith("multipart/form-data"):
                 ups, fields = await read_multipart(request, s.limits.max_image_bytes,
-                                                   s.limits.max_image_bytes + MULTIPART_OVERHEAD, 1, held)
+                                                   s.limits.max_image_bytes + MULTIPART_OVERHEAD, 1, held,
+                                                   s.http_body_timeout_s)
                 up = ups[0]
                 opts = SubmitOptions.parse({**query, **fields})
             elif ctype.startswith(_RAW_TYPES) or not ctype:
                 opts = SubmitOptions.parse(query)
-                up = await read_raw(request, s.limits.max_image_bytes, held)
+                up = await read_raw(request, s.limits.max_image_bytes, held, s.http_body_timeout_s)
             else:
                 raise ApiError(415, "unsupported_format", f"Content-Type {ctype!r}: send image bytes or multipart/form-data")
             status, body = await door.submit(up, opts, principal, request.headers.get("traceparent"))
@@ -495,7 +497,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
               summary="Submit many images in one multipart body",
               response_description="at least one item is pending: one item per file, in upload order",
               responses={200: {"model": BatchResponse, "description": "every item finished (cached or rejected)"},
-                         **_errors(400, 401, 413, 415, 429, 503)},
+                         **_errors(400, 401, 408, 413, 415, 429, 503)},
               openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
                   "type": "object", "required": ["files"],
                   "properties": {"files": {"type": "array", "items": {"type": "string", "format": "binary"}},
@@ -513,7 +515,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     async def _batch(request: Request, principal: Principal, held) -> Response:
         ups, fields = await read_multipart(request, s.limits.max_image_bytes, s.http_batch_max_bytes,
-                                           s.http_batch_max_files, held)
+                                           s.http_batch_max_files, held, s.http_body_timeout_s)
         fields.pop("request_id", None)
         opts = SubmitOptions.parse(fields)
         sem = asyncio.Semaphore(s.ingest_concurrency)

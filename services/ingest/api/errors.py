@@ -3,7 +3,7 @@
 Every error response has the body ``{"error": {"code": "...", "message": "..."}}``. Codes are
 those of :class:`schemas.errors.ErrorCode` for bad images (``input_too_large``,
 ``unsupported_format``, ...) plus the HTTP door's own: ``unauthorized``, ``rate_limited``,
-``quota_exceeded``, ``not_found``, ``request_id_conflict`` (409), ``callback_not_allowed``, ``overloaded``, ``unavailable``,
+``quota_exceeded``, ``not_found``, ``request_timeout`` (408), ``request_id_conflict`` (409), ``callback_not_allowed``, ``overloaded``, ``unavailable``,
 ``method_not_allowed``; FastAPI's parameter checks answer 400 ``invalid_request``.
 """
 

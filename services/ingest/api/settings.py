@@ -24,6 +24,9 @@ class ApiSettings(IngestSettings):
     http_upload_budget_bytes: int = Field(
         default=512 * 1024 * 1024, ge=0, description="request bodies held in memory at once, bytes; past it 503 (0 = unbounded)"
     )
+    http_body_timeout_s: float = Field(
+        default=120.0, gt=0, description="a request body must arrive within this many seconds, else 408 (slow clients)"
+    )
     http_result_lru_entries: int = Field(default=4_096, ge=0, description="result documents kept in memory for cached answers")
     http_cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty = closed")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -94,16 +95,34 @@ def check_declared_length(request: Request, limit: int) -> None:
         raise _too_large(limit)
 
 
-async def limited_stream(request: Request, limit: int, budget: Reservation | None = None) -> AsyncIterator[bytes]:
+async def limited_stream(request: Request, limit: int, budget: Reservation | None = None,
+                         timeout_s: float | None = None) -> AsyncIterator[bytes]:
     """The request body in chunks as they arrive, stopping with 413 as soon as more than
     ``limit`` bytes came (chunked uploads have no Content-Length to check up front).
 
+    Args:
+        timeout_s: The whole body must arrive within this many seconds (None = no limit), so a
+            client trickling bytes (slowloris) cannot hold a connection and its budget forever.
+
     Raises:
-        ApiError: 413 ``input_too_large``; 503 ``overloaded`` when ``budget`` runs out.
+        ApiError: 413 ``input_too_large``; 503 ``overloaded`` when ``budget`` runs out; 408
+            ``request_timeout`` when the body is not complete within ``timeout_s``.
     """
     check_declared_length(request, limit)
     seen = 0
-    async for chunk in request.stream():
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            if deadline is None:
+                chunk = await chunks.__anext__()
+            else:
+                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise ApiError(408, "request_timeout", f"the body did not arrive within {timeout_s:g} s") from None
         seen += len(chunk)
         if seen > limit:
             raise _too_large(limit)
@@ -112,7 +131,8 @@ async def limited_stream(request: Request, limit: int, budget: Reservation | Non
         yield chunk
 
 
-async def read_raw(request: Request, limit: int, budget: Reservation | None = None) -> Upload:
+async def read_raw(request: Request, limit: int, budget: Reservation | None = None,
+                   timeout_s: float | None = None) -> Upload:
     """A raw-body upload (``Content-Type: image/*``, ``application/pdf`` or
     ``application/octet-stream``), hashed chunk by chunk as it is read.
 
@@ -121,7 +141,7 @@ async def read_raw(request: Request, limit: int, budget: Reservation | None = No
     """
     h = hashlib.sha256()
     buf = bytearray()
-    async for chunk in limited_stream(request, limit, budget):
+    async for chunk in limited_stream(request, limit, budget, timeout_s):
         h.update(chunk)
         buf += chunk
     if not buf:
@@ -130,7 +150,8 @@ async def read_raw(request: Request, limit: int, budget: Reservation | None = No
 
 
 async def read_multipart(request: Request, image_limit: int, total_limit: int, max_files: int,
-                         budget: Reservation | None = None) -> tuple[list[Upload], dict[str, str]]:
+                         budget: Reservation | None = None, timeout_s: float | None = None
+                         ) -> tuple[list[Upload], dict[str, str]]:
     """A ``multipart/form-data`` upload: the file parts (any field name, in order) and the
     text fields (options such as ``task``, ``callback_url``).
 
@@ -144,7 +165,7 @@ async def read_multipart(request: Request, image_limit: int, total_limit: int, m
             ``invalid_request`` (malformed multipart, too many files or fields), 400
             ``empty_input`` (no file part, or an empty one).
     """
-    parser = MultiPartParser(request.headers, limited_stream(request, total_limit, budget),
+    parser = MultiPartParser(request.headers, limited_stream(request, total_limit, budget, timeout_s),
                              max_files=max_files, max_fields=32, max_part_size=64 * 1024)
     try:
         form = await parser.parse()
