@@ -178,3 +178,64 @@ def test_health_and_metrics(api):
         assert c.get("/readyz").status_code == 200
         text = c.get("/metrics").text
         assert "ocrstream_http_requests_total" in text
+
+
+def _requests_with_id(rid: str) -> int:
+    """How many RequestEvents for ``rid`` are on this namespace's ``ocr.requests`` (read from the start)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from services.common.settings import CommonSettings
+
+    async def count() -> int:
+        s = CommonSettings()
+        c = AIOKafkaConsumer(bootstrap_servers=s.kafka.bootstrap_servers, enable_auto_commit=False)
+        await c.start()
+        try:
+            tps = [TopicPartition(s.topics.requests, p) for p in c.partitions_for_topic(s.topics.requests) or []]
+            if not tps:
+                await c._client.force_metadata_update()
+                tps = [TopicPartition(s.topics.requests, p) for p in c.partitions_for_topic(s.topics.requests)]
+            c.assign(tps)
+            await c.seek_to_beginning(*tps)
+            ends = await c.end_offsets(tps)
+            n = 0
+            while any(pos < ends[tp] for tp, pos in zip(tps, [await c.position(tp) for tp in tps])):
+                for recs in (await c.getmany(timeout_ms=1000)).values():
+                    n += sum(1 for r in recs if f'"request_id":"{rid}"'.encode() in r.value)
+            return n
+        finally:
+            await c.stop()
+
+    return asyncio.run(count())
+
+
+def test_concurrent_twins_with_one_new_request_id_are_sent_once(api):
+    import concurrent.futures
+
+    img = text_image(["TWIN 5151"], size=40)
+    rid = f"twin-{time.time_ns()}"
+
+    def post(_):
+        with _client(api) as c:
+            return c.post("/v1/ocr", content=img, headers={"Content-Type": "image/png"}, params={"request_id": rid})
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(post, range(8)))
+    assert sorted({r.status_code for r in answers}) == [202], [r.text for r in answers]
+    assert {r.json()["request_id"] for r in answers} == {rid}
+    with _client(api) as c:
+        got = c.get(f"/v1/ocr/{rid}", params={"wait": 60}).json()
+    assert got["status"] == "ok" and got["result"]["text"] == "TWIN 5151"
+    assert _requests_with_id(rid) == 1
+
+
+def test_a_refused_submission_frees_its_request_id_for_the_retry(api):
+    rid = f"retry-{time.time_ns()}"
+    with _client(api) as c:
+        bad = c.post("/v1/ocr", content=b"not an image", headers={"Content-Type": "image/png"}, params={"request_id": rid})
+        assert bad.status_code == 415
+        good = c.post("/v1/ocr", content=text_image(["RETRY 6262"]), headers={"Content-Type": "image/png"},
+                      params={"request_id": rid})
+        assert good.status_code == 202, good.text
+        got = c.get(f"/v1/ocr/{rid}", params={"wait": 60}).json()
+    assert got["status"] == "ok" and got["result"]["text"] == "RETRY 6262"

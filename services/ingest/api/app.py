@@ -230,17 +230,50 @@ class FrontDoor:
         if opts.callback_url:
             await validate_callback_url(opts.callback_url, self.s, principal.key_id)
         rid = opts.request_id or new_id()
+        claimed = False
         if opts.request_id:  # idempotent: a known id is answered with its state, not sent again
-            try:
-                known = await self._known(rid, principal)
-            except Exception:  # noqa: BLE001 - MariaDB down: send it; the sink stores each id once
-                known = False
+            known = await self._claim_id(rid, principal, up.sha256)
             if isinstance(known, ResultDocument):
                 return 200, self._done(known)
             if known is True:
                 return 202, OcrResponse(request_id=rid, status="pending", links=self.links(rid))
             if known is None:  # sending it would take the id (and its result) away from its owner
                 raise ApiError(409, "request_id_conflict", f"request_id {rid!r} is already used by another API key")
+            claimed = known == "claimed"
+        try:
+            return await self._submit(up, opts, principal, traceparent, rid, claimed, started, submitted)
+        except BaseException:
+            if claimed:  # not accepted after all: free the id so the client's retry is sent
+                try:
+                    await self.cache.forget_accepted(rid)
+                except CacheUnavailable:
+                    pass
+            raise
+
+    async def _claim_id(self, rid: str, principal: Principal, sha: str) -> ResultDocument | bool | str | None:
+        """For a client-chosen id: its finished document; True if pending (a retry, or a twin
+        sent at the same moment); None if another key's; ``"claimed"`` if this call took it in
+        Redis; False if it is new but Redis is down (sent unclaimed; the sink stores one result)."""
+        try:
+            doc = await self.db.get_request(rid)
+        except Exception:  # noqa: BLE001 - MariaDB down: Redis still tells retries apart
+            doc = None
+        if doc is not None:
+            return doc if principal.key_id is None or doc.api_key_id == principal.key_id else None
+        value = orjson.dumps({"key": principal.key_id, "sha": sha})
+        try:
+            if await self.cache.claim_accepted(rid, value, self.s.http_accepted_ttl_s):
+                return "claimed"
+            raw = await self.cache.accepted(rid)
+        except CacheUnavailable:
+            return False
+        if raw is None:  # released by a failed twin in between: treat as new, unclaimed
+            return False
+        owner = orjson.loads(raw).get("key")
+        return True if principal.key_id is None or owner == principal.key_id else None
+
+    async def _submit(self, up: Upload, opts: SubmitOptions, principal: Principal, traceparent: str | None,
+                      rid: str, claimed: bool, started: float, submitted: int) -> tuple[int, OcrResponse]:
         gen = self.s.engine.generation(opts.task)
         key = cache_key(up.sha256, gen)
         parent = [("traceparent", traceparent.encode())] if traceparent else None
@@ -255,7 +288,8 @@ class FrontDoor:
             hit = await self._cached(key)
             if hit is not None:
                 # until the sink stores its row, GET must know the id (not awaited: the caller has the result)
-                self._background(self._mark_accepted(rid, principal, up.sha256))
+                if not claimed:
+                    self._background(self._mark_accepted(rid, principal, up.sha256))
                 return 200, self._answer_from_cache(base, key, gen, *hit, started)
             try:
                 acc = await accept_image(up.data, self.s.limits, self.store, sha256=up.sha256)
@@ -275,7 +309,8 @@ class FrontDoor:
                                                   headers=self.telemetry.inject())
             except Exception as exc:  # noqa: BLE001 - not acknowledged: not accepted
                 raise ApiError(503, "unavailable", f"Kafka did not acknowledge the request: {exc!r}") from None
-            await self._mark_accepted(rid, principal, up.sha256)
+            if not claimed:
+                await self._mark_accepted(rid, principal, up.sha256)
             return 202, OcrResponse(request_id=rid, status="pending", links=self.links(rid))
 
     async def _mark_accepted(self, rid: str, principal: Principal, sha: str) -> None:
