@@ -83,6 +83,14 @@ return {'promoted', w}
 """
 
 
+# KEYS: entry, accepted-marker   ARGV: marker value, marker ttl s
+_GET_AND_MARK = """
+local hit = redis.call('GET', KEYS[1])
+if hit and ARGV[1] ~= '' then redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2]) end
+return hit
+"""
+
+
 class CacheUnavailable(Exception):
     """Redis did not answer within its time budget (or errored). Treat as a miss."""
 
@@ -142,6 +150,7 @@ class ResultCache:
         self._begin = self.client.register_script(_COMPLETE_BEGIN)
         self._end = self.client.register_script(_COMPLETE_END)
         self._promote = self.client.register_script(_PROMOTE)
+        self._get_and_mark = self.client.register_script(_GET_AND_MARK)
 
     def _keys(self, key: str) -> list[str]:
         return [f"{self.p}:c:{key}", f"{self.p}:lease:{key}", f"{self.p}:wait:{key}", f"{self.p}:inflight"]
@@ -281,3 +290,11 @@ class ResultCache:
     async def forget_accepted(self, request_id: str) -> None:
         """Drop an accepted-request marker (its submission failed after all). Raises :class:`CacheUnavailable`."""
         await self._call("delete", self.client.delete(f"{self.p}:req:{request_id}"))
+
+    async def get_and_mark(self, key: str, request_id: str, value: bytes, ttl_s: int) -> CacheEntry | None:
+        """The entry for ``key`` or None, and on a hit also :meth:`mark_accepted` for
+        ``request_id`` (``value`` empty: no marker), in one round trip (the HTTP door's cached
+        path). Raises :class:`CacheUnavailable`."""
+        raw = await self._call("get_and_mark", self._get_and_mark(
+            keys=[self._keys(key)[0], f"{self.p}:req:{request_id}"], args=[value, ttl_s]))
+        return CacheEntry.from_json(raw) if raw else None

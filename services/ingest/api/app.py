@@ -144,7 +144,7 @@ class FrontDoor:
         self.guard = Guard(s, self.cache, self.db, self.telemetry)
         self.webhooks = WebhookDispatcher(s, self.db, self.telemetry) if s.webhook_enabled else None
         self._outputs: OrderedDict[str, OcrOutput] = OrderedDict()
-        self._tasks: set[asyncio.Task] = set()  # fire-and-forget work, referenced until done
+        self._sends: set[asyncio.Future] = set()  # cache hits being published on ocr.results
         self.budget = UploadBudget(s.http_upload_budget_bytes)
         self.started = asyncio.Event()
         r = self.telemetry.registry
@@ -285,11 +285,10 @@ class FrontDoor:
                 filename=opts.filename or up.filename, callback_url=opts.callback_url, submitted_at_ms=submitted,
                 metadata=opts.metadata, traceparent=self.telemetry.traceparent(), api_key_id=principal.key_id,
             )
-            hit = await self._cached(key)
+            # on a hit the id is remembered in the same round trip, so GET knows it until the sink stores its row
+            marker = b"" if claimed else orjson.dumps({"key": principal.key_id, "sha": up.sha256})
+            hit = await self._cached(key, rid, marker)
             if hit is not None:
-                # until the sink stores its row, GET must know the id (not awaited: the caller has the result)
-                if not claimed:
-                    self._background(self._mark_accepted(rid, principal, up.sha256))
                 return 200, self._answer_from_cache(base, key, gen, *hit, started)
             try:
                 acc = await accept_image(up.data, self.s.limits, self.store, sha256=up.sha256)
@@ -320,15 +319,11 @@ class FrontDoor:
         except CacheUnavailable:
             pass  # GET then treats the id as pending-or-unknown and still waits for it
 
-    def _background(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _cached(self, key: str) -> tuple[str, OcrOutput] | None:
-        """(result_uri, output) of a cached result, or None (miss, Redis down, document gone)."""
+    async def _cached(self, key: str, rid: str, marker: bytes) -> tuple[str, OcrOutput] | None:
+        """(result_uri, output) of a cached result, or None (miss, Redis down, document gone).
+        On a hit ``rid`` is marked accepted with ``marker`` (unless empty) in the same Redis call."""
         try:
-            entry = await self.cache.get(key)
+            entry = await self.cache.get_and_mark(key, rid, marker, self.s.http_accepted_ttl_s)
         except CacheUnavailable:
             return None
         if entry is None:
@@ -346,6 +341,8 @@ class FrontDoor:
                          engine=gen.engine, model=gen.model, model_revision=gen.model_revision)
         fut = asyncio.ensure_future(self.producer.send(self.s.topics.results, dumps(ev), key=req.content_sha256.encode(),
                                                        headers=self.telemetry.inject()))
+        self._sends.add(fut)  # referenced until done (the loop keeps only weak references to tasks)
+        fut.add_done_callback(self._sends.discard)
         fut.add_done_callback(self._count_send)
         first = output.pages[0] if output.pages else None
         doc = ResultDocument(
