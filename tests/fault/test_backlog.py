@@ -48,6 +48,8 @@ async def test_ten_thousand_queued_requests_drain_with_bounded_memory(fault_pipe
         assert reads_as(name, doc.text), (name, doc.text)
     print("peak RSS MiB:", {k: round(v) for k, v in peaks.items()})
     # bounds: the engine with its ONNX models, the others small and independent of the backlog
-    assert peaks["infer"] < 1500, peaks
+    # infer runs 2 images at once (OCRSTREAM_RAPIDOCR_WORKERS=2): RapidOCR alone peaks at about
+    # 0.86 GiB with one image in flight and 1.35 GiB with two on these pages (measured in-process)
+    assert peaks["infer"] < 2000, peaks
     for name in ("ingest", "dedup", "sink"):
         assert peaks[name] < 400, peaks
