@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 
 import orjson
 from aiokafka import ConsumerRecord
@@ -20,8 +19,9 @@ from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.events import completion_event_id, dumps, loads, queue_wait_ms
 from services.common.kafka import Outgoing
+from services.common.outputs import OutputLru
 from services.common.runner import Handler
-from services.common.s3 import ObjectStore, parse_s3_uri
+from services.common.s3 import ObjectStore
 from services.common.telemetry import Span, SpanKind, Telemetry, record_attrs
 from services.sink.settings import SinkSettings
 
@@ -60,7 +60,7 @@ class SinkHandler(Handler):
         self.db = db
         self.cache = cache
         self.telemetry = telemetry
-        self._outputs: OrderedDict[str, OcrOutput] = OrderedDict()
+        self._outputs = OutputLru(store, settings.output_lru_entries)
         self._pending_end: dict[str, int] = {}  # cache key -> waiters completed, released after the acks
         # cache key -> (entry, ttl, result, output) of results whose waiters could not be read (Redis down)
         self._deferred: dict[str, tuple[CacheEntry | None, int, ResultEvent, OcrOutput | None]] = {}
@@ -161,7 +161,7 @@ class SinkHandler(Handler):
         if ev.status == "ok":
             if ev.cache_hit and ev.near_duplicate_of is None:  # exact hit: the document exists
                 try:
-                    output = await self._load_output(ev.result_uri)
+                    output = await self._outputs.load(ev.result_uri)
                 except OcrError as err:
                     if err.code != ErrorCode.MISSING_OBJECT:
                         raise
@@ -226,24 +226,8 @@ class SinkHandler(Handler):
             model_revision=output.model_revision, task=req.task, result_uri=uri, line_count=len(output.lines),
             text=output.text, created_at_ms=output.created_at_ms,
         )
-        self._remember(uri, output)
+        self._outputs.remember(uri, output)
         return output, CacheEntry(uri, len(output.lines), len(output.text), output.created_at_ms)
-
-    async def _load_output(self, uri: str) -> OcrOutput:
-        cached = self._outputs.get(uri)
-        if cached is not None:
-            self._outputs.move_to_end(uri)
-            return cached
-        bucket, key = parse_s3_uri(uri)
-        output = OcrOutput.model_validate_json(await self.store.get(key, bucket=bucket))
-        self._remember(uri, output)
-        return output
-
-    def _remember(self, uri: str, output: OcrOutput) -> None:
-        self._outputs[uri] = output
-        self._outputs.move_to_end(uri)
-        while len(self._outputs) > self.s.output_lru_entries:
-            self._outputs.popitem(last=False)
 
     def _doc(self, req: RequestEvent, output: OcrOutput | None, ev: ResultEvent, queued: float,
              started: float, cache_hit: bool) -> ResultDocument:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
@@ -49,7 +48,8 @@ from services.common.db import Database
 from services.common.errors import OcrError
 from services.common.events import dumps
 from services.common.kafka import make_producer
-from services.common.s3 import ObjectStore, parse_s3_uri
+from services.common.outputs import OutputLru
+from services.common.s3 import ObjectStore
 from services.common.telemetry import SpanKind, Telemetry
 from services.ingest.accept import accept_image
 from services.ingest.api.auth import Guard, Principal
@@ -143,7 +143,7 @@ class FrontDoor:
         self.hub: CompletionHub | None = None
         self.guard = Guard(s, self.cache, self.db, self.telemetry)
         self.webhooks = WebhookDispatcher(s, self.db, self.telemetry) if s.webhook_enabled else None
-        self._outputs: OrderedDict[str, OcrOutput] = OrderedDict()
+        self._outputs = OutputLru(self.store, s.http_result_lru_entries)
         self._sends: set[asyncio.Future] = set()  # cache hits being published on ocr.results
         self.budget = UploadBudget(s.http_upload_budget_bytes)
         self.started = asyncio.Event()
@@ -186,19 +186,6 @@ class FrontDoor:
     # -- helpers ------------------------------------------------------------------------------
     def links(self, rid: str) -> Links:
         return Links(self=f"/v1/ocr/{rid}", wait=f"/v1/ocr/{rid}?wait={int(self.s.http_wait_max_s)}")
-
-    async def _output(self, uri: str) -> OcrOutput:
-        out = self._outputs.get(uri)
-        if out is not None:
-            self._outputs.move_to_end(uri)
-            return out
-        bucket, key = parse_s3_uri(uri)
-        out = OcrOutput.model_validate_json(await self.store.get(key, bucket=bucket))
-        if self.s.http_result_lru_entries:
-            self._outputs[uri] = out
-            while len(self._outputs) > self.s.http_result_lru_entries:
-                self._outputs.popitem(last=False)
-        return out
 
     async def _known(self, rid: str, principal: Principal) -> ResultDocument | bool | None:
         """The finished document, True if accepted and pending (or unknowable: Redis down), False if
@@ -329,7 +316,7 @@ class FrontDoor:
         if entry is None:
             return None
         try:
-            return entry.result_uri, await self._output(entry.result_uri)
+            return entry.result_uri, await self._outputs.load(entry.result_uri)
         except Exception:  # noqa: BLE001 - a vanished/unreadable document: compute it again
             return None
 
