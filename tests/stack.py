@@ -205,6 +205,21 @@ class Pipeline:
         return [done[i] for i in ids]
 
 
+def db_rows(sql: str, *args) -> list[dict]:
+    """Rows of one SQL statement on the MariaDB the current environment points at (autocommit)."""
+    import pymysql
+
+    c = CommonSettings().mysql
+    conn = pymysql.connect(host=c.host, port=c.port, user=c.user, password=c.password.get_secret_value(),
+                           database=c.database, autocommit=True, cursorclass=pymysql.cursors.DictCursor)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, args)
+            return list(cur.fetchall())
+    finally:
+        conn.close()
+
+
 @contextlib.contextmanager
 def env_applied(env: dict[str, str]):
     """This process's environment updated with ``env`` for the duration; restored afterwards."""

@@ -13,14 +13,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import orjson
-import pymysql
 import pytest
 
-from services.common.settings import MySQLSettings
 from services.ingest.api.signing import verify_signature
 from tests.conftest import text_image
 from tests.integration.conftest import API_ENV, WEBHOOK_RETRY_FOR_S, WEBHOOK_SECRET
-from tests.stack import API, REPO, metric_value
+from tests.stack import API, REPO, db_rows, metric_value
 
 pytestmark = pytest.mark.stack
 
@@ -70,24 +68,12 @@ class Receiver:
         self.server.server_close()
 
 
-def _db_rows(sql: str, *args) -> list[dict]:
-    c = MySQLSettings()
-    conn = pymysql.connect(host=c.host, port=c.port, user=c.user, password=c.password.get_secret_value(),
-                           database=c.database, autocommit=True, cursorclass=pymysql.cursors.DictCursor)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql, args)
-            return list(cur.fetchall())
-    finally:
-        conn.close()
-
-
 def _delivery(rid: str, until_state: tuple[str, ...], timeout: float = 90) -> dict:
     """The request's delivery row once its state is one of ``until_state`` (or the last seen row)."""
     deadline = time.monotonic() + timeout
     rows: list[dict] = []
     while time.monotonic() < deadline:
-        rows = _db_rows("SELECT * FROM webhook_deliveries WHERE request_id = %s", rid)
+        rows = db_rows("SELECT * FROM webhook_deliveries WHERE request_id = %s", rid)
         if rows and rows[0]["state"] in until_state:
             break
         time.sleep(0.2)
@@ -96,7 +82,7 @@ def _delivery(rid: str, until_state: tuple[str, ...], timeout: float = 90) -> di
 
 
 def _attempts(delivery_id: str) -> list[dict]:
-    return _db_rows("SELECT attempt, http_status, error FROM webhook_attempts WHERE delivery_id = %s ORDER BY attempt",
+    return db_rows("SELECT attempt, http_status, error FROM webhook_attempts WHERE delivery_id = %s ORDER BY attempt",
                     delivery_id)
 
 
@@ -192,7 +178,7 @@ def keyed_api(pipeline):
     st.url = f"http://127.0.0.1:{st.port}"
     yield st, fields["key_id"], fields["api_key"], fields["webhook_secret"]
     pipeline.stop(st)
-    _db_rows("DELETE FROM api_keys WHERE key_id = %s", fields["key_id"])
+    db_rows("DELETE FROM api_keys WHERE key_id = %s", fields["key_id"])
 
 
 def test_callback_of_a_keyed_request_is_signed_with_the_keys_secret(keyed_api):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import orjson
-import pymysql
 
 from schemas.errors import ErrorCode
 from schemas.events import OcrOutput
@@ -13,20 +12,9 @@ from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings
 from services.common.textlines import cer
 from tests.conftest import CASES, REPO, SAMPLES, text_image
+from tests.stack import db_rows
 
 BOUNDS = json.loads((REPO / "tests" / "data" / "cer_bounds.json").read_text())["images"]
-
-
-def db_rows(sql: str, *args) -> list[dict]:
-    s = CommonSettings().mysql
-    conn = pymysql.connect(host=s.host, port=s.port, user=s.user, password=s.password.get_secret_value(),
-                           database=s.database, cursorclass=pymysql.cursors.DictCursor)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql, args)
-            return list(cur.fetchall())
-    finally:
-        conn.close()
 
 
 async def test_samples_complete_with_bounded_cer_and_agree_everywhere(pipeline, manifest):
