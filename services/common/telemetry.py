@@ -10,9 +10,10 @@ header (:meth:`Telemetry.span` with ``parent_headers``), store calls open child 
 re-injects it. Work done for many requests at once (an engine batch, a batched MySQL write) is
 one span in a trace of its own with a :class:`~opentelemetry.trace.Link` to every request.
 
-With ``traces_exporter=none`` the provider samples everything but has *no* span processor:
-ids are generated and propagate (the result's ``trace_id``, log lines), nothing is recorded
-or exported, so the cost is creating a few small objects per request.
+With ``traces_exporter=none`` the provider samples nothing (``ALWAYS_OFF``) and has no span
+processor: every span is a ``NonRecordingSpan`` that still gets fresh ids, which propagate
+(the result's ``trace_id``, log lines; ``traceparent`` flags ``00``), nothing is recorded or
+exported, so the cost is one small object per span. Any exporter samples everything.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
 from opentelemetry.trace import Link, Span, SpanKind, StatusCode  # noqa: F401 (re-exported for handlers)
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -79,9 +80,9 @@ class Telemetry:
 
     # -- tracing ------------------------------------------------------------------------
     def _setup_tracing(self) -> trace.Tracer:
-        provider = TracerProvider(
-            sampler=ALWAYS_ON, resource=Resource.create({"service.name": f"ocrstream-{self.service}"})
-        )
+        # "none": spans are not sampled, so not recorded at all (ids are still made and propagate)
+        sampler = ALWAYS_OFF if self.cfg.traces_exporter == "none" else ALWAYS_ON
+        provider = TracerProvider(sampler=sampler, resource=Resource.create({"service.name": f"ocrstream-{self.service}"}))
         exporter: SpanExporter | None = None
         if self.cfg.traces_exporter == "console":
             exporter = ConsoleSpanExporter()
@@ -93,7 +94,7 @@ class Telemetry:
             if not self.cfg.traces_file:
                 raise ValueError("traces_exporter=file needs OCRSTREAM_TELEMETRY__TRACES_FILE")
             exporter = JsonLinesSpanExporter(self.cfg.traces_file)
-        if exporter is not None:  # "none": no processor at all, spans are never recorded
+        if exporter is not None:
             provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
         self.provider = provider
         global _GLOBAL_SET
