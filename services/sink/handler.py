@@ -168,9 +168,12 @@ class SinkHandler(Handler):
                     # The cached document vanished (purged bucket): compute it again.
                     log.warning("sink: cached result %s is gone; re-sending %s to inference", ev.result_uri, req.request_id)
                     return [], [Outgoing(self.s.topics.infer, req.content_sha256, dumps(InferEvent(request=req, cache_key=key)), headers)]
-                entry = None
-            else:  # computed, or a near-duplicate hit (lines rescaled by dedup): stored under this key
-                output, entry = await self._store_output(ev)
+                # No waiters and no lease to release: requests arriving while an entry exists are hits
+                # themselves (dedup's claim and complete_begin are atomic), and a lease on this key now
+                # (the entry expired since) belongs to another request's inference, not to this hit.
+                return [self._doc(req, output, ev, queued, started, cache_hit=True)], extra
+            # computed, or a near-duplicate hit (lines rescaled by dedup): stored under this key
+            output, entry = await self._store_output(ev)
             waiters = await self._waiters(key, entry, self.s.ttl_for(req.source, req.task), ev, output)
             docs = [self._doc(r, output, ev, queued, started, cache_hit=ev.cache_hit or r is not req)
                     for r in [req, *waiters]]
