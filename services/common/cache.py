@@ -163,8 +163,9 @@ class ResultCache:
 
     async def _call_raw(self, op: str, coro):
         try:
-            return await asyncio.wait_for(coro, self.timeout)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            async with asyncio.timeout(self.timeout):  # no extra task per call, unlike wait_for
+                return await coro
+        except (RedisError, OSError, TimeoutError) as exc:
             if self.telemetry:
                 self.telemetry.cache.labels(self.stage, "error", "redis").inc()
             raise CacheUnavailable(f"redis {op}: {exc!r}") from exc

@@ -43,14 +43,21 @@ def _security_kwargs(cfg: KafkaSettings) -> dict:
     return kw
 
 
-def make_producer(cfg: KafkaSettings, client_id: str) -> AIOKafkaProducer:
-    """An idempotent producer (``acks=all`` by default); call ``await start()`` before use."""
+def make_producer(cfg: KafkaSettings, client_id: str, linger_ms: int | None = None) -> AIOKafkaProducer:
+    """An idempotent producer (``acks=all`` by default); call ``await start()`` before use.
+
+    Args:
+        cfg: Broker, acks and batching settings.
+        client_id: Kafka ``client.id`` (shows in broker logs and quotas).
+        linger_ms: Batching delay in ms instead of ``cfg.linger_ms`` (for fire-and-forget sends
+            whose latency nobody waits on).
+    """
     return AIOKafkaProducer(
         bootstrap_servers=cfg.bootstrap_servers,
         client_id=client_id,
         acks="all" if cfg.acks == "all" else int(cfg.acks),
         enable_idempotence=cfg.enable_idempotence and cfg.acks == "all",
-        linger_ms=cfg.linger_ms,
+        linger_ms=cfg.linger_ms if linger_ms is None else linger_ms,
         max_request_size=cfg.max_request_size,
         request_timeout_ms=cfg.request_timeout_ms,
         **_security_kwargs(cfg),

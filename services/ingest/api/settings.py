@@ -27,6 +27,10 @@ class ApiSettings(IngestSettings):
     http_body_timeout_s: float = Field(
         default=120.0, gt=0, description="a request body must arrive within this many seconds, else 408 (slow clients)"
     )
+    http_hit_linger_ms: int = Field(
+        default=20, ge=0,
+        description="producer batching delay for cache hits published on ocr.results (the caller already has "
+                    "its answer; only the DB row, completion and webhook wait), ms")
     http_result_lru_entries: int = Field(default=4_096, ge=0, description="result documents kept in memory for cached answers")
     http_cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty = closed")
 

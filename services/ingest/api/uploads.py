@@ -118,10 +118,11 @@ async def limited_stream(request: Request, limit: int, budget: Reservation | Non
             if deadline is None:
                 chunk = await chunks.__anext__()
             else:
-                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - loop.time()))
+                async with asyncio.timeout_at(deadline):  # no task per chunk, unlike wait_for
+                    chunk = await chunks.__anext__()
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ApiError(408, "request_timeout", f"the body did not arrive within {timeout_s:g} s") from None
         seen += len(chunk)
         if seen > limit:

@@ -39,6 +39,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import httpx
+import orjson
 from aiokafka import ConsumerRecord
 from prometheus_client import Counter, Histogram
 
@@ -181,6 +182,11 @@ class WebhookDispatcher:
     # -- intake -------------------------------------------------------------------------------
     def _delivery_of(self, rec: ConsumerRecord) -> NewDelivery | None:
         try:
+            # most completions have no callback: a plain parse decides before the model's validation
+            raw = orjson.loads(rec.value)
+            result = raw.get("result") if isinstance(raw, dict) else None
+            if isinstance(result, dict) and not result.get("callback_url"):
+                return None
             ev = loads(CompletedEvent, rec.value)
         except ValueError as exc:
             log.warning("webhooks: unreadable completion %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
