@@ -32,7 +32,9 @@ class KafkaSettings(BaseModel):
     replication_factor: int = Field(default=1, ge=1, description="replication factor of topics created by `ocrstream init`")
     acks: Literal["all", "1", "0"] = Field(default="all", description="producer acks; `all` with idempotence never loses an acknowledged message")
     enable_idempotence: bool = Field(default=True, description="idempotent producer (no duplicates from producer retries)")
-    linger_ms: int = Field(default=2, description="producer batching delay, ms")
+    linger_ms: int = Field(
+        default=0, ge=0,
+        description="producer batching delay, ms; 0 = send at once (messages sent while a request is in flight still batch)")
     max_request_size: int = Field(default=1_048_576, description="bytes; the broker's default message limit")
     session_timeout_ms: int = Field(default=30_000, description="consumer group session timeout, ms")
     heartbeat_interval_ms: int = Field(default=3_000, description="consumer heartbeat interval, ms")

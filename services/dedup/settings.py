@@ -39,7 +39,9 @@ class DedupSettings(CommonSettings):
 
     dedup_group_id: str = Field(default="ocrstream-dedup", description="consumer group of the dedup stage")
     dedup_max_batch: int = Field(default=64, description="records per batch")
-    dedup_max_wait_ms: int = Field(default=5, description="longest wait for a batch to fill, ms")
+    dedup_max_wait_ms: int = Field(
+        default=0, ge=0,
+        description="longest wait for a batch to fill, ms; 0 = take what has arrived (a backlog still makes full batches)")
     cache_enabled: bool = Field(default=True, description="False: every request goes to inference")
     lease_ms: int = Field(default=600_000, description="in-flight lease; a holder silent this long is replaced")
     lru_entries: int = Field(default=10_000, description="in-process LRU in front of Redis: entries")

@@ -10,7 +10,9 @@ class SinkSettings(CommonSettings):
 
     sink_group_id: str = Field(default="ocrstream-sink", description="consumer group of the sink stage")
     sink_max_batch: int = Field(default=64, description="records per batch")
-    sink_max_wait_ms: int = Field(default=5, description="longest wait for a batch to fill, ms")
+    sink_max_wait_ms: int = Field(
+        default=0, ge=0,
+        description="longest wait for a batch to fill, ms; 0 = take what has arrived (a backlog still makes full batches)")
     cache_ttl_s: int = Field(default=86_400, description="cache entry TTL (static documents: ~24 h)")
     cache_ttl_by_source: dict[str, int] = Field(
         default_factory=lambda: {"screenshot": 600},
