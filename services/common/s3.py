@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import boto3
+from cachetools import TTLCache
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
@@ -54,6 +55,8 @@ class ObjectStore:
                 s3={"addressing_style": "path"},
             ),
         )
+        # keys known to exist (content-addressed, so never rewritten), bounded in entries and age
+        self._known: TTLCache | None = TTLCache(cfg.known_keys, cfg.known_ttl_s) if cfg.known_keys else None
 
     def uri(self, key: str, bucket: str | None = None) -> str:
         """``s3://<bucket>/<key>`` for a key in our bucket (or ``bucket``)."""
@@ -98,13 +101,21 @@ class ObjectStore:
     async def put_if_absent(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> bool:
         """Content-addressed put: skip when the key exists (same key = same bytes).
 
+        A key this process stored or found present within ``known_ttl_s`` is not asked about
+        again (a repeat costs no S3 call; the HEAD is ~5 ms of boto3 here). Nothing in ocrstream
+        deletes images; a bucket rule that does must keep them longer than ``known_ttl_s``.
+
         Returns:
             True if the object was written, False if it was already there.
         """
-        if await self.exists(key):
+        if self._known is not None and key in self._known:
             return False
-        await self.put(key, data, content_type)
-        return True
+        written = not await self.exists(key)
+        if written:
+            await self.put(key, data, content_type)
+        if self._known is not None:
+            self._known[key] = True
+        return written
 
     async def get(self, key: str, bucket: str | None = None, max_bytes: int | None = None) -> bytes:
         """Read a whole object.

@@ -53,6 +53,12 @@ class S3Settings(BaseModel):
     connect_timeout_s: float = Field(default=5.0, description="connect timeout, s")
     read_timeout_s: float = Field(default=30.0, description="read timeout, s")
     max_pool_connections: int = Field(default=32, description="HTTP connections per process")
+    known_keys: int = Field(
+        default=65_536, ge=0,
+        description="image keys this process stored or saw present, remembered so a repeat skips the HEAD; 0 = always ask S3")
+    known_ttl_s: float = Field(
+        default=600.0, gt=0,
+        description="how long a remembered key is trusted without asking S3, s (keep it below any bucket rule that deletes images)")
 
 
 class RedisSettings(BaseModel):
