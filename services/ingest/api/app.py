@@ -424,8 +424,8 @@ class SubmitFastPath:
 
     The endpoint is the same function FastAPI routes to (and documents in the spec); this only
     skips the layers between: route matching, FastAPI's request/response wrapper and parameter
-    solving, the exception and exit-stack middlewares. On the cached path those cost about a fifth
-    of the door's CPU per request (measured with py-spy; ``python -m bench.http_bench``).
+    solving, the exception and exit-stack middlewares. On the cached path those took about 5–10 %
+    of the door's CPU per request (py-spy during ``python -m bench.http_bench``).
     :class:`~services.ingest.api.errors.ApiError` is answered here in the one error shape; any
     other exception goes on to Starlette's server-error middleware (500), as it would from the route.
 
