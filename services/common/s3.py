@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import boto3
-from cachetools import TTLCache
 from botocore.config import Config
 from botocore.exceptions import ClientError
+from cachetools import TTLCache
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError

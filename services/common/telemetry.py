@@ -12,8 +12,8 @@ one span in a trace of its own with a :class:`~opentelemetry.trace.Link` to ever
 
 With ``traces_exporter=none`` the provider samples nothing (``ALWAYS_OFF``) and has no span
 processor: every span is a ``NonRecordingSpan`` that still gets fresh ids, which propagate
-(the result's ``trace_id``, log lines; ``traceparent`` flags ``00``), nothing is recorded or
-exported, so the cost is one small object per span. Any exporter samples everything.
+(the result's ``trace_id``, log lines; ``traceparent`` with the sampled flag off), nothing is
+recorded or exported, so the cost is one small object per span. Any exporter samples everything.
 """
 
 from __future__ import annotations
