@@ -195,11 +195,19 @@ class FrontDoor:
         log.info("api: listening on http://%s:%d", self.s.http_host, self.s.http_port)
 
     async def stop(self) -> None:
-        """Stop webhook delivery and the reader, flush the producer, close the pools."""
+        """Stop webhook delivery and the reader, flush the producers, close the pools.
+
+        Cache hits already answered but not yet in the hit producer's buffer (a send waits for
+        room while its partition's batch is full) are awaited first: aiokafka refuses messages
+        once ``stop()`` has begun (``ProducerClosed``), and each such hit would lose its row.
+        Each send ends within the producer's ``request_timeout_ms``.
+        """
         self.started.clear()
         if self.webhooks:
             await self.webhooks.stop()
         await self.hub.stop()
+        if self._sends:
+            await asyncio.wait(set(self._sends))
         await self.hit_producer.stop()  # flushes the cache hits still lingering
         await self.producer.stop()
         await self.cache.close()
