@@ -29,6 +29,8 @@ ALLOW = ["hooks.example.com", "*.partner.example", "127.0.0.1", "localhost", "16
     ("http://partner.example/x", "host 'partner.example' is not on the allow-list"),  # *. needs a sub-domain
     ("http://127.0.0.1\\@evil.org/", "must not contain a user name or password"),  # one parser: as sent
     ("http://:80/x", "no host"),
+    ("http://hooks.example.com:99999/x", "port 99999 is not a TCP port"),
+    ("http://hooks.example.com:0/x", "port 0 is not a TCP port"),
 ])
 def test_static_refusals_name_the_reason(url, reason):
     with pytest.raises(CallbackRefused) as err:

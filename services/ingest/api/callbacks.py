@@ -89,8 +89,8 @@ def parse_callback_url(url: str, allowed_hosts: list[str]) -> tuple[httpx.URL, s
         ``(url, host)``: the URL without its fragment, and the host as matched.
 
     Raises:
-        CallbackRefused: Not a URL, not http(s), user info present, no host, or the host
-            matches no pattern of ``allowed_hosts`` (not retriable).
+        CallbackRefused: Not a URL, not http(s), user info present, no host, a port outside
+            1-65535, or the host matches no pattern of ``allowed_hosts`` (not retriable).
     """
     try:
         parsed = httpx.URL(url)
@@ -106,6 +106,8 @@ def parse_callback_url(url: str, allowed_hosts: list[str]) -> tuple[httpx.URL, s
         raise CallbackRefused("callback_url has an invalid host name") from None
     if not host:
         raise CallbackRefused("callback_url has no host")
+    if parsed.port is not None and not 0 < parsed.port < 65536:  # httpx keeps any number (RFC 793: 16 bits)
+        raise CallbackRefused(f"callback_url port {parsed.port} is not a TCP port (1-65535)")
     if not allowed_hosts:
         raise CallbackRefused("callbacks are disabled: no host is allowed (webhook_allowed_hosts is empty)")
     if not any(fnmatch.fnmatchcase(host, p.lower().rstrip(".")) for p in allowed_hosts):
