@@ -103,7 +103,9 @@ class ObjectStore:
 
         A key this process stored or found present within ``known_ttl_s`` is not asked about
         again (a repeat costs no S3 call; the HEAD is ~5 ms of boto3 here). Nothing in ocrstream
-        deletes images; a bucket rule that does must keep them longer than ``known_ttl_s``.
+        deletes images; where something else does (a bucket rule, by hand), set ``known_keys`` to 0:
+        the memory counts from this process's last look, so a deleted image would be trusted (and a
+        cache miss for it end in ``missing_object``) until the entry ages out.
 
         Returns:
             True if the object was written, False if it was already there.

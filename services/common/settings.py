@@ -55,10 +55,12 @@ class S3Settings(BaseModel):
     max_pool_connections: int = Field(default=32, description="HTTP connections per process")
     known_keys: int = Field(
         default=65_536, ge=0,
-        description="image keys this process stored or saw present, remembered so a repeat skips the HEAD; 0 = always ask S3")
+        description="image keys this process stored or saw present, remembered so a repeat skips the HEAD; "
+                    "0 = always ask S3 (use 0 where images are deleted: bucket rules, by hand)")
     known_ttl_s: float = Field(
         default=600.0, gt=0,
-        description="how long a remembered key is trusted without asking S3, s (keep it below any bucket rule that deletes images)")
+        description="how long a remembered key is trusted without asking S3 again, s (counted from when this process "
+                    "last asked, not from the object's creation)")
 
 
 class RedisSettings(BaseModel):
