@@ -65,9 +65,16 @@ return 1
 
 # Promote the first waiter to lease holder. KEYS: entry, lease, waiters, inflight
 # ARGV: lease_ms, now_ms, cache_key, expected_holder ('' = only if no lease)
+# With a result cached the lease is stale (its holder stored the entry, then could not release
+# it): it is dropped with its in-flight mark, so the reaper does not meet it again. The waiters
+# stay: complete_begin gave them to the sink with the entry, and a replay needs them.
 _PROMOTE = """
 local hit = redis.call('GET', KEYS[1])
-if hit then return {'hit', hit} end
+if hit then
+  redis.call('DEL', KEYS[2])
+  redis.call('ZREM', KEYS[4], ARGV[3])
+  return {'hit', hit}
+end
 local holder = redis.call('GET', KEYS[2])
 if holder and holder ~= ARGV[4] then return {'busy', ''} end
 local w = redis.call('LPOP', KEYS[3])
@@ -230,8 +237,8 @@ class ResultCache:
         """Make the first waiter the new lease holder.
 
         Returns:
-            ``("promoted", waiter_json)``, ``("hit", entry_json)`` if a result appeared,
-            ``("none", None)`` if nobody waits, or ``("busy", None)`` if another holder has the lease.
+            ``("promoted", waiter_json)``, ``("hit", entry_json)`` if a result appeared (the
+            stale lease and its in-flight mark are removed, the waiters kept), ``("none", None)`` if nobody waits, or ``("busy", None)`` if another holder has the lease.
         """
         res = await self._call(
             "promote",

@@ -132,8 +132,9 @@ class DedupHandler(Handler):
         return found
 
     async def on_idle(self) -> list[Outgoing]:
-        """Reaper: for each expired lease, promote the first waiter (re-sent to inference), or
-        answer it from the cache if a result appeared meanwhile."""
+        """Reaper: for each expired lease, promote the first waiter (re-sent to inference). If a
+        result is cached by then, its holder stored it and the sink completed the waiters with it;
+        only the stale lease and its in-flight mark are removed (:meth:`ResultCache.promote`)."""
         if not self.s.cache_enabled:
             return []
         out: list[Outgoing] = []

@@ -1,0 +1,42 @@
+"""Leases in the real Redis: a lease left behind by a holder whose release failed is cleaned up."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from services.common.cache import CacheEntry, ResultCache
+from services.common.settings import RedisSettings
+
+
+def test_reaper_drops_a_stale_lease_once_the_result_is_cached(stack_env):
+    """The holder stored the entry (complete_begin) but its release (complete_end) never ran,
+    e.g. Redis blipped: the expired lease must leave the in-flight set at the reaper's first
+    look, not be met again on every pass (``expired_leases`` reads 100 at a time)."""
+
+    async def go():
+        cache = ResultCache(RedisSettings(key_prefix=f"lease-test-{os.getpid()}-{time.time_ns()}"))
+        key = "k" * 64
+        entry_key, lease_key, waiters_key, inflight_key = cache._keys(key)
+        try:
+            assert (await cache.claim(key, "holder", b'{"request_id": "holder"}', lease_ms=50)).outcome == "lead"
+            assert (await cache.claim(key, "copy", b'{"request_id": "copy"}', lease_ms=50)).outcome == "wait"
+            waiters = await cache.complete_begin(key, CacheEntry("s3://b/results/x.json", 2, 10, 1), ttl_s=60)
+            assert waiters == [b'{"request_id": "copy"}']
+            await asyncio.sleep(0.1)  # the lease's deadline passes; complete_end never ran
+            assert await cache.expired_leases() == [key]
+
+            outcome, raw = await cache.promote(key, lease_ms=600_000)
+            assert outcome == "hit" and b"results/x.json" in raw
+            assert await cache.expired_leases() == []
+            assert await cache.client.exists(lease_key) == 0
+            assert await cache.client.zscore(inflight_key, key) is None
+            # the waiter stays for a replay of the sink's batch; a new request is a plain hit
+            assert await cache.client.lrange(waiters_key, 0, -1) == [b'{"request_id": "copy"}']
+            assert (await cache.claim(key, "later", b'{"request_id": "later"}', lease_ms=50)).outcome == "hit"
+        finally:
+            await cache.client.delete(entry_key, lease_key, waiters_key, inflight_key)
+            await cache.close()
+
+    asyncio.run(go())
