@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import redis.asyncio as aioredis
 
+from services.common.cache import ResultCache
 from services.common.settings import RedisSettings
 from services.ingest.api.ratelimit import DAY_MS, RateLimiter
 
@@ -18,11 +18,11 @@ T0 = 1_750_000_000_000.0  # a fixed Unix ms; 10:13:20 UTC
 @pytest.fixture
 async def limiter():
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    client = aioredis.Redis.from_url(RedisSettings().url)
-    yield RateLimiter(client, prefix, timeout_s=2.0)
-    async for k in client.scan_iter(match=f"{prefix}:*"):
-        await client.delete(k)
-    await client.aclose()
+    cache = ResultCache(RedisSettings(key_prefix=prefix, timeout_ms=2000))
+    yield RateLimiter(cache)
+    async for k in cache.client.scan_iter(match=f"{prefix}:*"):
+        await cache.client.delete(k)
+    await cache.close()
 
 
 async def test_bucket_allows_burst_then_refills_by_elapsed_time(limiter):
@@ -81,7 +81,7 @@ async def test_daily_quota_counts_allowed_requests_and_resets_at_utc_midnight(li
 
 
 async def test_no_limit_does_not_touch_redis_and_redis_down_fails_open():
-    down = RateLimiter(aioredis.Redis.from_url("redis://127.0.0.1:1/0"), "x", timeout_s=0.5)
+    down = RateLimiter(ResultCache(RedisSettings(url="redis://127.0.0.1:1/0", key_prefix="x", timeout_ms=500)))
     d = await down.hit("k", rate_per_s=0, burst=5)
     assert d.allowed and d.outcome == "unlimited"
     d = await down.hit("k", rate_per_s=1, burst=1)

@@ -88,7 +88,7 @@ class Guard:
     def __init__(self, settings, cache=None, db=None, telemetry=None):
         self.s = settings
         self.keys = KeyStore(db, cache_ttl_s=settings.auth_cache_s) if db is not None else None
-        self.limiter = RateLimiter(cache.client, cache.p, cache.timeout) if cache is not None else None
+        self.limiter = RateLimiter(cache) if cache is not None else None
         registry = telemetry.registry if telemetry is not None else None  # None: counted, not exported
         self.auth_total = Counter("ocrstream_auth", "API key checks on /v1/ routes by outcome",
                                   ["outcome"], registry=registry)

@@ -24,12 +24,10 @@ the request is let through (outcome ``unavailable``, counted by the caller in
 
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from services.common.cache import CacheUnavailable, ResultCache
 
 DAY_MS = 86_400_000
 
@@ -104,16 +102,15 @@ class RateLimiter:
     """Token buckets and daily quotas per API key.
 
     Args:
-        client: Redis client (the door shares the result cache's pool).
-        prefix: Redis key prefix (``redis.key_prefix``).
-        timeout_s: Time budget of one check, s (``redis.timeout_ms`` / 1000).
+        cache: The door's result cache: its Redis pool, key prefix (``redis.key_prefix``) and
+            time budget per call (``redis.timeout_ms``, with its timing and error metrics).
     """
 
-    def __init__(self, client: aioredis.Redis, prefix: str, timeout_s: float):
-        self.client = client
-        self.prefix = prefix
-        self.timeout_s = timeout_s
-        self._hit = client.register_script(_HIT)
+    def __init__(self, cache: ResultCache):
+        self.cache = cache
+        self.client = cache.client
+        self.prefix = cache.p
+        self._hit = cache.client.register_script(_HIT)
 
     async def hit(self, key_id: str, *, rate_per_s: float, burst: int, quota_per_day: int = 0,
                   now_ms: float | None = None) -> Decision:
@@ -134,8 +131,8 @@ class RateLimiter:
         keys = [f"{self.prefix}:rl:{key_id}", f"{self.prefix}:quota:{key_id}"]
         args = [repr(float(rate_per_s)), int(burst), int(quota_per_day), "" if now_ms is None else repr(float(now_ms))]
         try:
-            code, wait_ms, tokens = await asyncio.wait_for(self._hit(keys=keys, args=args), self.timeout_s)
-        except (RedisError, OSError, asyncio.TimeoutError):
+            code, wait_ms, tokens = await self.cache.call("ratelimit", self._hit(keys=keys, args=args))
+        except CacheUnavailable:
             return Decision(True, "unavailable")
         tokens = float(tokens)
         if code == 1:
