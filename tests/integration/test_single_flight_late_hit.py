@@ -23,7 +23,7 @@ from tests.stack import API, db_rows, metric_value, namespaced_pipeline
 
 pytestmark = pytest.mark.stack
 
-SHORT = "brk-short"  # a source whose cache entries live 2 s
+SHORT = "late-short"  # a source whose cache entries live 2 s
 PNG = {"Content-Type": "image/png"}
 
 
