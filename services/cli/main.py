@@ -23,7 +23,7 @@ cache_app = typer.Typer(no_args_is_help=True, help="Manage the result cache.")
 app.add_typer(cache_app, name="cache")
 keys_app = typer.Typer(no_args_is_help=True, help="Manage the API keys of the HTTP door.")
 app.add_typer(keys_app, name="keys")
-console = Console()
+console = Console(soft_wrap=True)  # OCR text lines are printed whole, also into a file or pipe (not cut at 80 columns)
 err = Console(stderr=True)
 
 STAGES = ("ingest", "dedup", "infer", "sink")
