@@ -43,3 +43,32 @@ def test_a_timed_out_image_does_not_eat_the_next_images_budget():
             await engine.close()
 
     asyncio.run(run())
+
+
+def test_detector_limit_setting_reaches_rapidocr():
+    """OCRSTREAM_RAPIDOCR_DET_LIMIT_SIDE_LEN=96: a 90x400 px line goes to the detector at
+    96x416 instead of 736x3264 (8x upscale), and is still found as one text line."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    from services.infer.main import build_engine
+    from services.infer.settings import InferSettings
+
+    page = np.asarray(Image.open(BytesIO(text_image(["LIMIT 96 OK"], size=28))).convert("RGB"))
+    assert page.shape[:2] == (90, 400)
+
+    async def run():
+        engine = build_engine(InferSettings(rapidocr_det_limit_side_len=96, rapidocr_workers=1))
+        await engine.start()
+        try:
+            det = engine._ocr.text_det
+            assert det.limit_side_len == 96
+            assert det.get_preprocess(max(page.shape[:2])).resize(page).shape[:2] == (96, 416)
+            [out] = await engine.ocr([page], timeout_s=60)
+            assert not isinstance(out, BaseException), out
+            assert len(out.segments) == 1
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
