@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from services.common.settings import CommonSettings
+from services.common.settings import CommonSettings, load_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Streaming OCR over Kafka.")
 cache_app = typer.Typer(no_args_is_help=True, help="Manage the result cache.")
@@ -36,7 +36,7 @@ def init() -> None:
     from services.common.kafka import create_topics
     from services.common.s3 import ObjectStore
 
-    s = CommonSettings()
+    s = load_settings(CommonSettings)
 
     async def _run() -> None:
         created = await create_topics(s.kafka, s.topics.all())
@@ -64,7 +64,7 @@ def submit(
     from services.cli.client import Submitter, collect_files
     from services.common.completions import CompletionWatcher
 
-    s = CommonSettings()
+    s = load_settings(CommonSettings)
     try:
         files = collect_files(paths)
     except FileNotFoundError as exc:
@@ -136,7 +136,7 @@ def status(request_id: str) -> None:
     """Print the final state of a request from MariaDB (exit 1 if not completed yet)."""
     from services.common.db import Database
 
-    doc = asyncio.run(Database(CommonSettings().mysql, pool_size=1).get_request(request_id))
+    doc = asyncio.run(Database(load_settings(CommonSettings).mysql, pool_size=1).get_request(request_id))
     if doc is None:
         err.print(f"{request_id}: not completed (or unknown)")
         raise typer.Exit(1)
@@ -202,7 +202,7 @@ def report(
     except ValueError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2)
-    rows = asyncio.run(load_rows(Database(CommonSettings().mysql, pool_size=1), since_ms, source))
+    rows = asyncio.run(load_rows(Database(load_settings(CommonSettings).mysql, pool_size=1), since_ms, source))
     rep = summarize(rows, since_ms)
     console.print(render_table(rep))
     if png:
@@ -224,7 +224,7 @@ def cache_purge(
         raise typer.Exit(2)
 
     async def _run() -> int:
-        cache = ResultCache(CommonSettings().redis)
+        cache = ResultCache(load_settings(CommonSettings).redis)
         try:
             return await cache.purge(model_revision=model, gen_id=generation)
         finally:
@@ -237,7 +237,7 @@ def _key_store():
     from services.common.db import Database
     from services.ingest.api.keys import KeyStore
 
-    return KeyStore(Database(CommonSettings().mysql, pool_size=1))
+    return KeyStore(Database(load_settings(CommonSettings).mysql, pool_size=1))
 
 
 def _ms_time(ms: int | None) -> str:

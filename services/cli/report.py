@@ -29,8 +29,9 @@ def parse_since(value: str, now_ms: int | None = None) -> int:
     """Start of the report window in epoch ms.
 
     Args:
-        value: A duration back from now (``90s``, ``15m``, ``1h``, ``2d``, ``1w``) or an ISO
-            8601 time (``2024-05-01T12:00:00``, naive = UTC).
+        value: A duration back from now (``90s``, ``15m``, ``1h``, ``2d``, ``1w``; one longer
+            than the time since 1970 means everything) or an ISO 8601 time
+            (``2024-05-01T12:00:00``, naive = UTC).
         now_ms: "Now" in epoch ms (default: the clock).
 
     Raises:
@@ -39,7 +40,7 @@ def parse_since(value: str, now_ms: int | None = None) -> int:
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", value)
     if m:
-        return now_ms - int(float(m.group(1)) * _UNITS[m.group(2)])
+        return max(0, now_ms - int(float(m.group(1)) * _UNITS[m.group(2)]))  # at most: everything
     try:
         dt = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError:

@@ -8,9 +8,10 @@ at start-up and passed explicitly (never read from ``os.environ`` deep in the co
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Literal, TypeVar
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.keys import CacheGeneration
@@ -147,3 +148,33 @@ class CommonSettings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1, description="attempts before a message goes to ocr.dlq")
     shutdown_timeout_s: float = Field(default=20.0, description="SIGTERM drain bound; below k8s grace period")
     retry_max_backoff_s: float = Field(default=10.0, description="cap of the backoff while a store is down")
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+_SECRET = re.compile(r"password|secret|token|key", re.I)
+
+
+def load_settings(cls: type[S]) -> S:
+    """``cls()`` read from the environment, with bad values reported as one line per field.
+
+    Returns:
+        The settings object.
+
+    Raises:
+        SystemExit: (status 1) when a variable does not parse; the message names each variable
+            as it is spelled in the environment, e.g.
+            ``OCRSTREAM_MAX_BATCH='abc': Input should be a valid integer, ...``
+            (values of password/secret/token/key fields are not echoed).
+    """
+    try:
+        return cls()
+    except ValidationError as exc:
+        prefix = cls.model_config.get("env_prefix") or ""
+        delim = cls.model_config.get("env_nested_delimiter") or "__"
+        lines = []
+        for err in exc.errors():
+            name = (prefix + delim.join(str(part) for part in err["loc"])).upper()
+            shown = "" if _SECRET.search(name) else f"={err.get('input')!r}"
+            lines.append(f"{name}{shown}: {err['msg']}")
+        raise SystemExit("ocrstream: invalid settings in the environment:\n  " + "\n  ".join(lines)) from None

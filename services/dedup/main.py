@@ -5,6 +5,7 @@ from __future__ import annotations
 from services.common.app import StageContext, run_stage
 from services.common.cache import ResultCache
 from services.common.s3 import ObjectStore
+from services.common.settings import load_settings
 from services.dedup.handler import DedupHandler
 from services.dedup.near import NearDupLookup
 from services.dedup.settings import DedupSettings
@@ -14,7 +15,7 @@ async def main(settings: DedupSettings | None = None) -> None:
     """Run dedup until SIGTERM: consume ``ocr.requests``; produce ``ocr.infer`` and ``ocr.results``.
 
     With ``OCRSTREAM_NEAR_DUP__ENABLED`` it also reads S3 (images and result documents)."""
-    s = settings or DedupSettings()
+    s = settings or load_settings(DedupSettings)
 
     async def build(ctx: StageContext) -> DedupHandler:
         cache = ResultCache(s.redis, ctx.telemetry, "dedup")

@@ -6,6 +6,7 @@ import logging
 
 from services.common.app import StageContext, run_stage
 from services.common.s3 import ObjectStore
+from services.common.settings import load_settings
 from services.infer.engines.base import OcrEngine
 from services.infer.handler import InferHandler
 from services.infer.settings import InferSettings
@@ -37,7 +38,7 @@ def build_engine(s: InferSettings) -> OcrEngine:
 
 async def main(settings: InferSettings | None = None) -> None:
     """Run infer until SIGTERM: consume ``ocr.infer``, produce ``ocr.results``."""
-    s = settings or InferSettings()
+    s = settings or load_settings(InferSettings)
 
     async def build(ctx: StageContext) -> InferHandler:
         engine = build_engine(s)

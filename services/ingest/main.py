@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from services.common.app import StageContext, run_stage
 from services.common.s3 import ObjectStore
+from services.common.settings import load_settings
 from services.ingest.handler import IngestHandler
 from services.ingest.settings import IngestSettings
 
 
 async def main(settings: IngestSettings | None = None) -> None:
     """Run ingest until SIGTERM: consume ``ocr.submit``, produce ``ocr.requests``."""
-    s = settings or IngestSettings()
+    s = settings or load_settings(IngestSettings)
 
     async def build(ctx: StageContext) -> IngestHandler:
         store = ObjectStore(s.s3, ctx.telemetry)

@@ -6,13 +6,14 @@ from services.common.app import StageContext, run_stage
 from services.common.cache import ResultCache
 from services.common.db import Database
 from services.common.s3 import ObjectStore
+from services.common.settings import load_settings
 from services.sink.handler import SinkHandler
 from services.sink.settings import SinkSettings
 
 
 async def main(settings: SinkSettings | None = None) -> None:
     """Run sink until SIGTERM: consume ``ocr.results``; produce ``ocr.completed``."""
-    s = settings or SinkSettings()
+    s = settings or load_settings(SinkSettings)
 
     async def build(ctx: StageContext) -> SinkHandler:
         store, db = ObjectStore(s.s3, ctx.telemetry), Database(s.mysql, telemetry=ctx.telemetry)

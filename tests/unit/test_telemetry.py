@@ -79,6 +79,7 @@ def test_log_filter_adds_the_trace_id():
 def test_parse_since():
     now = 10_000_000_000
     assert parse_since("1h", now) == now - 3_600_000
+    assert parse_since("99999999d", now) == 0  # longer than the epoch: everything, not a traceback
     assert parse_since("90s", now) == now - 90_000
     assert parse_since("1970-01-01T00:00:10", now) == 10_000
     assert parse_since("1970-01-01T01:00:10+01:00", now) == 10_000

@@ -50,6 +50,7 @@ from services.common.events import dumps
 from services.common.kafka import make_producer
 from services.common.outputs import OutputLru
 from services.common.s3 import ObjectStore
+from services.common.settings import load_settings
 from services.common.telemetry import SpanKind, Telemetry
 from services.ingest.accept import accept_image
 from services.ingest.api.auth import Guard, Principal
@@ -486,7 +487,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     Args:
         settings: Defaults to :class:`ApiSettings` read from the environment.
     """
-    s = settings or ApiSettings()
+    s = settings or load_settings(ApiSettings)
     door = FrontDoor(s)
 
     @asynccontextmanager
@@ -665,7 +666,7 @@ def serve(settings: ApiSettings | None = None) -> None:
     """Run the door with uvicorn until SIGTERM (blocking)."""
     import uvicorn
 
-    s = settings or ApiSettings()
+    s = settings or load_settings(ApiSettings)
     setup_logging("api", s.telemetry.log_level)
     config = uvicorn.Config(create_app(s), host=s.http_host, port=s.http_port, loop="uvloop", http="httptools",
                             access_log=False, log_config=None, timeout_graceful_shutdown=int(s.shutdown_timeout_s))
