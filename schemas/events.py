@@ -94,14 +94,18 @@ class SubmitEvent(_Frozen):
         return self
 
     def image_bytes(self) -> bytes:
-        """Decode the inline image.
+        """Decode the inline image (standard base64 alphabet, RFC 4648 section 4; ASCII
+        whitespace such as the line breaks of MIME base64, RFC 2045 section 6.8, is ignored).
 
         Raises:
             ValueError: if the event has no inline image or the base64 is invalid.
         """
         if self.image_b64 is None:
             raise ValueError("event has no inline image")
-        return base64.b64decode(self.image_b64, validate=True)
+        b64 = self.image_b64
+        if not b64.isalnum():  # fast path: no "+", "/", "=" or whitespace to look at
+            b64 = "".join(b64.split())
+        return base64.b64decode(b64, validate=True)
 
 
 class RequestEvent(_Frozen):

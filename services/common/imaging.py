@@ -28,6 +28,14 @@ from services.common.errors import OcrError
 from services.common.telemetry import traced
 
 PDF_MAGIC = b"%PDF-"
+PDF_HEADER_WINDOW = 1024
+"""A PDF's ``%PDF-`` header may follow other bytes, within the first 1024 (ISO 32000-1:2008,
+Annex H.3, implementation note 13; pdfium searches the same window)."""
+SIGNATURES = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "GIF", b"GIF89a": "GIF",
+              b"II*\x00": "TIFF", b"MM\x00*": "TIFF", b"BM": "BMP"}
+"""Leading bytes of the raster formats ocrstream reads (PNG, JPEG, GIF, TIFF, BMP; WebP is
+``RIFF....WEBP``): a file that starts like one but does not open is ``corrupt_image``, anything
+else ``unsupported_format``."""
 PDF_RENDER_DPI = 200
 TOTAL_PIXELS_FACTOR = 2
 """All pages of one input together may hold at most this many times ``max_pixels`` (a small
@@ -54,6 +62,21 @@ def _pdf_document(data: bytes):
         raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF could not be opened: {exc}") from exc
 
 
+def is_pdf(data: bytes) -> bool:
+    """Whether ``data`` is a PDF: ``%PDF-`` within its first :data:`PDF_HEADER_WINDOW` bytes
+    (and not a raster image that merely holds those bytes, say in a PNG text chunk)."""
+    if data.startswith(PDF_MAGIC):
+        return True
+    return PDF_MAGIC in data[:PDF_HEADER_WINDOW] and _raster_signature(data) is None
+
+
+def _raster_signature(data: bytes) -> str | None:
+    """The raster format ``data`` starts like (its :data:`SIGNATURES` name, or ``WEBP``), else None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return next((name for sig, name in SIGNATURES.items() if data.startswith(sig)), None)
+
+
 def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
     """Identify the image from its bytes and check the limits without decoding pixels.
 
@@ -71,7 +94,7 @@ def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
     """
     if not data:
         raise OcrError(ErrorCode.EMPTY_INPUT, "the image has zero bytes")
-    if data.startswith(PDF_MAGIC):
+    if is_pdf(data):
         doc = _pdf_document(data)
         try:
             n = len(doc)
@@ -93,6 +116,8 @@ def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
     except Image.DecompressionBombError as exc:
         raise OcrError(ErrorCode.IMAGE_TOO_LARGE, str(exc)) from exc
     except Exception as exc:
+        if fmt := _raster_signature(data):
+            raise OcrError(ErrorCode.CORRUPT_IMAGE, f"starts like a {fmt} file but its header cannot be read") from exc
         raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, "not an image format ocrstream reads") from exc
     with img:
         w, h = img.size

@@ -134,3 +134,36 @@ def test_total_pixels_of_all_pages_are_bounded():
         sniff(data, 2_000_000, 20)  # each page fits, all together do not (limit 2 x 2 Mpx)
     assert e.value.code is ErrorCode.IMAGE_TOO_LARGE
     assert len(decode(data, 3_000_000, 20)) == 5
+
+
+def test_header_damage_is_corrupt_image_and_other_bytes_unsupported():
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    png_0x0 = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 0, 0, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+    for data, fmt in ((png_0x0, "PNG"), (b"\xff\xd8\xff\xe0 not really", "JPEG"), (b"RIFF\0\0\0\0WEBPVP8 ", "WEBP")):
+        with pytest.raises(OcrError) as e:
+            sniff(data, BIG, 5)
+        assert e.value.code is ErrorCode.CORRUPT_IMAGE, fmt
+        assert f"starts like a {fmt} file" in str(e.value)
+
+
+def test_pdf_header_may_follow_other_bytes_but_a_png_holding_it_stays_a_png():
+    pdf = encode(marker_image(300, 200), "PDF", resolution=72)
+    for prefix in (b"\n", b"\r\n  \t", b"x" * 1000):
+        info = sniff(prefix + pdf, BIG, 5)
+        assert (info.format, info.frames) == ("PDF", 1)
+        assert len(decode(prefix + pdf, BIG, 5)) == 1
+    with pytest.raises(OcrError) as e:
+        sniff(b"x" * 1100 + pdf, BIG, 5)  # header past the first 1024 bytes: not a PDF
+    assert e.value.code is ErrorCode.UNSUPPORTED_FORMAT
+    from PIL.PngImagePlugin import PngInfo
+
+    meta = PngInfo()
+    meta.add_text("Comment", "%PDF-1.7 is just text here")
+    png = encode(marker_image(), "PNG", pnginfo=meta)
+    assert b"%PDF-" in png[:1024]
+    assert sniff(png, BIG, 5).format == "PNG"

@@ -78,3 +78,13 @@ def test_error_codes_are_the_documented_list():
         "empty_input", "input_too_large", "unsupported_format", "corrupt_image", "image_too_large",
         "too_many_pages", "missing_object", "invalid_request", "timeout", "engine_error", "internal_error",
     ]
+
+
+def test_inline_base64_may_have_mime_line_breaks():
+    raw = bytes(range(256)) * 3
+    b64 = base64.b64encode(raw).decode()
+    wrapped = "\r\n".join(b64[i : i + 76] for i in range(0, len(b64), 76))  # RFC 2045 lines
+    assert SubmitEvent(image_b64=wrapped).image_bytes() == raw
+    assert SubmitEvent(image_b64=b64).image_bytes() == raw
+    with pytest.raises(ValueError):
+        SubmitEvent(image_b64="not*base64").image_bytes()
