@@ -196,3 +196,43 @@ def test_callback_of_a_keyed_request_is_signed_with_the_keys_secret(keyed_api):
         ev = orjson.loads(hit["body"])
         assert ev["request_id"] == rid and ev["result"]["api_key_id"] == key_id
         assert ev["result"]["text"] == "HOOK DELIVERED"
+
+
+def test_finished_deliveries_are_deleted_after_the_retention_period_with_their_attempts():
+    """purge_finished on real MariaDB: an old delivered row goes with its attempts; an old row
+    still pending, a recent delivered row and another group's old row stay."""
+    import asyncio
+    import uuid
+
+    from services.common.db import Database
+    from services.common.settings import CommonSettings
+    from services.ingest.api.webhook_store import NewDelivery, WebhookStore
+
+    tag = uuid.uuid4().hex[:10]
+    day = 86_400_000
+    now = int(time.time() * 1000)
+
+    def new(name: str) -> NewDelivery:
+        return NewDelivery(f"{tag}-{name}", f"req-{tag}-{name}", None, "https://example.com/hook", "{}")
+
+    async def run():
+        db = Database(CommonSettings().mysql, pool_size=1)
+        mine, other = WebhookStore(db, f"purge-{tag}"), WebhookStore(db, f"purge-other-{tag}")
+        await mine.enqueue([new("old-done"), new("old-pending")], now - 10 * day, 3_600_000)
+        await mine.enqueue([new("new-done")], now, 3_600_000)
+        await other.enqueue([new("other-old-done")], now - 10 * day, 3_600_000)
+        for store, finished in ((mine, {"old-done", "new-done"}), (other, {"other-old-done"})):
+            for c in await store.claim(10, now, 60_000):
+                done = c.delivery_id.removeprefix(f"{tag}-") in finished
+                assert await store.record(c, at_ms=now, duration_ms=1.0, http_status=200 if done else 500, error=None,
+                                          state="delivered" if done else "pending", next_attempt_at_ms=now + 60_000,
+                                          delivered_at_ms=now if done else None)
+        assert await mine.purge_finished(now - 7 * day, batch=1) == 1
+        assert await mine.purge_finished(now - 7 * day) == 0
+
+    asyncio.run(run())
+    left = db_rows("SELECT delivery_id, state FROM webhook_deliveries WHERE delivery_id LIKE %s ORDER BY delivery_id", f"{tag}-%")
+    assert [(r["delivery_id"].removeprefix(f"{tag}-"), r["state"]) for r in left] == [
+        ("new-done", "delivered"), ("old-pending", "pending"), ("other-old-done", "delivered")]
+    attempts = db_rows("SELECT delivery_id FROM webhook_attempts WHERE delivery_id LIKE %s ORDER BY delivery_id", f"{tag}-%")
+    assert [r["delivery_id"].removeprefix(f"{tag}-") for r in attempts] == ["new-done", "old-pending", "other-old-done"]

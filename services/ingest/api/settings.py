@@ -63,3 +63,7 @@ class ApiSettings(IngestSettings):
     webhook_poll_interval_s: float = Field(
         default=1.0, gt=0, description="how often the delivery loop looks for due callbacks, s"
     )
+    webhook_retention_days: float = Field(
+        default=7.0, ge=0, description="delivered/failed callbacks (and their attempts) are deleted this long after creation; 0 = kept"
+    )
+    webhook_purge_interval_s: float = Field(default=3_600.0, gt=0, description="how often old callback rows are deleted, s")

@@ -1,7 +1,8 @@
 """MariaDB rows of webhook deliveries: enqueue, claim due ones, record each attempt.
 
 Tables ``webhook_deliveries`` (one row per callback, with its state) and ``webhook_attempts``
-(one row per attempt), from migrations 002 and 003. Rows belong to a dispatcher group
+(one row per attempt), from migrations 002-004; finished rows are deleted after a retention
+period (:meth:`WebhookStore.purge_finished`). Rows belong to a dispatcher group
 (``group_id``); a dispatcher only ever claims its own group's rows.
 
 Claiming is safe across replicas: due rows are selected ``FOR UPDATE SKIP LOCKED`` and, in the
@@ -43,6 +44,12 @@ _OUTCOME = """
 UPDATE webhook_deliveries
 SET state = %s, last_status = %s, last_error = %s, next_attempt_at_ms = %s, delivered_at_ms = %s
 WHERE delivery_id = %s AND attempts = %s AND state = 'pending'
+"""
+
+_OLD_FINISHED = """
+SELECT delivery_id FROM webhook_deliveries
+WHERE group_id = %s AND created_at_ms < %s AND state <> 'pending'
+LIMIT %s
 """
 
 
@@ -161,3 +168,29 @@ class WebhookStore:
                         (next_attempt_at_ms, c.delivery_id, c.attempt))
 
         await self.db.transact("webhook_release", run)
+
+    async def purge_finished(self, before_ms: int, batch: int = 1000) -> int:
+        """Delete this group's delivered and failed deliveries created before ``before_ms`` (epoch
+        ms), with their attempt rows, ``batch`` deliveries per transaction. Pending deliveries are
+        kept whatever their age (they end by ``give_up_at_ms``).
+
+        Returns:
+            The number of deliveries deleted.
+        """
+        group = self.group_id
+
+        def run(cur):
+            cur.execute(_OLD_FINISHED, (group, before_ms, batch))
+            ids = [r["delivery_id"] for r in cur.fetchall()]
+            if ids:
+                marks = ",".join(["%s"] * len(ids))
+                cur.execute(f"DELETE FROM webhook_attempts WHERE delivery_id IN ({marks})", ids)
+                cur.execute(f"DELETE FROM webhook_deliveries WHERE delivery_id IN ({marks}) AND state <> 'pending'", ids)
+            return len(ids)
+
+        total = 0
+        while True:
+            n = await self.db.transact("webhook_purge", run)
+            total += n
+            if n < batch:
+                return total

@@ -133,6 +133,8 @@ class WebhookDispatcher:
         self.attempts = Counter("ocrstream_webhook_attempts",
                                 "Webhook attempts by outcome (2xx, 3xx, 4xx, 5xx, timeout, error, refused)",
                                 ["outcome"], registry=r)
+        self.purged = Counter("ocrstream_webhook_deliveries_purged", "Finished webhook deliveries deleted after the retention period",
+                              registry=r)
         self.attempt_seconds = Histogram("ocrstream_webhook_attempt_seconds", "Webhook attempt latency by outcome",
                                          ["outcome"], registry=r,
                                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
@@ -155,6 +157,8 @@ class WebhookDispatcher:
         )
         self._loops = [asyncio.create_task(self._intake(), name="webhook-intake"),
                        asyncio.create_task(self._deliver(), name="webhook-deliver")]
+        if s.webhook_retention_days > 0:
+            self._loops.append(asyncio.create_task(self._purge(), name="webhook-purge"))
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop taking work, let attempts in flight finish for up to ``grace_s`` seconds (the rest
@@ -264,6 +268,21 @@ class WebhookDispatcher:
                 await asyncio.wait_for(self._wake.wait(), s.webhook_poll_interval_s)
             except asyncio.TimeoutError:
                 pass
+
+    async def _purge(self) -> None:
+        """Every ``webhook_purge_interval_s``: delete this group's finished deliveries older than
+        ``webhook_retention_days`` (every replica may run it; the deletes are idempotent)."""
+        s = self.s
+        while True:
+            try:
+                n = await self.store.purge_finished(now_ms() - int(s.webhook_retention_days * 86_400_000))
+                if n:
+                    self.purged.inc(n)
+                    log.info("webhooks: deleted %d finished deliveries older than %g days", n, s.webhook_retention_days)
+            except Exception as exc:  # noqa: BLE001 - MariaDB down: next round
+                log.warning("webhooks: deleting old deliveries failed (%r); next try in %g s", exc,
+                            s.webhook_purge_interval_s)
+            await asyncio.sleep(s.webhook_purge_interval_s)
 
     def _attempt_done(self, task: asyncio.Task) -> None:
         self._inflight.discard(task)
