@@ -19,6 +19,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 
 import orjson
+from starlette.responses import Response
 
 from schemas.events import CompletedEvent, ResultDocument
 
@@ -111,6 +112,7 @@ async def progress(watch: Watch, snapshot: list[tuple[str, ResultDocument | bool
     done: list[str] = []
     missing: list[str] = []
     waiting: dict[asyncio.Future, str] = {}
+    order = {rid: i for i, (rid, _) in enumerate(snapshot)}
     try:
         for rid, state in snapshot:
             if isinstance(state, ResultDocument):
@@ -134,7 +136,7 @@ async def progress(watch: Watch, snapshot: list[tuple[str, ResultDocument | bool
             if not ready:
                 yield KEEPALIVE
                 continue
-            for fut in ready:
+            for fut in sorted(ready, key=lambda f: order[waiting[f]]):  # together: in the order asked
                 rid = waiting.pop(fut)
                 watch.drop(rid)
                 if fut.cancelled():  # the hub stopped: the door is going away
@@ -157,7 +159,7 @@ def _not_found(rid: str) -> dict:
     return {"request_id": rid, "error": {"code": "not_found", "message": f"no request {rid!r}"}}
 
 
-class EventStream:
+class EventStream(Response):
     """An ASGI response streaming ``text/event-stream`` until the events end or the client leaves.
 
     The client's disconnect is watched on ``receive`` (``http.disconnect``) while the events are
@@ -172,15 +174,16 @@ class EventStream:
 
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None],
                  headers: dict[str, str] | None = None):
+        super().__init__(status_code=200)
         self.events = events
         self.on_close = on_close
-        self.headers = {"content-type": MEDIA_TYPE, "cache-control": "no-store",
-                        "x-accel-buffering": "no", **(headers or {})}
+        self.stream_headers = {"content-type": MEDIA_TYPE, "cache-control": "no-store",
+                               "x-accel-buffering": "no", **(headers or {})}
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200,
-                        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]})
+                        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.stream_headers.items()]})
             pump = asyncio.ensure_future(self._pump(send))
             gone = asyncio.ensure_future(_disconnected(receive))
             try:
