@@ -16,6 +16,7 @@ import pytest
 from services.common.db import Database
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
+from tests.integration.test_http_events import sse
 from tests.stack import API, REPO, free_port, metric_value
 
 pytestmark = pytest.mark.stack
@@ -225,3 +226,32 @@ def test_redis_down_lets_keyed_requests_through_and_counts_them(pipeline, make_k
             assert _not_an_image(c, {}).status_code == 401  # keys are still required
     finally:
         pipeline.stop(st)
+
+
+def test_an_event_stream_shows_a_key_its_own_requests_only(auth_api, make_key):
+    alice = make_key("sse-alice", "--rate", "100", "--burst", "100")
+    bob = make_key("sse-bob", "--rate", "100", "--burst", "100")
+    with _client(auth_api) as c:
+        mine = c.post("/v1/ocr", content=text_image(["ALICE STREAM"]), headers={"Content-Type": "image/png",
+                                                                                "X-API-Key": alice.token})
+        theirs = c.post("/v1/ocr", content=text_image(["BOB STREAM"]), headers={"Content-Type": "image/png",
+                                                                               "X-API-Key": bob.token})
+        assert mine.status_code == theirs.status_code == 202, (mine.text, theirs.text)
+        a_rid, b_rid = mine.json()["request_id"], theirs.json()["request_id"]
+        assert c.get("/v1/events", params={"id": a_rid}).status_code == 401
+        # another key's request only: 404, as GET /v1/ocr/{id} answers
+        r = c.get("/v1/events", params={"id": a_rid}, headers={"X-API-Key": bob.token})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        # mixed: bob's own request is followed, alice's is an error event, and its completion never shows
+        with c.stream("GET", "/v1/events", params={"id": [b_rid, a_rid], "timeout": 120},
+                      headers={"Authorization": f"Bearer {bob.token}"}) as resp:
+            assert resp.status_code == 200
+            events = [ev for ev in sse(resp) if "comment" not in ev]
+    assert [(ev["event"], ev["id"]) for ev in events[1:2]] == [("error", a_rid)]
+    assert events[1]["data"]["error"]["code"] == "not_found"
+    completed = [ev for ev in events if ev["event"] == "completed"]
+    assert [ev["id"] for ev in completed] == [b_rid]
+    assert completed[0]["data"]["result"]["text"] == "BOB STREAM"
+    assert completed[0]["data"]["result"]["api_key_id"] == bob.key_id
+    assert events[-1]["event"] == "end" and events[-1]["data"]["not_found"] == [a_rid]
+    assert events[-1]["data"]["reason"] == "done"

@@ -8,8 +8,9 @@ cases (boundary and schema-violating values) and a bounded number of generated c
 checked for: no 5xx, a documented status code, a documented content type and a body that
 validates against the documented schema for that status.
 
-Bounded so it stays fast: long-polls are capped at 1 s (a generated ``wait`` of hours would only
-hold a connection), and generated bodies cannot decode as images, so none of them reaches the
+Bounded so it stays fast: long-polls and event streams are capped at 1 s (a generated ``wait`` or
+``timeout`` of hours would only hold a connection; ``GET /v1/events`` without ``timeout`` is given
+one, and its generated ids are unknown, so it answers 404 at once anyway), and generated bodies cannot decode as images, so none of them reaches the
 OCR engine (they stop at the header check with 415/422, or earlier with 400/413).
 """
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.stack
 SPEC_FILE = Path(__file__).resolve().parents[2] / "schemas" / "openapi.json"
 #: Generated cases per route in the fuzzing phase (examples and coverage cases come on top).
 MAX_EXAMPLES = 100
-#: The longest long-poll a generated GET may ask for, seconds.
+#: The longest long-poll or event stream a generated GET may ask for, seconds.
 WAIT_CAP_S = 1.0
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
@@ -51,15 +52,19 @@ def test_served_spec_is_the_committed_one(api):
 
 
 def _cap_wait(case) -> None:
-    """Clamp a numeric ``wait`` to :data:`WAIT_CAP_S`; keep non-numeric values (they must get 400)."""
-    if not case.query or "wait" not in case.query:
-        return
-    try:
-        wait = float(case.query["wait"])
-    except (TypeError, ValueError):
-        return
-    if wait == wait and wait > WAIT_CAP_S:  # not NaN, over the cap
-        case.query["wait"] = WAIT_CAP_S
+    """Clamp a numeric ``wait`` or ``timeout`` to :data:`WAIT_CAP_S` (an event stream without one
+    gets it); keep non-numeric values (they must get 400)."""
+    if case.path == "/v1/events" and isinstance(case.query, dict) and "timeout" not in case.query:
+        case.query["timeout"] = WAIT_CAP_S
+    for name in ("wait", "timeout"):
+        if not case.query or name not in case.query:
+            continue
+        try:
+            value = float(case.query[name])
+        except (TypeError, ValueError):
+            continue
+        if value == value and value > WAIT_CAP_S:  # not NaN, over the cap
+            case.query[name] = WAIT_CAP_S
 
 
 @schema.parametrize()

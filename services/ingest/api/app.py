@@ -10,6 +10,9 @@ Routes (all JSON; errors are ``{"error": {"code", "message"}}``, see :mod:`.erro
 * ``POST /v1/ocr/batch`` — many images in one multipart body; one item per file.
 * ``GET /v1/ocr/{request_id}?wait=S`` — the request's state; with ``wait`` the call returns as
   soon as the completion arrives on ``ocr.completed`` (or after S seconds, still pending).
+* ``GET /v1/events?id=A&id=B...`` — server-sent events (``text/event-stream``): one event per id
+  with its state now, then one ``completed`` per request as it finishes, then ``end``
+  (:mod:`.events`). Batch answers link to it.
 * ``GET /healthz``, ``GET /readyz``, ``GET /metrics``; ``GET /`` the web page.
 
 A request answered from the cache still gets its row in MariaDB, its completion on
@@ -25,6 +28,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlencode
 
 import orjson
 from aiokafka import AIOKafkaProducer
@@ -34,8 +38,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import BaseModel, Field, ValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, Field, StringConstraints, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.events import (
@@ -57,8 +61,11 @@ from services.ingest.api.auth import Guard, Principal
 from services.ingest.api.errors import (
     STATUS_OF_CODE, ApiError, api_error_handler, http_error_handler, validation_error_handler,
 )
+from services.ingest.api.events import ID_PATTERN, MEDIA_TYPE, EventStream, Watch, progress
 from services.ingest.api.hub import CompletionHub
-from services.ingest.api.models import ApiErrorBody, ApiErrorDetail, BatchItem, BatchResponse, Health, Links, OcrResponse
+from services.ingest.api.models import (
+    ApiErrorBody, ApiErrorDetail, BatchItem, BatchLinks, BatchResponse, Health, Links, OcrResponse,
+)
 from services.ingest.api.settings import ApiSettings
 from services.ingest.api.uploads import MULTIPART_OVERHEAD, Upload, UploadBudget, read_multipart, read_raw
 from services.ingest.api.webhooks import WebhookDispatcher, validate_callback_url
@@ -74,13 +81,13 @@ _ERROR_TEXT = {
     400: "bad request: an invalid option or parameter (`invalid_request`), an empty body (`empty_input`), "
          "a malformed multipart body, a callback URL that is not allowed (`callback_not_allowed`)",
     401: "missing, unknown or revoked API key (`unauthorized`)",
-    404: "no such request, or another key's request (`not_found`)",
+    404: "no such request, or another key's request (`not_found`); for `GET /v1/events`: none of the ids is",
     408: "the request body did not arrive within `OCRSTREAM_HTTP_BODY_TIMEOUT_S` (`request_timeout`)",
     413: "over a limit: bytes (`input_too_large`), pixels (`image_too_large`) or pages (`too_many_pages`)",
     415: "not a supported image or PDF, or an unsupported Content-Type (`unsupported_format`)",
     422: "the image header is readable but the image is not (`corrupt_image`)",
     429: "the key's rate limit or quota is used up (`rate_limited`, `quota_exceeded`); see Retry-After",
-    503: "Kafka, S3 or MariaDB did not answer (`unavailable`), or too many long-polls are waiting (`overloaded`); "
+    503: "Kafka, S3 or MariaDB did not answer (`unavailable`), or too many long-polls and event streams are waiting (`overloaded`); "
          "retry later (Retry-After when known)",
 }
 
@@ -89,6 +96,23 @@ def _errors(*statuses: int) -> dict[int | str, dict]:
     """OpenAPI ``responses`` entries for these error statuses, all with the ``ApiErrorBody`` shape."""
     return {st: {"model": ApiErrorBody, "description": _ERROR_TEXT[st]} for st in statuses}
 _RAW_TYPES = ("image/", "application/pdf", "application/octet-stream")
+#: ``GET /v1/events``' ``id`` parameter (their number is checked in the route: a setting bounds it).
+_EventIds = Annotated[list[Annotated[str, StringConstraints(pattern=ID_PATTERN)]], Query(
+    alias="id", min_length=1,
+    description="a request id; repeat the parameter for each request, at most `OCRSTREAM_HTTP_BATCH_MAX_FILES` "
+                "(64) distinct ids (duplicates count once)")]
+#: ``GET /v1/events``' 200 answer, as documented in the spec.
+_EVENTS_TEXT = (
+    "`text/event-stream` (WHATWG HTML, server-sent events). First one event per id, in the order asked: "
+    "`completed` (already finished), `pending`, or `error` (`not_found`: unknown, or another key's). Then one "
+    "`completed` per request as it finishes. `id:` is the request id; `data:` is one line of JSON: for "
+    "`completed` and `pending` the body `GET /v1/ocr/{request_id}` answers, for `error` "
+    '`{"request_id", "error": {"code", "message"}}`. A `: keep-alive` comment line follows every '
+    "`OCRSTREAM_HTTP_EVENTS_KEEPALIVE_S` (15) seconds of silence. Last, `end` once no request is pending or "
+    'after `timeout`: `{"reason": "done"|"timeout", "completed": [ids], "pending": [ids], "not_found": [ids]}`; '
+    "then the server closes the stream. An `EventSource` reconnects by itself: close it on `end`, or let it "
+    "reconnect, which watches the requests still pending and gets 204 once none is."
+)
 
 
 def _query(name: str, description: str, max_length: int | None = None) -> dict:
@@ -173,6 +197,9 @@ class FrontDoor:
         self.http_seconds = Histogram("ocrstream_http_seconds", "Time to answer, by route and outcome",
                                       ["route", "outcome"], registry=r,
                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 60))
+        Gauge("ocrstream_http_waiters", "Completion waiters held: one per long-poll, one per request an event "
+              "stream watches", registry=r).set_function(lambda: self.hub.waiting if self.hub else 0)
+        self.http_streams = Gauge("ocrstream_http_event_streams", "GET /v1/events streams open", registry=r)
         self.telemetry.ready_checks.append(self.started.is_set)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -218,12 +245,38 @@ class FrontDoor:
     def links(self, rid: str) -> Links:
         return Links(self=f"/v1/ocr/{rid}", wait=f"/v1/ocr/{rid}?wait={int(self.s.http_wait_max_s)}")
 
+    def events_link(self, rids: list[str]) -> str:
+        """``GET /v1/events`` for these ids (the server's longest timeout: its default)."""
+        return "/v1/events?" + urlencode([("id", rid) for rid in rids])
+
+    @staticmethod
+    def _owned(doc: ResultDocument, principal: Principal) -> bool:
+        return principal.key_id is None or doc.api_key_id == principal.key_id
+
     async def _known(self, rid: str, principal: Principal) -> ResultDocument | bool | None:
         """The finished document, True if accepted and pending (or unknowable: Redis down), False if
         unknown, None if the id is another API key's (read answers it 404, submit 409)."""
         doc = await self.db.get_request(rid)
         if doc is not None:
-            return doc if principal.key_id is None or doc.api_key_id == principal.key_id else None
+            return doc if self._owned(doc, principal) else None
+        return await self._pending(rid, principal)
+
+    async def _known_many(self, rids: list[str], principal: Principal) -> dict[str, ResultDocument | bool | None]:
+        """:meth:`_known` of many ids: one MariaDB query, then Redis for those not finished.
+
+        Raises:
+            pymysql.MySQLError | OSError: MariaDB did not answer.
+        """
+        docs = await self.db.get_requests(rids)
+        rest = [rid for rid in rids if rid not in docs]
+        states = await asyncio.gather(*(self._pending(rid, principal) for rid in rest))
+        known: dict[str, ResultDocument | bool | None] = dict(zip(rest, states))
+        known.update({rid: doc if self._owned(doc, principal) else None for rid, doc in docs.items()})
+        return known
+
+    async def _pending(self, rid: str, principal: Principal) -> bool | None:
+        """For an id with no result row: True if accepted (or unknowable: Redis down), False if
+        unknown, None if another API key's."""
         try:
             raw = await self.cache.accepted(rid)
         except CacheUnavailable:
@@ -427,6 +480,61 @@ class FrontDoor:
             if fut is not None:
                 self.hub.unregister(rid, fut)
 
+    async def open_events(self, rids: list[str], timeout_s: float, principal: Principal,
+                          reconnect: bool) -> EventStream | None:
+        """A server-sent event stream of these requests (``GET /v1/events``; :mod:`.events`).
+
+        The hub waiters are registered *before* MariaDB and Redis are read, so a completion that
+        lands in between is not missed (as in :meth:`read`). Ids unknown to the caller (no such
+        request, or another key's) get an ``error`` event, or 404 when all are.
+
+        Args:
+            rids: Distinct request ids, in the order their first events are sent.
+            timeout_s: Longest time the stream stays open, s (already capped).
+            principal: The caller; sees only its own key's requests.
+            reconnect: The client sent ``Last-Event-ID`` (an ``EventSource`` reconnecting).
+
+        Returns:
+            The stream; None (answered 204) for a reconnect when no id is pending any more: per
+            the WHATWG spec, 204 tells an ``EventSource`` to stop reconnecting.
+
+        Raises:
+            ApiError: 503 ``overloaded`` (the ids do not fit under ``http_max_waiters``), 404
+                ``not_found`` (no id is the caller's).
+        """
+        try:
+            watch = Watch(self.hub, self.hub.register_many(rids))
+        except OverflowError as exc:
+            raise ApiError(503, "overloaded", str(exc), {"Retry-After": "1"}) from None
+        try:
+            try:
+                known = await self._known_many(rids, principal)
+            except Exception:  # noqa: BLE001 - MariaDB down: only the completions can still answer
+                known = {rid: True for rid in rids}
+            snapshot = [(rid, known[rid]) for rid in rids]
+            if not any(isinstance(state, ResultDocument) or state is True for _, state in snapshot):
+                raise ApiError(404, "not_found", f"no request {rids[0]!r}" if len(rids) == 1
+                               else f"none of the {len(rids)} requests exists")
+            if reconnect and not any(state is True for _, state in snapshot):
+                watch.close()
+                return None
+        except BaseException:
+            watch.close()
+            raise
+        events = progress(
+            watch, snapshot, timeout_s=timeout_s, keepalive_s=self.s.http_events_keepalive_s,
+            completed=lambda doc: self._done(doc).model_dump_json(by_alias=True).encode(),
+            pending=lambda rid: OcrResponse(request_id=rid, status="pending", links=self.links(rid))
+            .model_dump_json(by_alias=True).encode(),
+            owned=lambda doc: self._owned(doc, principal))
+        self.http_streams.inc()
+
+        def closed() -> None:
+            watch.close()
+            self.http_streams.dec()
+
+        return EventStream(events, closed)
+
 
 class SubmitFastPath:
     """Pure ASGI middleware that sends ``POST /v1/ocr`` straight to its endpoint.
@@ -610,7 +718,40 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         items = await asyncio.gather(*(one(i, u) for i, u in enumerate(ups)))
         door.http_requests.labels("batch", "accepted").inc(len(items))
         status = 200 if all(it.status != "pending" for it in items) else 202
-        return _json(BatchResponse(items=list(items)), status)
+        rids = list(dict.fromkeys(it.request_id for it in items if it.request_id))
+        links = BatchLinks(events=door.events_link(rids) if rids else None)
+        return _json(BatchResponse(items=list(items), links=links), status)
+
+    @app.get("/v1/events", tags=["ocr"], summary="Watch requests finish (server-sent events)",
+             response_class=Response,
+             responses={200: {"description": _EVENTS_TEXT, "content": {MEDIA_TYPE: {"schema": {"type": "string"}}}},
+                        204: {"description": "a reconnect (`Last-Event-ID` sent) after every request has finished: "
+                                             "an `EventSource` stops reconnecting"},
+                        **_errors(400, 401, 404, 429, 503)})
+    async def events(
+        request: Request,
+        ids: _EventIds,
+        timeout: Annotated[float, Query(ge=0, description="seconds the stream stays open at most (capped by "
+                                                          "`OCRSTREAM_HTTP_EVENTS_MAX_S`, also the default)")]
+        = s.http_events_max_s,
+    ) -> Response:
+        """Watch many requests finish on one connection: server-sent events, as specified by the WHATWG HTML
+        Living Standard, "Server-sent events" (https://html.spec.whatwg.org/multipage/server-sent-events.html).
+        Same access rules as ``GET /v1/ocr/{request_id}``: with API keys on, a key sees its own requests only."""
+        principal = await door.guard.check(request)
+        rids = list(dict.fromkeys(ids))
+        if len(rids) > s.http_batch_max_files:
+            door.http_requests.labels("events", "invalid_request").inc()
+            raise ApiError(400, "invalid_request", f"{len(rids)} request ids: a stream watches at most "
+                           f"{s.http_batch_max_files} (OCRSTREAM_HTTP_BATCH_MAX_FILES)")
+        try:
+            stream = await door.open_events(rids, min(timeout, s.http_events_max_s), principal,
+                                            reconnect="last-event-id" in request.headers)
+        except ApiError as err:
+            door.http_requests.labels("events", err.code).inc()
+            raise
+        door.http_requests.labels("events", "opened" if stream else "finished").inc()
+        return stream if stream is not None else Response(status_code=204)
 
     @app.get("/v1/ocr/{request_id}", response_model=OcrResponse, tags=["ocr"], summary="Read a request's state",
               response_description="the state: `pending`, or `ok`/`error` with the result document",

@@ -1,4 +1,4 @@
-"""Long-poll waiters, woken by completions read from ``ocr.completed`` (never by polling the DB)."""
+"""Long-poll and event-stream waiters, woken by completions read from ``ocr.completed`` (never by polling the DB)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,18 @@ class CompletionHub:
         self._count += 1
         return fut
 
+    def register_many(self, request_ids: list[str]) -> dict[str, asyncio.Future]:
+        """One future per id (as :meth:`register`), all or none: an event stream holds one
+        waiter per request it watches, counted against the same ``max_waiters`` as long-polls.
+
+        Raises:
+            OverflowError: the ids do not all fit under ``max_waiters``; none is registered then.
+        """
+        if self._count + len(request_ids) > self.max_waiters:
+            raise OverflowError(f"{self._count} waiters are already held (long-polls and event streams); "
+                                f"{len(request_ids)} more would pass the limit of {self.max_waiters}")
+        return {rid: self.register(rid) for rid in request_ids}
+
     def unregister(self, request_id: str, fut: asyncio.Future) -> None:
         """Forget a waiter (after it was resolved or timed out)."""
         futs = self._waiters.get(request_id)
@@ -79,7 +91,7 @@ class CompletionHub:
 
     @property
     def waiting(self) -> int:
-        """Long-polls waiting now."""
+        """Waiters held now: one per long-poll, one per request watched by an event stream."""
         return self._count
 
     async def _run(self) -> None:

@@ -49,10 +49,18 @@ class BatchItem(OcrResponse):
     links: Links | None = None  # type: ignore[assignment]
 
 
+class BatchLinks(BaseModel):
+    """Where to follow a whole batch: ``events``, the server-sent event stream
+    (``GET /v1/events``) of every item that has a request id; null when no item has one."""
+
+    events: str | None = None
+
+
 class BatchResponse(BaseModel):
-    """One item per uploaded file, in upload order."""
+    """One item per uploaded file, in upload order, and links for the whole batch."""
 
     items: list[BatchItem]
+    links: BatchLinks = Field(default_factory=BatchLinks)
 
 
 class ApiErrorBody(BaseModel):

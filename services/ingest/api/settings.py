@@ -18,7 +18,11 @@ class ApiSettings(IngestSettings):
     http_port: int = Field(default=8080, description="port of the HTTP door (also serves /metrics, /healthz, /readyz)")
     http_wait_max_s: float = Field(default=60.0, gt=0, description="longest long-poll a GET ?wait= may ask for, s")
     http_max_waiters: int = Field(default=10_000, ge=1, description="long-polls held at once per process; more get 503")
-    http_batch_max_files: int = Field(default=64, ge=1, description="images per POST /v1/ocr/batch")
+    http_batch_max_files: int = Field(default=64, ge=1, description="images per POST /v1/ocr/batch (and request ids per GET /v1/events)")
+    http_events_max_s: float = Field(
+        default=300.0, gt=0, description="longest a GET /v1/events stream stays open (its `timeout` is capped to it), s")
+    http_events_keepalive_s: float = Field(
+        default=15.0, gt=0, description="silence on a GET /v1/events stream before a keep-alive comment line, s")
     http_batch_max_bytes: int = Field(default=128 * 1024 * 1024, description="body bytes per POST /v1/ocr/batch")
     http_accepted_ttl_s: int = Field(default=7 * 86_400, description="how long an accepted request id is remembered as pending, s")
     http_upload_budget_bytes: int = Field(
