@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import warnings
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps, ImageSequence
@@ -45,7 +46,7 @@ class ImageInfo:
     frames: int
 
 
-def _pdf_document(data: bytes):
+def _pdf_document(data: bytes | BinaryIO):
     import pypdfium2 as pdfium  # imported lazily: only PDFs need it
 
     try:
@@ -54,11 +55,12 @@ def _pdf_document(data: bytes):
         raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF could not be opened: {exc}") from exc
 
 
-def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
+def sniff(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
     """Identify the image from its bytes and check the limits without decoding pixels.
 
     Args:
-        data: The raw upload.
+        data: The raw upload, or a seekable binary file holding it (a large upload spooled to
+            disk); the file is read from its start and left open. Same checks, same errors.
         max_pixels: Largest width x height allowed per page.
         max_pages: Most pages/frames allowed.
 
@@ -69,9 +71,15 @@ def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
         OcrError: ``empty_input``, ``unsupported_format``, ``corrupt_image``,
             ``image_too_large`` or ``too_many_pages``.
     """
-    if not data:
+    if isinstance(data, (bytes, bytearray)):
+        head, src = data[:len(PDF_MAGIC)], None
+    else:
+        data.seek(0)
+        head, src = data.read(len(PDF_MAGIC)), data
+        data.seek(0)
+    if not head:
         raise OcrError(ErrorCode.EMPTY_INPUT, "the image has zero bytes")
-    if data.startswith(PDF_MAGIC):
+    if head == PDF_MAGIC:
         doc = _pdf_document(data)
         try:
             n = len(doc)
@@ -89,7 +97,7 @@ def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(io.BytesIO(data) if src is None else src)
     except Image.DecompressionBombError as exc:
         raise OcrError(ErrorCode.IMAGE_TOO_LARGE, str(exc)) from exc
     except Exception as exc:
