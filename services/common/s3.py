@@ -208,8 +208,8 @@ class ObjectStore:
         return written
 
     async def ensure_staging_lifecycle(self, days: int = 1) -> None:
-        """Install (or replace) the bucket lifecycle rule ``ocrstream-staging`` on the staging
-        prefix: incomplete multipart uploads are aborted (AbortIncompleteMultipartUpload) and
+        """Install (or replace) the bucket lifecycle rule on the staging prefix
+        (:func:`staging_rule_id`): incomplete multipart uploads are aborted (AbortIncompleteMultipartUpload) and
         objects expired ``days`` after they were started/written. It cleans up after a door that
         was killed mid-upload; other rules of the bucket are kept. Idempotent (the same rule
         replaces itself). Source: S3 API PutBucketLifecycleConfiguration, which replaces the whole
@@ -223,19 +223,22 @@ class ObjectStore:
         """
         try:
             cur = await self._call("get_lifecycle", self.client.get_bucket_lifecycle_configuration, Bucket=self.bucket)
-            rules = [r for r in cur.get("Rules", []) if r.get("ID") != STAGING_RULE_ID]
+            rules = [r for r in cur.get("Rules", []) if r.get("ID") != staging_rule_id(self.cfg.staging_prefix)]
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") != "NoSuchLifecycleConfiguration":
                 raise
             rules = []
-        rules.append({"ID": STAGING_RULE_ID, "Status": "Enabled", "Filter": {"Prefix": self.cfg.staging_prefix},
+        rules.append({"ID": staging_rule_id(self.cfg.staging_prefix), "Status": "Enabled", "Filter": {"Prefix": self.cfg.staging_prefix},
                       "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": days}, "Expiration": {"Days": days}})
         await self._call("put_lifecycle", self.client.put_bucket_lifecycle_configuration, Bucket=self.bucket,
                          LifecycleConfiguration={"Rules": rules})
 
 
-#: ID of the bucket lifecycle rule on the staging prefix (:meth:`ObjectStore.ensure_staging_lifecycle`).
-STAGING_RULE_ID = "ocrstream-staging"
+def staging_rule_id(prefix: str) -> str:
+    """ID of the bucket lifecycle rule on staging prefix ``prefix``
+    (:meth:`ObjectStore.ensure_staging_lifecycle`): ``ocrstream-staging <prefix>``, so deployments
+    sharing a bucket with different prefixes keep a rule each."""
+    return f"ocrstream-staging {prefix}"
 
 
 class MultipartUpload:

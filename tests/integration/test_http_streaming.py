@@ -16,10 +16,10 @@ import httpx
 import pytest
 from botocore.config import Config
 
-from services.common.s3 import STAGING_RULE_ID
+from services.common.s3 import staging_rule_id
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
-from tests.integration.conftest import API_ENV
+from tests.integration.conftest import API_BODY_TIMEOUT_S, API_ENV
 from tests.stack import API, metric_value
 
 pytestmark = pytest.mark.stack
@@ -147,6 +147,20 @@ def test_a_client_that_goes_away_mid_upload_leaves_no_parts(door, s3):
     assert staged(s3, door.prefix) == ([], [])
 
 
+def test_a_body_that_stalls_mid_upload_gets_408_and_leaves_no_parts(door, s3):
+    before = staged_outcomes(door)
+    head = (f"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            f"Content-Length: {20 * MiB}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", door.port), timeout=API_BODY_TIMEOUT_S * 5) as sock:
+        sock.sendall(head + os.urandom(7 * MiB))  # past one part, then nothing
+        answer = sock.recv(4096)
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"408", answer[:200]
+    assert b'"code":"request_timeout"' in answer
+    after = staged_outcomes(door)
+    assert after["aborted"] == before["aborted"] + 1 and after["completed"] == before["completed"]
+    assert staged(s3, door.prefix) == ([], [])
+
+
 def test_a_streamed_body_that_is_not_an_image_is_refused_and_leaves_nothing(door, s3):
     before = staged_outcomes(door)
     with httpx.Client(base_url=door.url, timeout=120) as c:
@@ -166,7 +180,7 @@ def test_init_installs_the_staging_lifecycle_rule_once(s3, stack_env):
     for _ in range(2):  # idempotent: run by the session already, and again
         subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
     rules = s3.get_bucket_lifecycle_configuration(Bucket=s3.bucket)["Rules"]
-    ours = [r for r in rules if r["ID"] == STAGING_RULE_ID]
+    ours = [r for r in rules if r["ID"] == staging_rule_id("staging/")]
     assert len(ours) == 1, rules
     assert ours[0]["Filter"] == {"Prefix": "staging/"} and ours[0]["Status"] == "Enabled"
     assert ours[0]["Expiration"] == {"Days": 1}
