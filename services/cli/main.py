@@ -31,9 +31,11 @@ STAGES = ("ingest", "dedup", "infer", "sink")
 
 @app.command()
 def init() -> None:
-    """Create the topics, the S3 bucket and the MariaDB tables (idempotent)."""
+    """Create the topics, the S3 bucket (with its staging lifecycle rule) and the MariaDB tables (idempotent)."""
     from services.common.db import Database
     from services.common.kafka import create_topics
+    from botocore.exceptions import ClientError
+
     from services.common.s3 import ObjectStore
 
     s = load_settings(CommonSettings)
@@ -42,8 +44,18 @@ def init() -> None:
         created = await create_topics(s.kafka, s.topics.all())
         console.print(f"topics: {'created ' + ', '.join(created) if created else 'all present'} "
                       f"({s.kafka.partitions} partitions each)")
-        made = await ObjectStore(s.s3).ensure_bucket()
+        store = ObjectStore(s.s3)
+        made = await store.ensure_bucket()
         console.print(f"bucket {s.s3.bucket}: {'created' if made else 'present'}")
+        try:  # what a door killed mid-upload leaves under the staging prefix goes after a day
+            await store.ensure_staging_lifecycle(days=1)
+            console.print(f"bucket {s.s3.bucket}: lifecycle rule on {s.s3.staging_prefix} (1 day)")
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code not in ("AccessDenied", "NotImplemented"):
+                raise
+            err.print(f"[yellow]warning:[/yellow] no lifecycle rule on {s.s3.staging_prefix} ({code}): parts of "
+                      "uploads cut off by a killed HTTP door stay until removed by hand")
         applied = await Database(s.mysql, pool_size=1).migrate()
         console.print(f"mariadb: {'applied ' + ', '.join(applied) if applied else 'schema up to date'}")
 

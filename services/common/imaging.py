@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import warnings
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps, ImageSequence
@@ -53,7 +54,7 @@ class ImageInfo:
     frames: int
 
 
-def _pdf_document(data: bytes):
+def _pdf_document(data: bytes | BinaryIO):
     import pypdfium2 as pdfium  # imported lazily: only PDFs need it
 
     try:
@@ -77,11 +78,12 @@ def _raster_signature(data: bytes) -> str | None:
     return next((name for sig, name in SIGNATURES.items() if data.startswith(sig)), None)
 
 
-def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
+def sniff(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
     """Identify the image from its bytes and check the limits without decoding pixels.
 
     Args:
-        data: The raw upload.
+        data: The raw upload, or a seekable binary file holding it (a large upload spooled to
+            disk); the file is read from its start and left open. Same checks, same errors.
         max_pixels: Largest width x height allowed per page.
         max_pages: Most pages/frames allowed.
 
@@ -92,9 +94,15 @@ def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
         OcrError: ``empty_input``, ``unsupported_format``, ``corrupt_image``,
             ``image_too_large`` or ``too_many_pages``.
     """
-    if not data:
+    if isinstance(data, (bytes, bytearray)):
+        head, src = data[:PDF_HEADER_WINDOW], None
+    else:
+        data.seek(0)
+        head, src = data.read(PDF_HEADER_WINDOW), data
+        data.seek(0)
+    if not head:
         raise OcrError(ErrorCode.EMPTY_INPUT, "the image has zero bytes")
-    if is_pdf(data):
+    if is_pdf(head):
         doc = _pdf_document(data)
         try:
             n = len(doc)
@@ -112,11 +120,11 @@ def sniff(data: bytes, max_pixels: int, max_pages: int) -> ImageInfo:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(io.BytesIO(data) if src is None else src)
     except Image.DecompressionBombError as exc:
         raise OcrError(ErrorCode.IMAGE_TOO_LARGE, str(exc)) from exc
     except Exception as exc:
-        if fmt := _raster_signature(data):
+        if fmt := _raster_signature(head):
             raise OcrError(ErrorCode.CORRUPT_IMAGE, f"starts like a {fmt} file but its header cannot be read") from exc
         raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, "not an image format ocrstream reads") from exc
     with img:

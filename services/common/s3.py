@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
 
 import boto3
 from botocore.config import Config
@@ -13,6 +15,8 @@ from schemas.errors import ErrorCode
 from services.common.errors import OcrError
 from services.common.settings import S3Settings
 from services.common.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -151,3 +155,156 @@ class ObjectStore:
     async def delete(self, key: str) -> None:
         """Delete an object (no error if missing)."""
         await self._call("delete", self.client.delete_object, Bucket=self.bucket, Key=key)
+
+    # -- large uploads: multipart to a staging key, then a server-side copy --------------------
+    def staging_key(self) -> str:
+        """A new, unique staging key: ``<staging_prefix><32 hex digits>``."""
+        return f"{self.cfg.staging_prefix}{uuid.uuid4().hex}"
+
+    async def start_multipart(self, key: str) -> "MultipartUpload":
+        """Begin an S3 multipart upload to ``key`` (CreateMultipartUpload).
+
+        The caller must end it with :meth:`MultipartUpload.complete` or
+        :meth:`MultipartUpload.abort`: until then S3 keeps (and bills) the uploaded parts.
+        """
+        resp = await self._call("create_multipart", self.client.create_multipart_upload, Bucket=self.bucket, Key=key)
+        return MultipartUpload(self, key, resp["UploadId"])
+
+    async def put_staged_if_absent(self, upload: "MultipartUpload", key: str,
+                                   content_type: str = "application/octet-stream") -> bool:
+        """Content-addressed store of a finished multipart upload (:meth:`put_if_absent` for bytes
+        that were streamed to a staging key).
+
+        If ``key`` is known or present, the upload is aborted (no object is made). Otherwise it is
+        completed, copied server-side (CopyObject, one request: objects up to 5 GiB) to ``key``
+        with ``content_type``, and the staging object deleted, whether the copy worked or not (a
+        delete that fails leaves it to the bucket's staging lifecycle rule,
+        :meth:`ensure_staging_lifecycle`).
+
+        Returns:
+            True if the object was written, False if it was already there.
+
+        Raises:
+            botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError: S3 failed; an
+                upload that was not completed is still open: the caller aborts it.
+        """
+        if (self._known is not None and key in self._known) or await self.exists(key):
+            await upload.abort()
+            written = False
+        else:
+            await upload.complete()
+            try:
+                await self._call("copy", self.client.copy_object, Bucket=self.bucket, Key=key,
+                                 CopySource={"Bucket": self.bucket, "Key": upload.key},
+                                 MetadataDirective="REPLACE", ContentType=content_type)
+            finally:
+                try:
+                    await self.delete(upload.key)
+                except Exception as exc:  # noqa: BLE001 - the lifecycle rule removes it within a day
+                    log.warning("s3: staging object %s not deleted: %r", upload.key, exc)
+            written = True
+        if self._known is not None:
+            self._known[key] = True
+        return written
+
+    async def ensure_staging_lifecycle(self, days: int = 1) -> None:
+        """Install (or replace) the bucket lifecycle rule on the staging prefix
+        (:func:`staging_rule_id`): incomplete multipart uploads are aborted (AbortIncompleteMultipartUpload) and
+        objects expired ``days`` after they were started/written. It cleans up after a door that
+        was killed mid-upload; other rules of the bucket are kept. Idempotent (the same rule
+        replaces itself). Source: S3 API PutBucketLifecycleConfiguration, which replaces the whole
+        configuration, hence the read-modify-write.
+
+        MinIO accepts the rule but keeps only its ``Expiration``; it aborts incomplete multipart
+        uploads by itself (``MINIO_API_STALE_UPLOADS_EXPIRY``, 24 h by default).
+
+        Raises:
+            botocore.exceptions.ClientError: e.g. ``AccessDenied`` without the permission.
+        """
+        try:
+            cur = await self._call("get_lifecycle", self.client.get_bucket_lifecycle_configuration, Bucket=self.bucket)
+            rules = [r for r in cur.get("Rules", []) if r.get("ID") != staging_rule_id(self.cfg.staging_prefix)]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "NoSuchLifecycleConfiguration":
+                raise
+            rules = []
+        rules.append({"ID": staging_rule_id(self.cfg.staging_prefix), "Status": "Enabled", "Filter": {"Prefix": self.cfg.staging_prefix},
+                      "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": days}, "Expiration": {"Days": days}})
+        await self._call("put_lifecycle", self.client.put_bucket_lifecycle_configuration, Bucket=self.bucket,
+                         LifecycleConfiguration={"Rules": rules})
+
+
+def staging_rule_id(prefix: str) -> str:
+    """ID of the bucket lifecycle rule on staging prefix ``prefix``
+    (:meth:`ObjectStore.ensure_staging_lifecycle`): ``ocrstream-staging <prefix>``, so deployments
+    sharing a bucket with different prefixes keep a rule each."""
+    return f"ocrstream-staging {prefix}"
+
+
+class MultipartUpload:
+    """One S3 multipart upload in progress (from :meth:`ObjectStore.start_multipart`).
+
+    Parts are numbered in the order :meth:`upload_part` is called (1, 2, ...); every part but
+    the last must be at least 5 MiB (S3's minimum part size; MinIO enforces it too). ``state``
+    is ``open``, ``completed`` or ``aborted``.
+
+    Args:
+        store: The store whose client and bucket are used.
+        key: The object key the upload makes.
+        upload_id: S3's UploadId.
+    """
+
+    def __init__(self, store: ObjectStore, key: str, upload_id: str):
+        self.store = store
+        self.key = key
+        self.upload_id = upload_id
+        self.state = "open"
+        self._parts: list[dict] = []
+        self._next = 1
+
+    async def upload_part(self, data: bytes | bytearray) -> None:
+        """Upload the next part (UploadPart); its number is taken when this is called.
+
+        Raises:
+            RuntimeError: the upload is not open.
+            botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError: S3 failed.
+        """
+        if self.state != "open":
+            raise RuntimeError(f"multipart upload to {self.key} is {self.state}")
+        n, self._next = self._next, self._next + 1
+        s = self.store
+        resp = await s._call("upload_part", s.client.upload_part, Bucket=s.bucket, Key=self.key,
+                             UploadId=self.upload_id, PartNumber=n, Body=data)
+        self._parts.append({"PartNumber": n, "ETag": resp["ETag"]})
+
+    async def complete(self) -> None:
+        """Join the uploaded parts into the object (CompleteMultipartUpload).
+
+        Raises:
+            botocore.exceptions.ClientError: e.g. ``EntityTooSmall`` (a part but the last under 5 MiB).
+        """
+        s = self.store
+        parts = sorted(self._parts, key=lambda p: p["PartNumber"])
+        await s._call("complete_multipart", s.client.complete_multipart_upload, Bucket=s.bucket, Key=self.key,
+                      UploadId=self.upload_id, MultipartUpload={"Parts": parts})
+        self.state = "completed"
+
+    async def abort(self) -> None:
+        """Drop the upload and its parts (AbortMultipartUpload); nothing is left in the bucket.
+        Call it after any part upload in flight has ended (S3 may keep a part that finishes
+        after the abort). A no-op unless the upload is open.
+
+        Raises:
+            botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError: S3 failed (the
+                bucket's lifecycle rule removes the parts later).
+        """
+        if self.state != "open":
+            return
+        s = self.store
+        try:
+            await s._call("abort_multipart", s.client.abort_multipart_upload, Bucket=s.bucket, Key=self.key,
+                          UploadId=self.upload_id)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                raise
+        self.state = "aborted"

@@ -62,6 +62,10 @@ class S3Settings(BaseModel):
         default=600.0, gt=0,
         description="how long a remembered key is trusted without asking S3 again, s (counted from when this process "
                     "last asked, not from the object's creation)")
+    staging_prefix: str = Field(
+        default="staging/", min_length=1, max_length=200,
+        description="key prefix of large HTTP uploads while they stream in (multipart uploads, then one object "
+                    "until it is copied to images/); `ocrstream init` expires what is left there after 1 day")
 
 
 class RedisSettings(BaseModel):

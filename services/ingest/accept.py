@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from schemas.errors import ErrorCode
 from schemas.keys import image_object_key
 from services.common.errors import OcrError
 from services.common.imaging import ImageInfo, sniff
-from services.common.s3 import ObjectStore
+from services.common.s3 import MultipartUpload, ObjectStore
 from services.common.settings import Limits
 
 CONTENT_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "TIFF": "image/tiff",
@@ -53,3 +54,36 @@ async def accept_image(data: bytes, limits: Limits, store: ObjectStore, sha256: 
     key = image_object_key(sha)
     await store.put_if_absent(key, data, CONTENT_TYPES.get(info.format, "application/octet-stream"))
     return Accepted(content_sha256=sha, image_uri=store.uri(key), size_bytes=len(data), info=info)
+
+
+async def accept_staged(spool: BinaryIO, size: int, sha256: str, upload: MultipartUpload, limits: Limits,
+                        store: ObjectStore) -> Accepted:
+    """:func:`accept_image` for a large HTTP upload that was streamed to S3 while it was read.
+
+    The bytes are in two places: every part in the open multipart ``upload`` (to a staging key)
+    and, in the same order, in ``spool`` (a file on local disk). The checks are the same as
+    :func:`accept_image`'s, run by the same :func:`~services.common.imaging.sniff` on the whole
+    spooled file: a PDF's page count needs its cross-reference table at the end, a GIF's or
+    TIFF's frame count walks the whole file, so a check on the first part alone could answer
+    differently. Only if they pass is the upload made into ``images/<sha[:2]>/<sha>``
+    (:meth:`~services.common.s3.ObjectStore.put_staged_if_absent`: completed, copied, staging
+    object deleted; or aborted when the image is already stored).
+
+    Args:
+        spool: Seekable file holding exactly the uploaded bytes.
+        size: Their length, bytes.
+        sha256: Their hex SHA-256 (hashed while reading).
+        upload: The open multipart upload holding the same bytes.
+        limits: Byte, pixel and page limits.
+        store: Where images are kept.
+
+    Raises:
+        OcrError: the same input errors as :func:`accept_image`; the upload is then left open
+            (the caller aborts it). Transient S3 errors as from the store.
+    """
+    if size > limits.max_image_bytes:
+        raise OcrError(ErrorCode.INPUT_TOO_LARGE, f"{size} bytes exceeds the limit of {limits.max_image_bytes}")
+    info = await asyncio.to_thread(sniff, spool, limits.max_pixels, limits.max_pages)
+    key = image_object_key(sha256)
+    await store.put_staged_if_absent(upload, key, CONTENT_TYPES.get(info.format, "application/octet-stream"))
+    return Accepted(content_sha256=sha256, image_uri=store.uri(key), size_bytes=size, info=info)

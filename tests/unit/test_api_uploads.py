@@ -1,9 +1,12 @@
-"""The HTTP door's upload budget: bytes held in memory at once, across requests."""
+"""The HTTP door's upload budget (bytes held in memory at once, across requests) and the cutting
+and sending of a large raw body in S3 parts (store and upload passed in)."""
+
+import asyncio
 
 import pytest
 
 from services.ingest.api.errors import ApiError
-from services.ingest.api.uploads import UploadBudget
+from services.ingest.api.uploads import PartSplitter, StagedBody, UploadBudget
 
 
 def test_budget_refuses_past_its_limit_and_releases_per_request():
@@ -27,3 +30,129 @@ def test_zero_means_unbounded():
     r = UploadBudget(0).reservation()
     r.take(10**12)
     assert r.held == 10**12
+
+
+def test_reservation_gives_back_part_by_part_and_never_below_zero():
+    budget = UploadBudget(100)
+    r = budget.reservation()
+    r.take(70)
+    r.give(30)
+    assert (budget.used, r.held) == (40, 40)
+    r.give(1000)  # at most what is held
+    assert (budget.used, r.held) == (0, 0)
+    r.release()
+    assert budget.used == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 10, 64])
+def test_part_splitter_cuts_parts_of_at_least_the_size_in_order(chunk):
+    data = bytes(range(256)) * 2
+    sp = PartSplitter(10)
+    parts = []
+    for i in range(0, len(data), chunk):
+        p = sp.feed(data[i:i + chunk])
+        if p is not None:
+            parts.append(bytes(p))
+    rest = bytes(sp.rest())
+    assert b"".join(parts) + rest == data
+    assert all(10 <= len(p) < 10 + chunk for p in parts)
+    assert len(rest) < 10
+
+
+def test_part_splitter_of_size_zero_never_cuts():
+    sp = PartSplitter(0)
+    assert all(sp.feed(b"x" * 1000) is None for _ in range(10))
+    assert len(sp.rest()) == 10_000
+
+
+class FakeUpload:
+    """A multipart upload whose parts wait for ``gate``; records what happened, in order."""
+
+    def __init__(self, log: list, gate: asyncio.Event, fail_part: int | None = None):
+        self.log, self.gate, self.fail_part = log, gate, fail_part
+        self.state, self.parts, self.upload_id = "open", [], "u1"
+
+    async def upload_part(self, data) -> None:
+        n = len(self.parts) + 1
+        self.parts.append(bytes(data))
+        self.log.append(f"start {n}")
+        await self.gate.wait()
+        if n == self.fail_part:
+            self.log.append(f"fail {n}")
+            raise OSError("S3 is down")
+        self.log.append(f"sent {n}")
+
+    async def abort(self) -> None:
+        self.log.append("abort")
+        self.state = "aborted"
+
+
+class FakeStore:
+    def __init__(self, upload: FakeUpload):
+        self.upload = upload
+
+    def staging_key(self) -> str:
+        return "staging/x"
+
+    async def start_multipart(self, key: str) -> FakeUpload:
+        self.upload.log.append(f"create {key}")
+        return self.upload
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0.001)
+
+
+def test_staged_body_holds_at_most_one_part_in_flight_and_gives_the_budget_back():
+    async def main():
+        log, gate = [], asyncio.Event()
+        budget = UploadBudget(0)
+        held = budget.reservation()
+        ends = []
+        sb = StagedBody(FakeStore(FakeUpload(log, gate)), held, ends.append)
+        held.take(30)  # what limited_stream charged for the first three 10-byte parts
+        await sb.add(bytearray(b"a" * 10))
+        second = asyncio.ensure_future(sb.add(bytearray(b"b" * 10)))
+        await _settle()
+        assert log == ["create staging/x", "start 1"] and not second.done()  # waits for part 1
+        assert held.held == 30
+        gate.set()
+        await second
+        await sb.finish(bytearray(b"c" * 3))
+        assert log == ["create staging/x", "start 1", "sent 1", "start 2", "sent 2", "start 3", "sent 3"]
+        assert held.held == 30 - 23 and sb.size == 23
+        sb.spool.seek(0)
+        assert sb.spool.read() == b"a" * 10 + b"b" * 10 + b"c" * 3
+        await sb.discard()
+        await sb.discard()  # idempotent
+        assert log[-1] == "abort" and ends == ["aborted"] and sb.spool.closed
+
+    asyncio.run(main())
+
+
+def test_a_failed_part_is_a_503_and_discard_aborts_after_the_part_in_flight():
+    async def main():
+        log, gate = [], asyncio.Event()
+        ends = []
+        sb = StagedBody(FakeStore(FakeUpload(log, gate, fail_part=1)), None, ends.append)
+        await sb.add(bytearray(b"a" * 10))
+        gate.set()
+        with pytest.raises(ApiError) as err:
+            await sb.add(bytearray(b"b" * 10))
+        assert err.value.status == 503 and err.value.code == "unavailable" and "S3 is down" in err.value.message
+        # a part still in flight when the request ends: the abort comes after it
+        log2, gate2 = [], asyncio.Event()
+        sb2 = StagedBody(FakeStore(FakeUpload(log2, gate2)), None, ends.append)
+        await sb2.add(bytearray(b"a" * 10))
+        ending = asyncio.ensure_future(sb2.discard())
+        await _settle()
+        assert log2 == ["create staging/x", "start 1"] and not ending.done()
+        gate2.set()
+        await ending
+        await sb.discard()
+        assert log2 == ["create staging/x", "start 1", "sent 1", "abort"]
+        assert log == ["create staging/x", "start 1", "fail 1", "abort"]
+        assert ends == ["aborted", "aborted"]
+
+    asyncio.run(main())

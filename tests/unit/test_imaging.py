@@ -1,6 +1,7 @@
 """Sniffing and decoding: every EXIF orientation, every Pillow mode, limits before decoding."""
 
 import io
+import tempfile
 
 import numpy as np
 import pytest
@@ -167,3 +168,38 @@ def test_pdf_header_may_follow_other_bytes_but_a_png_holding_it_stays_a_png():
     png = encode(marker_image(), "PNG", pnginfo=meta)
     assert b"%PDF-" in png[:1024]
     assert sniff(png, BIG, 5).format == "PNG"
+
+
+def _sniff_both(data: bytes, max_pixels: int = BIG, max_pages: int = 5):
+    """sniff() of the bytes and of the same bytes in a file (a large HTTP upload's spool file):
+    each an ImageInfo or the OcrError code; the file is left open and can be read again."""
+    out = []
+    with tempfile.TemporaryFile() as f:
+        f.write(data)
+        for src in (data, f, f):
+            try:
+                out.append(sniff(src, max_pixels, max_pages))
+            except OcrError as e:
+                out.append(e.code)
+    return out
+
+
+def test_sniff_of_a_spooled_file_answers_as_sniff_of_the_bytes():
+    frames = [marker_image(), Image.new("RGB", (120, 80), "white"), marker_image()]
+    tiff3 = encode(frames[0], "TIFF", save_all=True, append_images=frames[1:])
+    pdf = encode(marker_image(300, 200), "PDF", resolution=72)
+    gif3 = encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    cases = {
+        "png": (encode(marker_image()), BIG, 5, sniff(encode(marker_image()), BIG, 5)),
+        "tiff pages": (tiff3, BIG, 5, sniff(tiff3, BIG, 5)),
+        "tiff too many pages": (tiff3, BIG, 2, ErrorCode.TOO_MANY_PAGES),
+        "gif too many frames": (gif3, BIG, 2, ErrorCode.TOO_MANY_PAGES),
+        "pdf": (pdf, BIG, 5, sniff(pdf, BIG, 5)),
+        "pdf cut": (pdf[: len(pdf) // 2], BIG, 5, ErrorCode.CORRUPT_IMAGE),
+        "not an image": (b"hello, I am text pretending to be a png", BIG, 5, ErrorCode.UNSUPPORTED_FORMAT),
+        "too many pixels": (encode(Image.new("L", (3000, 3000))), 1_000_000, 5, ErrorCode.IMAGE_TOO_LARGE),
+        "empty": (b"", BIG, 5, ErrorCode.EMPTY_INPUT),
+    }
+    for name, (data, px, pages, want) in cases.items():
+        assert _sniff_both(data, px, pages) == [want] * 3, name
+    assert cases["tiff pages"][3].frames == 3 and cases["pdf"][3].format == "PDF"

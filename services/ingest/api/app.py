@@ -7,6 +7,10 @@ Routes (all JSON; errors are ``{"error": {"code", "message"}}``, see :mod:`.erro
   reading (413 before the body is read when ``Content-Length`` is over it). A cached image is
   answered at once with 200 and the finished result; otherwise the image is checked from its
   header, stored once under its SHA-256 and sent on ``ocr.requests``: 202 with the request id.
+  A raw body reaching ``OCRSTREAM_HTTP_STREAM_PART_BYTES`` is not kept in memory: it streams to
+  an S3 multipart upload under the staging prefix (and a spool file) while it is read and
+  hashed, and becomes the content object only once it is known to be new and valid
+  (:class:`~services.ingest.api.uploads.StagedBody`, :func:`~services.ingest.accept.accept_staged`).
 * ``POST /v1/ocr/batch`` — many images in one multipart body; one item per file.
 * ``GET /v1/ocr/{request_id}?wait=S`` — the request's state; with ``wait`` the call returns as
   soon as the completion arrives on ``ocr.completed`` (or after S seconds, still pending).
@@ -56,7 +60,7 @@ from services.common.outputs import OutputLru
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
 from services.common.telemetry import SpanKind, Telemetry
-from services.ingest.accept import accept_image
+from services.ingest.accept import accept_image, accept_staged
 from services.ingest.api.auth import Guard, Principal
 from services.ingest.api.errors import (
     STATUS_OF_CODE, ApiError, api_error_handler, http_error_handler, validation_error_handler,
@@ -194,6 +198,9 @@ class FrontDoor:
         r = self.telemetry.registry
         self.http_requests = Counter("ocrstream_http_requests", "HTTP submissions and reads by outcome",
                                      ["route", "outcome"], registry=r)
+        self.http_staged = Counter("ocrstream_http_staged_uploads", "Raw uploads streamed to S3 (over one part) by how "
+                                   "their multipart upload ended: completed, aborted, abort_failed",
+                                   ["outcome"], registry=r)
         self.http_seconds = Histogram("ocrstream_http_seconds", "Time to answer, by route and outcome",
                                       ["route", "outcome"], registry=r,
                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 60))
@@ -242,6 +249,10 @@ class FrontDoor:
         self.telemetry.close()
 
     # -- helpers ------------------------------------------------------------------------------
+    def count_staged(self, outcome: str) -> None:
+        """Count how a streamed upload's multipart upload ended (``completed``, ``aborted``, ``abort_failed``)."""
+        self.http_staged.labels(outcome).inc()
+
     def links(self, rid: str) -> Links:
         return Links(self=f"/v1/ocr/{rid}", wait=f"/v1/ocr/{rid}?wait={int(self.s.http_wait_max_s)}")
 
@@ -352,7 +363,7 @@ class FrontDoor:
                                  attributes={"ocrstream.request_id": rid}):
             base = RequestEvent(
                 request_id=rid, content_sha256=up.sha256, image_uri=self.store.uri(image_object_key(up.sha256)),
-                size_bytes=len(up.data), task=opts.task, source=opts.source,
+                size_bytes=up.size_bytes, task=opts.task, source=opts.source,
                 filename=opts.filename or up.filename, callback_url=opts.callback_url, submitted_at_ms=submitted,
                 metadata=opts.metadata, traceparent=self.telemetry.traceparent(), api_key_id=principal.key_id,
             )
@@ -362,7 +373,11 @@ class FrontDoor:
             if hit is not None:
                 return 200, self._answer_from_cache(base, key, gen, *hit, started)
             try:
-                acc = await accept_image(up.data, self.s.limits, self.store, sha256=up.sha256)
+                if up.staged is not None:  # streamed: checked from its spool file, then made the content object
+                    acc = await accept_staged(up.staged.spool, up.staged.size, up.sha256, up.staged.upload,
+                                              self.s.limits, self.store)
+                else:
+                    acc = await accept_image(up.data, self.s.limits, self.store, sha256=up.sha256)
             except OcrError as err:
                 if err.code.value in STATUS_OF_CODE:
                     raise ApiError(STATUS_OF_CODE[err.code.value], err.code.value, err.message) from None
@@ -647,6 +662,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         started = time.perf_counter()
         outcome = "error"
         held = door.budget.reservation()
+        up = None
         try:
             principal = await door.guard.check(request)
             ctype = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110 §8.3.1)
@@ -659,7 +675,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 opts = SubmitOptions.parse({**query, **fields})
             elif ctype.startswith(_RAW_TYPES) or not ctype:
                 opts = SubmitOptions.parse(query)
-                up = await read_raw(request, s.limits.max_image_bytes, held, s.http_body_timeout_s)
+                up = await read_raw(request, s.limits.max_image_bytes, held, s.http_body_timeout_s, store=door.store,
+                                    part_bytes=s.http_stream_part_bytes, on_staged_end=door.count_staged)
             else:
                 raise ApiError(415, "unsupported_format", f"Content-Type {ctype!r}: send image bytes or multipart/form-data")
             status, body = await door.submit(up, opts, principal, request.headers.get("traceparent"))
@@ -669,6 +686,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             outcome = err.code
             raise
         finally:
+            if up is not None and up.staged is not None:  # aborts the multipart upload unless it became the image
+                await up.staged.discard()
             held.release()
             door.http_requests.labels("submit", outcome).inc()
             door.http_seconds.labels("submit", outcome).observe(time.perf_counter() - started)

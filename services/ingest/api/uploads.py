@@ -1,30 +1,46 @@
-"""Reading uploads with the byte limit enforced while reading, and hashing as the bytes arrive."""
+"""Reading uploads with the byte limit enforced while reading, and hashing as the bytes arrive;
+a raw body larger than one S3 part is streamed to S3 (and a spool file) while it is read."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-from collections.abc import AsyncIterator
+import logging
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
+from services.common.s3 import MultipartUpload, ObjectStore
 from services.ingest.api.errors import ApiError
+
+log = logging.getLogger(__name__)
 
 #: Room for multipart boundaries, part headers and option fields on top of the image bytes.
 MULTIPART_OVERHEAD = 64 * 1024
+#: S3's smallest part (every part of a multipart upload but the last), bytes.
+MIN_PART_BYTES = 5 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class Upload:
-    """One uploaded image: its bytes, SHA-256 (hex, computed while reading when possible),
-    the client's file name and the form's option fields (multipart only)."""
+    """One uploaded image: its SHA-256 (hex, computed while reading when possible), the client's
+    file name, and its bytes: in ``data``, or (a raw body over one S3 part) in ``staged`` with
+    ``data`` empty."""
 
     data: bytes
     sha256: str
     filename: str | None
+    staged: StagedBody | None = None
+
+    @property
+    def size_bytes(self) -> int:
+        """Length of the upload, bytes."""
+        return self.staged.size if self.staged is not None else len(self.data)
 
 
 class UploadBudget:
@@ -66,6 +82,12 @@ class Reservation:
                            {"Retry-After": "1"})
         b.used += n
         self.held += n
+
+    def give(self, n: int) -> None:
+        """Give back ``n`` bytes no longer held (a part sent to S3), at most what is held."""
+        n = min(n, self.held)
+        self.budget.used -= n
+        self.held -= n
 
     def release(self) -> None:
         """Give back everything this request took (idempotent)."""
@@ -132,19 +154,201 @@ async def limited_stream(request: Request, limit: int, budget: Reservation | Non
         yield chunk
 
 
+class PartSplitter:
+    """Cuts a stream of chunks into multipart parts of at least ``size`` bytes.
+
+    A part is handed out whole (the buffer itself, not a copy) as soon as it reaches ``size``,
+    so parts are ``size`` to ``size + len(chunk) - 1`` bytes; what is left at the end is
+    :meth:`rest` (the last part, any size, possibly empty). ``size`` 0 never cuts.
+
+    Args:
+        size: Bytes per part (S3: at least 5 MiB but for the last).
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.buf = bytearray()
+
+    def feed(self, chunk: bytes) -> bytearray | None:
+        """Add ``chunk``; returns a full part once there is one, else None."""
+        self.buf += chunk
+        if self.size and len(self.buf) >= self.size:
+            part, self.buf = self.buf, bytearray()
+            return part
+        return None
+
+    def rest(self) -> bytearray:
+        """The bytes not yet handed out as a part."""
+        return self.buf
+
+
+_ending: set[asyncio.Task] = set()  # StagedBody ends running on after their request was cancelled
+
+
+@contextlib.contextmanager
+def _s3_errors() -> Iterator[None]:
+    try:
+        yield
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - S3 (or the spool disk) failed: nothing was promised yet
+        raise ApiError(503, "unavailable", f"the image could not be stored: {exc!r}") from None
+
+
+class StagedBody:
+    """A raw body larger than one S3 part, streamed while it is read: each part goes to an S3
+    multipart upload to a new staging key (:meth:`ObjectStore.staging_key`) and to a spool file
+    on local disk (an unlinked temporary file: gone when closed, or when the process dies), in
+    the order read.
+
+    At most one part is in flight while the next one fills, so a request holds at most about two
+    parts in memory; :meth:`add` waits for the previous part first (the client is slowed down
+    instead). Each part is given back to the request's :class:`Reservation` once sent.
+
+    Whoever made it must call :meth:`discard` when the request ends, in every case: it aborts
+    the multipart upload unless it was completed (by
+    :func:`services.ingest.accept.accept_staged`) or already aborted, so no parts are left.
+
+    Args:
+        store: The object store.
+        budget: The request's share of the upload budget (given back part by part), or None.
+        on_end: Called once by :meth:`discard` with ``completed``, ``aborted`` or ``abort_failed``.
+    """
+
+    def __init__(self, store: ObjectStore, budget: Reservation | None = None,
+                 on_end: Callable[[str], None] | None = None):
+        self.store = store
+        self.budget = budget
+        self.on_end = on_end
+        self.key = store.staging_key()
+        self.upload: MultipartUpload | None = None
+        self.spool = tempfile.TemporaryFile(prefix="ocrstream-upload-")
+        self.size = 0
+        self._inflight: asyncio.Task | None = None
+        self._ended = False
+
+    async def add(self, part: bytearray) -> None:
+        """Send ``part`` (at least 5 MiB unless it is the last) in the background, after the
+        previous part has been sent; starts the multipart upload with the first part.
+
+        Raises:
+            ApiError: 503 ``unavailable`` when S3 (or the spool disk) failed with this part or
+                the previous one.
+        """
+        with _s3_errors():
+            await self._wait_inflight()
+            if self.upload is None:
+                self.upload = await self.store.start_multipart(self.key)
+            self.size += len(part)
+            self._inflight = asyncio.ensure_future(self._send(self.upload, part))
+
+    async def finish(self, rest: bytearray) -> None:
+        """Send the last part (``rest``, any size; nothing if empty) and wait until every part is
+        in S3 and in the spool file.
+
+        Raises:
+            ApiError: 503 ``unavailable`` as :meth:`add`.
+        """
+        if rest:
+            await self.add(rest)
+        with _s3_errors():
+            await self._wait_inflight()
+            await asyncio.to_thread(self.spool.flush)
+
+    async def _send(self, upload: MultipartUpload, part: bytearray) -> None:
+        try:
+            results = await asyncio.gather(asyncio.to_thread(self.spool.write, part), upload.upload_part(part),
+                                           return_exceptions=True)  # both ended before the part is let go
+        finally:
+            if self.budget is not None:
+                self.budget.give(len(part))
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _wait_inflight(self) -> None:
+        f = self._inflight
+        if f is not None:
+            await asyncio.shield(f)  # a cancelled caller leaves the part running: discard() waits for it
+            self._inflight = None
+
+    async def discard(self) -> None:
+        """End the staged upload (idempotent): wait for a part still in flight, abort the multipart
+        upload if it is still open, close (and so delete) the spool file. Runs to its end even
+        if the calling request is cancelled. An abort that fails is logged and counted
+        (``abort_failed``); the bucket's staging lifecycle rule removes those parts later."""
+        if self._ended:
+            return
+        self._ended = True
+        task = asyncio.ensure_future(self._discard())
+        _ending.add(task)
+        task.add_done_callback(_ending.discard)
+        await asyncio.shield(task)
+
+    async def _discard(self) -> None:
+        outcome = "aborted"
+        try:
+            if self._inflight is not None:
+                with contextlib.suppress(BaseException):
+                    await self._inflight
+            if self.upload is not None and self.upload.state == "completed":
+                outcome = "completed"
+            elif self.upload is not None:
+                try:
+                    await self.upload.abort()
+                except Exception as exc:  # noqa: BLE001 - left to the lifecycle rule
+                    outcome = "abort_failed"
+                    log.warning("api: multipart upload %s to %s not aborted: %r", self.upload.upload_id, self.key, exc)
+        finally:
+            self.spool.close()
+            if self.on_end is not None:
+                self.on_end(outcome)
+
+
 async def read_raw(request: Request, limit: int, budget: Reservation | None = None,
-                   timeout_s: float | None = None) -> Upload:
+                   timeout_s: float | None = None, *, store: ObjectStore | None = None, part_bytes: int = 0,
+                   on_staged_end: Callable[[str], None] | None = None) -> Upload:
     """A raw-body upload (``Content-Type: image/*``, ``application/pdf`` or
     ``application/octet-stream``), hashed chunk by chunk as it is read.
 
+    A body under ``part_bytes`` is returned in memory (``Upload.data``). Once a body reaches
+    ``part_bytes`` (and ``store`` is given) it is streamed while it is read: a
+    :class:`StagedBody` in ``Upload.staged``, whose :meth:`StagedBody.discard` the caller must
+    call when the request ends. If reading fails (413, 408, 503, the client going away), the
+    staged upload is discarded here before the error is raised.
+
+    Args:
+        limit: Bytes; 413 past it.
+        budget: The request's share of the upload budget.
+        timeout_s: The whole body must arrive within this many seconds.
+        store: Where a large body is streamed; None keeps every body in memory.
+        part_bytes: S3 part size, bytes (>= 5 MiB); 0 keeps every body in memory.
+        on_staged_end: Passed to :class:`StagedBody` (the outcome of a streamed upload).
+
     Raises:
-        ApiError: 413 ``input_too_large``; 400 ``empty_input`` for an empty body.
+        ApiError: 413 ``input_too_large``; 400 ``empty_input`` for an empty body; 408, 503 as
+            :func:`limited_stream`; 503 ``unavailable`` when S3 fails during a streamed upload.
     """
     h = hashlib.sha256()
-    buf = bytearray()
-    async for chunk in limited_stream(request, limit, budget, timeout_s):
-        h.update(chunk)
-        buf += chunk
+    parts = PartSplitter(part_bytes if store is not None else 0)
+    staged: StagedBody | None = None
+    try:
+        async for chunk in limited_stream(request, limit, budget, timeout_s):
+            h.update(chunk)
+            part = parts.feed(chunk)
+            if part is not None:
+                if staged is None:
+                    staged = StagedBody(store, budget, on_staged_end)
+                await staged.add(part)
+        if staged is not None:
+            await staged.finish(parts.rest())
+    except BaseException:
+        if staged is not None:
+            await staged.discard()
+        raise
+    if staged is not None:
+        return Upload(b"", h.hexdigest(), None, staged)
+    buf = parts.rest()
     if not buf:
         raise ApiError(400, "empty_input", "the request body is empty")
     return Upload(bytes(buf), h.hexdigest(), None)

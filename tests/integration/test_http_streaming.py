@@ -1,0 +1,186 @@
+"""Large raw uploads to the HTTP door stream to S3 while they are read (multipart to a staging
+key, then the content object): on the real stack, with the door's S3 prefix namespaced."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import struct
+import time
+import uuid
+import zlib
+
+import boto3
+import httpx
+import pytest
+from botocore.config import Config
+
+from services.common.s3 import staging_rule_id
+from services.common.settings import CommonSettings
+from tests.conftest import text_image
+from tests.integration.conftest import API_BODY_TIMEOUT_S, API_ENV
+from tests.stack import API, metric_value
+
+pytestmark = pytest.mark.stack
+
+MiB = 1024 * 1024
+PART = 5 * MiB  # the smallest part S3 allows: streaming starts early and the bodies stay small
+LIMIT = 45 * MiB
+BUDGET = 12 * MiB  # under one 20 MiB body: only the parts held are charged
+
+
+def padded_png(lines: list[str], total_bytes: int) -> bytes:
+    """A PNG of ``lines`` (tests.conftest.text_image) grown to ``total_bytes`` by a private
+    ancillary chunk of random bytes before IEND: a valid PNG that decoders skip through, so
+    the text read is exactly ``lines`` whatever the size."""
+    png = text_image(lines, size=40)
+    assert png.endswith(b"IEND\xaeB`\x82")
+    body, iend = png[:-12], png[-12:]
+    n = total_bytes - len(png) - 12
+    data = os.urandom(n)
+    ctype = b"noIs"  # ancillary, private, safe to copy (PNG spec 5.4)
+    chunk = struct.pack(">I", n) + ctype + data + struct.pack(">I", zlib.crc32(ctype + data) & 0xFFFFFFFF)
+    out = body + chunk + iend
+    assert len(out) == total_bytes
+    return out
+
+
+@pytest.fixture(scope="module")
+def s3():
+    cfg = CommonSettings().s3
+    client = boto3.client("s3", endpoint_url=cfg.endpoint_url, aws_access_key_id=cfg.access_key,
+                          aws_secret_access_key=cfg.secret_key.get_secret_value(), region_name=cfg.region,
+                          config=Config(s3={"addressing_style": "path"}))
+    client.bucket = cfg.bucket
+    return client
+
+
+@pytest.fixture(scope="module")
+def door(pipeline):
+    """A door taking 45 MiB bodies, streaming from 5 MiB on under its own staging prefix, with an
+    upload budget smaller than the bodies it is sent."""
+    prefix = f"staging/{uuid.uuid4().hex[:10]}/"
+    st = pipeline.start(API, extra_env={**API_ENV, "OCRSTREAM_LIMITS__MAX_IMAGE_BYTES": str(LIMIT),
+                                        "OCRSTREAM_HTTP_STREAM_PART_BYTES": str(PART),
+                                        "OCRSTREAM_HTTP_UPLOAD_BUDGET_BYTES": str(BUDGET),
+                                        "OCRSTREAM_S3__STAGING_PREFIX": prefix})
+    st.url = f"http://127.0.0.1:{st.port}"
+    st.prefix = prefix
+    yield st
+    pipeline.stop(st)
+
+
+def staged(s3, prefix: str) -> tuple[list[str], list[str]]:
+    """(staging object keys, incomplete multipart upload keys) under ``prefix``.
+
+    Uploads are listed bucket-wide and filtered here: MinIO's ListMultipartUploads matches a
+    ``Prefix`` only as a whole object key (a shorter prefix lists nothing)."""
+    objs = s3.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])
+    ups = [u["Key"] for page in s3.get_paginator("list_multipart_uploads").paginate(Bucket=s3.bucket)
+           for u in page.get("Uploads", []) if u["Key"].startswith(prefix)]
+    return [o["Key"] for o in objs], ups
+
+
+def staged_outcomes(door) -> dict[str, float]:
+    with httpx.Client(base_url=door.url, timeout=10) as c:
+        text = c.get("/metrics").text
+    return {o: metric_value(text, "ocrstream_http_staged_uploads_total", outcome=o)
+            for o in ("completed", "aborted", "abort_failed")}
+
+
+def test_a_20_mib_upload_streams_to_its_content_object_and_a_repeat_is_cached(door, s3):
+    text = f"STREAMED {uuid.uuid4().hex[:6].upper()}"
+    img = padded_png([text], 20 * MiB)
+    sha = hashlib.sha256(img).hexdigest()
+    before = staged_outcomes(door)
+    with httpx.Client(base_url=door.url, timeout=120) as c:
+        r = c.post("/v1/ocr", content=img, headers={"Content-Type": "image/png"})
+        assert r.status_code == 202, r.text
+        got = c.get(f"/v1/ocr/{r.json()['request_id']}", params={"wait": 60}).json()
+        assert got["status"] == "ok", got
+        assert got["result"]["text"] == text and got["result"]["content_sha256"] == sha
+        obj = s3.get_object(Bucket=s3.bucket, Key=f"images/{sha[:2]}/{sha}")
+        assert obj["ContentType"] == "image/png" and obj["Body"].read() == img
+        assert staged(s3, door.prefix) == ([], [])
+        assert staged_outcomes(door)["completed"] == before["completed"] + 1
+
+        again = c.post("/v1/ocr", content=img, headers={"Content-Type": "image/png"})
+        assert again.status_code == 200, again.text
+        assert again.json()["cache_hit"] is True and again.json()["result"]["text"] == text
+        assert staged(s3, door.prefix) == ([], [])
+        assert staged_outcomes(door)["aborted"] == before["aborted"] + 1
+
+
+def test_a_chunked_body_over_the_limit_is_cut_off_with_413_and_leaves_no_parts(door, s3):
+    before = staged_outcomes(door)
+    chunk = os.urandom(MiB)
+
+    def body():
+        for _ in range(LIMIT // MiB + 10):
+            yield chunk
+
+    with httpx.Client(base_url=door.url, timeout=120) as c:
+        r = c.post("/v1/ocr", content=body(), headers={"Content-Type": "image/png"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "input_too_large", r.text
+    after = staged_outcomes(door)
+    assert after["aborted"] == before["aborted"] + 1 and after["completed"] == before["completed"]
+    assert staged(s3, door.prefix) == ([], [])
+
+
+def test_a_client_that_goes_away_mid_upload_leaves_no_parts(door, s3):
+    before = staged_outcomes(door)
+    head = (f"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            f"Content-Length: {30 * MiB}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", door.port), timeout=30) as sock:
+        sock.sendall(head)
+        for _ in range(12):
+            sock.sendall(os.urandom(MiB))
+        deadline = time.monotonic() + 60
+        while not staged(s3, door.prefix)[1] and time.monotonic() < deadline:  # the multipart upload began
+            time.sleep(0.1)
+        assert len(staged(s3, door.prefix)[1]) == 1
+    deadline = time.monotonic() + 60
+    while staged_outcomes(door)["aborted"] == before["aborted"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert staged_outcomes(door)["aborted"] == before["aborted"] + 1
+    assert staged(s3, door.prefix) == ([], [])
+
+
+def test_a_body_that_stalls_mid_upload_gets_408_and_leaves_no_parts(door, s3):
+    before = staged_outcomes(door)
+    head = (f"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            f"Content-Length: {20 * MiB}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", door.port), timeout=API_BODY_TIMEOUT_S * 5) as sock:
+        sock.sendall(head + os.urandom(7 * MiB))  # past one part, then nothing
+        answer = sock.recv(4096)
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"408", answer[:200]
+    assert b'"code":"request_timeout"' in answer
+    after = staged_outcomes(door)
+    assert after["aborted"] == before["aborted"] + 1 and after["completed"] == before["completed"]
+    assert staged(s3, door.prefix) == ([], [])
+
+
+def test_a_streamed_body_that_is_not_an_image_is_refused_and_leaves_nothing(door, s3):
+    before = staged_outcomes(door)
+    with httpx.Client(base_url=door.url, timeout=120) as c:
+        r = c.post("/v1/ocr", content=b"%!PS-Adobe " + os.urandom(7 * MiB),
+                   headers={"Content-Type": "application/octet-stream"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_format", r.text
+    assert staged_outcomes(door)["aborted"] == before["aborted"] + 1
+    assert staged(s3, door.prefix) == ([], [])
+
+
+def test_init_installs_the_staging_lifecycle_rule_once(s3, stack_env):
+    import subprocess
+    import sys
+
+    from tests.stack import REPO
+
+    for _ in range(2):  # idempotent: run by the session already, and again
+        subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
+    rules = s3.get_bucket_lifecycle_configuration(Bucket=s3.bucket)["Rules"]
+    ours = [r for r in rules if r["ID"] == staging_rule_id("staging/")]
+    assert len(ours) == 1, rules
+    assert ours[0]["Filter"] == {"Prefix": "staging/"} and ours[0]["Status"] == "Enabled"
+    assert ours[0]["Expiration"] == {"Days": 1}
