@@ -23,6 +23,8 @@ def test_encode_follows_the_event_stream_format():
     assert encode("end", b'{"reason":"done"}') == b'event: end\ndata: {"reason":"done"}\n\n'
     with pytest.raises(ValueError, match="does not match"):
         encode("completed", {}, "bad\nid")
+    with pytest.raises(ValueError, match="does not match"):
+        encode("completed", {}, "trailing-newline\n")  # Python's $ matches before a final newline
     with pytest.raises(ValueError, match="one line"):
         encode("completed", b'{\n}')
 

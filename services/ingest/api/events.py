@@ -54,7 +54,7 @@ def encode(event: str, data: object, event_id: str | None = None) -> bytes:
         raise ValueError("event data must be one line")
     head = f"event: {event}\n"
     if event_id is not None:
-        if not _ID_RE.match(event_id):
+        if not _ID_RE.fullmatch(event_id):  # not match: "$" also matches before a final "\n"
             raise ValueError(f"event id {event_id!r} does not match {ID_PATTERN}")
         head += f"id: {event_id}\n"
     return head.encode() + b"data: " + body + b"\n\n"
