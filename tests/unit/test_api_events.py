@@ -83,6 +83,18 @@ async def test_timeout_ends_with_the_pending_ids_after_keep_alives(hub):
     assert hub.waiting == 0
 
 
+async def test_the_door_closing_ends_the_stream_without_end_and_releases_the_waiters(hub):
+    closing = asyncio.Event()
+    snapshot = [("x", True)]
+    watch = Watch(hub, hub.register_many(["x"]))
+    events = progress(watch, snapshot, completed=lambda d: b"{}", pending=lambda rid: b"{}", owned=lambda d: True,
+                      timeout_s=300, keepalive_s=300, closing=closing)
+    assert (await events.__anext__()).startswith(b"event: pending")
+    asyncio.get_running_loop().call_later(0.05, closing.set)
+    assert [c async for c in events] == []  # no "end": an EventSource reconnects to another replica
+    assert hub.waiting == 0
+
+
 async def test_register_many_is_all_or_nothing(hub):
     hub.register("held")
     with pytest.raises(OverflowError, match="limit of 5"):
