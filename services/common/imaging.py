@@ -64,8 +64,10 @@ def _pdf_document(data: bytes | BinaryIO):
 
 
 def is_pdf(data: bytes) -> bool:
-    """Whether ``data`` is a PDF: ``%PDF-`` within its first :data:`PDF_HEADER_WINDOW` bytes
-    (and not a raster image that merely holds those bytes, say in a PNG text chunk)."""
+    """Whether ``data`` may be a PDF: ``%PDF-`` within its first :data:`PDF_HEADER_WINDOW` bytes
+    (and not a raster image that merely holds those bytes, say in a PNG text chunk). Only a
+    file starting with ``%PDF-`` is surely one: :func:`sniff` takes any other file as an image
+    first if Pillow reads it (a PPM comment or raw pixels may hold ``%PDF-`` too)."""
     if data.startswith(PDF_MAGIC):
         return True
     return PDF_MAGIC in data[:PDF_HEADER_WINDOW] and _raster_signature(data) is None
@@ -102,21 +104,8 @@ def sniff(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
         data.seek(0)
     if not head:
         raise OcrError(ErrorCode.EMPTY_INPUT, "the image has zero bytes")
-    if is_pdf(head):
-        doc = _pdf_document(data)
-        try:
-            n = len(doc)
-            if n == 0:
-                raise OcrError(ErrorCode.CORRUPT_IMAGE, "PDF has no pages")
-            if n > max_pages:
-                raise OcrError(ErrorCode.TOO_MANY_PAGES, f"PDF has {n} pages, limit {max_pages}")
-            w_pt, h_pt = doc[0].get_size()
-            w, h = round(w_pt * PDF_RENDER_DPI / 72), round(h_pt * PDF_RENDER_DPI / 72)
-        finally:
-            doc.close()
-        _check_pixels(w, h, max_pixels)
-        _check_total(w * h * n, max_pixels)
-        return ImageInfo("PDF", w, h, n)
+    if head.startswith(PDF_MAGIC):
+        return _sniff_pdf(data, max_pixels, max_pages)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -124,6 +113,10 @@ def sniff(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
     except Image.DecompressionBombError as exc:
         raise OcrError(ErrorCode.IMAGE_TOO_LARGE, str(exc)) from exc
     except Exception as exc:
+        if is_pdf(head):  # "%PDF-" after other bytes, and no image reader took the file
+            if src is not None:
+                src.seek(0)
+            return _sniff_pdf(data, max_pixels, max_pages)
         if fmt := _raster_signature(head):
             raise OcrError(ErrorCode.CORRUPT_IMAGE, f"starts like a {fmt} file but its header cannot be read") from exc
         raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, "not an image format ocrstream reads") from exc
@@ -135,6 +128,23 @@ def sniff(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
             raise OcrError(ErrorCode.TOO_MANY_PAGES, f"image has {frames} frames, limit {max_pages}")
         _check_total(w * h * frames, max_pixels)
         return ImageInfo(img.format or "unknown", w, h, frames)
+
+
+def _sniff_pdf(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
+    doc = _pdf_document(data)
+    try:
+        n = len(doc)
+        if n == 0:
+            raise OcrError(ErrorCode.CORRUPT_IMAGE, "PDF has no pages")
+        if n > max_pages:
+            raise OcrError(ErrorCode.TOO_MANY_PAGES, f"PDF has {n} pages, limit {max_pages}")
+        w_pt, h_pt = doc[0].get_size()
+        w, h = round(w_pt * PDF_RENDER_DPI / 72), round(h_pt * PDF_RENDER_DPI / 72)
+    finally:
+        doc.close()
+    _check_pixels(w, h, max_pixels)
+    _check_total(w * h * n, max_pixels)
+    return ImageInfo("PDF", w, h, n)
 
 
 def _check_total(total: int, max_pixels: int) -> None:

@@ -8,11 +8,12 @@ at start-up and passed explicitly (never read from ``os.environ`` deep in the co
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from schemas.keys import CacheGeneration
 from schemas.topics import Topics
@@ -169,16 +170,43 @@ def load_settings(cls: type[S]) -> S:
         SystemExit: (status 1) when a variable does not parse; the message names each variable
             as it is spelled in the environment, e.g.
             ``OCRSTREAM_MAX_BATCH='abc': Input should be a valid integer, ...``
-            (values of password/secret/token/key fields are not echoed).
+            (values of password/secret/token/key fields are not echoed). A list, dict or
+            section value that is not JSON (pydantic-settings' ``SettingsError``) names every
+            variable of that field, e.g. ``OCRSTREAM_HTTP_CORS_ORIGINS='*': not valid JSON ...``.
     """
+    prefix = cls.model_config.get("env_prefix") or ""
+    delim = cls.model_config.get("env_nested_delimiter") or "__"
     try:
         return cls()
+    except SettingsError as exc:
+        raise SystemExit("ocrstream: invalid settings in the environment:\n  "
+                         + "\n  ".join(_unparsed(exc, prefix, delim))) from None
     except ValidationError as exc:
-        prefix = cls.model_config.get("env_prefix") or ""
-        delim = cls.model_config.get("env_nested_delimiter") or "__"
         lines = []
         for err in exc.errors():
             name = (prefix + delim.join(str(part) for part in err["loc"])).upper()
-            shown = "" if _SECRET.search(name) else f"={err.get('input')!r}"
+            shown = _shown(name, err.get("input"))
             lines.append(f"{name}{shown}: {err['msg']}")
         raise SystemExit("ocrstream: invalid settings in the environment:\n  " + "\n  ".join(lines)) from None
+
+
+def _unparsed(exc: SettingsError, prefix: str, delim: str) -> list[str]:
+    """The lines for the field a ``SettingsError`` names (its message is ``error parsing value
+    for field "F" from source "S"``, pydantic-settings 2.x): its variable if set, else its nested
+    ``F__*`` ones, as spelled in the environment."""
+    m = re.search(r'field "([^"]+)"', str(exc))
+    field = (prefix + m.group(1)).upper() if m else None
+    cause = exc.__cause__
+    reason = f"not valid JSON ({cause})" if cause is not None else str(exc)
+    exact = [n for n in os.environ if field and n.upper() == field]  # the whole field's JSON, if set
+    names = exact or sorted(n for n in os.environ if field and n.upper().startswith(field + delim.upper()))
+    if not names:
+        return [f"{field or prefix + '*'}: {reason}"]
+    return [f"{n}{_shown(n, os.environ[n])}: {reason}" for n in names]
+
+
+def _shown(name: str, value: object) -> str:
+    """``='value'`` for an error line, or nothing when the variable's name or its value (a JSON
+    section such as ``OCRSTREAM_MYSQL='{"password": ...}'``) mentions a password, secret, token or key."""
+    text = repr(value)
+    return "" if _SECRET.search(name) or _SECRET.search(text) else f"={text}"

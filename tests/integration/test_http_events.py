@@ -4,6 +4,7 @@ connection, finished and unknown ids, limits, keep-alives, time-outs and a clien
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -223,3 +224,22 @@ def test_timeout_keep_alives_and_the_waiter_bound(small_door):
         # and a timeout over the server's longest is capped, not refused
         with c.stream("GET", "/v1/events", params={"id": rids[0], "timeout": 1e9}) as resp:
             assert resp.status_code == 200 and next(sse(resp))["event"] == "pending"
+
+
+def test_sigterm_ends_an_open_stream_cleanly_without_end(pipeline):
+    """A stream waiting on a request when the door gets SIGTERM ends at once with a complete
+    body and no ``end`` event (so an ``EventSource`` reconnects elsewhere), instead of holding
+    uvicorn's graceful shutdown to its limit and then being cut off mid-body."""
+    st = pipeline.start(API, extra_env={**API_ENV, "OCRSTREAM_WEBHOOK_ENABLED": "false",
+                                        "OCRSTREAM_HTTP_EVENTS_KEEPALIVE_S": "3600"})
+    rid = _pending_forever()
+    with httpx.Client(base_url=f"http://127.0.0.1:{st.port}", timeout=90) as c:
+        with c.stream("GET", "/v1/events", params={"id": rid, "timeout": 300}) as resp:
+            events = sse(resp)
+            assert next(events)["event"] == "pending"
+            st.proc.send_signal(signal.SIGTERM)
+            rest = list(events)  # raises RemoteProtocolError if the body is cut off
+    assert rest == []
+    pipeline.stop(st)  # uvicorn re-raises the SIGTERM it handled: the exit status is -15
+    log = st.log.read_text()
+    assert "graceful shutdown exceeded" not in log and "Traceback" not in log

@@ -23,6 +23,8 @@ def test_encode_follows_the_event_stream_format():
     assert encode("end", b'{"reason":"done"}') == b'event: end\ndata: {"reason":"done"}\n\n'
     with pytest.raises(ValueError, match="does not match"):
         encode("completed", {}, "bad\nid")
+    with pytest.raises(ValueError, match="does not match"):
+        encode("completed", {}, "trailing-newline\n")  # Python's $ matches before a final newline
     with pytest.raises(ValueError, match="one line"):
         encode("completed", b'{\n}')
 
@@ -78,6 +80,18 @@ async def test_timeout_ends_with_the_pending_ids_after_keep_alives(hub):
     assert [e[0] for e in got[:3]] == ["pending", "pending", "completed"]
     assert got[3:-1] and all(e == KEEPALIVE.decode().strip() for e in got[3:-1])
     assert got[-1] == ("end", None, {"reason": "timeout", "completed": ["y"], "pending": ["x"], "not_found": []})
+    assert hub.waiting == 0
+
+
+async def test_the_door_closing_ends_the_stream_without_end_and_releases_the_waiters(hub):
+    closing = asyncio.Event()
+    snapshot = [("x", True)]
+    watch = Watch(hub, hub.register_many(["x"]))
+    events = progress(watch, snapshot, completed=lambda d: b"{}", pending=lambda rid: b"{}", owned=lambda d: True,
+                      timeout_s=300, keepalive_s=300, closing=closing)
+    assert (await events.__anext__()).startswith(b"event: pending")
+    asyncio.get_running_loop().call_later(0.05, closing.set)
+    assert [c async for c in events] == []  # no "end": an EventSource reconnects to another replica
     assert hub.waiting == 0
 
 

@@ -156,3 +156,27 @@ def test_a_failed_part_is_a_503_and_discard_aborts_after_the_part_in_flight():
         assert ends == ["aborted", "aborted"]
 
     asyncio.run(main())
+
+
+def test_a_client_that_leaves_mid_body_is_a_499_not_a_server_error():
+    """Starlette's ``ClientDisconnect`` (the ASGI server's ``http.disconnect``) becomes the door's
+    own error, so the route counts it and no "Exception in ASGI application" traceback is logged."""
+    from starlette.requests import Request
+
+    from services.ingest.api.uploads import read_raw
+
+    messages = [{"type": "http.request", "body": b"\x89PNG" + b"x" * 100, "more_body": True},
+                {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0)
+
+    async def main():
+        request = Request({"type": "http", "method": "POST", "path": "/v1/ocr", "headers": []}, receive)
+        budget = UploadBudget(0).reservation()
+        with pytest.raises(ApiError) as err:
+            await read_raw(request, 1000, budget)
+        return err.value
+
+    err = asyncio.run(main())
+    assert (err.status, err.code) == (499, "client_closed")

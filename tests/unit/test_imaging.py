@@ -170,6 +170,23 @@ def test_pdf_header_may_follow_other_bytes_but_a_png_holding_it_stays_a_png():
     assert sniff(png, BIG, 5).format == "PNG"
 
 
+def test_an_image_holding_a_pdf_header_that_no_signature_names_stays_an_image():
+    # PPM (and other formats Pillow reads without a fixed signature) may hold "%PDF-" in a
+    # header comment or in raw pixel bytes within the first 1024 bytes
+    ppm = encode(marker_image(40, 20), "PPM")
+    commented = ppm.replace(b"P6\n", b"P6\n# converted from report.pdf (%PDF-1.7)\n", 1)
+    pixels = Image.frombytes("RGB", (2, 1), b"%PDF-1")  # two pixels whose bytes read %PDF-1
+    raw = encode(pixels, "PPM")
+    for data in (commented, raw):
+        assert b"%PDF-" in data[:1024]
+        info = sniff(data, BIG, 5)
+        assert (info.format, info.frames) == ("PPM", 1)
+        assert _sniff_both(data)[1:] == [info, info]
+        assert decode(data, BIG, 5)[0].shape[2] == 3
+    info = sniff(commented, BIG, 5)
+    assert (info.width, info.height) == (40, 20)
+
+
 def _sniff_both(data: bytes, max_pixels: int = BIG, max_pages: int = 5):
     """sniff() of the bytes and of the same bytes in a file (a large HTTP upload's spool file):
     each an ImageInfo or the OcrError code; the file is left open and can be read again."""

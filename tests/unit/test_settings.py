@@ -38,3 +38,41 @@ def test_a_stage_started_with_a_bad_value_exits_with_one_message():
     assert "OCRSTREAM_MAX_BATCH='abc': Input should be a valid integer" in proc.stderr
     assert "OCRSTREAM_REDIS__TIMEOUT_MS='soon': Input should be a valid integer" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+class _Section(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="OCRSTREAM_DEMO_", env_nested_delimiter="__")
+    origins: list[str] = []
+    db: dict[str, str] = {}
+
+
+def test_a_list_or_section_that_is_not_json_is_one_line_not_a_traceback(monkeypatch):
+    monkeypatch.setenv("OCRSTREAM_DEMO_ORIGINS", "https://a.example")
+    with pytest.raises(SystemExit) as exc:
+        load_settings(_Section)
+    assert str(exc.value) == ("ocrstream: invalid settings in the environment:\n"
+                              "  OCRSTREAM_DEMO_ORIGINS='https://a.example': not valid JSON "
+                              "(Expecting value: line 1 column 1 (char 0))")
+
+
+def test_a_section_value_naming_a_secret_is_not_echoed(monkeypatch):
+    monkeypatch.setenv("OCRSTREAM_DEMO_DB", '{"password": "hunter2"')  # cut short: not JSON
+    with pytest.raises(SystemExit) as exc:
+        load_settings(_Section)
+    msg = str(exc.value)
+    assert "OCRSTREAM_DEMO_DB: not valid JSON" in msg
+    assert "hunter2" not in msg
+    monkeypatch.setenv("OCRSTREAM_DEMO_DB", '["password", "hunter2"]')  # JSON, but not a dict
+    with pytest.raises(SystemExit) as exc:
+        load_settings(_Section)
+    assert "OCRSTREAM_DEMO_DB: Input should be a valid dictionary" in str(exc.value)
+    assert "hunter2" not in str(exc.value)
+
+
+def test_the_door_started_with_a_list_setting_that_is_not_json_exits_with_one_message():
+    env = {**os.environ, "OCRSTREAM_HTTP_CORS_ORIGINS": "*"}
+    proc = subprocess.run([sys.executable, "-m", "services.ingest.api"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "OCRSTREAM_HTTP_CORS_ORIGINS='*': not valid JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr

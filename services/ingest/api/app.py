@@ -195,6 +195,8 @@ class FrontDoor:
         self._sends: set[asyncio.Future] = set()  # cache hits being published on ocr.results
         self.budget = UploadBudget(s.http_upload_budget_bytes)
         self.started = asyncio.Event()
+        self.closing = asyncio.Event()  # set at SIGTERM (serve): event streams end at once
+        self._loop: asyncio.AbstractEventLoop | None = None
         r = self.telemetry.registry
         self.http_requests = Counter("ocrstream_http_requests", "HTTP submissions and reads by outcome",
                                      ["route", "outcome"], registry=r)
@@ -216,6 +218,7 @@ class FrontDoor:
         Raises:
             aiokafka.errors.KafkaError: Kafka unreachable (the process exits; k8s restarts it).
         """
+        self._loop = asyncio.get_running_loop()
         self.producer = make_producer(self.s.kafka, client_id="ocrstream-api")
         await self.producer.start()
         self.hit_producer = make_producer(self.s.kafka, client_id="ocrstream-api-hits", linger_ms=self.s.http_hit_linger_ms)
@@ -228,6 +231,14 @@ class FrontDoor:
             await self.webhooks.start()
         self.started.set()
         log.info("api: listening on http://%s:%d", self.s.http_host, self.s.http_port)
+
+    def begin_close(self) -> None:
+        """The process was told to stop (SIGTERM): end every event stream now, without its ``end``
+        event, so an ``EventSource`` reconnects to another replica, instead of holding uvicorn's
+        graceful shutdown for ``shutdown_timeout_s`` and then being cut off mid-body. Safe to call
+        from a signal handler (it only schedules the work on the door's loop); idempotent."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.closing.set)
 
     async def stop(self) -> None:
         """Stop webhook delivery and the reader, flush the producers, close the pools.
@@ -541,7 +552,7 @@ class FrontDoor:
             completed=lambda doc: self._done(doc).model_dump_json(by_alias=True).encode(),
             pending=lambda rid: OcrResponse(request_id=rid, status="pending", links=self.links(rid))
             .model_dump_json(by_alias=True).encode(),
-            owned=lambda doc: self._owned(doc, principal))
+            owned=lambda doc: self._owned(doc, principal), closing=self.closing)
         self.http_streams.inc()
 
         def closed() -> None:
@@ -823,11 +834,20 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
 
 def serve(settings: ApiSettings | None = None) -> None:
-    """Run the door with uvicorn until SIGTERM (blocking)."""
+    """Run the door with uvicorn until SIGTERM (blocking). At the signal, event streams end at
+    once (:meth:`FrontDoor.begin_close`); other requests get uvicorn's graceful shutdown."""
     import uvicorn
 
     s = settings or load_settings(ApiSettings)
     setup_logging("api", s.telemetry.log_level)
-    config = uvicorn.Config(create_app(s), host=s.http_host, port=s.http_port, loop="uvloop", http="httptools",
+    app = create_app(s)
+    door: FrontDoor = app.state.door
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # uvicorn's SIGTERM/SIGINT handler
+            super().handle_exit(sig, frame)
+            door.begin_close()
+
+    config = uvicorn.Config(app, host=s.http_host, port=s.http_port, loop="uvloop", http="httptools",
                             access_log=False, log_config=None, timeout_graceful_shutdown=int(s.shutdown_timeout_s))
-    uvicorn.Server(config).run()
+    Server(config).run()

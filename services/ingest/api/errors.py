@@ -4,7 +4,8 @@ Every error response has the body ``{"error": {"code": "...", "message": "..."}}
 those of :class:`schemas.errors.ErrorCode` for bad images (``input_too_large``,
 ``unsupported_format``, ...) plus the HTTP door's own: ``unauthorized``, ``rate_limited``,
 ``quota_exceeded``, ``not_found``, ``request_timeout`` (408), ``request_id_conflict`` (409), ``callback_not_allowed``, ``overloaded``, ``unavailable``,
-``method_not_allowed``; FastAPI's parameter checks answer 400 ``invalid_request``.
+``method_not_allowed``, ``client_closed`` (499, nginx's status for a client that left
+mid-body: only counted and logged, nobody reads it); FastAPI's parameter checks answer 400 ``invalid_request``.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def encode(event: str, data: object, event_id: str | None = None) -> bytes:
         raise ValueError("event data must be one line")
     head = f"event: {event}\n"
     if event_id is not None:
-        if not _ID_RE.match(event_id):
+        if not _ID_RE.fullmatch(event_id):  # not match: "$" also matches before a final "\n"
             raise ValueError(f"event id {event_id!r} does not match {ID_PATTERN}")
         head += f"id: {event_id}\n"
     return head.encode() + b"data: " + body + b"\n\n"
@@ -87,15 +87,15 @@ class Watch:
 async def progress(watch: Watch, snapshot: list[tuple[str, ResultDocument | bool | None]], *,
                    completed: Callable[[ResultDocument], bytes], pending: Callable[[str], bytes],
                    owned: Callable[[ResultDocument], bool], timeout_s: float,
-                   keepalive_s: float) -> AsyncIterator[bytes]:
+                   keepalive_s: float, closing: asyncio.Event | None = None) -> AsyncIterator[bytes]:
     """The events of one stream, as ``text/event-stream`` chunks.
 
     First one event per id, in the order asked: ``completed`` (already finished), ``pending``,
     or ``error`` (``not_found``: unknown, or another key's). Then one ``completed`` per request
     as its completion arrives on ``ocr.completed``, a keep-alive comment after every
     ``keepalive_s`` seconds without an event, and last ``end`` once nothing is pending or after
-    ``timeout_s`` seconds. If the hub stops (the door is shutting down) the stream ends without
-    ``end``, so an ``EventSource`` reconnects (to another replica).
+    ``timeout_s`` seconds. If the hub stops or ``closing`` is set (the door is shutting down) the
+    stream ends without ``end``, so an ``EventSource`` reconnects (to another replica).
 
     Args:
         watch: The stream's waiters, registered *before* ``snapshot`` was read; released here as
@@ -107,12 +107,14 @@ async def progress(watch: Watch, snapshot: list[tuple[str, ResultDocument | bool
         owned: Whether a completion's document belongs to the caller (its API key).
         timeout_s: Longest time the stream stays open after its first events, s.
         keepalive_s: Longest silence before a keep-alive comment, s.
+        closing: Set when the door is told to stop (SIGTERM).
     """
     loop = asyncio.get_running_loop()
     done: list[str] = []
     missing: list[str] = []
     waiting: dict[asyncio.Future, str] = {}
     order = {rid: i for i, (rid, _) in enumerate(snapshot)}
+    stop = asyncio.ensure_future(closing.wait()) if closing is not None else None
     try:
         for rid, state in snapshot:
             if isinstance(state, ResultDocument):
@@ -131,8 +133,10 @@ async def progress(watch: Watch, snapshot: list[tuple[str, ResultDocument | bool
             left = deadline - loop.time()
             if left <= 0:
                 break
-            ready, _ = await asyncio.wait(waiting, timeout=min(left, keepalive_s),
-                                          return_when=asyncio.FIRST_COMPLETED)
+            ready, _ = await asyncio.wait([*waiting, *([stop] if stop is not None else [])],
+                                          timeout=min(left, keepalive_s), return_when=asyncio.FIRST_COMPLETED)
+            if stop is not None and stop in ready:  # the door is going away
+                return
             if not ready:
                 yield KEEPALIVE
                 continue
@@ -152,6 +156,8 @@ async def progress(watch: Watch, snapshot: list[tuple[str, ResultDocument | bool
         yield encode("end", {"reason": "timeout" if still else "done", "completed": done,
                              "pending": [rid for rid, _ in snapshot if rid in still], "not_found": missing})
     finally:
+        if stop is not None:
+            stop.cancel()
         watch.close()
 
 

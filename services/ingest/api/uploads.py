@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from services.common.s3 import MultipartUpload, ObjectStore
 from services.ingest.api.errors import ApiError
@@ -128,7 +128,8 @@ async def limited_stream(request: Request, limit: int, budget: Reservation | Non
 
     Raises:
         ApiError: 413 ``input_too_large``; 503 ``overloaded`` when ``budget`` runs out; 408
-            ``request_timeout`` when the body is not complete within ``timeout_s``.
+            ``request_timeout`` when the body is not complete within ``timeout_s``; 499
+            ``client_closed`` when the client went away first (nginx's status: no one reads it).
     """
     check_declared_length(request, limit)
     seen = 0
@@ -146,6 +147,8 @@ async def limited_stream(request: Request, limit: int, budget: Reservation | Non
             return
         except TimeoutError:
             raise ApiError(408, "request_timeout", f"the body did not arrive within {timeout_s:g} s") from None
+        except ClientDisconnect:  # not a server error: counted, no traceback logged, nothing answered
+            raise ApiError(499, "client_closed", "the client closed the connection before the body was complete") from None
         seen += len(chunk)
         if seen > limit:
             raise _too_large(limit)
