@@ -8,7 +8,7 @@ latency p50/p99 of repeats that arrived after their first copy completed (served
 cache), of repeats that joined an in-flight inference, and of first copies.
 
 The engine runs with its detector limit at ``--det-limit`` (default 96 px, the setting
-``OCRSTREAM_RAPIDOCR_DET_LIMIT_SIDE_LEN``; the product default is 736): at 736 RapidOCR scales
+``OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN``; the product default is 736): at 736 RapidOCR scales
 each 90x421 px bench image up 8x and takes ~1.6 s on it, which makes the 18,840 engine calls of
 the two settings ~3 h on 2 cores; at 96 they take ~70 ms each. Engine calls vs distinct images
 and the cache-on repeat latency do not depend on it; the cache-off latency of repeats does (it
@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--dup-ratio", type=float, default=0.43)
     ap.add_argument("--rate", type=float, default=150.0, help="submitted requests per second")
     ap.add_argument("--det-limit", type=int, default=96,
-                    help="engine detector limit in px (OCRSTREAM_RAPIDOCR_DET_LIMIT_SIDE_LEN; product default 736)")
+                    help="engine detector limit in px (OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN; product default 736)")
     ap.add_argument("--skip-disabled", action="store_true", help="only the cache-on run")
     ap.add_argument("--warm-first", action="store_true",
                     help="complete every distinct image first, then pace the repeats (repeat latency without a backlog)")
@@ -157,8 +157,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.n} requests, {unique} distinct "
           f"({1 - unique / args.n:.0%} repeats), paced at {args.rate:.0f}/s, "
           f"{'distinct images completed first, ' if args.warm_first else ''}engine detector limit {args.det_limit} px")
-    engine = {"OCRSTREAM_RAPIDOCR_DET_LIMIT_SIDE_LEN": str(args.det_limit),
-              "OCRSTREAM_ENGINE__PREPROCESS_VERSION": str(1000 + args.det_limit)}  # a cache generation of its own
+    engine = {"OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN": str(args.det_limit)}  # part of the cache key
     run_setting("cache on", bodies, unique, args.rate, engine, args.warm_first)
     if not args.skip_disabled:
         run_setting("cache off", bodies, unique, args.rate, {**engine, "OCRSTREAM_CACHE_ENABLED": "false"}, args.warm_first)

@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--margin", type=float, default=0.02)
     ap.add_argument("--write", type=Path, default=None)
     ap.add_argument("--det-limit", type=int, default=736,
-                    help="detector limit, px (OCRSTREAM_RAPIDOCR_DET_LIMIT_SIDE_LEN; the product default 736)")
+                    help="detector limit, px (OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN; the product default 736)")
     args = ap.parse_args()
     from rapidocr_onnxruntime import RapidOCR
 

@@ -1,7 +1,8 @@
 """Key builders: S3 object keys and cache keys derived from the content hash.
 
 The cache key covers everything that changes a result: engine, model id, model revision,
-task (prompt) and the preprocessing version. Changing any one gives a new *generation*,
+task (prompt), the preprocessing version and engine options that change output (such as the
+CPU engine's detector limit). Changing any one gives a new *generation*,
 so old entries are never served after an upgrade and can be purged by generation.
 """
 
@@ -22,13 +23,17 @@ class CacheGeneration(BaseModel):
     model_revision: str
     task: str
     preprocess_version: int
+    options: str = ""
+    """Engine options that change results, ``name=value`` joined by ``,``; empty when every
+    option has its default (so the default generation's id is what it was before options)."""
 
     @property
     def gen_id(self) -> str:
         """12 hex digits identifying this generation (SHA-256 of its fields, truncated)."""
-        raw = "|".join(
-            [self.engine, self.model, self.model_revision, self.task, str(self.preprocess_version)]
-        )
+        parts = [self.engine, self.model, self.model_revision, self.task, str(self.preprocess_version)]
+        if self.options:
+            parts.append(self.options)
+        raw = "|".join(parts)
         return hashlib.sha256(raw.encode()).hexdigest()[:12]
 
 

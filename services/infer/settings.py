@@ -18,11 +18,6 @@ class InferSettings(CommonSettings):
     # RapidOCR (CPU) engine
     rapidocr_threads: int = Field(default=1, description="ONNX Runtime intra-op threads per image (bench/engine_tuning.py)")
     rapidocr_workers: int = Field(default=2, description="images in flight per process (2 per 2 cores: bench/infer_bench.py)")
-    rapidocr_det_limit_side_len: int = Field(
-        default=736, ge=32,
-        description="detector upscales the short side to at least this (px); 96 reads small images ~20x faster, "
-        "less accurately (RapidOcrEngine); changes results: bump engine.preprocess_version with it",
-    )
     engine_max_side: int = Field(default=2000, description="longest side (px) handed to the engine; larger is downscaled")
     tile_max_aspect: float = Field(default=3.0, description="pages longer than engine_max_side and longer/shorter above this are sliced into tiles")
     device: str = Field(default="cuda:0", description="GPU engines: the one device this process uses")

@@ -32,6 +32,17 @@ def test_key_shapes():
         split_cache_key("nonsense")
 
 
+def test_detector_limit_is_part_of_the_key_and_the_default_key_is_unchanged():
+    import hashlib
+
+    default = EngineIdentity().generation("ocr")
+    before_options = hashlib.sha256(b"rapidocr|PP-OCRv4-ch|rapidocr-onnxruntime-1.4.4|ocr|1").hexdigest()[:12]
+    assert default.options == "" and default.gen_id == before_options  # existing caches stay valid
+    fast = EngineIdentity(det_limit_side_len=96).generation("ocr")
+    assert fast.options == "det_limit_side_len=96" and fast.gen_id != default.gen_id
+    assert EngineIdentity(engine="vllm", det_limit_side_len=96).generation("ocr").options == ""  # rapidocr only
+
+
 def test_engine_identity_builds_generation():
     g = EngineIdentity(model_revision="x").generation("ocr")
     assert g.model_revision == "x" and g.task == "ocr" and g.engine == "rapidocr"

@@ -46,12 +46,13 @@ def test_a_timed_out_image_does_not_eat_the_next_images_budget():
 
 
 def test_detector_limit_setting_reaches_rapidocr():
-    """OCRSTREAM_RAPIDOCR_DET_LIMIT_SIDE_LEN=96: a 90x400 px line goes to the detector at
+    """OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN=96: a 90x400 px line goes to the detector at
     96x416 instead of 736x3264 (8x upscale), and is still found as one text line."""
     from io import BytesIO
 
     from PIL import Image
 
+    from services.common.settings import EngineIdentity
     from services.infer.main import build_engine
     from services.infer.settings import InferSettings
 
@@ -59,7 +60,7 @@ def test_detector_limit_setting_reaches_rapidocr():
     assert page.shape[:2] == (90, 400)
 
     async def run():
-        engine = build_engine(InferSettings(rapidocr_det_limit_side_len=96, rapidocr_workers=1))
+        engine = build_engine(InferSettings(engine=EngineIdentity(det_limit_side_len=96), rapidocr_workers=1))
         await engine.start()
         try:
             det = engine._ocr.text_det
