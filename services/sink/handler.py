@@ -60,7 +60,7 @@ class SinkHandler(Handler):
         self.db = db
         self.cache = cache
         self.telemetry = telemetry
-        self._outputs = OutputLru(store, settings.output_lru_entries)
+        self._outputs = OutputLru(store, settings.output_lru_entries, settings.output_lru_bytes)
         self._pending_end: dict[str, int] = {}  # cache key -> waiters completed, released after the acks
         # cache key -> (entry, ttl, result, output) of results whose waiters could not be read (Redis down)
         self._deferred: dict[str, tuple[CacheEntry | None, int, ResultEvent, OcrOutput | None]] = {}
@@ -229,7 +229,7 @@ class SinkHandler(Handler):
             model_revision=output.model_revision, task=req.task, result_uri=uri, line_count=len(output.lines),
             text=output.text, created_at_ms=output.created_at_ms,
         )
-        self._outputs.remember(uri, output)
+        self._outputs.remember(uri, output, len(body))
         return output, CacheEntry(uri, len(output.lines), len(output.text), output.created_at_ms)
 
     def _doc(self, req: RequestEvent, output: OcrOutput | None, ev: ResultEvent, queued: float,

@@ -20,7 +20,14 @@ class SinkSettings(CommonSettings):
     )
     cache_ttl_by_task: dict[str, int] = Field(default_factory=dict, description="TTL overrides per task, JSON")
     deferred_max_keys: int = Field(default=10_000, description="results kept to complete their waiters once Redis is back")
-    output_lru_entries: int = Field(default=256, description="result documents kept in memory for cache hits")
+    output_lru_entries: int = Field(
+        default=16_384, ge=0,
+        description="result documents kept in memory for cache hits (a hit outside it reads S3, ~4 ms: bench/cache_bench.py)",
+    )
+    output_lru_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=0,
+        description="bound on their JSON size, bytes (in memory ~8x: services/common/outputs.py); 0 = entries only",
+    )
 
     def ttl_for(self, source: str, task: str) -> int:
         """Cache TTL in seconds: the source's override, else the task's, else ``cache_ttl_s``."""

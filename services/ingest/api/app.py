@@ -191,7 +191,7 @@ class FrontDoor:
         self.hub: CompletionHub | None = None
         self.guard = Guard(s, self.cache, self.db, self.telemetry)
         self.webhooks = WebhookDispatcher(s, self.db, self.telemetry) if s.webhook_enabled else None
-        self._outputs = OutputLru(self.store, s.http_result_lru_entries)
+        self._outputs = OutputLru(self.store, s.http_result_lru_entries, s.http_result_lru_bytes)
         self._sends: set[asyncio.Future] = set()  # cache hits being published on ocr.results
         self.budget = UploadBudget(s.http_upload_budget_bytes)
         self.started = asyncio.Event()

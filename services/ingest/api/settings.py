@@ -41,6 +41,10 @@ class ApiSettings(IngestSettings):
         description="producer batching delay for cache hits published on ocr.results (the caller already has "
                     "its answer; only the DB row, completion and webhook wait), ms")
     http_result_lru_entries: int = Field(default=4_096, ge=0, description="result documents kept in memory for cached answers")
+    http_result_lru_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=0,
+        description="bound on their JSON size, bytes (in memory ~8x: services/common/outputs.py); 0 = entries only",
+    )
     http_cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty = closed")
 
     auth_required: bool = Field(default=False, description="require an API key (X-API-Key or Bearer) on /v1/ routes")
@@ -73,6 +77,6 @@ class ApiSettings(IngestSettings):
         default=1.0, gt=0, description="how often the delivery loop looks for due callbacks, s"
     )
     webhook_retention_days: float = Field(
-        default=7.0, ge=0, description="delivered/failed callbacks (and their attempts) are deleted this long after creation; 0 = kept"
+        default=7.0, ge=0, le=3650, description="delivered/failed callbacks (and their attempts) are deleted this long after creation; 0 = kept"
     )
     webhook_purge_interval_s: float = Field(default=3_600.0, gt=0, description="how often old callback rows are deleted, s")
