@@ -243,3 +243,28 @@ def test_sigterm_ends_an_open_stream_cleanly_without_end(pipeline):
     pipeline.stop(st)  # uvicorn re-raises the SIGTERM it handled: the exit status is -15
     log = st.log.read_text()
     assert "graceful shutdown exceeded" not in log and "Traceback" not in log
+
+
+def test_sigterm_answers_a_waiting_long_poll_pending_at_once(pipeline):
+    """A ``?wait=60`` long-poll on a request that never completes gets 200 ``pending`` as soon as
+    the door is told to stop, instead of holding the graceful shutdown (20 s) to its limit."""
+    import threading
+
+    st = pipeline.start(API, extra_env={**API_ENV, "OCRSTREAM_WEBHOOK_ENABLED": "false"})
+    st.url = f"http://127.0.0.1:{st.port}"
+    rid = _pending_forever()
+    answer: dict = {}
+
+    def poll() -> None:
+        with _client(st) as c:
+            answer["r"] = c.get(f"/v1/ocr/{rid}", params={"wait": 60})
+
+    waiting = threading.Thread(target=poll)
+    waiting.start()
+    assert _until(st, "ocrstream_http_waiters", 1) == 1
+    st.proc.send_signal(signal.SIGTERM)
+    waiting.join(90)  # before the fix: cut off at the 20 s graceful limit, no answer
+    assert answer["r"].status_code == 200 and answer["r"].json()["status"] == "pending"
+    pipeline.stop(st)
+    log = st.log.read_text()
+    assert "graceful shutdown exceeded" not in log and "Traceback" not in log

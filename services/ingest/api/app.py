@@ -234,8 +234,9 @@ class FrontDoor:
 
     def begin_close(self) -> None:
         """The process was told to stop (SIGTERM): end every event stream now, without its ``end``
-        event, so an ``EventSource`` reconnects to another replica, instead of holding uvicorn's
-        graceful shutdown for ``shutdown_timeout_s`` and then being cut off mid-body. Safe to call
+        event, so an ``EventSource`` reconnects to another replica, and answer every long-poll
+        ``pending`` now (the client asks again, elsewhere), instead of holding uvicorn's graceful
+        shutdown for ``shutdown_timeout_s`` and then cutting them off. Safe to call
         from a signal handler (it only schedules the work on the door's loop); idempotent."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.closing.set)
@@ -470,7 +471,8 @@ class FrontDoor:
                            error=err, links=self.links(doc.request_id))
 
     async def read(self, rid: str, wait: float, principal: Principal) -> OcrResponse:
-        """The request's state, waiting up to ``wait`` seconds for its completion.
+        """The request's state, waiting up to ``wait`` seconds for its completion (a wait ends
+        early, answering ``pending``, when the door is told to stop: :meth:`begin_close`).
 
         Raises:
             ApiError: 404 ``not_found`` (unknown id, or another key's request), 503
@@ -494,11 +496,14 @@ class FrontDoor:
             if known is False or known is None:
                 raise ApiError(404, "not_found", f"no request {rid!r}")
             if fut is not None:
-                try:
-                    ev: CompletedEvent = await asyncio.wait_for(asyncio.shield(fut), wait)
-                except asyncio.TimeoutError:
-                    pass
-                else:
+                if not self.closing.is_set():
+                    stop = asyncio.ensure_future(self.closing.wait())
+                    try:
+                        await asyncio.wait((fut, stop), timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        stop.cancel()
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    ev: CompletedEvent = fut.result()
                     if principal.key_id is None or ev.result.api_key_id == principal.key_id:
                         return self._done(ev.result)
             return OcrResponse(request_id=rid, status="pending", links=self.links(rid))
@@ -834,8 +839,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
 
 def serve(settings: ApiSettings | None = None) -> None:
-    """Run the door with uvicorn until SIGTERM (blocking). At the signal, event streams end at
-    once (:meth:`FrontDoor.begin_close`); other requests get uvicorn's graceful shutdown."""
+    """Run the door with uvicorn until SIGTERM (blocking). At the signal, event streams and
+    long-polls end at once (:meth:`FrontDoor.begin_close`); other requests get uvicorn's
+    graceful shutdown."""
     import uvicorn
 
     s = settings or load_settings(ApiSettings)
