@@ -169,6 +169,40 @@ def test_a_body_that_stalls_mid_upload_gets_408_and_leaves_no_parts(door, s3):
     assert staged(s3, door.prefix) == ([], [])
 
 
+def test_a_full_budget_refuses_the_new_upload_not_the_one_in_progress(door, s3):
+    """The 12 MiB budget holds one streamed upload (two 5 MiB parts set aside at admission): a
+    second big upload arriving while the first is half sent gets 503 ``overloaded``, and the first
+    one, which no longer competes chunk by chunk with it, completes."""
+    text = f"ADMITTED {uuid.uuid4().hex[:6].upper()}"
+    first = padded_png([text], 20 * MiB)
+    head = (f"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            f"Content-Length: {len(first)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", door.port), timeout=120) as sock:
+        sock.sendall(head + first[: 7 * MiB])
+        deadline = time.monotonic() + 60
+        while not staged(s3, door.prefix)[1] and time.monotonic() < deadline:  # its multipart upload began
+            time.sleep(0.1)
+        # the second announces 20 MiB: refused from its headers, before a byte of its body is read
+        # (without admission it would be let in and wait for its body, and no answer would come)
+        with socket.create_connection(("127.0.0.1", door.port), timeout=10) as other:
+            other.sendall(head)
+            second = b""
+            while not second.endswith(b"}}") and (chunk := other.recv(4096)):
+                second += chunk
+        assert second.split(b"\r\n", 1)[0].split(b" ")[1] == b"503", second[:300]
+        assert b'"code":"overloaded"' in second
+        sock.sendall(first[7 * MiB:])
+        answer = b""
+        while not answer.endswith(b"}}") and (chunk := sock.recv(65536)):
+            answer += chunk
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"202", answer[:300]
+    rid = answer.split(b'"request_id":"', 1)[1].split(b'"', 1)[0].decode()
+    with httpx.Client(base_url=door.url, timeout=120) as c:
+        got = c.get(f"/v1/ocr/{rid}", params={"wait": 60}).json()
+    assert got["status"] == "ok" and got["result"]["text"] == text, got
+    assert staged(s3, door.prefix) == ([], [])
+
+
 def test_a_streamed_body_that_is_not_an_image_is_refused_and_leaves_nothing(door, s3):
     before = staged_outcomes(door)
     with httpx.Client(base_url=door.url, timeout=120) as c:

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from services.ingest.api.errors import ApiError
-from services.ingest.api.uploads import PartSplitter, StagedBody, UploadBudget
+from services.ingest.api.uploads import STREAM_SLACK, PartSplitter, StagedBody, UploadBudget, expected_hold
 
 
 def test_budget_refuses_past_its_limit_and_releases_per_request():
@@ -42,6 +42,58 @@ def test_reservation_gives_back_part_by_part_and_never_below_zero():
     assert (budget.used, r.held) == (0, 0)
     r.release()
     assert budget.used == 0
+
+
+def test_admission_refuses_new_uploads_before_cutting_off_admitted_ones():
+    budget = UploadBudget(100)
+    a, b, c = budget.reservation(), budget.reservation(), budget.reservation()
+    a.admit(60)
+    with pytest.raises(ApiError) as err:
+        b.admit(50)  # does not fit next to a's 60: refused before its body is read
+    assert err.value.status == 503 and err.value.code == "overloaded"
+    assert (b.held, budget.used) == (0, 60)
+    b.admit(40)
+    for _ in range(6):
+        a.take(10)  # within its reservation: never refused, nothing more charged
+    assert (a.held, budget.used) == (60, 100)
+    with pytest.raises(ApiError):
+        c.admit(1)
+    with pytest.raises(ApiError):
+        a.take(1)  # past its reservation, and the budget is full
+    assert (a.in_memory, a.held) == (60, 60)
+    a.give(30)  # a part sent to S3: the reservation stays
+    assert (a.held, budget.used) == (60, 100)
+    b.release()
+    a.take(35)  # 65 in memory: 5 past the reservation, charged now
+    assert (a.held, budget.used) == (65, 65)
+    a.give(65)
+    assert (a.held, budget.used) == (60, 60)
+    a.release()
+    assert budget.used == 0
+
+
+@pytest.mark.parametrize("length, part, want", [
+    (None, 0, 0), ("abc", 0, 0), ("-5", 0, 0), ("1001", 0, 0),  # unknown, malformed, over the limit
+    ("1000", 0, 1000), ("10", 0, 10),  # held whole
+    ("399", 400, 399),  # under one part: held whole
+    ("400", 400, 400), ("1000", 400, 1000),  # streamed: min(body, two parts + STREAM_SLACK)
+])
+def test_expected_hold_from_content_length(length, part, want):
+    from starlette.requests import Request
+
+    headers = [] if length is None else [(b"content-length", length.encode())]
+    request = Request({"type": "http", "method": "POST", "path": "/v1/ocr", "headers": headers})
+    assert expected_hold(request, 1000, part) == want
+
+
+def test_expected_hold_of_a_streamed_body_is_two_parts():
+    from starlette.requests import Request
+
+    mib = 1024 * 1024
+    request = Request({"type": "http", "method": "POST", "path": "/v1/ocr",
+                       "headers": [(b"content-length", str(40 * mib).encode())]})
+    assert expected_hold(request, 50 * mib, 8 * mib) == 16 * mib + STREAM_SLACK
+    assert expected_hold(request, 50 * mib) == 40 * mib  # not streamed (multipart): all of it
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 10, 64])

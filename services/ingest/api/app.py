@@ -71,7 +71,9 @@ from services.ingest.api.models import (
     ApiErrorBody, ApiErrorDetail, BatchItem, BatchLinks, BatchResponse, Health, Links, OcrResponse,
 )
 from services.ingest.api.settings import ApiSettings
-from services.ingest.api.uploads import MULTIPART_OVERHEAD, Upload, UploadBudget, read_multipart, read_raw
+from services.ingest.api.uploads import (
+    MULTIPART_OVERHEAD, Upload, UploadBudget, expected_hold, read_multipart, read_raw,
+)
 from services.ingest.api.webhooks import WebhookDispatcher, validate_callback_url
 
 log = logging.getLogger(__name__)
@@ -684,6 +686,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             ctype = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110 §8.3.1)
             query = dict(request.query_params)
             if ctype.startswith("multipart/form-data"):
+                held.admit(expected_hold(request, s.limits.max_image_bytes + MULTIPART_OVERHEAD))
                 ups, fields = await read_multipart(request, s.limits.max_image_bytes,
                                                    s.limits.max_image_bytes + MULTIPART_OVERHEAD, 1, held,
                                                    s.http_body_timeout_s)
@@ -691,6 +694,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 opts = SubmitOptions.parse({**query, **fields})
             elif ctype.startswith(_RAW_TYPES) or not ctype:
                 opts = SubmitOptions.parse(query)
+                held.admit(expected_hold(request, s.limits.max_image_bytes, s.http_stream_part_bytes))
                 up = await read_raw(request, s.limits.max_image_bytes, held, s.http_body_timeout_s, store=door.store,
                                     part_bytes=s.http_stream_part_bytes, on_staged_end=door.count_staged)
             else:
@@ -735,6 +739,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             held.release()
 
     async def _batch(request: Request, principal: Principal, held) -> Response:
+        held.admit(expected_hold(request, s.http_batch_max_bytes))
         ups, fields = await read_multipart(request, s.limits.max_image_bytes, s.http_batch_max_bytes,
                                            s.http_batch_max_files, held, s.http_body_timeout_s)
         fields.pop("request_id", None)

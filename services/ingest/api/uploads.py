@@ -64,35 +64,91 @@ class UploadBudget:
 
 
 class Reservation:
-    """One request's share of an :class:`UploadBudget`."""
+    """One request's share of an :class:`UploadBudget`.
+
+    It charges the budget ``held = max(reserved, in_memory)`` bytes: what :meth:`admit` set
+    aside before the body was read, or what the body holds in memory right now if that is more.
+    A request admitted with what it will need therefore never runs out half-way: when the budget
+    is short, new requests are refused at admission (503 before their body is read) instead of
+    cutting off uploads already in progress.
+    """
 
     def __init__(self, budget: UploadBudget):
         self.budget = budget
         self.held = 0
+        self.reserved = 0
+        self.in_memory = 0
 
-    def take(self, n: int) -> None:
-        """Charge ``n`` bytes.
-
-        Raises:
-            ApiError: 503 ``overloaded`` when the process already holds its budget.
-        """
+    def _settle(self) -> None:
+        need = max(self.reserved, self.in_memory)
         b = self.budget
-        if b.limit and b.used + n > b.limit:
+        if need > self.held and b.limit and b.used + need - self.held > b.limit:
             raise ApiError(503, "overloaded", f"uploads in progress already hold {b.used} bytes (limit {b.limit}); retry shortly",
                            {"Retry-After": "1"})
-        b.used += n
-        self.held += n
+        b.used += need - self.held
+        self.held = need
+
+    def admit(self, n: int) -> None:
+        """Set aside ``n`` bytes for this request's body before it is read.
+
+        Raises:
+            ApiError: 503 ``overloaded`` when they do not fit in the budget now.
+        """
+        old, self.reserved = self.reserved, n
+        try:
+            self._settle()
+        except ApiError:
+            self.reserved = old
+            raise
+
+    def take(self, n: int) -> None:
+        """``n`` more bytes of the body are in memory (charged beyond the reservation only).
+
+        Raises:
+            ApiError: 503 ``overloaded`` when they pass the reservation and the budget is full.
+        """
+        self.in_memory += n
+        try:
+            self._settle()
+        except ApiError:
+            self.in_memory -= n
+            raise
 
     def give(self, n: int) -> None:
-        """Give back ``n`` bytes no longer held (a part sent to S3), at most what is held."""
-        n = min(n, self.held)
-        self.budget.used -= n
-        self.held -= n
+        """``n`` bytes left memory (a part sent to S3): given back to the budget down to the
+        reservation, never below zero."""
+        self.in_memory -= min(n, self.in_memory)
+        self._settle()
 
     def release(self) -> None:
         """Give back everything this request took (idempotent)."""
         self.budget.used -= self.held
-        self.held = 0
+        self.held = self.reserved = self.in_memory = 0
+
+
+#: Room for what a streamed body holds besides its two parts (the chunks being read), bytes.
+STREAM_SLACK = 256 * 1024
+
+
+def expected_hold(request: Request, limit: int, part_bytes: int = 0) -> int:
+    """The most a request's body will hold in memory, from its ``Content-Length``: the whole
+    body, or for a raw body that will stream to S3 (``part_bytes`` > 0 and the body at least one
+    part) about two parts (:class:`StagedBody`). 0 when the length is absent, malformed or over
+    ``limit`` (the reading refuses those, or charges as it goes).
+
+    Args:
+        limit: The byte limit of the body.
+        part_bytes: The stream part size for a raw body; 0 for bodies that are not streamed.
+    """
+    try:
+        n = int(request.headers.get("content-length", ""))
+    except ValueError:
+        return 0
+    if n < 0 or n > limit:
+        return 0
+    if part_bytes and n >= part_bytes:
+        return min(n, 2 * part_bytes + STREAM_SLACK)
+    return n
 
 
 def _too_large(limit: int) -> ApiError:
