@@ -32,10 +32,10 @@ STAGES = ("ingest", "dedup", "infer", "sink")
 @app.command()
 def init() -> None:
     """Create the topics, the S3 bucket (with its staging lifecycle rule) and the MariaDB tables (idempotent)."""
-    from services.common.db import Database
-    from services.common.kafka import create_topics
     from botocore.exceptions import ClientError
 
+    from services.common.db import Database
+    from services.common.kafka import create_topics
     from services.common.s3 import ObjectStore
 
     s = load_settings(CommonSettings)

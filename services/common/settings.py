@@ -103,6 +103,10 @@ class TelemetrySettings(BaseModel):
     probe_interval_s: float = Field(default=5.0, gt=0, description="seconds between readiness checks of Kafka and the stores")
 
 
+RAPIDOCR_DET_LIMIT_SIDE_LEN = 736
+"""RapidOCR's own detector limit (its ``config.yaml``, ``Det.limit_side_len``), px."""
+
+
 class EngineIdentity(BaseModel):
     """Which engine and model produce results; part of every cache key.
 
@@ -114,7 +118,7 @@ class EngineIdentity(BaseModel):
     model_revision: str = Field(default="rapidocr-onnxruntime-1.4.4", description="model revision (part of the cache key)")
     preprocess_version: int = Field(default=1, description="bump when decoding/preprocessing changes results")
     det_limit_side_len: int = Field(
-        default=736, ge=32, le=2048,
+        default=RAPIDOCR_DET_LIMIT_SIDE_LEN, ge=32, le=2048,
         description="rapidocr: the detector upscales the short side to at least this (px; RapidOCR's 736); "
         "96 reads small images ~20x faster, less accurately. Part of the cache key",
     )
@@ -132,7 +136,7 @@ class EngineIdentity(BaseModel):
 
     def options(self) -> str:
         """Engine options that differ from their defaults, as :attr:`CacheGeneration.options`."""
-        if self.engine == "rapidocr" and self.det_limit_side_len != 736:
+        if self.engine == "rapidocr" and self.det_limit_side_len != RAPIDOCR_DET_LIMIT_SIDE_LEN:
             return f"det_limit_side_len={self.det_limit_side_len}"
         return ""
 

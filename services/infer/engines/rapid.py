@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN
 from services.common.textlines import Segment
 from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
 
@@ -39,7 +40,7 @@ class RapidOcrEngine(OcrEngine):
     name = "rapidocr"
 
     def __init__(self, intra_op_threads: int = 1, workers: int = 1, max_side: int = 2000,
-                 det_limit_side_len: int = 736):
+                 det_limit_side_len: int = RAPIDOCR_DET_LIMIT_SIDE_LEN):
         self.intra_op_threads = intra_op_threads
         self.workers = workers
         self.max_side = max_side

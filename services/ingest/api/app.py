@@ -275,15 +275,16 @@ class FrontDoor:
         return "/v1/events?" + urlencode([("id", rid) for rid in rids])
 
     @staticmethod
-    def _owned(doc: ResultDocument, principal: Principal) -> bool:
-        return principal.key_id is None or doc.api_key_id == principal.key_id
+    def _owns(principal: Principal, key_id: str | None) -> bool:
+        """Whether the caller may see a request made with API key ``key_id`` (keys off: all)."""
+        return principal.key_id is None or key_id == principal.key_id
 
     async def _known(self, rid: str, principal: Principal) -> ResultDocument | bool | None:
         """The finished document, True if accepted and pending (or unknowable: Redis down), False if
         unknown, None if the id is another API key's (read answers it 404, submit 409)."""
         doc = await self.db.get_request(rid)
         if doc is not None:
-            return doc if self._owned(doc, principal) else None
+            return doc if self._owns(principal, doc.api_key_id) else None
         return await self._pending(rid, principal)
 
     async def _known_many(self, rids: list[str], principal: Principal) -> dict[str, ResultDocument | bool | None]:
@@ -296,7 +297,7 @@ class FrontDoor:
         rest = [rid for rid in rids if rid not in docs]
         states = await asyncio.gather(*(self._pending(rid, principal) for rid in rest))
         known: dict[str, ResultDocument | bool | None] = dict(zip(rest, states))
-        known.update({rid: doc if self._owned(doc, principal) else None for rid, doc in docs.items()})
+        known.update({rid: doc if self._owns(principal, doc.api_key_id) else None for rid, doc in docs.items()})
         return known
 
     async def _pending(self, rid: str, principal: Principal) -> bool | None:
@@ -309,7 +310,7 @@ class FrontDoor:
         if raw is None:
             return False
         owner = orjson.loads(raw).get("key")
-        return True if principal.key_id is None or owner == principal.key_id else None
+        return True if self._owns(principal, owner) else None
 
     # -- submit -------------------------------------------------------------------------------
     async def submit(self, up: Upload, opts: SubmitOptions, principal: Principal,
@@ -355,7 +356,7 @@ class FrontDoor:
         except Exception:  # noqa: BLE001 - MariaDB down: Redis still tells retries apart
             doc = None
         if doc is not None:
-            return doc if principal.key_id is None or doc.api_key_id == principal.key_id else None
+            return doc if self._owns(principal, doc.api_key_id) else None
         value = orjson.dumps({"key": principal.key_id, "sha": sha})
         try:
             if await self.cache.claim_accepted(rid, value, self.s.http_accepted_ttl_s):
@@ -366,7 +367,7 @@ class FrontDoor:
         if raw is None:  # released by a failed twin in between: treat as new, unclaimed
             return False
         owner = orjson.loads(raw).get("key")
-        return True if principal.key_id is None or owner == principal.key_id else None
+        return True if self._owns(principal, owner) else None
 
     async def _submit(self, up: Upload, opts: SubmitOptions, principal: Principal, traceparent: str | None,
                       rid: str, claimed: bool, started: float, submitted: int) -> tuple[int, OcrResponse]:
@@ -506,7 +507,7 @@ class FrontDoor:
                         stop.cancel()
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
                     ev: CompletedEvent = fut.result()
-                    if principal.key_id is None or ev.result.api_key_id == principal.key_id:
+                    if self._owns(principal, ev.result.api_key_id):
                         return self._done(ev.result)
             return OcrResponse(request_id=rid, status="pending", links=self.links(rid))
         finally:
@@ -559,7 +560,7 @@ class FrontDoor:
             completed=lambda doc: self._done(doc).model_dump_json(by_alias=True).encode(),
             pending=lambda rid: OcrResponse(request_id=rid, status="pending", links=self.links(rid))
             .model_dump_json(by_alias=True).encode(),
-            owned=lambda doc: self._owned(doc, principal), closing=self.closing)
+            owned=lambda doc: self._owns(principal, doc.api_key_id), closing=self.closing)
         self.http_streams.inc()
 
         def closed() -> None:
