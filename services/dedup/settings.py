@@ -42,7 +42,8 @@ class DedupSettings(CommonSettings):
     dedup_max_wait_ms: int = Field(
         default=0, ge=0,
         description="longest wait for a batch to fill, ms; 0 = take what has arrived (a backlog still makes full batches)")
-    cache_enabled: bool = Field(default=True, description="False: every request goes to inference")
+    cache_enabled: bool = Field(default=True, description="False: dedup looks nothing up and sends every request to inference; the sink "
+                                    "still stores each result and its Redis entry (the HTTP door reads the same variable)")
     lease_ms: int = Field(default=600_000, description="in-flight lease; a holder silent this long is replaced")
     lru_entries: int = Field(default=10_000, description="in-process LRU in front of Redis: entries")
     lru_bytes: int = Field(default=8 * 1024 * 1024, description="in-process LRU in front of Redis: bytes")

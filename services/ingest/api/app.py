@@ -384,7 +384,7 @@ class FrontDoor:
             )
             # on a hit the id is remembered in the same round trip, so GET knows it until the sink stores its row
             marker = b"" if claimed else orjson.dumps({"key": principal.key_id, "sha": up.sha256})
-            hit = await self._cached(key, rid, marker)
+            hit = await self._cached(key, rid, marker) if self.s.cache_enabled else None
             if hit is not None:
                 return 200, self._answer_from_cache(base, key, gen, *hit, started)
             try:
