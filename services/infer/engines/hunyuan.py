@@ -56,8 +56,19 @@ HUNYUAN_RAW_TEMPLATE = (
 )
 #: Confidence given to every VLM segment (the model has no per-line score).
 VLM_CONFIDENCE = 1.0
-#: Official sampling for HunyuanOCR-1.5 on vLLM: greedy, repetition_penalty 1.08.
-DEFAULT_REPETITION_PENALTY = 1.08
+#: Sampling of vLLM's HunyuanOCR recipe (vllm-project/recipes, ``Tencent-Hunyuan/HunyuanOCR.md``,
+#: "Querying with OpenAI API Client"): ``temperature=0.0`` with ``extra_body={"top_k": 1,
+#: "repetition_penalty": 1.0}``, i.e. greedy decoding and no repetition penalty. A penalty
+#: above 1.0 lowers the odds of digits and punctuation a page really repeats; loops are
+#: caught by the repeat guard (:func:`find_tail_loop`) and ``max_tokens`` instead.
+DEFAULT_REPETITION_PENALTY = 1.0
+#: ``top_k`` of the same recipe (greedy).
+DEFAULT_TOP_K = 1
+#: Longest image side (px) the VLM engines are handed by default (``engine_max_side``
+#: overrides it). The model's own processor resizes to its pixel budget in any case; beyond
+#: about 2K px a page costs more image tokens (a 2048 px page is about 4,100) for no gain in
+#: legibility at ordinary print sizes, and very long pages are tiled rather than shrunk.
+VLM_MAX_SIDE = 2048
 #: Coordinates are normalised to 0..SCALE.
 SCALE = 1000.0
 
