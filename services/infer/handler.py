@@ -210,9 +210,9 @@ class InferHandler(Handler):
                 pages = [Page(index=i + 1, width=p.shape[1], height=p.shape[0]) for i, p in enumerate(it.pages)]
                 self.telemetry.requests_done.labels("infer", "ok", "").inc()
                 result = ResultEvent(status="ok", pages=pages, lines=it.lines, warnings=it.warnings, **common)
-                log.info("infer: %s[%d]@%d request %s: %d lines, inference %.0f ms", it.record.topic,
+                log.info("infer: %s[%d]@%d request %s: %d lines, inference %.0f ms%s", it.record.topic,
                          it.record.partition, it.record.offset, req.request_id, len(it.lines),
-                         it.timings.get("inference", 0.0))
+                         it.timings.get("inference", 0.0), f" ({', '.join(it.warnings)})" if it.warnings else "")
             headers = self.telemetry.inject(it.record.headers)
         if it.span is not None:
             if it.error is not None:
