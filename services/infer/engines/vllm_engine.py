@@ -91,7 +91,8 @@ class VllmEngine(OcrEngine):
         device: ``cuda:N``; sets ``CUDA_VISIBLE_DEVICES`` (see :func:`select_device`).
         prompt: The instruction (default: HunyuanOCR's text-spotting prompt).
         prompt_template: ``auto`` (HunyuanOCR's raw prompt for a model named like HunyuanOCR,
-            else the tokenizer's chat template), ``chat``, or a literal string with ``{prompt}``.
+            else the tokenizer's chat template), ``hunyuan`` (that raw prompt), ``chat``, or a
+            literal string with ``{prompt}`` (see :meth:`prompt_mode`).
         max_tokens: Generation cap per image.
         repetition_penalty: vLLM sampling repetition penalty (1.0 = off, the recipe's value).
         top_k: Sampling ``top_k`` (1 = greedy, the recipe's value; -1 or 0 = off).
