@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
-# GPU check: VllmEngine batching throughput on a tiny random Qwen2-VL, batch 1 / 8 / 32.
+# GPU check: the infer stage's batcher (InferHandler.handle) with the real vLLM engine on a tiny
+# random Qwen2-VL, at max_batch 1 / 8 / 32, printing images/s and the ratios b8/b1, b32/b1.
 #
-# For one single-GPU machine (H200) with no internet; finishes within 8 minutes (the whole
-# script runs under `timeout`, GPU_CHECK_TIMEOUT_S, default 470 s). Steps, each timed:
-#   1. GPU and Python present (python3 >= 3.10; the GPU machine has 3.12);
-#   2. vLLM importable, else installed offline from a wheel folder into a venv
-#      (/tmp/ocrstream-gpu-venv, --system-site-packages so a preinstalled torch is reused);
+# For one single-GPU machine with no internet. Worst case 475 s: the whole script runs under
+# `timeout --kill-after=15 $GPU_CHECK_TIMEOUT_S` (default 460 s, capped at 465 s). Steps, each timed:
+#   1. GPU and Python present (python3 >= 3.10);
+#   2. what is missing (bench/gpu/missing.py, under a second): vLLM, torch, transformers,
+#      tokenizers and the infer stage's own dependencies (aiokafka, pydantic-settings, boto3,
+#      opentelemetry-sdk, orjson, ...). If anything is missing, it is installed offline from a
+#      wheel folder into a venv that also sees this Python's packages; with no wheel folder, or
+#      one without vllm, the script stops here (seconds) and says what to provide;
 #   3. a tiny randomly initialised Qwen2-VL checkpoint built locally (bench/gpu/tiny_vlm.py:
 #      tokenizer trained here, no download);
 #   4. bench/gpu/throughput.py: VllmEngine.start() (load + warm-up), a timeout/abort check,
-#      then images/s at batch 1, 8, 32 and the ratios b8/b1, b32/b1 (last line: RESULT {json}).
+#      then InferHandler.handle over in-memory PNG records at max_batch 1, 8, 32 (only Kafka
+#      and S3 are stand-ins) and the ratios (last line: RESULT {json}).
 #
-# Preparing the wheels (on a machine with PyPI access; the folder `.whl/` at the repo root,
-# git-ignored; or WHEEL_DIR=/path). vLLM pins its own torch, so naming vllm pulls the right one:
+# Providing vLLM, either of:
+#   a) a machine image where `python3 -c 'import vllm'` works (then nothing is installed), or
+#   b) a wheel folder: WHEEL_DIR=/path, or .whl/ at the repo root (git-ignored), holding vllm,
+#      the torch it pins, and every other missing distribution (step 2 prints the list). Made on
+#      a machine with PyPI access, for CPython 3.12 on x86-64 Linux:
 #
-#   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --abi cp312 --abi abi3 --abi none \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#       --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any \
-#       -d .whl vllm==0.33.0 torch==2.15.0 pydantic-settings==2.14.1 rapidfuzz==3.14.6
+#      python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#          --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 \
+#          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+#          -d .whl vllm==0.33.0 torch==2.14.0 $(python3 bench/gpu/missing.py | grep -v '^vllm\|^torch')
 #
-# (versions as listed in the package index at the time of writing; if pip reports a conflict,
-# drop the torch pin and let vllm choose). Expect several GB (torch + CUDA libraries).
+#      Expect several GB (torch and the CUDA libraries). That is far over what can be carried to
+#      a machine in one call where the carry is limited (64 MiB on this workplace's device
+#      tool), so there option a) is the one that works.
 #
 # Environment knobs: PYTHON, WHEEL_DIR, GPU_CHECK_TIMEOUT_S, ENFORCE_EAGER (1 = no CUDA graphs,
 # default, faster start; 0 = CUDA graphs, closer to production), BATCHES (default 1,8,32).
@@ -29,7 +37,8 @@ set -euo pipefail
 
 if [[ -z "${GPU_CHECK_INNER:-}" ]]; then
     export GPU_CHECK_INNER=1
-    limit="${GPU_CHECK_TIMEOUT_S:-470}"
+    limit="${GPU_CHECK_TIMEOUT_S:-460}"
+    (( limit > 465 )) && limit=465  # + 15 s kill-after = 480 s at most
     set +e
     timeout --kill-after=15 "$limit" bash "$0" "$@"
     rc=$?
@@ -43,13 +52,15 @@ fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 T0=$SECONDS
+WORK="$(mktemp -d /tmp/ocrstream-gpu-check.XXXXXX)"
 step() { echo; echo "=== [$((SECONDS - T0)) s] $*"; }
-die() { echo "gpu_check: FAILED: $*" >&2; exit 1; }
+save_logs() { if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then cp "$WORK"/*.log "$OUT"/ 2>/dev/null || true; fi; }
+trap save_logs EXIT
+die() { echo "gpu_check: FAILED after $((SECONDS - T0)) s: $*" >&2; exit 1; }
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
-export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORK="$(mktemp -d /tmp/ocrstream-gpu-check.XXXXXX)"
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 export HF_HOME="$WORK/hf" VLLM_CACHE_ROOT="$WORK/vllm-cache"
 
 step "1/4 GPU and Python"
@@ -64,28 +75,46 @@ command -v "$PY" >/dev/null 2>&1 || die "no $PY"
 "$PY" -c 'import sys; assert sys.version_info >= (3, 10), sys.version' || die "$PY is older than 3.10"
 "$PY" -c 'import sys; print("python", sys.version.split()[0], sys.executable)'
 
-step "2/4 vLLM"
-have_deps() { "$1" -c 'import vllm, torch, transformers, tokenizers, pydantic_settings, rapidfuzz' >/dev/null 2>&1; }
-if have_deps "$PY"; then
-    echo "vLLM and the project's deps already importable by $PY"
+step "2/4 vLLM and the infer stage's dependencies"
+MISSING="$("$PY" bench/gpu/missing.py || true)"
+if [[ -z "$MISSING" ]]; then
+    echo "everything importable by $PY"
 else
+    echo "missing for $PY: $(echo $MISSING)"
     WHEELS=""
     for d in "${WHEEL_DIR:-}" "$ROOT/.whl" "$ROOT/../.whl" "$ROOT/shared/.whl" "$HOME/.whl"; do
-        if [[ -n "$d" && -d "$d" ]] && compgen -G "$d/vllm-*.whl" >/dev/null; then WHEELS="$d"; break; fi
+        if [[ -n "$d" && -d "$d" ]] && compgen -G "$d/*.whl" >/dev/null; then WHEELS="$d"; break; fi
     done
-    [[ -n "$WHEELS" ]] || die "vLLM is not installed and no wheel folder with vllm-*.whl was found (looked at \$WHEEL_DIR, $ROOT/.whl, $ROOT/../.whl, $ROOT/shared/.whl); see the header of this script"
+    if [[ -z "$WHEELS" ]]; then
+        die "missing: $(echo $MISSING). No wheel folder found (looked at \$WHEEL_DIR, $ROOT/.whl, $ROOT/../.whl, $ROOT/shared/.whl, $HOME/.whl).
+Provide vLLM one of two ways: run on a machine image where '$PY -c \"import vllm\"' works, or set WHEEL_DIR to a folder
+holding vllm==0.33.0, torch==2.14.0 and the other distributions listed above (see the header of bench/gpu_check.sh
+for the pip download command)."
+    fi
+    if grep -q '^vllm' <<<"$MISSING" && ! compgen -G "$WHEELS/vllm-*.whl" >/dev/null; then
+        die "vLLM is not installed and $WHEELS holds no vllm-*.whl ($(ls "$WHEELS" | wc -l) files). Put vllm==0.33.0, torch==2.14.0 and
+their dependencies there, or run on a machine image with vllm installed."
+    fi
     echo "installing offline from $WHEELS ($(ls "$WHEELS" | wc -l) files, $(du -sh "$WHEELS" | cut -f1))"
-    VENV=/tmp/ocrstream-gpu-venv
-    [[ -x "$VENV/bin/python" ]] || "$PY" -m venv --system-site-packages "$VENV"
-    reqs=(vllm)
-    "$VENV/bin/python" -c 'import pydantic_settings' >/dev/null 2>&1 || reqs+=(pydantic-settings)
-    "$VENV/bin/python" -c 'import rapidfuzz' >/dev/null 2>&1 || reqs+=(rapidfuzz)
-    "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS" "${reqs[@]}" \
-        || die "offline pip install of ${reqs[*]} from $WHEELS failed (missing wheels? see the header)"
+    # A venv that also sees $PY's packages. `--system-site-packages` would give the *base*
+    # interpreter's, not those of a venv $PY lives in (/opt/torch/.venv on the GPU machine), so
+    # a .pth file lists $PY's own site-packages; pip then counts them as installed and fetches
+    # only what is missing or pinned to another version (installed into the new venv, first on
+    # sys.path).
+    VENV="$WORK/venv"
+    "$PY" -m venv "$VENV" || die "$PY -m venv failed"
+    VSITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+        > "$VSITE/zz_parent_site.pth"
+    echo "parent site-packages: $(tr '\n' ' ' < "$VSITE/zz_parent_site.pth")"
+    # shellcheck disable=SC2086
+    "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS" $MISSING 2>&1 | tee "$WORK/pip.log" \
+        || die "offline pip install of $(echo $MISSING) from $WHEELS failed (a wheel missing? see $WORK/pip.log)"
     PY="$VENV/bin/python"
-    have_deps "$PY" || { "$PY" -c 'import vllm, torch, transformers, tokenizers, pydantic_settings, rapidfuzz' || true; die "imports still fail after install"; }
+    STILL="$("$PY" bench/gpu/missing.py || true)"
+    [[ -z "$STILL" ]] || die "still missing after the install: $(echo $STILL)"
 fi
-"$PY" - <<'PY' || die "torch sees no CUDA device"
+"$PY" - <<'PY' || die "vLLM does not import, or torch sees no CUDA device"
 import torch, vllm, transformers
 print("vllm", vllm.__version__, "| torch", torch.__version__, "cuda", torch.version.cuda,
       "| transformers", transformers.__version__)
@@ -95,15 +124,15 @@ PY
 
 step "3/4 tiny random Qwen2-VL checkpoint (local, no download)"
 MODEL="$WORK/tiny-qwen2vl"
-"$PY" bench/gpu/tiny_vlm.py "$MODEL" | tee "$WORK/tiny.log" || die "building the tiny checkpoint failed"
+set -o pipefail
+"$PY" bench/gpu/tiny_vlm.py "$MODEL" 2>&1 | tee "$WORK/tiny.log" || die "building the tiny checkpoint failed (see above)"
 LOAD_FORMAT="$(sed -n 's/^load_format=//p' "$WORK/tiny.log" | tail -1)"
 [[ -n "$LOAD_FORMAT" ]] || die "tiny_vlm.py did not say which load_format to use"
 ls -la "$MODEL"
 
-step "4/4 VllmEngine throughput, batches ${BATCHES:-1,8,32} (load_format=$LOAD_FORMAT, enforce_eager=${ENFORCE_EAGER:-1})"
+step "4/4 InferHandler + VllmEngine throughput, max_batch ${BATCHES:-1,8,32} (load_format=$LOAD_FORMAT, enforce_eager=${ENFORCE_EAGER:-1})"
 "$PY" bench/gpu/throughput.py --model "$MODEL" --load-format "$LOAD_FORMAT" \
     --batches "${BATCHES:-1,8,32}" --enforce-eager "${ENFORCE_EAGER:-1}" 2>&1 | tee "$WORK/throughput.log" \
     || die "throughput run failed (log: $WORK/throughput.log)"
-if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then cp "$WORK"/*.log "$OUT"/ 2>/dev/null || true; fi
 
 step "done in $((SECONDS - T0)) s"

@@ -27,6 +27,17 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+#: ``warnings`` values: the result is ``ok`` but incomplete. The VLM engines set them when a
+#: page's generation was stopped early: by the runaway-repetition guard, or at the
+#: generation cap (``max_tokens``; vLLM's ``finish_reason`` "length"). The lines before the
+#: cut are kept; what the page held after it is missing.
+WARNING_TRUNCATED_REPETITION = "truncated_repetition"
+WARNING_TRUNCATED_MAX_TOKENS = "truncated_max_tokens"
+_WARNINGS_DOC = ("why an ok result may be incomplete: 'truncated_repetition' (generation stopped by the "
+                 "runaway-repetition guard) or 'truncated_max_tokens' (generation hit its token cap); "
+                 "empty when complete")
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -185,6 +196,7 @@ class ResultEvent(_Frozen):
     model_revision: str | None = None
     pages: list[Page] = Field(default_factory=list)
     lines: list[Line] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
     result_uri: str | None = None
     attempt: int = 1
     timings_ms: dict[str, float] = Field(default_factory=dict)
@@ -230,6 +242,7 @@ class ResultDocument(_Frozen):
     pages: list[Page] = Field(default_factory=list)
     lines: list[Line] = Field(default_factory=list)
     text: str = ""
+    warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
     task: str = "ocr"
     source: str = "default"
     filename: str | None = None
@@ -263,6 +276,7 @@ class OcrOutput(_Frozen):
     near_duplicate_of: str | None = Field(
         default=None, description="SHA-256 of the image this output was copied from (near duplicate), boxes rescaled"
     )
+    warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 

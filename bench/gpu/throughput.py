@@ -1,18 +1,33 @@
-"""VllmEngine throughput at batch 1, 8 and 32 on generated pages (GPU machine only).
+"""Infer-stage throughput with the vLLM engine at max_batch 1, 8 and 32 (GPU machine).
 
-Drives the engine the way the infer stage does: one ``engine.ocr(images, timeout)`` call per
-micro-batch, all images of a batch in flight together. Prints images/s per batch size and the
-ratios batch 8 / batch 1 and batch 32 / batch 1. With a random-weight model the text is
-garbage; ``ignore_eos`` with a small ``max_tokens`` makes every request generate the same
-number of tokens, so the numbers measure batching, not luck.
+Drives the infer stage's own batcher the way its StageRunner does, minus Kafka and S3: for
+each ``max_batch`` it builds an :class:`~services.infer.handler.InferHandler` (real settings,
+real PNG decode, downscale/tiling, engine call, line grouping, ``ResultEvent`` building), feeds
+it ``ocr.infer`` records in micro-batches of ``max_batch`` (prefetching the next batch while
+the current one is on the engine, as the runner does) and reads the results it returns. Only
+the transports are stand-ins: an in-memory object store holds the PNG pages, and the records
+are built in memory instead of consumed from Kafka. The engine is the real
+:class:`~services.infer.engines.vllm_engine.VllmEngine`.
 
-Usage: python bench/gpu/throughput.py --model DIR [--load-format auto|dummy] [--batches 1,8,32]
+Prints images/s per batch size and the ratios b8/b1 and b32/b1 (last line:
+``RESULT {json}``). With a random-weight model the text is garbage; ``ignore_eos`` with a
+small ``max_tokens`` makes every request generate the same number of tokens, so the numbers
+measure batching, not luck.
+
+``--fake-engine`` swaps the engine for an in-process stand-in (a fixed cost per engine call
+plus a cost per image, no GPU) to smoke-test the harness on any machine; its numbers say
+nothing about vLLM.
+
+Usage:
+    python bench/gpu/throughput.py --model DIR [--load-format auto|dummy] [--batches 1,8,32]
+    python bench/gpu/throughput.py --fake-engine --batches 1,8,32
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import sys
@@ -49,97 +64,207 @@ def make_pages(n: int, seed: int, w: int = 896, h: int = 1152) -> list[np.ndarra
     return pages
 
 
+def png(img: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+class MemoryStore:
+    """The object-store call the infer handler makes (``get_uri``), over a dict (no S3 here)."""
+
+    def __init__(self):
+        self.objects: dict[str, bytes] = {}
+
+    def put(self, uri: str, data: bytes) -> None:
+        self.objects[uri] = data
+
+    async def get_uri(self, uri: str, max_bytes: int | None = None) -> bytes:
+        from schemas.errors import ErrorCode
+        from services.common.errors import OcrError
+
+        if uri not in self.objects:
+            raise OcrError(ErrorCode.MISSING_OBJECT, uri)
+        return self.objects[uri]
+
+
+def fake_engine_class():
+    from services.common.textlines import Segment
+    from services.infer.engines.base import EngineOutput, OcrEngine
+
+    class FakeEngine(OcrEngine):
+        """Harness smoke test only: ``per_call_s`` per engine call + ``per_image_s`` per image."""
+
+        name = "fake"
+        max_side = 2048
+
+        def __init__(self, per_call_s: float = 0.05, per_image_s: float = 0.005):
+            self.per_call_s, self.per_image_s = per_call_s, per_image_s
+
+        async def start(self) -> None:
+            self.ready = True
+
+        async def ocr(self, images, timeout_s):
+            t0 = time.perf_counter()
+            await asyncio.sleep(self.per_call_s + self.per_image_s * len(images))
+            ms = (time.perf_counter() - t0) * 1000
+            out = []
+            for img in images:
+                h, w = img.shape[:2]
+                out.append(EngineOutput([Segment([[0, 0], [w, 0], [w, 20], [0, 20]], "fake", 1.0)], ms))
+            return out
+
+    return FakeEngine
+
+
+def infer_settings(args, max_batch: int):
+    """The infer stage's settings for this run (vLLM engine fields as production reads them)."""
+    from services.common.settings import Limits
+    from services.infer.settings import InferSettings
+
+    return InferSettings(
+        max_batch=max_batch, fetch_concurrency=max(8, max_batch),
+        limits=Limits(infer_timeout_s=args.timeout),
+        engine_kind="vllm",
+        device=args.device, vllm_model=args.model or "none", vllm_max_tokens=args.max_tokens,
+        vllm_gpu_memory_utilization=args.gpu_mem, vllm_max_model_len=args.max_model_len,
+        vllm_max_num_seqs=args.max_num_seqs, vllm_max_num_batched_tokens=args.max_num_batched_tokens,
+        vllm_enforce_eager=args.enforce_eager, vllm_prompt_template=QWEN_TEMPLATE, vllm_repeat_stop=False,
+        vllm_engine_args={"load_format": args.load_format, "seed": 0}, vllm_sampling_args={"ignore_eos": True},
+        vllm_trust_remote_code=False, vllm_repetition_penalty=1.0, vllm_dtype="bfloat16",
+    ) if not args.fake_engine else InferSettings(
+        max_batch=max_batch, fetch_concurrency=max(8, max_batch), limits=Limits(infer_timeout_s=args.timeout),
+    )
+
+
 def build_engine(args):
+    if args.fake_engine:
+        print("engine: FAKE (harness smoke test; the numbers say nothing about vLLM)", flush=True)
+        return fake_engine_class()()
     from services.infer.engines.vllm_engine import VllmEngine
 
-    engine_args = {"load_format": args.load_format, "seed": 0}
-    sampling = {"ignore_eos": True}
-    try:
-        from services.infer.settings import InferSettings
-
-        s = InferSettings(
-            engine_kind="vllm", device=args.device, vllm_model=args.model, vllm_max_tokens=args.max_tokens,
-            vllm_gpu_memory_utilization=args.gpu_mem, vllm_max_model_len=args.max_model_len,
-            vllm_max_num_seqs=args.max_num_seqs, vllm_max_num_batched_tokens=args.max_num_batched_tokens,
-            vllm_enforce_eager=args.enforce_eager, vllm_prompt_template=QWEN_TEMPLATE, vllm_repeat_stop=False,
-            vllm_engine_args=engine_args, vllm_sampling_args=sampling, vllm_trust_remote_code=False,
-            vllm_repetition_penalty=1.0, vllm_dtype="bfloat16",
-        )
-        print("engine: built from InferSettings (VllmEngine.from_settings)", flush=True)
-        return VllmEngine.from_settings(s)
-    except ImportError as exc:
-        print(f"engine: settings unavailable ({exc}); building VllmEngine directly", flush=True)
-        return VllmEngine(
-            args.model, device=args.device, dtype="bfloat16", gpu_memory_utilization=args.gpu_mem,
-            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens, trust_remote_code=False,
-            enforce_eager=args.enforce_eager, prompt_template=QWEN_TEMPLATE, max_tokens=args.max_tokens,
-            repetition_penalty=1.0, repeat_stop=False, engine_args=engine_args, sampling_args=sampling,
-        )
+    print("engine: VllmEngine.from_settings(InferSettings)", flush=True)
+    return VllmEngine.from_settings(infer_settings(args, 1))
 
 
-async def run(args) -> int:
+def records(store: MemoryStore, pages: list[np.ndarray], tag: str) -> list:
+    """``ocr.infer`` records, one per page, each page PNG-encoded into the store."""
+    import hashlib
+
+    from aiokafka import ConsumerRecord
+
+    from schemas.events import InferEvent, RequestEvent
+    from services.common.events import dumps
+
+    out = []
+    now = int(time.time() * 1000)
+    for i, img in enumerate(pages):
+        data = png(img)
+        sha = hashlib.sha256(data).hexdigest()
+        uri = f"s3://bench/{tag}/{i}.png"
+        store.put(uri, data)
+        ev = InferEvent(request=RequestEvent(request_id=f"{tag}-{i}", content_sha256=sha, image_uri=uri),
+                        cache_key=f"bench0000000:{sha}")
+        out.append(ConsumerRecord("ocr.infer", 0, i, now, 0, None, dumps(ev), None, len(ev.request.request_id), 0, []))
+    return out
+
+
+async def run_batch_size(args, engine, telemetry, b: int) -> tuple[float, int, int, list[float]]:
+    """Images/s through ``InferHandler.handle`` at ``max_batch`` = ``b``; returns
+    ``(images_per_s, ok, errors, per-request inference ms)``."""
+    import orjson
+
+    from schemas.events import ResultEvent
+    from services.infer.handler import InferHandler
+
+    store = MemoryStore()
+    handler = InferHandler(infer_settings(args, b), store, engine, telemetry)
+    n = max(args.min_images, 2 * b)
+    n -= n % b
+    warm = records(store, make_pages(b, seed=1000 + b), f"warm{b}")
+    await handler.handle(warm)  # untimed: this batch size once
+    recs = records(store, make_pages(n, seed=b), f"b{b}")
+    ok = errors = 0
+    inference: list[float] = []
+    start = time.perf_counter()
+    for i in range(0, n, b):
+        nxt = recs[i + b:i + 2 * b]
+        if nxt:
+            handler.prefetch(nxt)  # as the runner does: next batch's fetch/decode overlaps this one
+        for o in await handler.handle(recs[i:i + b]):
+            ev = ResultEvent.model_validate(orjson.loads(o.value))
+            if ev.status == "ok":
+                ok += 1
+                inference.append(ev.request.timings_ms.get("inference", 0.0))
+            else:
+                errors += 1
+                if errors <= 3:
+                    print(f"  error at batch {b}: {ev.error.code.value}: {ev.error.message}", flush=True)
+    dt = time.perf_counter() - start
+    return ok / dt, ok, errors, inference
+
+
+async def engine_checks(engine) -> bool:
+    """vLLM only: a 1 ms timeout gives EngineTimeout (request aborted), and the engine still
+    answers afterwards."""
     from services.infer.engines.base import EngineOutput, EngineTimeout
 
-    eng = build_engine(args)
-    t0 = time.perf_counter()
-    await eng.start()
-    print(f"engine: started and warmed up in {time.perf_counter() - t0:.1f} s (ready={eng.ready})", flush=True)
-
-    # the per-image timeout aborts the request, and the engine keeps working after it
-    (res,) = await eng.ocr(make_pages(1, seed=999), timeout_s=0.001)
+    (res,) = await engine.ocr(make_pages(1, seed=999), timeout_s=0.001)
     print(f"check: timeout -> {type(res).__name__}", flush=True)
     if not isinstance(res, EngineTimeout):
         print("FAIL: a 1 ms timeout did not give EngineTimeout", flush=True)
-        return 1
-    (res,) = await eng.ocr(make_pages(1, seed=998), timeout_s=60)
+        return False
+    (res,) = await engine.ocr(make_pages(1, seed=998), timeout_s=60)
     if not isinstance(res, EngineOutput):
         print(f"FAIL: request after an abort failed: {res!r}", flush=True)
-        return 1
+        return False
     print(f"check: after abort OK ({res.inference_ms:.0f} ms, {len(res.segments)} segments)", flush=True)
+    return True
 
-    results = {}
+
+async def run(args) -> int:
+    from services.common.settings import TelemetrySettings
+    from services.common.telemetry import Telemetry
+
+    engine = build_engine(args)
+    t0 = time.perf_counter()
+    await engine.start()
+    print(f"engine: started and warmed up in {time.perf_counter() - t0:.1f} s (ready={engine.ready})", flush=True)
+    if not args.fake_engine and not await engine_checks(engine):
+        return 1
+
+    telemetry = Telemetry("infer", TelemetrySettings())
+    results: dict[int, float] = {}
     for b in args.batches:
-        n = max(args.min_images, 2 * b)
-        n -= n % b
-        await eng.ocr(make_pages(b, seed=1000 + b), timeout_s=args.timeout)  # untimed: this batch size once
-        pages = make_pages(n, seed=b)
-        errors, lat = 0, []
-        start = time.perf_counter()
-        for i in range(0, n, b):
-            outs = await eng.ocr(pages[i:i + b], timeout_s=args.timeout)
-            for o in outs:
-                if isinstance(o, BaseException):
-                    errors += 1
-                    if errors <= 3:
-                        print(f"  error at batch {b}: {o!r}", flush=True)
-                else:
-                    lat.append(o.inference_ms)
-        dt = time.perf_counter() - start
-        ips = (n - errors) / dt
+        ips, ok, errors, inf = await run_batch_size(args, engine, telemetry, b)
         results[b] = ips
-        p50 = float(np.median(lat)) if lat else float("nan")
-        print(f"batch {b:>3}: {n} images in {dt:6.2f} s = {ips:7.2f} images/s, "
-              f"per-image latency p50 {p50:.0f} ms, errors {errors}", flush=True)
-        if errors == n:
-            print(f"FAIL: every image failed at batch {b}", flush=True)
+        p50 = float(np.median(inf)) if inf else float("nan")
+        print(f"max_batch {b:>3}: {ok + errors} requests through InferHandler.handle, {ips:7.2f} images/s, "
+              f"inference share p50 {p50:.0f} ms, errors {errors}", flush=True)
+        if ok == 0:
+            print(f"FAIL: every request failed at max_batch {b}", flush=True)
             return 1
-    await eng.close()
+    await engine.close()
 
     base = results.get(1)
     print("\nthroughput (images/s): " + ", ".join(f"b{b}={v:.2f}" for b, v in results.items()))
+    ratios = {}
     if base:
-        for b in (8, 32):
-            if b in results:
-                print(f"ratio batch {b} / batch 1 = {results[b] / base:.2f}x")
-    print("RESULT " + json.dumps({"images_per_s": results,
-                                  "ratios": {b: results[b] / base for b in results if base}}))
+        for b in results:
+            if b != 1:
+                ratios[f"b{b}/b1"] = round(results[b] / base, 2)
+                print(f"ratio b{b}/b1 = {results[b] / base:.2f}x")
+    print("RESULT " + json.dumps({"engine": engine.name, "images_per_s": {f"b{b}": round(v, 3) for b, v in results.items()},
+                                  "ratios": ratios}))
     return 0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="local checkpoint directory (required unless --fake-engine)")
+    ap.add_argument("--fake-engine", action="store_true", help="harness smoke test without vLLM or a GPU")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--batches", default="1,8,32")
@@ -152,6 +277,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--enforce-eager", type=int, default=int(os.environ.get("ENFORCE_EAGER", "1")))
     args = ap.parse_args()
+    if not args.fake_engine and not args.model:
+        ap.error("--model is required (or --fake-engine)")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.enforce_eager = bool(args.enforce_eager)
     sys.exit(asyncio.run(run(args)))

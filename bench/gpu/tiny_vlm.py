@@ -33,9 +33,50 @@ MIN_PIXELS = 4 * 28 * 28
 MAX_PIXELS = 2048 * 28 * 28  # a 896x1152 page is ~1,300 image tokens
 
 
-def build_tokenizer(out: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _wrap_fast(tok):
+    """``tok`` (a ``tokenizers.Tokenizer``) as a transformers fast tokenizer. transformers 4.x
+    takes the extra special tokens as ``additional_special_tokens``; 5.x renamed them
+    ``extra_special_tokens`` and may refuse the old name: each spelling is tried, then none (the
+    specials are already special tokens of ``tok``)."""
     from transformers import PreTrainedTokenizerFast
+
+    base = dict(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    errors = []
+    for extra in ({"additional_special_tokens": SPECIALS[1:]}, {"extra_special_tokens": SPECIALS[1:]}, {}):
+        try:
+            return PreTrainedTokenizerFast(**base, **extra)
+        except Exception as exc:  # TypeError/ValueError/AttributeError across versions
+            errors.append(f"{next(iter(extra), 'no extras')}: {exc!r}")
+    raise RuntimeError("PreTrainedTokenizerFast refused every spelling: " + "; ".join(errors))
+
+
+def _write_tokenizer_by_hand(out: Path, tok) -> None:
+    """tokenizer.json (the ``tokenizers`` library's own format) and a minimal
+    tokenizer_config.json, which AutoTokenizer (and so vLLM) loads as PreTrainedTokenizerFast."""
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 8192, "chat_template": CHAT_TEMPLATE,
+    }, indent=1))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+
+def build_tokenizer(out: Path):
+    """Train a 640-token byte-level BPE on :data:`CORPUS` and save it under ``out`` as a
+    transformers fast tokenizer with :data:`CHAT_TEMPLATE`.
+
+    Returns:
+        ``(tokenizer, vocab_size, {special token: id})``.
+
+    Raises:
+        RuntimeError: the ``tokenizers``/``transformers`` packages are missing, or this
+            transformers version can neither wrap nor load the tokenizer (message names it).
+    """
+    try:
+        import transformers
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError as exc:
+        raise RuntimeError(f"tiny_vlm: needs the tokenizers and transformers packages ({exc})") from exc
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -45,12 +86,27 @@ def build_tokenizer(out: Path):
     tok.train_from_iterator(CORPUS, trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.model.save(str(out))  # vocab.json + merges.txt, for slow/Qwen2 tokenizer classes
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIALS[1:])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = 8192
-    fast.save_pretrained(str(out))
     ids = {t: tok.token_to_id(t) for t in SPECIALS}
+    try:
+        fast = _wrap_fast(tok)
+        fast.chat_template = CHAT_TEMPLATE
+        fast.model_max_length = 8192
+        fast.save_pretrained(str(out))
+        print(f"tokenizer: saved with transformers {transformers.__version__}")
+    except Exception as exc:
+        print(f"tokenizer: transformers {transformers.__version__} could not save it ({exc!r}); "
+              "writing tokenizer.json + tokenizer_config.json by hand")
+        _write_tokenizer_by_hand(out, tok)
+        try:
+            from transformers import AutoTokenizer
+
+            fast = AutoTokenizer.from_pretrained(str(out))
+        except Exception as exc2:
+            raise RuntimeError(f"tiny_vlm: transformers {transformers.__version__} cannot load the tokenizer "
+                               f"written to {out}: {exc2!r}") from exc2
+    check = fast("INVOICE 97.50")["input_ids"]
+    if not check or max(check) >= tok.get_vocab_size():
+        raise RuntimeError(f"tiny_vlm: tokenizer round trip gave ids {check} (vocab {tok.get_vocab_size()})")
     print(f"tokenizer: {tok.get_vocab_size()} tokens, specials {ids}")
     return fast, tok.get_vocab_size(), ids
 
@@ -134,7 +190,10 @@ def build_model(out: Path, vocab: int, ids: dict) -> str:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    fast, vocab, ids = build_tokenizer(out)
+    try:
+        fast, vocab, ids = build_tokenizer(out)
+    except RuntimeError as exc:
+        sys.exit(str(exc))
     build_processor(out, fast)
     fmt = build_model(out, vocab, ids)
     print(f"load_format={fmt}")

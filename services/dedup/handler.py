@@ -73,7 +73,7 @@ class DedupHandler(Handler):
             ev = ResultEvent(request=timed(req), cache_key=key, cache_hit=True, status="ok", engine=gen.engine,
                              model=gen.model, model_revision=gen.model_revision,
                              pages=[Page(index=1, width=n.width, height=n.height)], lines=n.lines,
-                             near_duplicate_of=n.of_sha256)
+                             near_duplicate_of=n.of_sha256, warnings=n.output.warnings)
             return [Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), headers)]
 
         def hit(entry: CacheEntry, tier: str) -> list[Outgoing]:

@@ -37,6 +37,7 @@ class _Item:
     timings: dict[str, float] = field(default_factory=dict)
     pages: list[np.ndarray] = field(default_factory=list)
     lines: list[Line] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # from the engine, once each, in order seen
     error: OcrError | None = None
     span: Span | None = None  # the request's ``infer`` span, ended in ``_result``
 
@@ -165,6 +166,7 @@ class InferHandler(Handler):
                     it.error = OcrError(code, str(res) or type(res).__name__)
                     continue
                 weight[id(it)] = weight.get(id(it), 0.0) + res.inference_ms
+                it.warnings.extend(w for w in res.warnings if w not in it.warnings)
                 h, w = it.pages[p].shape[:2]
                 per_page.setdefault((id(it), p), []).extend(map_back(tile, res.segments, w, h))
             for it in items:
@@ -207,10 +209,10 @@ class InferHandler(Handler):
             else:
                 pages = [Page(index=i + 1, width=p.shape[1], height=p.shape[0]) for i, p in enumerate(it.pages)]
                 self.telemetry.requests_done.labels("infer", "ok", "").inc()
-                result = ResultEvent(status="ok", pages=pages, lines=it.lines, **common)
-                log.info("infer: %s[%d]@%d request %s: %d lines, inference %.0f ms", it.record.topic,
+                result = ResultEvent(status="ok", pages=pages, lines=it.lines, warnings=it.warnings, **common)
+                log.info("infer: %s[%d]@%d request %s: %d lines, inference %.0f ms%s", it.record.topic,
                          it.record.partition, it.record.offset, req.request_id, len(it.lines),
-                         it.timings.get("inference", 0.0))
+                         it.timings.get("inference", 0.0), f" ({', '.join(it.warnings)})" if it.warnings else "")
             headers = self.telemetry.inject(it.record.headers)
         if it.span is not None:
             if it.error is not None:

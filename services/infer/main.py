@@ -24,7 +24,8 @@ def build_engine(s: InferSettings) -> OcrEngine:
     if kind == "rapidocr":
         from services.infer.engines.rapid import RapidOcrEngine
 
-        return RapidOcrEngine(s.rapidocr_threads, s.rapidocr_workers, s.engine_max_side, s.engine.det_limit_side_len)
+        return RapidOcrEngine(s.rapidocr_threads, s.rapidocr_workers, s.engine_max_side or RapidOcrEngine.max_side,
+                              s.engine.det_limit_side_len)
     if kind == "vllm":
         from services.infer.engines.vllm_engine import VllmEngine  # vllm itself is imported in start()
 

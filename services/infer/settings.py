@@ -18,7 +18,10 @@ class InferSettings(CommonSettings):
     # RapidOCR (CPU) engine
     rapidocr_threads: int = Field(default=1, description="ONNX Runtime intra-op threads per image (bench/engine_tuning.py)")
     rapidocr_workers: int = Field(default=2, description="images in flight per process (2 per 2 cores: bench/infer_bench.py)")
-    engine_max_side: int = Field(default=2000, description="longest side (px) handed to the engine; larger is downscaled")
+    engine_max_side: int | None = Field(
+        default=None, ge=32,
+        description="longest side (px) handed to the engine, larger is downscaled; default per engine: rapidocr 2000, vllm/openai 2048",
+    )
     tile_max_aspect: float = Field(default=3.0, description="pages longer than engine_max_side and longer/shorter above this are sliced into tiles")
     device: str = Field(default="cuda:0", description="GPU engines: the one device this process uses")
     engine_kind: Literal["rapidocr", "vllm", "openai"] | None = Field(
@@ -33,8 +36,8 @@ class InferSettings(CommonSettings):
     vllm_max_model_len: int = Field(default=16384, description="prompt (a 2K page is ~4,100 image tokens) + output")
     vllm_max_num_batched_tokens: int = Field(default=32768, description="well above one page's tokens, so pages overlap")
     vllm_max_tokens: int = Field(default=4096, ge=1, description="generation cap per image")
-    vllm_repetition_penalty: float = Field(default=1.08, description="HunyuanOCR's official sampling value")
-    vllm_repeat_stop: bool = Field(default=True, description="abort a request whose output ends in a loop")
+    vllm_repetition_penalty: float = Field(default=1.0, description="1.0 = off, as vLLM's HunyuanOCR recipe (greedy, top_k 1)")
+    vllm_repeat_stop: bool = Field(default=True, description="abort a request whose output ends in a loop (result flagged truncated_repetition)")
     vllm_trust_remote_code: bool = True
     vllm_enforce_eager: bool = Field(default=False, description="no CUDA graphs (faster start, slower decode)")
     vllm_prompt: str = Field(default="检测并识别图片中的文字，将文本坐标格式化输出。", description="HunyuanOCR text-spotting prompt")
@@ -56,5 +59,5 @@ class InferSettings(CommonSettings):
     openai_max_concurrency: int = Field(default=32, ge=1, description="requests in flight per process")
     openai_ready_timeout_s: float = Field(default=900.0, description="wait for the server at start-up")
     openai_image_format: Literal["png", "jpeg"] = "png"
-    openai_repetition_penalty: float = 1.08
+    openai_repetition_penalty: float = Field(default=1.0, description="1.0 = off, as vLLM's HunyuanOCR recipe")
     openai_extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields (JSON)")

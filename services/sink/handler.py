@@ -218,7 +218,7 @@ class SinkHandler(Handler):
         output = OcrOutput(
             cache_key=ev.cache_key, content_sha256=req.content_sha256, engine=ev.engine or "", model=ev.model or "",
             model_revision=ev.model_revision or "", task=req.task, pages=ev.pages, lines=ev.lines,
-            text=full_text(ev.lines), near_duplicate_of=ev.near_duplicate_of,
+            text=full_text(ev.lines), near_duplicate_of=ev.near_duplicate_of, warnings=ev.warnings,
         )
         okey = result_object_key(ev.cache_key)
         body = dumps(output)
@@ -263,6 +263,7 @@ class SinkHandler(Handler):
             pages=pages,
             lines=output.lines if output else [],
             text=output.text if output else "",
+            warnings=output.warnings if output else ev.warnings,
             task=req.task,
             source=req.source,
             filename=req.filename,

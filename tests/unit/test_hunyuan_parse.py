@@ -130,10 +130,52 @@ def test_clip_to_the_unpadded_image():
     assert boxes(segs) == [("x", quad(0.0, 0.0, 50.0, 150.0))]
 
 
-def test_trim_repeated_tail():
-    assert hunyuan.trim_repeated_tail("abc" + "xy" * 10) == ("abcxy", True)
-    assert hunyuan.trim_repeated_tail("abcxyxy") == ("abcxyxy", False)
-    assert hunyuan.has_tail_repetition("hello" + "!" * 30)
+def test_trim_repeated_tail_keeps_one_copy_of_a_real_loop():
+    loop = "Title(10,10),(90,30)\n" + "abc(10,40),(90,60)" * 20 + "abc(10,4"
+    cut, trimmed = hunyuan.trim_repeated_tail(loop)
+    assert trimmed and cut == "Title(10,10),(90,30)\nabc(10,40),(90,60)abc(10,4"
+    # the same line over and over (short lines, under the span threshold)
+    lines = "Head(1,1),(2,2)\n" + "Row(5,6),(7,8)\n" * 12
+    assert hunyuan.trim_repeated_tail(lines) == ("Head(1,1),(2,2)\nRow(5,6),(7,8)\n", True)
+    assert not hunyuan.has_tail_repetition("Head(1,1),(2,2)\n" + "Row(5,6),(7,8)\n" * 11)
+    # 8 copies of a 17-character item are only 136 characters: not yet a loop
+    assert not hunyuan.has_tail_repetition("abc(10,40),(90,60)" * 8)
+
+
+def test_forms_leaders_and_long_numbers_are_not_loops():
+    for text in ["Signature: " + "_" * 600, "Total 1" + "0" * 600, "Chapter 1 " + "." * 600 + " 5",
+                 "Chapter 1 " + ". " * 300, "-=" * 300, "[ ] " * 200, "的" * 600, "\n" * 300,
+                 "Name: ________(10,20),(300,40)\n" + "________(10,50),(300,70)\n" * 5]:
+        assert not hunyuan.has_tail_repetition(text), text[:30]
+        assert hunyuan.trim_repeated_tail(text) == (text, False)
+    segs = parse_spotting("Signature: " + "_" * 40 + "(10,20),(500,40)", 1000, 1000)
+    assert [s.text for s in segs] == ["Signature: " + "_" * 40]
+
+
+def test_full_width_coordinates():
+    out = "发票号码（120,40），（380,80）金额（小写）(120，100)，(300，140)"
+    st = ParseStats()
+    segs = parse_spotting(out, 1000, 500, stats=st)
+    assert boxes(segs) == [("发票号码", quad(120.0, 20.0, 380.0, 40.0)), ("金额（小写）", quad(120.0, 50.0, 300.0, 70.0))]
+    assert st.malformed == 0
+
+
+def test_bracketed_plain_answer_is_not_taken_for_json():
+    out = "[Note] see below(10,20),(30,40)\n{draft} copy(50,60),(70,80)"
+    st = ParseStats()
+    segs = parse_spotting(out, 1000, 1000, stats=st)
+    assert [s.text for s in segs] == ["[Note] see below", "{draft} copy"]
+    assert st.format == "plain"
+    segs = parse_spotting('{"a": 1} total(10,20),(30,40)', 1000, 1000)
+    assert [s.text for s in segs] == ['{"a": 1} total']
+
+
+def test_text_with_parenthesised_pairs_is_not_debris():
+    segs = parse_spotting("f(x),(y) here(10,20),(30,40)g(a), (b)(50,60),(70,80)", 1000, 1000)
+    assert [s.text for s in segs] == ["f(x),(y) here", "g(a), (b)"]
+    # real debris is still cut: a pair with letters, and a pair missing its "("
+    segs = parse_spotting("A(1,1),(2,2)Bad(a,b),(5,6)Next(50,50),(60,60)Miss 1,2),(3,4)Last(7,7),(8,8)", 1000, 1000)
+    assert [s.text for s in segs] == ["A", "Next", "Last"]
 
 
 def test_prompts_are_the_official_ones():

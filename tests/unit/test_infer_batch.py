@@ -35,7 +35,8 @@ class MemoryStore:
 
 
 class ScriptedEngine(OcrEngine):
-    """Answers by image height: 111 -> timeout, 222 -> raises, else one segment spanning the image."""
+    """Answers by image height: 111 -> timeout, 222 -> raises, else one segment spanning the image
+    (333: flagged as cut at the token cap)."""
 
     name = "scripted"
     max_side = 1000
@@ -56,7 +57,9 @@ class ScriptedEngine(OcrEngine):
             elif h == 222:
                 out.append(RuntimeError("kaboom"))
             else:
-                out.append(EngineOutput([Segment([[0, 0], [w, 0], [w, h], [0, h]], f"TEXT {h}x{w}", 0.9)], 5.0))
+                warnings = ("truncated_max_tokens",) if h == 333 else ()
+                out.append(EngineOutput([Segment([[0, 0], [w, 0], [w, h], [0, h]], f"TEXT {h}x{w}", 0.9)], 5.0,
+                                        warnings))
         return out
 
 
@@ -101,3 +104,14 @@ def test_long_pages_are_sliced_and_every_tile_reaches_the_engine():
     results, engine = run({"s3://b/long": png(300, 5000)}, ["s3://b/long"])
     assert len(engine.calls) > 4 and all(h <= 1000 and w == 300 for h, w in engine.calls)
     assert results[0].status == "ok" and results[0].pages[0].height == 5000
+
+
+def test_engine_warnings_reach_the_result_once():
+    # a 2-page TIFF whose pages both come back flagged, next to a clean image
+    buf = io.BytesIO()
+    Image.new("RGB", (300, 333), "white").save(buf, "TIFF", save_all=True,
+                                               append_images=[Image.new("RGB", (300, 333), "white")])
+    results, _ = run({"s3://b/cut": buf.getvalue(), "s3://b/ok": png(300, 100)}, ["s3://b/cut", "s3://b/ok"])
+    assert [r.status for r in results] == ["ok", "ok"]
+    assert len(results[0].lines) == 2 and results[0].warnings == ["truncated_max_tokens"]
+    assert results[1].warnings == []

@@ -23,7 +23,10 @@ from services.infer.engines.openai_engine import OpenAiEngine, ServerError
 # A recorded-style HunyuanOCR text-spotting answer (0..1000 coordinates).
 ANSWER = "INVOICE(100,50),(400,90)\n发票号码(600,52),(800,88)\nTOTAL 97.50(100,900),(500,950)"
 
-OK, SLOW, FLAKY, BROKEN, BAD_REQ = 10, 20, 30, 40, 50
+OK, SLOW, FLAKY, BROKEN, BAD_REQ, LENGTH, LOOP = 10, 20, 30, 40, 50, 60, 70
+# cut at max_tokens mid entry; and a runaway loop of one entry
+CUT = "INVOICE(100,50),(400,90)\nTOTAL 97.50(100,9"
+LOOPING = "Signature: ________(100,50),(400,90)\n" + "重复(10,40),(90,60)" * 40
 
 
 class FakeServer:
@@ -81,10 +84,11 @@ class FakeServer:
                     return self._send(500, {"error": "always broken"})
                 elif kind == BAD_REQ:
                     return self._send(400, {"error": "bad image"})
+                content, finish = {LENGTH: (CUT, "length"), LOOP: (LOOPING, "stop")}.get(kind, (ANSWER, "stop"))
                 self._send(200, {
                     "id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
-                    "choices": [{"index": 0, "finish_reason": "stop",
-                                 "message": {"role": "assistant", "content": ANSWER}}],
+                    "choices": [{"index": 0, "finish_reason": finish,
+                                 "message": {"role": "assistant", "content": content}}],
                 })
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -130,6 +134,8 @@ async def test_start_waits_for_health_then_warms_up():
         assert req["auth"] == "Bearer sk-test"
         body = req["body"]
         assert body["model"] == "tencent/HunyuanOCR" and body["temperature"] == 0.0
+        # vLLM's HunyuanOCR recipe: greedy, top_k 1, no repetition penalty
+        assert body["top_k"] == 1 and body["repetition_penalty"] == 1.0
         assert body["messages"][0] == {"role": "system", "content": ""}
         assert body["messages"][1]["content"][1] == {"type": "text", "text": SPOTTING_PROMPT}
         await eng.close()
@@ -201,3 +207,20 @@ async def test_thin_images_are_padded_and_boxes_clipped(server):
     assert img.size == (3000, 32)
     assert all(y <= 10 for s in out.segments for _, y in s.box)
     await eng.close()
+
+
+async def test_truncated_answers_are_flagged(server):
+    eng = engine(server.url)
+    cut, loop, ok = await eng.ocr([page(LENGTH, 1000, 1000), page(LOOP, 1000, 1000), page(OK)], timeout_s=10)
+    assert [s.text for s in cut.segments] == ["INVOICE"] and cut.warnings == ("truncated_max_tokens",)
+    assert [s.text for s in loop.segments] == ["Signature: ________", "重复"]
+    assert loop.warnings == ("truncated_repetition",)
+    assert len(ok.segments) == 3 and ok.warnings == ()
+    await eng.close()
+
+
+def test_max_side_follows_the_setting():
+    from services.infer.settings import InferSettings
+
+    assert OpenAiEngine.from_settings(InferSettings(engine_kind="openai")).max_side == 2048
+    assert OpenAiEngine.from_settings(InferSettings(engine_kind="openai", engine_max_side=1280)).max_side == 1280

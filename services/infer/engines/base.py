@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,10 +16,15 @@ class EngineTimeout(Exception):
 
 @dataclass(frozen=True)
 class EngineOutput:
-    """What the engine found in one image and how long that image took (ms of engine time)."""
+    """What the engine found in one image and how long that image took (ms of engine time).
+
+    ``warnings`` says why the segments may be incomplete (values in :mod:`schemas.events`:
+    ``truncated_repetition``, ``truncated_max_tokens``); they reach the request's result.
+    """
 
     segments: list[Segment]
     inference_ms: float
+    warnings: tuple[str, ...] = field(default=())
 
 
 class OcrEngine(ABC):

@@ -56,8 +56,19 @@ HUNYUAN_RAW_TEMPLATE = (
 )
 #: Confidence given to every VLM segment (the model has no per-line score).
 VLM_CONFIDENCE = 1.0
-#: Official sampling for HunyuanOCR-1.5 on vLLM: greedy, repetition_penalty 1.08.
-DEFAULT_REPETITION_PENALTY = 1.08
+#: Sampling of vLLM's HunyuanOCR recipe (vllm-project/recipes, ``Tencent-Hunyuan/HunyuanOCR.md``,
+#: "Querying with OpenAI API Client"): ``temperature=0.0`` with ``extra_body={"top_k": 1,
+#: "repetition_penalty": 1.0}``, i.e. greedy decoding and no repetition penalty. A penalty
+#: above 1.0 lowers the odds of digits and punctuation a page really repeats; loops are
+#: caught by the repeat guard (:func:`find_tail_loop`) and ``max_tokens`` instead.
+DEFAULT_REPETITION_PENALTY = 1.0
+#: ``top_k`` of the same recipe (greedy).
+DEFAULT_TOP_K = 1
+#: Longest image side (px) the VLM engines are handed by default (``engine_max_side``
+#: overrides it). The model's own processor resizes to its pixel budget in any case; beyond
+#: about 2K px a page costs more image tokens (a 2048 px page is about 4,100) for no gain in
+#: legibility at ordinary print sizes, and very long pages are tiled rather than shrunk.
+VLM_MAX_SIDE = 2048
 #: Coordinates are normalised to 0..SCALE.
 SCALE = 1000.0
 
@@ -151,10 +162,19 @@ class ParseStats:
 
 
 _NUM = r"(-?\d+(?:\.\d+)?)"
-_PAIR = re.compile(rf"\(\s*{_NUM}\s*,\s*{_NUM}\s*\)\s*,\s*\(\s*{_NUM}\s*,\s*{_NUM}\s*\)")
-# What is left of a coordinate pair that did not parse: a "),(" joint (its second half runs to
-# the next ")"), or two numeric pairs with the comma between them missing.
-_DEBRIS = re.compile(r"\)\s*,\s*\(|\(\s*-?\d+(?:\.\d+)?\s*,\s*-?\d+(?:\.\d+)?\s*\)\s*\(\s*-?\d+(?:\.\d+)?\s*,\s*-?\d+(?:\.\d+)?\s*\)")
+# The model sometimes writes the coordinates with full-width punctuation: （10,20），（30,40）.
+_LP, _RP, _CM = "[(（]", "[)）]", "[,，]"
+_PAIR = re.compile(
+    rf"{_LP}\s*{_NUM}\s*{_CM}\s*{_NUM}\s*{_RP}\s*{_CM}\s*{_LP}\s*{_NUM}\s*{_CM}\s*{_NUM}\s*{_RP}"
+)
+_N = r"-?\d+(?:\.\d+)?"
+# What is left of a coordinate pair that did not parse: its second half, a numeric pair after
+# a ")," joint (``(a,b),(3,4)``, ``1,2),(3,4)``), or two numeric pairs with the comma between
+# them missing. Text such as ``f(x),(y)`` has no numeric second half and is left alone.
+_DEBRIS = re.compile(
+    rf"{_RP}\s*{_CM}\s*{_LP}\s*{_N}\s*{_CM}\s*{_N}\s*{_RP}"
+    rf"|{_LP}\s*{_N}\s*{_CM}\s*{_N}\s*{_RP}\s*{_LP}\s*{_N}\s*{_CM}\s*{_N}\s*{_RP}"
+)
 _REF_QUAD = re.compile(r"<ref>(.*?)</ref>\s*<quad>(.*?)</quad>", re.S)
 _QUAD_REF = re.compile(r"<quad>((?:\s*<pos_[^>]*>){4})\s*</quad>\s*<ref>(.*?)</ref>", re.S)
 _POS = re.compile(r"<pos_\s*(-?\d+(?:\.\d+)?)\s*>")
@@ -163,32 +183,93 @@ _TEXT_KEYS = ("text", "content", "transcription", "words", "label")
 _BOX_KEYS = ("box", "bbox", "quad", "polygon", "points", "coordinates", "position")
 
 
-def trim_repeated_tail(text: str, min_repeats: int = 8, max_unit: int = 400) -> tuple[str, bool]:
-    """Cut a runaway loop off the end of a generation.
+#: Loop guard thresholds (see :func:`find_tail_loop`). A unit must hold at least this many
+#: distinct non-space characters, so runs of one character (``________``, ``1000000000``,
+#: dotted leaders ``........`` or ``. . . .``) and two-character patterns (``-=-=``) never
+#: count as a loop: forms and tables are full of them.
+LOOP_MIN_DISTINCT = 3
+#: ... repeated back to back at least this many times ...
+LOOP_MIN_REPEATS = 8
+#: ... covering at least this many characters (a 4-character unit needs 64 copies, an item
+#: ``text(x1,y1),(x2,y2)`` of 20 characters 13 copies: far beyond any real page, and a loop
+#: that long costs only a few hundred tokens before it is caught).
+LOOP_MIN_SPAN = 256
+#: Or: the last complete output lines are this many copies of one line (with at least
+#: :data:`LOOP_MIN_DISTINCT` distinct non-space characters). In spotting output every line
+#: carries its own coordinates, so identical lines are never two real text lines.
+LOOP_MIN_LINES = 12
+#: Longest unit looked for, in characters.
+LOOP_MAX_UNIT = 400
 
-    When the text ends with one unit (1..``max_unit`` characters, not only whitespace) repeated
-    at least ``min_repeats`` times back to back, all copies but the first are removed.
+
+def _distinct(unit: str) -> int:
+    return len({c for c in unit if not c.isspace()})
+
+
+def find_tail_loop(
+    text: str,
+    *,
+    min_repeats: int = LOOP_MIN_REPEATS,
+    min_span: int = LOOP_MIN_SPAN,
+    min_lines: int = LOOP_MIN_LINES,
+    max_unit: int = LOOP_MAX_UNIT,
+) -> int | None:
+    """Where a runaway loop at the end of ``text`` begins its second copy, or None.
+
+    A loop is either (a) a unit of 1..``max_unit`` characters with at least
+    :data:`LOOP_MIN_DISTINCT` distinct non-space characters, repeated back to back at least
+    ``min_repeats`` times and over at least ``min_span`` characters, ending the text (the text
+    may stop inside a copy: any rotation of the unit matches); or (b) the last ``min_lines``
+    complete lines are the same line (compared stripped, with at least
+    :data:`LOOP_MIN_DISTINCT` distinct non-space characters). Runs of one or two characters
+    never count, however long: ``Signature: ________``, ``Total 1000000000``, ``Chapter 1
+    ........ 5`` are text.
 
     Returns:
-        ``(text, trimmed)``.
+        The index where the repeated copies after the first begin (``text[:i]`` keeps one
+        copy), or None when ``text`` does not end in a loop.
     """
     n = len(text)
-    for size in range(1, min(max_unit, n // min_repeats) + 1):
+    for size in range(1, min(max_unit, n // max(2, min_repeats)) + 1):
         unit = text[n - size:]
-        if not unit.strip():
+        if _distinct(unit) < LOOP_MIN_DISTINCT:
             continue
         count, end = 1, n - size
         while end - size >= 0 and text[end - size:end] == unit:
             count += 1
             end -= size
-        if count >= min_repeats:
-            return text[: end + size], True
-    return text, False
+        if count >= min_repeats and count * size >= min_span:
+            return end + size
+    lines = text.split("\n")
+    complete = lines[:-1]  # the last piece is a line still being written (or "")
+    if len(complete) >= min_lines:
+        last = complete[-1].strip()
+        if _distinct(last) >= LOOP_MIN_DISTINCT:
+            run = 1
+            while run < len(complete) and complete[-1 - run].strip() == last:
+                run += 1
+            if run >= min_lines:
+                first = len(complete) - run  # index of the run's first line
+                return sum(len(ln) + 1 for ln in lines[: first + 1])
+    return None
 
 
-def has_tail_repetition(text: str, min_repeats: int = 8, max_unit: int = 400) -> bool:
-    """True when ``text`` ends in a loop (see :func:`trim_repeated_tail`)."""
-    return trim_repeated_tail(text, min_repeats, max_unit)[1]
+def trim_repeated_tail(text: str, **kw) -> tuple[str, bool]:
+    """Cut a runaway loop (see :func:`find_tail_loop`) off the end of a generation, keeping
+    one copy.
+
+    Returns:
+        ``(text, trimmed)``.
+    """
+    cut = find_tail_loop(text, **kw)
+    if cut is None:
+        return text, False
+    return text[:cut], True
+
+
+def has_tail_repetition(text: str, **kw) -> bool:
+    """True when ``text`` ends in a runaway loop (see :func:`find_tail_loop`)."""
+    return find_tail_loop(text, **kw) is not None
 
 
 def _num(v) -> float | None:
@@ -304,7 +385,7 @@ def _plain_items(body: str, stats: ParseStats) -> list[tuple[str, list[float]]]:
         gap = body[last:m.start()]
         last = m.end()
         # Extra pairs right after a pair ("Hello(1,2),(3,4),(5,6),(7,8)") bind to the first.
-        if not re.search(r"[^\s(),]", gap):
+        if not re.search(r"[^\s(),（），]", gap):
             if items or gap.strip():
                 stats.malformed += 1
             continue
@@ -316,9 +397,7 @@ def _plain_items(body: str, stats: ParseStats) -> list[tuple[str, list[float]]]:
         if debris:
             stats.malformed += 1
             text = text[debris[-1].end():]
-            if debris[-1].group(0).endswith("("):
-                text = text.split(")", 1)[1] if ")" in text else ""
-        text = text.strip().lstrip(",").strip()
+        text = text.strip().lstrip(",，").strip()
         if not text:
             stats.malformed += 1
             continue
@@ -365,17 +444,18 @@ def parse_spotting(
     """HunyuanOCR text-spotting output -> segments in pixels of the image the model saw.
 
     Reads ``text(x1,y1),(x2,y2)`` items (one per line or back to back; text may hold
-    parentheses), the two tagged forms, and the JSON form (``box``/``bbox``/``quad``/... with 4
+    parentheses; the coordinates may use full-width ``（，）``), the two tagged forms, and the JSON form (``box``/``bbox``/``quad``/... with 4
     numbers or 4 points; ``text``/``content``/...; a truncated array is salvaged object by
-    object). ``<answer>`` wrappers and Markdown code fences are removed first.
+    object; an answer that starts with ``[`` or ``{`` but gives no JSON entry is read as the
+    plain form instead). ``<answer>`` wrappers and Markdown code fences are removed first.
 
     Coordinates are on a 0..1000 scale of ``width`` x ``height``; values outside are clamped to
     the image, corners are ordered, and a box of zero width or height after clamping is dropped.
     Malformed entries (no or non-numeric coordinates, missing parentheses, wrong counts,
     truncated last entry) are skipped, never raised.
 
-    Runaway guard: a loop at the end of the raw text (a unit repeated 8+ times) is trimmed to
-    one copy; an entry identical to an earlier one (same text and box) is dropped; a run of
+    Runaway guard: a loop at the end of the raw text (see :func:`find_tail_loop`; runs of one
+    character are text, never a loop) is trimmed to one copy; an entry identical to an earlier one (same text and box) is dropped; a run of
     more than ``max_run`` consecutive entries with the same text keeps only the first
     ``max_run``.
 
@@ -401,7 +481,13 @@ def parse_spotting(
 
     items = _json_items(body, st)
     st.format = "json"
-    if items is None:
+    if not items:
+        # Not the JSON variant after all (``[Note] text(1,2),(3,4)``, ``{x}...``): read it as
+        # the other forms; a JSON answer with no usable entry reads as nothing there too.
+        if items is not None:
+            st.notes.append("json had no entries; read as text")
+        items = None
+        st.malformed = 0
         items = _tag_items(body, st)
         st.format = "tagged"
     if items is None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
 from services.infer.engines import hunyuan
 from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
 
@@ -69,12 +70,20 @@ class OpenAiEngine(OcrEngine):
         max_concurrency: Requests in flight per process.
         ready_timeout_s: How long :meth:`start` waits for the server to answer.
         image_format: ``png`` (lossless) or ``jpeg`` for the inline image.
-        repetition_penalty: Sent as vLLM's ``repetition_penalty`` extra.
+        repetition_penalty: Sent as vLLM's ``repetition_penalty`` extra (1.0 = off, as vLLM's
+            HunyuanOCR recipe, which also sends ``top_k`` 1 with temperature 0).
+        max_side: Longest image side in pixels handed to the server (the infer stage
+            downscales or tiles larger pages); default
+            :data:`~services.infer.engines.hunyuan.VLM_MAX_SIDE`.
         extra_body: More request fields (merged last).
+
+    An answer cut at ``max_tokens`` (``finish_reason`` "length") carries the warning
+    ``truncated_max_tokens``; one whose text ends in a runaway loop (trimmed by the parser)
+    carries ``truncated_repetition``.
     """
 
     name = "openai"
-    max_side = 2048
+    max_side = hunyuan.VLM_MAX_SIDE
 
     def __init__(
         self,
@@ -94,6 +103,7 @@ class OpenAiEngine(OcrEngine):
         warmup_timeout_s: float = 300.0,
         image_format: str = "png",
         repetition_penalty: float = hunyuan.DEFAULT_REPETITION_PENALTY,
+        max_side: int | None = None,
         extra_body: dict[str, Any] | None = None,
     ):
         self.base_url = base_url.rstrip("/")
@@ -111,6 +121,8 @@ class OpenAiEngine(OcrEngine):
         self.warmup_timeout_s = warmup_timeout_s
         self.image_format = image_format
         self.repetition_penalty = repetition_penalty
+        if max_side:
+            self.max_side = max_side
         self.extra_body = dict(extra_body or {})
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="openai-ocr")
         self._slots = asyncio.Semaphore(max_concurrency)
@@ -127,7 +139,7 @@ class OpenAiEngine(OcrEngine):
             max_tokens=s.openai_max_tokens, request_timeout_s=s.openai_timeout_s, retries=s.openai_retries,
             backoff_s=s.openai_backoff_s, max_concurrency=s.openai_max_concurrency,
             ready_timeout_s=s.openai_ready_timeout_s, image_format=s.openai_image_format,
-            repetition_penalty=s.openai_repetition_penalty, extra_body=s.openai_extra_body,
+            repetition_penalty=s.openai_repetition_penalty, max_side=s.engine_max_side, extra_body=s.openai_extra_body,
         )
 
     # ------------------------------------------------------------------ HTTP (in threads)
@@ -209,6 +221,7 @@ class OpenAiEngine(OcrEngine):
             "max_tokens": self.max_tokens,
             "temperature": 0.0,
             "top_p": 1.0,
+            "top_k": hunyuan.DEFAULT_TOP_K,
             "repetition_penalty": self.repetition_penalty,
             "skip_special_tokens": True,
             "stream": False,
@@ -216,7 +229,9 @@ class OpenAiEngine(OcrEngine):
         body.update(self.extra_body)
         return body
 
-    async def _call(self, image: np.ndarray, deadline: float) -> str:
+    async def _call(self, image: np.ndarray, deadline: float) -> tuple[str, tuple[str, ...]]:
+        """One chat-completions call (retried on 5xx/429/connection errors); returns the answer
+        text and its warnings (``truncated_max_tokens`` when ``finish_reason`` is "length")."""
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(self._pool, lambda: json.dumps(self.payload(image)).encode())
         url = f"{self.base_url}/chat/completions"
@@ -236,7 +251,8 @@ class OpenAiEngine(OcrEngine):
             raise ValueError(f"unexpected answer from {url}: {str(answer)[:200]}") from exc
         if choice.get("finish_reason") == "length":
             log.info("openai: answer cut at max_tokens=%d; parsing what came", self.max_tokens)
-        return text
+            return text, (WARNING_TRUNCATED_MAX_TOKENS,)
+        return text, ()
 
     async def _one(self, image: np.ndarray, timeout_s: float) -> EngineOutput | BaseException:
         h, w = image.shape[:2]
@@ -245,7 +261,7 @@ class OpenAiEngine(OcrEngine):
         async with self._slots:
             started = time.perf_counter()
             try:
-                text = await asyncio.wait_for(self._call(padded, time.monotonic() + timeout_s), timeout_s)
+                text, warnings = await asyncio.wait_for(self._call(padded, time.monotonic() + timeout_s), timeout_s)
             except (asyncio.TimeoutError, socket.timeout):
                 return EngineTimeout(f"inference took longer than {timeout_s:g} s")
             except urllib.error.URLError as exc:
@@ -254,8 +270,11 @@ class OpenAiEngine(OcrEngine):
                 return exc
             except Exception as exc:
                 return exc
-        segs = hunyuan.parse_spotting(text, pw, ph, clip=(w, h) if (pw, ph) != (w, h) else None)
-        return EngineOutput(segs, (time.perf_counter() - started) * 1000)
+        stats = hunyuan.ParseStats()
+        segs = hunyuan.parse_spotting(text, pw, ph, clip=(w, h) if (pw, ph) != (w, h) else None, stats=stats)
+        if stats.tail_trimmed:
+            warnings = (*warnings, WARNING_TRUNCATED_REPETITION)
+        return EngineOutput(segs, (time.perf_counter() - started) * 1000, warnings)
 
     async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
         """See :meth:`OcrEngine.ocr`. A timed-out image's HTTP thread ends at its socket timeout

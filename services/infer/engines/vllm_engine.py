@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
 from services.infer.engines import hunyuan
 from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
 
@@ -74,9 +75,14 @@ class VllmEngine(OcrEngine):
 
     Every image of an ``ocr`` call is its own request (own id), all submitted at once so vLLM
     schedules them together; each has its own timeout, after which the request is aborted and
-    the image gets :class:`EngineTimeout`. Output is streamed; when the text ends in a loop
-    (a unit repeated 8+ times) the request is aborted early and the text so far is parsed
-    (vLLM has no stop-on-repetition; ``repetition_penalty`` makes loops rarer).
+    the image gets :class:`EngineTimeout`. Output is streamed; when the text ends in a runaway
+    loop (:func:`~services.infer.engines.hunyuan.find_tail_loop`: a unit of 3+ distinct
+    characters repeated over 256+ characters, or 12 identical lines; runs of one character such
+    as ``______`` or ``000000`` never count) the request is aborted early, the text so far is
+    parsed and the output carries the warning ``truncated_repetition``. A generation that hits
+    ``max_tokens`` (``finish_reason`` "length") carries ``truncated_max_tokens``. vLLM has no
+    stop-on-repetition of its own. The text is checked every :attr:`check_every` characters
+    once it is :attr:`check_after` long.
 
     Args:
         model: HF id or local path (no download happens when it is a local path or already in
@@ -85,9 +91,13 @@ class VllmEngine(OcrEngine):
         device: ``cuda:N``; sets ``CUDA_VISIBLE_DEVICES`` (see :func:`select_device`).
         prompt: The instruction (default: HunyuanOCR's text-spotting prompt).
         prompt_template: ``auto`` (HunyuanOCR's raw prompt for a model named like HunyuanOCR,
-            else the tokenizer's chat template), ``chat``, or a literal string with ``{prompt}``.
+            else the tokenizer's chat template), ``hunyuan`` (that raw prompt), ``chat``, or a
+            literal string with ``{prompt}`` (see :meth:`prompt_mode`).
         max_tokens: Generation cap per image.
-        repetition_penalty: vLLM sampling repetition penalty (1.0 = off).
+        repetition_penalty: vLLM sampling repetition penalty (1.0 = off, the recipe's value).
+        top_k: Sampling ``top_k`` (1 = greedy, the recipe's value; -1 or 0 = off).
+        max_side: Longest image side in pixels handed to the engine (the infer stage downscales
+            or tiles larger pages); default :data:`~services.infer.engines.hunyuan.VLM_MAX_SIDE`.
         repeat_stop: Abort a request whose text ends in a loop.
         engine_args: Extra ``AsyncEngineArgs`` fields (``load_format``, ``enforce_eager``, ...),
             which override the ones built here.
@@ -96,7 +106,10 @@ class VllmEngine(OcrEngine):
     """
 
     name = "vllm"
-    max_side = 2048
+    max_side = hunyuan.VLM_MAX_SIDE
+    check_every = 256
+    check_after = 512
+    check_window = 6000
 
     def __init__(
         self,
@@ -115,6 +128,8 @@ class VllmEngine(OcrEngine):
         prompt_template: str = "auto",
         max_tokens: int = 4096,
         repetition_penalty: float = hunyuan.DEFAULT_REPETITION_PENALTY,
+        top_k: int = hunyuan.DEFAULT_TOP_K,
+        max_side: int | None = None,
         repeat_stop: bool = True,
         engine_args: dict[str, Any] | None = None,
         sampling_args: dict[str, Any] | None = None,
@@ -134,6 +149,9 @@ class VllmEngine(OcrEngine):
         self.prompt_template = prompt_template
         self.max_tokens = max_tokens
         self.repetition_penalty = repetition_penalty
+        self.top_k = top_k
+        if max_side:
+            self.max_side = max_side
         self.repeat_stop = repeat_stop
         self.engine_args = dict(engine_args or {})
         self.sampling_args = dict(sampling_args or {})
@@ -156,7 +174,7 @@ class VllmEngine(OcrEngine):
             max_model_len=s.vllm_max_model_len, max_num_batched_tokens=s.vllm_max_num_batched_tokens,
             trust_remote_code=s.vllm_trust_remote_code, enforce_eager=s.vllm_enforce_eager,
             prompt=s.vllm_prompt, prompt_template=s.vllm_prompt_template, max_tokens=s.vllm_max_tokens,
-            repetition_penalty=s.vllm_repetition_penalty, repeat_stop=s.vllm_repeat_stop,
+            repetition_penalty=s.vllm_repetition_penalty, max_side=s.engine_max_side, repeat_stop=s.vllm_repeat_stop,
             engine_args=s.vllm_engine_args, sampling_args=s.vllm_sampling_args,
             warmup_timeout_s=s.vllm_warmup_timeout_s,
         )
@@ -210,10 +228,7 @@ class VllmEngine(OcrEngine):
         self._engine = Engine.from_engine_args(args)
         log.info("vllm: engine up in %.1f s", time.perf_counter() - t0)
 
-        sampling = dict(temperature=0.0, max_tokens=self.max_tokens, repetition_penalty=self.repetition_penalty,
-                        skip_special_tokens=True)
-        sampling.update(self.sampling_args)
-        self._sampling = SamplingParams(**_supported_args(SamplingParams, sampling))
+        self._sampling = SamplingParams(**_supported_args(SamplingParams, self.sampling_kwargs()))
         self._prompt_text = await self._render_prompt()
         log.info("vllm: prompt %r", self._prompt_text[:300])
 
@@ -225,14 +240,31 @@ class VllmEngine(OcrEngine):
         log.info("vllm: warm-up answered in %.0f ms (%d segments)", res.inference_ms, len(res.segments))
         self.ready = True
 
-    async def _render_prompt(self) -> str:
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The ``SamplingParams`` fields: greedy as vLLM's HunyuanOCR recipe (temperature 0,
+        ``top_k``, ``repetition_penalty``), ``max_tokens``, then ``sampling_args`` over them."""
+        kw: dict[str, Any] = dict(temperature=0.0, top_k=self.top_k, max_tokens=self.max_tokens,
+                                  repetition_penalty=self.repetition_penalty, skip_special_tokens=True)
+        kw.update(self.sampling_args)
+        return kw
+
+    def prompt_mode(self) -> str:
+        """``hunyuan``, ``chat`` or ``literal``: how :meth:`_render_prompt` builds the prompt.
+        ``auto`` is ``hunyuan`` for a model named like HunyuanOCR (any case, ``-``/``_``
+        ignored), else ``chat``; any other value is a literal template."""
         mode = self.prompt_template
         if mode == "auto":
-            mode = "hunyuan" if "hunyuanocr" in self.model.lower().replace("-", "").replace("_", "") else "chat"
+            return "hunyuan" if "hunyuanocr" in self.model.lower().replace("-", "").replace("_", "") else "chat"
+        return mode if mode in ("hunyuan", "chat") else "literal"
+
+    async def _render_prompt(self) -> str:
+        mode = self.prompt_mode()
         if mode == "hunyuan":
             return hunyuan.render_template(hunyuan.HUNYUAN_RAW_TEMPLATE, self.prompt)
-        if mode != "chat":
-            return hunyuan.render_template(mode, self.prompt)
+        if mode == "literal":
+            if "{prompt}" not in self.prompt_template:
+                log.warning("vllm: prompt_template has no {prompt}; the instruction is not sent")
+            return hunyuan.render_template(self.prompt_template, self.prompt)
         tok = getattr(self._engine, "tokenizer", None)
         if tok is None and hasattr(self._engine, "get_tokenizer"):
             tok = self._engine.get_tokenizer()
@@ -267,21 +299,26 @@ class VllmEngine(OcrEngine):
         except Exception:  # pragma: no cover - finished requests may refuse
             log.debug("vllm: abort %s failed", request_id, exc_info=True)
 
-    async def _generate(self, image: np.ndarray, request_id: str) -> str:
-        """One request; returns its (possibly early-stopped) text."""
+    async def _generate(self, image: np.ndarray, request_id: str) -> tuple[str, tuple[str, ...]]:
+        """One request; returns its (possibly early-stopped) text and its warnings."""
         from PIL import Image
 
         inputs = {"prompt": self._prompt_text, "multi_modal_data": {"image": Image.fromarray(image[..., :3])}}
-        text, checked = "", 0
+        text, checked, finish = "", 0, None
         async for out in self._engine.generate(inputs, self._sampling, request_id):
-            text = out.outputs[0].text if out.outputs else text
-            if self.repeat_stop and len(text) - checked >= 256 and len(text) >= 512:
+            if out.outputs:
+                text = out.outputs[0].text
+                finish = getattr(out.outputs[0], "finish_reason", None) or finish
+            if self.repeat_stop and len(text) - checked >= self.check_every and len(text) >= self.check_after:
                 checked = len(text)
-                if hunyuan.has_tail_repetition(text[-6000:]):
+                if hunyuan.has_tail_repetition(text[-self.check_window:]):
                     log.info("vllm: %s stuck in a loop after %d chars; stopped", request_id, len(text))
                     await self._abort(request_id)
-                    break
-        return text
+                    return text, (WARNING_TRUNCATED_REPETITION,)
+        if finish == "length":
+            log.info("vllm: %s cut at max_tokens=%d", request_id, self.max_tokens)
+            return text, (WARNING_TRUNCATED_MAX_TOKENS,)
+        return text, ()
 
     async def _one(self, image: np.ndarray, timeout_s: float) -> EngineOutput | BaseException:
         h, w = image.shape[:2]
@@ -290,15 +327,18 @@ class VllmEngine(OcrEngine):
         request_id = f"ocr-{uuid.uuid4().hex}"
         started = time.perf_counter()
         try:
-            text = await asyncio.wait_for(self._generate(padded, request_id), timeout_s)
+            text, warnings = await asyncio.wait_for(self._generate(padded, request_id), timeout_s)
         except asyncio.TimeoutError:
             await self._abort(request_id)
             return EngineTimeout(f"inference took longer than {timeout_s:g} s")
         except Exception as exc:
             await self._abort(request_id)
             return exc
-        segs = hunyuan.parse_spotting(text, pw, ph, clip=(w, h) if (pw, ph) != (w, h) else None)
-        return EngineOutput(segs, (time.perf_counter() - started) * 1000)
+        stats = hunyuan.ParseStats()
+        segs = hunyuan.parse_spotting(text, pw, ph, clip=(w, h) if (pw, ph) != (w, h) else None, stats=stats)
+        if stats.tail_trimmed and WARNING_TRUNCATED_REPETITION not in warnings:
+            warnings = (*warnings, WARNING_TRUNCATED_REPETITION)
+        return EngineOutput(segs, (time.perf_counter() - started) * 1000, warnings)
 
     async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
         """See :meth:`OcrEngine.ocr`. All images are in flight at once (vLLM batches them);

@@ -450,8 +450,8 @@ class FrontDoor:
             request_id=req.request_id, status="ok", content_sha256=req.content_sha256, cache_key=key, cache_hit=True,
             engine=gen.engine, model=gen.model, model_revision=gen.model_revision,
             width=first.width if first else None, height=first.height if first else None, pages=output.pages,
-            lines=output.lines, text=output.text, task=req.task, source=req.source, filename=req.filename,
-            result_uri=ev.result_uri, submitted_at_ms=req.submitted_at_ms, completed_at_ms=now_ms(),
+            lines=output.lines, text=output.text, warnings=output.warnings, task=req.task, source=req.source,
+            filename=req.filename, result_uri=ev.result_uri, submitted_at_ms=req.submitted_at_ms, completed_at_ms=now_ms(),
             timings_ms={"http": elapsed, "total": elapsed}, trace_id=self.telemetry.trace_id(),
             callback_url=req.callback_url, api_key_id=req.api_key_id, metadata=req.metadata,
         )
