@@ -61,7 +61,7 @@ class DedupHandler(Handler):
 
     async def _one(self, req: RequestEvent, queued: float, headers) -> list[Outgoing]:
         started = time.perf_counter()
-        gen = self.s.engine.generation(req.task)
+        gen = self.s.generation(req.task)
         key = cache_key(req.content_sha256, gen)
 
         def timed(r: RequestEvent) -> RequestEvent:
