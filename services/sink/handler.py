@@ -51,6 +51,9 @@ class SinkHandler(Handler):
 
     A retryable error (``engine_error``, ``internal_error``) ends the holder's request but
     promotes one waiter, re-sent to ``ocr.infer``; any other error is shared by every waiter.
+    A result marked ``cacheable=False`` (computed by an infer of another generation than its key's,
+    :class:`~services.infer.handler.InferHandler`) skips steps 1 and the cache entry of 2: the
+    request and its waiters are completed with it and the lease is released, nothing is stored.
     Every step is idempotent, so a replay after a crash changes nothing.
     """
 
@@ -280,7 +283,8 @@ class SinkHandler(Handler):
             task=req.task,
             source=req.source,
             filename=req.filename,
-            result_uri=self.store.uri(result_object_key(ev.cache_key)) if output and ev.cache_key and ev.cacheable else None,
+            result_uri=(self.store.uri(result_object_key(ev.cache_key))
+                        if output and ev.cache_key and ev.cacheable else None),
             submitted_at_ms=req.submitted_at_ms,
             completed_at_ms=completed,
             timings_ms=timings,
