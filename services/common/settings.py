@@ -117,7 +117,9 @@ HUNYUAN_PROMPT = "检测并识别图片中的文字，将文本坐标格式化�
 class EngineIdentity(BaseModel):
     """Which engine and model produce results; part of every cache key.
 
-    dedup and infer must agree on these: they decide the cache generation.
+    dedup and infer must agree on these: they decide the cache generation, together with the
+    engine settings of :class:`CommonSettings` (see :meth:`CommonSettings.generation`). An infer
+    that disagrees still answers, but stores nothing under dedup's keys (``InferHandler``).
     """
 
     engine: Literal["rapidocr", "vllm", "openai"] = Field(default="rapidocr", description="engine name (part of the cache key)")
