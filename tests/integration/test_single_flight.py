@@ -100,7 +100,8 @@ def _redis():
 
 def _purge(revision: str) -> int:
     out = subprocess.run([sys.executable, "-m", "services.cli", "cache", "purge", "--model", revision], cwd=REPO,
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     m = re.search(r"deleted (\d+) cache entries", out.stdout)
     assert m, out.stdout + out.stderr
     return int(m.group(1))
@@ -140,10 +141,11 @@ async def test_a_result_of_another_generation_completes_its_waiters_but_is_not_c
     current = probe.model_revision
     _restart(sf_pipeline, "infer", {"OCRSTREAM_ENGINE__MODEL_REVISION": "rev-old"})
     try:
-        data = text_image(["ROLLING UPGRADE 777"])
+        text = f"ROLLING UPGRADE {time.time_ns() % 1_000_000:06d}"  # results rows outlive the namespace
+        data = text_image([text])
         docs = await sf_pipeline.run([(data, f"copy-{i}.png") for i in range(3)])  # one leads, others may wait
         assert [d.status for d in docs] == ["ok"] * 3
-        assert {d.text for d in docs} == {"ROLLING UPGRADE 777"} and {d.model_revision for d in docs} == {"rev-old"}
+        assert {d.text for d in docs} == {text} and {d.model_revision for d in docs} == {"rev-old"}
         [key] = {d.cache_key for d in docs}
         assert split_cache_key(key)[0] == split_cache_key(probe.cache_key)[0]  # dedup's generation
         assert all(d.result_uri is None for d in docs)
