@@ -198,6 +198,11 @@ class ResultEvent(_Frozen):
     lines: list[Line] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
     result_uri: str | None = None
+    cacheable: bool = Field(
+        default=True,
+        description="false: computed by an infer whose cache generation differs from cache_key's (a rolling "
+                    "upgrade); the sink completes the request and the key's waiters but stores nothing under the key",
+    )
     attempt: int = 1
     timings_ms: dict[str, float] = Field(default_factory=dict)
     produced_at_ms: int = Field(default_factory=now_ms)

@@ -223,6 +223,10 @@ def report(
         raise typer.Exit(1)
 
 
+PURGE_TIMEOUT_MS = 30_000
+"""Socket timeout of each Redis call of ``cache purge``, ms (the stages use ``redis.timeout_ms``)."""
+
+
 @cache_app.command("purge")
 def cache_purge(
     model: Optional[str] = typer.Option(None, "--model", help="model revision whose entries to delete"),
@@ -236,7 +240,10 @@ def cache_purge(
         raise typer.Exit(2)
 
     async def _run() -> int:
-        cache = ResultCache(load_settings(CommonSettings).redis)
+        # an operator's command scanning the whole keyspace: the stages' 100 ms per-call budget would
+        # make a loaded Redis (or a loaded machine) fail it half way, so it waits up to 30 s per call
+        cfg = load_settings(CommonSettings).redis
+        cache = ResultCache(cfg.model_copy(update={"timeout_ms": max(cfg.timeout_ms, PURGE_TIMEOUT_MS)}))
         try:
             return await cache.purge(model_revision=model, gen_id=generation)
         finally:

@@ -32,7 +32,7 @@ from services.common.telemetry import Telemetry
 # KEYS: entry, lease, waiters, inflight   ARGV: request_id, lease_ms, waiter_json, now_ms, cache_key
 _CLAIM = """
 local hit = redis.call('GET', KEYS[1])
-if hit then return {'hit', hit} end
+if hit then return {'hit', hit, redis.call('PTTL', KEYS[1])} end
 local deadline = tonumber(ARGV[4]) + tonumber(ARGV[2])
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   redis.call('ZADD', KEYS[4], deadline, ARGV[5])
@@ -124,10 +124,16 @@ class CacheEntry:
 
 @dataclass(frozen=True)
 class Claim:
-    """Outcome of :meth:`ResultCache.claim`: ``hit`` (with entry), ``lead`` or ``wait``."""
+    """Outcome of :meth:`ResultCache.claim`: ``hit`` (with entry), ``lead`` or ``wait``.
+
+    Attributes:
+        ttl_ms: On a hit, the entry's remaining time to live in Redis, ms (``PTTL``, read in the
+            same script); None when the entry has no expiry or on ``lead``/``wait``.
+    """
 
     outcome: str
     entry: CacheEntry | None = None
+    ttl_ms: int | None = None
 
 
 class ResultCache:
@@ -214,7 +220,8 @@ class ResultCache:
         )
         outcome = res[0].decode() if isinstance(res[0], bytes) else res[0]
         if outcome == "hit":
-            return Claim("hit", CacheEntry.from_json(res[1]))
+            ttl_ms = int(res[2]) if len(res) > 2 else -1
+            return Claim("hit", CacheEntry.from_json(res[1]), ttl_ms if ttl_ms >= 0 else None)
         return Claim(outcome)
 
     async def complete_begin(self, key: str, entry: CacheEntry | None, ttl_s: int) -> list[bytes]:
@@ -260,8 +267,11 @@ class ResultCache:
         await self._call("hset", self.client.hset(f"{self.p}:gens", gen.gen_id, gen.model_dump_json()))
 
     async def purge(self, *, model_revision: str | None = None, gen_id: str | None = None) -> int:
-        """Delete every cache entry of the matching generations. Returns entries deleted.
+        """Delete every cache entry (and near-duplicate index) of the matching generations.
+        Returns entries deleted.
 
+        The generations' records in ``ocr:gens`` stay (one small hash field each): processes still
+        running a purged generation go on making entries, and a later purge must find them too.
         Not bound by the per-call time budget: an operator's command, not the hot path.
         """
         gens = await self.client.hgetall(f"{self.p}:gens")
@@ -277,7 +287,6 @@ class ResultCache:
                 deleted += await self.client.delete(k)
             async for k in self.client.scan_iter(match=f"{self.p}:nd:{gid}:*", count=1000):
                 await self.client.delete(k)  # the generation's near-duplicate index (not counted)
-            await self.client.hdel(f"{self.p}:gens", gid)
         return deleted
 
     # -- requests accepted over HTTP, not yet completed ----------------------------------------

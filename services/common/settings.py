@@ -8,6 +8,7 @@ at start-up and passed explicitly (never read from ``os.environ`` deep in the co
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from typing import Literal, TypeVar
@@ -106,11 +107,24 @@ class TelemetrySettings(BaseModel):
 RAPIDOCR_DET_LIMIT_SIDE_LEN = 736
 """RapidOCR's own detector limit (its ``config.yaml``, ``Det.limit_side_len``), px."""
 
+ENGINE_MAX_SIDE = 2000
+"""The longest side (px) handed to the rapidocr engine when ``engine_max_side`` is unset."""
+
+VLM_MAX_SIDE = 2048
+"""The longest side (px) handed to the VLM engines (vllm, openai) when ``engine_max_side`` is unset:
+the model's processor resizes to its own pixel budget anyway, and a 2048 px page is already
+about 4,100 image tokens."""
+
+HUNYUAN_PROMPT = "检测并识别图片中的文字，将文本坐标格式化输出。"
+"""HunyuanOCR's text-spotting prompt (its model card), the default of both VLM engines."""
+
 
 class EngineIdentity(BaseModel):
     """Which engine and model produce results; part of every cache key.
 
-    dedup and infer must agree on these: they decide the cache generation.
+    dedup and infer must agree on these: they decide the cache generation, together with the
+    engine settings of :class:`CommonSettings` (see :meth:`CommonSettings.generation`). An infer
+    that disagrees still answers, but stores nothing under dedup's keys (``InferHandler``).
     """
 
     engine: Literal["rapidocr", "vllm", "openai"] = Field(default="rapidocr", description="engine name (part of the cache key)")
@@ -123,22 +137,51 @@ class EngineIdentity(BaseModel):
         "96 reads small images ~20x faster, less accurately. Part of the cache key",
     )
 
-    def generation(self, task: str) -> CacheGeneration:
-        """The cache generation for ``task`` under this engine identity."""
+    def generation(self, task: str, *, engine: str | None = None, max_side: int | None = None,
+                   prompt: str = "") -> CacheGeneration:
+        """The cache generation for ``task`` under this engine identity.
+
+        Stages call :meth:`CommonSettings.generation`, which passes the settings that live outside
+        this section (the engine actually run, its input size limit, the VLM prompt).
+
+        Args:
+            task: The request's task (``ocr``, ...).
+            engine: The engine actually run (``engine_kind``); default :attr:`engine`.
+            max_side: ``engine_max_side``, px; None = the engine's default (``ENGINE_MAX_SIDE``
+                2000 for rapidocr, ``VLM_MAX_SIDE`` 2048 for vllm/openai).
+            prompt: VLM engines: the prompt and its template as sent to the model; hashed into
+                the options (empty for rapidocr, which has none).
+        """
+        kind = engine or self.engine
         return CacheGeneration(
-            engine=self.engine,
+            engine=kind,
             model=self.model,
             model_revision=self.model_revision,
             task=task,
             preprocess_version=self.preprocess_version,
-            options=self.options(),
+            options=self.options(engine=kind, max_side=max_side, prompt=prompt),
         )
 
-    def options(self) -> str:
-        """Engine options that differ from their defaults, as :attr:`CacheGeneration.options`."""
-        if self.engine == "rapidocr" and self.det_limit_side_len != RAPIDOCR_DET_LIMIT_SIDE_LEN:
-            return f"det_limit_side_len={self.det_limit_side_len}"
-        return ""
+    def options(self, *, engine: str | None = None, max_side: int | None = None, prompt: str = "") -> str:
+        """Engine options that change results, as :attr:`CacheGeneration.options`.
+
+        rapidocr: ``det_limit_side_len=N`` and ``max_side=N``, each only when it differs from its
+        default, so the default CPU generation id is the one it was before options existed.
+        vllm/openai: always ``prompt=<12 hex digits>``, SHA-256 of ``prompt`` (template and text):
+        a changed prompt is a new generation; and ``max_side=N`` when it is not 2048.
+        """
+        kind = engine or self.engine
+        opts = []
+        if kind == "rapidocr":
+            if self.det_limit_side_len != RAPIDOCR_DET_LIMIT_SIDE_LEN:
+                opts.append(f"det_limit_side_len={self.det_limit_side_len}")
+            if max_side is not None and max_side != ENGINE_MAX_SIDE:
+                opts.append(f"max_side={max_side}")
+        else:
+            opts.append("prompt=" + hashlib.sha256(prompt.encode()).hexdigest()[:12])
+            if max_side is not None and max_side != VLM_MAX_SIDE:
+                opts.append(f"max_side={max_side}")
+        return ",".join(opts)
 
 
 class Limits(BaseModel):
@@ -165,10 +208,37 @@ class CommonSettings(BaseSettings):
     telemetry: TelemetrySettings = TelemetrySettings()
     topics: Topics = Topics()
     engine: EngineIdentity = EngineIdentity()
+    # Engine settings that change results: here, not in the infer settings, because every stage
+    # that computes a cache key (dedup, the HTTP door) must see them. Same env names as before.
+    engine_kind: Literal["rapidocr", "vllm", "openai"] | None = Field(
+        default=None, description="the engine infer runs; defaults to engine.engine (part of the cache key)"
+    )
+    engine_max_side: int | None = Field(
+        default=None, ge=32,
+        description="longest side (px) handed to the engine, larger is downscaled; unset = per engine: rapidocr "
+                    "2000, vllm/openai 2048 (part of the cache key)")
+    vllm_prompt: str = Field(default=HUNYUAN_PROMPT, description="vllm: the prompt (part of the cache key)")
+    vllm_prompt_template: str = Field(
+        default="auto",
+        description="vllm: auto | hunyuan | chat | a literal template containing {prompt} (part of the cache key)",
+    )
+    openai_prompt: str = Field(default=HUNYUAN_PROMPT, description="openai: the prompt (part of the cache key)")
     limits: Limits = Limits()
     max_attempts: int = Field(default=3, ge=1, description="attempts before a message goes to ocr.dlq")
     shutdown_timeout_s: float = Field(default=20.0, description="SIGTERM drain bound; below k8s grace period")
     retry_max_backoff_s: float = Field(default=10.0, description="cap of the backoff while a store is down")
+
+    def generation(self, task: str) -> CacheGeneration:
+        """The cache generation of ``task`` as this deployment computes it: :attr:`engine` plus
+        the engine actually run (``engine_kind``), rapidocr's ``engine_max_side`` and the VLM
+        prompt with its template. Every stage computes keys through this, so they agree."""
+        kind = self.engine_kind or self.engine.engine
+        prompt = ""
+        if kind == "vllm":
+            prompt = f"{self.vllm_prompt_template}\n{self.vllm_prompt}"
+        elif kind == "openai":
+            prompt = self.openai_prompt
+        return self.engine.generation(task, engine=kind, max_side=self.engine_max_side, prompt=prompt)
 
 
 S = TypeVar("S", bound=BaseSettings)

@@ -21,6 +21,11 @@ from services.dedup.settings import DedupSettings
 
 log = logging.getLogger(__name__)
 
+GEN_REREGISTER_S = 300.0
+"""Seconds between re-registrations of a generation in ``ocr:gens`` (one HSET): its record comes
+back within this if it was lost (Redis without persistence restarted, a purge by an older CLI
+that deleted it), so ``cache purge`` finds the entries made since."""
+
 
 class DedupHandler(Handler):
     """For each request: hit -> ``ocr.results`` (cache_hit, no model call); miss -> claim the
@@ -43,7 +48,7 @@ class DedupHandler(Handler):
         self.telemetry = telemetry
         self.near = near
         self.lru = EntryLru(settings.lru_entries, settings.lru_bytes, settings.lru_ttl_s)
-        self._known_gens: set[str] = set()
+        self._known_gens: dict[str, float] = {}  # gen_id -> when registered (monotonic s)
 
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
         """See :meth:`Handler.handle`."""
@@ -61,7 +66,7 @@ class DedupHandler(Handler):
 
     async def _one(self, req: RequestEvent, queued: float, headers) -> list[Outgoing]:
         started = time.perf_counter()
-        gen = self.s.engine.generation(req.task)
+        gen = self.s.generation(req.task)
         key = cache_key(req.content_sha256, gen)
 
         def timed(r: RequestEvent) -> RequestEvent:
@@ -94,16 +99,17 @@ class DedupHandler(Handler):
         if entry is not None:
             return hit(entry, "lru")
         try:
-            if gen.gen_id not in self._known_gens:
+            now = time.monotonic()
+            if now - self._known_gens.get(gen.gen_id, -GEN_REREGISTER_S) >= GEN_REREGISTER_S:
                 await self.cache.register_generation(gen)
-                self._known_gens.add(gen.gen_id)
+                self._known_gens[gen.gen_id] = now
             claim = await self.cache.claim(key, req.request_id, dumps(timed(req)), self.s.lease_ms)
         except CacheUnavailable as exc:
             log.warning("dedup: Redis unavailable (%s); %s goes to inference without a lease", exc, req.request_id)
             self.telemetry.cache.labels("dedup", "miss", "no-redis").inc()
             return to_infer()
         if claim.outcome == "hit":
-            self.lru.put(key, claim.entry)
+            self.lru.put(key, claim.entry, None if claim.ttl_ms is None else claim.ttl_ms / 1000)
             return hit(claim.entry, "redis")
         if claim.outcome == "lead":
             found = await self._near(req, gen) if self.near is not None else None

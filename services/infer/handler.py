@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, InferEvent, Line, Page, ResultEvent
+from schemas.keys import CacheGeneration, split_cache_key
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.events import dumps, loads, queue_wait_ms
@@ -28,6 +29,23 @@ from services.infer.settings import InferSettings
 from services.infer.tiles import make_tiles, map_back
 
 log = logging.getLogger(__name__)
+
+
+def generation_matches(cache_key: str | None, own: CacheGeneration) -> bool:
+    """Whether a result computed under generation ``own`` may be stored under ``cache_key``.
+
+    dedup chose the key (``<gen_id>:<sha256>``, :func:`schemas.keys.cache_key`) from its own
+    settings; during a rolling upgrade an infer process still on the old model (or already on the
+    new one) can receive it. False when the key's generation id is not ``own.gen_id`` or the key
+    is not a cache key; True for no key at all (nothing would be stored).
+    """
+    if cache_key is None:
+        return True
+    try:
+        gen_id, _ = split_cache_key(cache_key)
+    except ValueError:
+        return False
+    return gen_id == own.gen_id
 
 
 @dataclass
@@ -59,6 +77,16 @@ class InferHandler(Handler):
 
     A failing image (bad data, timeout, engine error) gets an error result; the rest of the
     batch goes on. A store outage raises (the runner retries the batch with backoff).
+
+    Generation check (rolling upgrades): dedup put its own generation in the event's cache key;
+    when this process's generation (:meth:`CommonSettings.generation`: engine, model, revision,
+    task, preprocessing, options) differs, the request is still computed and its result sent, but
+    marked ``cacheable=False``: the sink completes the request and every waiter on the key with
+    it (labelled with this process's engine, model and revision), releases the lease, and stores
+    no cache entry, result document or results row under the key, so the key's generation never
+    holds another model's output. The next request for the image is a miss and is computed again,
+    by a process of the right generation once the upgrade is through. Counted as
+    ``ocrstream_cache_total{stage="infer",outcome="generation_mismatch"}`` and logged (WARNING).
     """
 
     def __init__(self, settings: InferSettings, store: ObjectStore, engine: OcrEngine, telemetry: Telemetry):
@@ -69,6 +97,7 @@ class InferHandler(Handler):
         self._fetch_sem = asyncio.Semaphore(settings.fetch_concurrency)
         # next batch's images, fetched and decoded while the current batch is on the engine
         self._prefetched: dict[tuple[str, int, int], asyncio.Task] = {}
+        self._gens: dict[str, CacheGeneration] = {}  # task -> this process's generation
 
     def prefetch(self, records: list[ConsumerRecord]) -> None:
         """Start fetching and decoding the next batch's images (bounded by the runner's buffer)."""
@@ -195,11 +224,18 @@ class InferHandler(Handler):
         it.timings["queue_infer"] = min(it.timings.get("queue_infer", 0.0), max(0.0, stay - work))
         it.timings["batch_wait"] = max(0.0, stay - work - it.timings["queue_infer"])
         timings = dict(req.timings_ms, **{k: round(v, 3) for k, v in it.timings.items()})
+        own = self._generation(req.task)
+        cacheable = generation_matches(ev.cache_key, own)
         common = dict(
             request=req.model_copy(update={"timings_ms": timings}), cache_key=ev.cache_key,
-            engine=self.s.engine.engine, model=self.s.engine.model,
-            model_revision=self.s.engine.model_revision, attempt=ev.attempt,
+            engine=own.engine, model=own.model, model_revision=own.model_revision, attempt=ev.attempt,
+            cacheable=cacheable,
         )
+        if not cacheable:
+            self.telemetry.cache.labels("infer", "generation_mismatch", "").inc()
+            log.warning("infer: request %s has cache key %s but this process computes generation %s (%s @ %s): "
+                        "result delivered, not cached under that key", req.request_id, ev.cache_key, own.gen_id,
+                        own.model, own.model_revision)
         with self.telemetry.use(it.span):
             if it.error is not None:
                 self.telemetry.requests_done.labels("infer", "error", it.error.code.value).inc()
@@ -219,6 +255,13 @@ class InferHandler(Handler):
                 it.span.set_status(StatusCode.ERROR, it.error.code.value)
             it.span.end()
         return Outgoing(self.s.topics.results, req.content_sha256, dumps(result), headers)
+
+    def _generation(self, task: str) -> CacheGeneration:
+        """This process's cache generation for ``task`` (settings are fixed: remembered per task)."""
+        gen = self._gens.get(task)
+        if gen is None:
+            gen = self._gens[task] = self.s.generation(task)
+        return gen
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the event and fail its request (and, through the sink, the requests waiting on its key)."""

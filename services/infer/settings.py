@@ -8,7 +8,11 @@ from services.common.settings import CommonSettings
 
 
 class InferSettings(CommonSettings):
-    """Settings of the infer stage and its engine."""
+    """Settings of the infer stage and its engine.
+
+    The engine settings that change results (``engine_kind``, ``engine_max_side``, the VLM
+    prompts) are in :class:`CommonSettings`: dedup and the HTTP door put them in the cache key.
+    """
 
     infer_group_id: str = Field(default="ocrstream-infer", description="consumer group of the infer stage")
     max_batch: int = Field(default=8, ge=1, description="events per micro-batch")
@@ -18,15 +22,8 @@ class InferSettings(CommonSettings):
     # RapidOCR (CPU) engine
     rapidocr_threads: int = Field(default=1, description="ONNX Runtime intra-op threads per image (bench/engine_tuning.py)")
     rapidocr_workers: int = Field(default=2, description="images in flight per process (2 per 2 cores: bench/infer_bench.py)")
-    engine_max_side: int | None = Field(
-        default=None, ge=32,
-        description="longest side (px) handed to the engine, larger is downscaled; default per engine: rapidocr 2000, vllm/openai 2048",
-    )
     tile_max_aspect: float = Field(default=3.0, description="pages longer than engine_max_side and longer/shorter above this are sliced into tiles")
     device: str = Field(default="cuda:0", description="GPU engines: the one device this process uses")
-    engine_kind: Literal["rapidocr", "vllm", "openai"] | None = Field(
-        default=None, description="defaults to engine.engine"
-    )
     # vLLM (in-process, GPU) engine; model default HunyuanOCR. Keep engine.model equal to vllm_model.
     vllm_model: str = Field(default="tencent/HunyuanOCR", description="HF id or local path vLLM loads (no download if cached/local)")
     vllm_revision: str | None = Field(default=None, description="HF revision of vllm_model")
@@ -40,10 +37,6 @@ class InferSettings(CommonSettings):
     vllm_repeat_stop: bool = Field(default=True, description="abort a request whose output ends in a loop (result flagged truncated_repetition)")
     vllm_trust_remote_code: bool = True
     vllm_enforce_eager: bool = Field(default=False, description="no CUDA graphs (faster start, slower decode)")
-    vllm_prompt: str = Field(default="检测并识别图片中的文字，将文本坐标格式化输出。", description="HunyuanOCR text-spotting prompt")
-    vllm_prompt_template: str = Field(
-        default="auto", description="auto | hunyuan | chat | a literal template containing {prompt}"
-    )
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM AsyncEngineArgs (JSON)")
     vllm_sampling_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM SamplingParams (JSON)")
     vllm_warmup_timeout_s: float = 600.0
@@ -51,7 +44,6 @@ class InferSettings(CommonSettings):
     openai_base_url: str = "http://127.0.0.1:8000/v1"
     openai_api_key: SecretStr | None = None
     openai_model: str = "tencent/HunyuanOCR"
-    openai_prompt: str = Field(default="检测并识别图片中的文字，将文本坐标格式化输出。", description="HunyuanOCR text-spotting prompt")
     openai_max_tokens: int = Field(default=4096, ge=1)
     openai_timeout_s: float = Field(default=300.0, gt=0, description="socket timeout of one HTTP attempt")
     openai_retries: int = Field(default=3, ge=1, description="attempts on 5xx/429/connection errors")

@@ -51,6 +51,9 @@ class SinkHandler(Handler):
 
     A retryable error (``engine_error``, ``internal_error``) ends the holder's request but
     promotes one waiter, re-sent to ``ocr.infer``; any other error is shared by every waiter.
+    A result marked ``cacheable=False`` (computed by an infer of another generation than its key's,
+    :class:`~services.infer.handler.InferHandler`) skips steps 1 and the cache entry of 2: the
+    request and its waiters are completed with it and the lease is released, nothing is stored.
     Every step is idempotent, so a replay after a crash changes nothing.
     """
 
@@ -172,6 +175,15 @@ class SinkHandler(Handler):
                 # themselves (dedup's claim and complete_begin are atomic), and a lease on this key now
                 # (the entry expired since) belongs to another request's inference, not to this hit.
                 return [self._doc(req, output, ev, queued, started, cache_hit=True)], extra
+            if not ev.cacheable:
+                # computed by an infer of another generation (rolling upgrade, InferHandler): the
+                # request and its waiters get it, nothing is stored under this key, the lease goes
+                log.warning("sink: result for %s is not of %s's generation (%s @ %s); not cached",
+                            req.request_id, key, ev.model, ev.model_revision)
+                output = self._output(ev)
+                waiters = await self._waiters(key, None, 0, ev, output)
+                return [self._doc(r, output, ev, queued, started, cache_hit=r is not req)
+                        for r in [req, *waiters]], extra
             # computed, or a near-duplicate hit (lines rescaled by dedup): stored under this key
             output, entry = await self._store_output(ev)
             waiters = await self._waiters(key, entry, self.s.ttl_for(req.source, req.task), ev, output)
@@ -213,13 +225,18 @@ class SinkHandler(Handler):
         self._batch_pending[key] = len(raw)
         return [RequestEvent.model_validate_json(w) for w in raw]
 
-    async def _store_output(self, ev: ResultEvent) -> tuple[OcrOutput, CacheEntry]:
+    @staticmethod
+    def _output(ev: ResultEvent) -> OcrOutput:
         req = ev.request
-        output = OcrOutput(
+        return OcrOutput(
             cache_key=ev.cache_key, content_sha256=req.content_sha256, engine=ev.engine or "", model=ev.model or "",
             model_revision=ev.model_revision or "", task=req.task, pages=ev.pages, lines=ev.lines,
             text=full_text(ev.lines), near_duplicate_of=ev.near_duplicate_of, warnings=ev.warnings,
         )
+
+    async def _store_output(self, ev: ResultEvent) -> tuple[OcrOutput, CacheEntry]:
+        req = ev.request
+        output = self._output(ev)
         okey = result_object_key(ev.cache_key)
         body = dumps(output)
         await self.store.put(okey, body, "application/json")
@@ -267,7 +284,8 @@ class SinkHandler(Handler):
             task=req.task,
             source=req.source,
             filename=req.filename,
-            result_uri=self.store.uri(result_object_key(ev.cache_key)) if output and ev.cache_key else None,
+            result_uri=(self.store.uri(result_object_key(ev.cache_key))
+                        if output and ev.cache_key and ev.cacheable else None),
             submitted_at_ms=req.submitted_at_ms,
             completed_at_ms=completed,
             timings_ms=timings,

@@ -30,5 +30,10 @@ class SinkSettings(CommonSettings):
     )
 
     def ttl_for(self, source: str, task: str) -> int:
-        """Cache TTL in seconds: the source's override, else the task's, else ``cache_ttl_s``."""
+        """Cache TTL in seconds: the source's override, else the task's, else ``cache_ttl_s``.
+
+        When both a source and a task override apply, the source's wins, longer or shorter: the
+        source says how fast the content itself changes (a screenshot of a live page), the task
+        only what is read from it.
+        """
         return self.cache_ttl_by_source.get(source, self.cache_ttl_by_task.get(task, self.cache_ttl_s))

@@ -40,3 +40,25 @@ def test_reaper_drops_a_stale_lease_once_the_result_is_cached(stack_env):
             await cache.close()
 
     asyncio.run(go())
+
+
+def test_a_hit_carries_the_entrys_remaining_ttl(stack_env):
+    """claim() reads the entry's PTTL with it, so dedup's LRU never keeps it longer than Redis."""
+
+    async def go():
+        cache = ResultCache(RedisSettings(key_prefix=f"ttl-test-{os.getpid()}-{time.time_ns()}"))
+        key = "t" * 64
+        try:
+            assert (await cache.claim(key, "holder", b'{"request_id": "holder"}', lease_ms=60_000)).outcome == "lead"
+            await cache.complete_begin(key, CacheEntry("s3://b/results/t.json", 1, 5, 1), ttl_s=600)
+            await cache.complete_end(key, 0)
+            hit = await cache.claim(key, "later", b'{"request_id": "later"}', lease_ms=60_000)
+            assert hit.outcome == "hit" and hit.entry.result_uri == "s3://b/results/t.json"
+            assert 590_000 < hit.ttl_ms <= 600_000
+            await cache.client.persist(cache._keys(key)[0])  # an entry without expiry: no TTL to honour
+            assert (await cache.claim(key, "x", b'{"request_id": "x"}', lease_ms=60_000)).ttl_ms is None
+        finally:
+            await cache.client.delete(*cache._keys(key))
+            await cache.close()
+
+    asyncio.run(go())

@@ -24,7 +24,7 @@ from services.dedup.settings import DedupSettings
 from tests.conftest import text_image
 
 S = DedupSettings(near_dup={"enabled": True})
-GEN = S.engine.generation("ocr")
+GEN = S.generation("ocr")
 BUCKET = "bkt"
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from schemas.keys import CacheGeneration, cache_key, image_object_key, result_object_key, split_cache_key
-from services.common.settings import EngineIdentity
+from services.common.settings import CommonSettings, EngineIdentity
 
 SHA = "ab" + "0" * 62
 
@@ -40,9 +40,85 @@ def test_detector_limit_is_part_of_the_key_and_the_default_key_is_unchanged():
     assert default.options == "" and default.gen_id == before_options  # existing caches stay valid
     fast = EngineIdentity(det_limit_side_len=96).generation("ocr")
     assert fast.options == "det_limit_side_len=96" and fast.gen_id != default.gen_id
-    assert EngineIdentity(engine="vllm", det_limit_side_len=96).generation("ocr").options == ""  # rapidocr only
+    vlm = EngineIdentity(engine="vllm", det_limit_side_len=96).generation("ocr").options
+    assert "det_limit_side_len" not in vlm and vlm.startswith("prompt=")  # rapidocr only
 
 
 def test_engine_identity_builds_generation():
     g = EngineIdentity(model_revision="x").generation("ocr")
     assert g.model_revision == "x" and g.task == "ocr" and g.engine == "rapidocr"
+
+
+DEFAULT_GEN_ID = "672cc006da7b"
+"""The default CPU generation (rapidocr, PP-OCRv4-ch, rapidocr-onnxruntime-1.4.4, task ocr,
+preprocessing 1): pinned, because changing it turns every existing cache entry into a miss."""
+
+
+def settings(**kw) -> CommonSettings:
+    return CommonSettings(**kw)
+
+
+def test_default_generation_id_is_pinned():
+    assert settings().generation("ocr").gen_id == DEFAULT_GEN_ID
+    assert cache_key(SHA, settings().generation("ocr")) == f"{DEFAULT_GEN_ID}:{SHA}"
+    # the defaults of the settings that joined the key do not change it
+    assert settings(engine_max_side=2000, vllm_prompt="x", openai_prompt="y").generation("ocr").gen_id == DEFAULT_GEN_ID
+
+
+def test_each_deployment_setting_that_changes_results_changes_the_key():
+    base = cache_key(SHA, settings().generation("ocr"))
+    vllm = dict(engine=EngineIdentity(engine="vllm"))
+    cases = {
+        "engine": settings(**vllm),
+        "engine_kind": settings(engine_kind="openai"),
+        "model": settings(engine=EngineIdentity(model="m2")),
+        "model_revision": settings(engine=EngineIdentity(model_revision="r2")),
+        "preprocess_version": settings(engine=EngineIdentity(preprocess_version=2)),
+        "det_limit_side_len": settings(engine=EngineIdentity(det_limit_side_len=96)),
+        "engine_max_side": settings(engine_max_side=1000),
+    }
+    keys = {name: cache_key(SHA, s.generation("ocr")) for name, s in cases.items()}
+    keys["task"] = cache_key(SHA, settings().generation("table"))
+    for name, key in keys.items():
+        assert key != base, name
+    assert len(set(keys.values())) == len(keys)  # and all differ from each other
+
+
+def test_the_prompt_and_its_template_are_part_of_a_vlm_key():
+    vllm = EngineIdentity(engine="vllm")
+    base = settings(engine=vllm).generation("ocr")
+    assert base.options.startswith("prompt=") and len(base.options) == len("prompt=") + 12
+    assert settings(engine=vllm).generation("ocr") == base  # deterministic
+    assert settings(engine=vllm, vllm_prompt="Read the text.").generation("ocr").gen_id != base.gen_id
+    assert settings(engine=vllm, vllm_prompt_template="chat").generation("ocr").gen_id != base.gen_id
+    assert settings(engine=vllm, openai_prompt="other").generation("ocr").gen_id == base.gen_id  # not its prompt
+    openai = settings(engine=EngineIdentity(engine="openai")).generation("ocr")
+    assert settings(engine=EngineIdentity(engine="openai"), openai_prompt="other").generation("ocr").gen_id != openai.gen_id
+    # the engine actually run decides: engine_kind=vllm under engine.engine=rapidocr is a vllm key
+    assert settings(engine_kind="vllm").generation("ocr").engine == "vllm"
+    assert settings(engine_kind="vllm", vllm_prompt="x").generation("ocr").gen_id != \
+        settings(engine_kind="vllm").generation("ocr").gen_id
+    # the prompt does not enter a rapidocr key (it has none)
+    assert settings(vllm_prompt="x", vllm_prompt_template="chat").generation("ocr").gen_id == DEFAULT_GEN_ID
+
+
+def test_prompt_settings_keep_their_env_names(monkeypatch):
+    from services.dedup.settings import DedupSettings
+    from services.infer.settings import InferSettings
+
+    monkeypatch.setenv("OCRSTREAM_ENGINE__ENGINE", "vllm")
+    monkeypatch.setenv("OCRSTREAM_VLLM_PROMPT", "Read every line.")
+    monkeypatch.setenv("OCRSTREAM_ENGINE_MAX_SIDE", "1500")
+    dedup, infer = DedupSettings(), InferSettings()
+    assert infer.vllm_prompt == dedup.vllm_prompt == "Read every line." and infer.engine_max_side == 1500
+    assert dedup.generation("ocr") == infer.generation("ocr")  # the two stages agree on the key
+
+
+def test_engine_max_side_default_is_per_engine_and_only_a_change_from_it_changes_the_key():
+    assert settings().engine_max_side is None
+    assert settings(engine_max_side=2000).generation("ocr").gen_id == DEFAULT_GEN_ID  # rapidocr's default
+    vllm = EngineIdentity(engine="vllm")
+    base = settings(engine=vllm).generation("ocr")
+    assert settings(engine=vllm, engine_max_side=2048).generation("ocr") == base  # the VLM default
+    changed = settings(engine=vllm, engine_max_side=1024).generation("ocr")
+    assert changed.gen_id != base.gen_id and changed.options.endswith(",max_side=1024")

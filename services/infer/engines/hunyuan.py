@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
+from services.common.settings import VLM_MAX_SIDE as COMMON_VLM_MAX_SIDE
 from services.common.textlines import Segment
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,11 @@ DEFAULT_REPETITION_PENALTY = 1.0
 #: ``top_k`` of the same recipe (greedy).
 DEFAULT_TOP_K = 1
 #: Longest image side (px) the VLM engines are handed by default (``engine_max_side``
-#: overrides it). The model's own processor resizes to its pixel budget in any case; beyond
-#: about 2K px a page costs more image tokens (a 2048 px page is about 4,100) for no gain in
-#: legibility at ordinary print sizes, and very long pages are tiled rather than shrunk.
-VLM_MAX_SIDE = 2048
+#: overrides it; defined in the shared settings because it is part of the cache key). The
+#: model's own processor resizes to its pixel budget in any case; beyond about 2K px a page
+#: costs more image tokens (a 2048 px page is about 4,100) for no gain in legibility at
+#: ordinary print sizes, and very long pages are tiled rather than shrunk.
+VLM_MAX_SIDE = COMMON_VLM_MAX_SIDE
 #: Coordinates are normalised to 0..SCALE.
 SCALE = 1000.0
 

@@ -371,7 +371,7 @@ class FrontDoor:
 
     async def _submit(self, up: Upload, opts: SubmitOptions, principal: Principal, traceparent: str | None,
                       rid: str, claimed: bool, started: float, submitted: int) -> tuple[int, OcrResponse]:
-        gen = self.s.engine.generation(opts.task)
+        gen = self.s.generation(opts.task)
         key = cache_key(up.sha256, gen)
         parent = [("traceparent", traceparent.encode())] if traceparent else None
         with self.telemetry.span("api.submit", parent_headers=parent, kind=SpanKind.SERVER,
