@@ -43,7 +43,6 @@ class DedupSettings(CommonSettings):
         default=0, ge=0,
         description="longest wait for a batch to fill, ms; 0 = take what has arrived (a backlog still makes full batches)")
     cache_enabled: bool = Field(default=True, description="False: every request goes to inference")
-    lease_ms: int = Field(default=600_000, description="in-flight lease; a holder silent this long is replaced")
     lru_entries: int = Field(default=10_000, description="in-process LRU in front of Redis: entries")
     lru_bytes: int = Field(default=8 * 1024 * 1024, description="in-process LRU in front of Redis: bytes")
     lru_ttl_s: float = Field(default=60.0, description="in-process LRU: entry age limit, s (bounds how long a purge takes to reach dedup)")
