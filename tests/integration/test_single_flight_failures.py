@@ -237,7 +237,8 @@ async def test_expired_lease_promotes_a_waiter_and_everyone_completes(sfp, ocr_s
     p = sfp
     data = text_image(["SILENT HOLDER 7303"])
     p.stop(live(p, "dedup"))
-    p.start("dedup", {"OCRSTREAM_LEASE_MS": "3000"})
+    # short enough to wait for, long enough for the copies to join before it runs out
+    p.start("dedup", {"OCRSTREAM_LEASE_MS": "10000"})
     p.stop(live(p, "infer"))  # the holder's inference never starts: its lease runs out
     try:
         holder_run, copies_run = await holder_then_copies(p, data)
