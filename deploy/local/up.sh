@@ -113,7 +113,8 @@ up_redis() {
   require_port_free redis "$REDIS_PORT"
   mkdir -p "$dir"
   start_detached redis "$logf" redis-server --bind 127.0.0.1 --port "$REDIS_PORT" \
-    --protected-mode yes --daemonize no --dir "$dir" --appendonly yes --logfile ""
+    --protected-mode yes --daemonize no --dir "$dir" --logfile "" \
+    --appendonly yes --appendfsync everysec --maxmemory-policy noeviction  # waiters live only here: README
   log redis "started (pid $(<"$(pidfile redis)")), waiting for 127.0.0.1:$REDIS_PORT"
   redis_ready() { [[ "$(redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null)" == PONG ]]; }
   wait_ready redis "$logf" redis_ready
@@ -220,7 +221,7 @@ row() {  # only the services this run handled
 }
 row service endpoint "credentials / notes"
 row kafka "127.0.0.1:$KAFKA_PORT" "PLAINTEXT, no auth; KRaft controller 127.0.0.1:$KAFKA_CONTROLLER_PORT"
-row redis "redis://127.0.0.1:$REDIS_PORT/0" "no auth; AOF on"
+row redis "redis://127.0.0.1:$REDIS_PORT/0" "no auth; AOF on, noeviction"
 row mariadb "mysql://127.0.0.1:$MYSQL_PORT/$DB_NAME" "$DB_USER / $DB_PASSWORD; admin via socket $MARIADB_SOCK"
 row s3 "http://127.0.0.1:$S3_PORT" "$S3_ACCESS_KEY / $S3_SECRET_KEY, us-east-1; console http://127.0.0.1:$S3_CONSOLE_PORT"
 row state "$STATE_DIR" "data, logs ($LOG_DIR), pids"

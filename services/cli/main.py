@@ -31,9 +31,13 @@ STAGES = ("ingest", "dedup", "infer", "sink")
 
 @app.command()
 def init() -> None:
-    """Create the topics, the S3 bucket (with its staging lifecycle rule) and the MariaDB tables (idempotent)."""
+    """Create the topics, the S3 bucket (with its staging lifecycle rule) and the MariaDB tables (idempotent);
+    warn if Redis is not durable enough for single flight (:func:`services.common.cache.durability_problems`)."""
     from botocore.exceptions import ClientError
 
+    from redis.exceptions import RedisError
+
+    from services.common.cache import ResultCache
     from services.common.db import Database
     from services.common.kafka import create_topics
     from services.common.s3 import ObjectStore
@@ -58,6 +62,18 @@ def init() -> None:
                       "uploads cut off by a killed HTTP door stay until removed by hand")
         applied = await Database(s.mysql, pool_size=1).migrate()
         console.print(f"mariadb: {'applied ' + ', '.join(applied) if applied else 'schema up to date'}")
+        cache = ResultCache(s.redis)
+        try:  # a warning, not a failure: a managed Redis may refuse CONFIG and still be set up right
+            problems = await cache.durability()
+        except (RedisError, OSError, TimeoutError) as exc:
+            problems = [f"settings not readable ({type(exc).__name__}: {exc}); make sure of AOF "
+                        "(appendonly yes, appendfsync everysec) and maxmemory-policy noeviction"]
+        finally:
+            await cache.close()
+        for p in problems:
+            err.print(f"[yellow]warning:[/yellow] redis: {p}", highlight=False)
+        if not problems:
+            console.print("redis: AOF on, maxmemory-policy noeviction")
 
     asyncio.run(_run())
 

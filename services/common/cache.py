@@ -98,6 +98,33 @@ return hit
 """
 
 
+def durability_problems(config: dict[str, str]) -> list[str]:
+    """What makes a Redis unsafe for single flight, from its ``CONFIG GET`` values.
+
+    Requests waiting on an in-flight copy of their image exist only in Redis (``<prefix>:wait:*``):
+    a Redis that restarts empty (no AOF) or evicts keys loses them, and they never complete.
+    Required: ``appendonly yes`` with ``appendfsync`` ``everysec`` or ``always``, and
+    ``maxmemory-policy noeviction`` (names and values as in redis.conf, Redis 6/7).
+
+    Args:
+        config: Setting name -> value (``appendonly``, ``appendfsync``, ``maxmemory-policy``);
+            a missing name counts as not set.
+
+    Returns:
+        One line per problem; empty if none.
+    """
+    out = []
+    if config.get("appendonly") != "yes":
+        out.append(f"appendonly is {config.get('appendonly')!r}, not 'yes': a restart loses waiting requests")
+    elif config.get("appendfsync") not in ("everysec", "always"):
+        out.append(f"appendfsync is {config.get('appendfsync')!r}, not 'everysec': a crash may lose "
+                   "more than a second of waiting requests")
+    if config.get("maxmemory-policy") != "noeviction":
+        out.append(f"maxmemory-policy is {config.get('maxmemory-policy')!r}, not 'noeviction': "
+                   "under memory pressure Redis may evict leases and waiting requests")
+    return out
+
+
 class CacheUnavailable(Exception):
     """Redis did not answer within its time budget (or errored). Treat as a miss."""
 
@@ -194,6 +221,22 @@ class ResultCache:
     async def close(self) -> None:
         """Close the connection pool."""
         await self.client.aclose()
+
+    async def durability(self, timeout_s: float = 5.0) -> list[str]:
+        """:func:`durability_problems` of this Redis (``CONFIG GET``; an operator's check, not the
+        hot path, so ``timeout_s`` rather than ``redis.timeout_ms``).
+
+        Raises:
+            RedisError: Redis refused ``CONFIG`` (managed services often do) or did not answer.
+            TimeoutError: no answer within ``timeout_s``.
+        """
+        config: dict[str, str] = {}
+        async with asyncio.timeout(timeout_s):
+            for name in ("appendonly", "appendfsync", "maxmemory-policy"):
+                got = await self.client.config_get(name)
+                config.update({(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                               for k, v in got.items()})
+        return durability_problems(config)
 
     async def ping(self) -> bool:
         """True if Redis answers within the time budget."""

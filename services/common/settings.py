@@ -225,6 +225,9 @@ class CommonSettings(BaseSettings):
     openai_prompt: str = Field(default=HUNYUAN_PROMPT, description="openai: the prompt (part of the cache key)")
     limits: Limits = Limits()
     max_attempts: int = Field(default=3, ge=1, description="attempts before a message goes to ocr.dlq")
+    lease_ms: int = Field(
+        default=600_000, ge=1,
+        description="in-flight lease, ms: a holder silent this long is replaced (dedup claims and reaps; the sink promotes a waiter with it)")
     shutdown_timeout_s: float = Field(default=20.0, description="SIGTERM drain bound; below k8s grace period")
     retry_max_backoff_s: float = Field(default=10.0, description="cap of the backoff while a store is down")
 

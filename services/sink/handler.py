@@ -196,7 +196,7 @@ class SinkHandler(Handler):
             code = ev.error.code if ev.error else ErrorCode.INTERNAL_ERROR
             if code in RETRYABLE_CODES and ev.attempt < self.s.max_attempts:
                 try:
-                    outcome, raw = await self.cache.promote(key, 600_000, expected_holder=req.request_id)
+                    outcome, raw = await self.cache.promote(key, self.s.lease_ms, expected_holder=req.request_id)
                     if outcome == "promoted" and raw:
                         promoted = RequestEvent.model_validate_json(raw)
                         log.warning("sink: %s failed (%s); promoting waiter %s", req.request_id, code.value, promoted.request_id)

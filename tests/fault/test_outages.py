@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -15,12 +16,27 @@ async def test_outage_mid_run_loses_nothing(fault_pipeline, service):
     p = fault_pipeline
     items = distinct_images(60, f"OUT {service.upper()}") + distinct_images(20, f"OUT {service.upper()}")  # 20 repeats
     run = asyncio.create_task(p.run(items, timeout=600))
+    expected = list(items)
     await asyncio.sleep(1.5)
     await asyncio.to_thread(stack, "down", service)
-    await asyncio.sleep(4)
+    if service == "redis":
+        # more requests while Redis is down, and Redis stays down until dedup has sent some of
+        # them on as plain misses: the no-Redis path itself is exercised, not just the probe
+        no_redis = metric_value(p.metrics("dedup"), "ocrstream_cache_total", outcome="miss", tier="no-redis")
+        during = distinct_images(10, "OUT REDIS DOWN")
+        expected += during
+        run_during = asyncio.create_task(p.run(during, timeout=600))
+        deadline = time.time() + 120
+        while metric_value(p.metrics("dedup"), "ocrstream_cache_total", outcome="miss", tier="no-redis") == no_redis:
+            assert time.time() < deadline, "no request reached dedup while Redis was down"
+            await asyncio.sleep(0.1)
+    else:
+        await asyncio.sleep(4)
     await asyncio.to_thread(stack, "up", service)
     docs = await run
-    for (_, name), doc in zip(items, docs):
+    if service == "redis":
+        docs += await run_during
+    for (_, name), doc in zip(expected, docs, strict=True):
         assert doc.status == "ok", (service, name, doc.error)
         assert reads_as(name, doc.text), (service, name, doc.text)
     counts = db_count([d.request_id for d in docs])
@@ -28,6 +44,16 @@ async def test_outage_mid_run_loses_nothing(fault_pipeline, service):
     if service == "redis":
         failures = metric_value(p.metrics("dedup"), "ocrstream_cache_total", outcome="error")
         assert failures > 0, "Redis failures must be counted"
+        # caching resumes without a restart: a new image is cached, and its repeat is a Redis hit
+        data, name = distinct_images(1, "OUT REDIS BACK")[0]
+        calls, hits = p.engine_calls(), metric_value(p.metrics("dedup"), "ocrstream_cache_total",
+                                                     outcome="hit", tier="redis")
+        [first] = await p.run([(data, name)], timeout=300)
+        [again] = await p.run([(data, name)], timeout=300)
+        assert first.status == again.status == "ok" and reads_as(name, again.text), (first.error, again.error)
+        assert not first.cache_hit and again.cache_hit and again.text == first.text
+        assert p.engine_calls() == calls + 1
+        assert metric_value(p.metrics("dedup"), "ocrstream_cache_total", outcome="hit", tier="redis") == hits + 1
     # every stage process survived the outage (no crash loop)
     for sts in p.stages.values():
         assert sum(st.proc.poll() is None for st in sts) == 1

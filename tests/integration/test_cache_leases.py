@@ -62,3 +62,17 @@ def test_a_hit_carries_the_entrys_remaining_ttl(stack_env):
             await cache.close()
 
     asyncio.run(go())
+
+
+def test_local_redis_is_durable_enough_for_single_flight(stack_env):
+    """deploy/local/up.sh starts Redis with AOF (fsync every second) and noeviction; the check
+    ``ocrstream init`` runs reads them from the real server."""
+
+    async def go():
+        cache = ResultCache(RedisSettings())
+        try:
+            assert await cache.durability() == []
+        finally:
+            await cache.close()
+
+    asyncio.run(go())
