@@ -39,7 +39,11 @@ Where the CPU goes. For each pipeline round, the CPU seconds per image of each s
 of the local stack (Kafka, Redis, MariaDB, MinIO), of this bench process, of the idle
 configurations, and of the rest of the machine (other users) are read from /proc.
 
-Usage: python -m bench.infer_bench [--n 24] [--rounds 3] [--configs ...] [--json out.json]
+Summary: images/s and every ratio as the median over all rounds, and again over the quiet rounds
+only (the rest of the machine under ``QUIET_REST_CPU``), side by side; quote one and say which.
+
+Usage: python -m bench.infer_bench [--n 24] [--rounds 3] [--configs ...|review] [--json out.json]
+(``--configs review``: 2 processes x 2 threads against 1 x 2, and batching on/off with 2 workers.)
 """
 
 from __future__ import annotations
