@@ -101,3 +101,22 @@ def test_long_pages_are_sliced_and_every_tile_reaches_the_engine():
     results, engine = run({"s3://b/long": png(300, 5000)}, ["s3://b/long"])
     assert len(engine.calls) > 4 and all(h <= 1000 and w == 300 for h, w in engine.calls)
     assert results[0].status == "ok" and results[0].pages[0].height == 5000
+
+
+def test_forget_cancels_the_prefetches_of_revoked_records():
+    class BlockingStore(MemoryStore):
+        async def get_uri(self, uri: str, max_bytes: int | None = None) -> bytes:
+            await asyncio.Event().wait()  # never answers: the prefetch is still running when forgotten
+
+    async def main():
+        handler = InferHandler(InferSettings(), BlockingStore({}), ScriptedEngine(), Telemetry("infer", TelemetrySettings()))
+        kept, gone = record(1, "s3://b/a"), record(2, "s3://b/b")
+        handler.prefetch([kept, gone])
+        tasks = dict(handler._prefetched)
+        handler.forget([gone])
+        await asyncio.sleep(0)
+        assert list(handler._prefetched) == [("ocr.infer", 0, 1)]
+        assert tasks[("ocr.infer", 0, 2)].cancelled() and not tasks[("ocr.infer", 0, 1)].done()
+        await handler.close()
+
+    asyncio.run(main())
