@@ -3,9 +3,11 @@
 Delivery contract (at least once, idempotent writes downstream):
 
 1. ``getmany`` collects up to ``max_batch`` records or waits ``max_wait_ms``.
-2. The handler runs on the batch. While it runs, the assigned partitions are *paused* and
-   ``getmany`` keeps being called, so the consumer never exceeds ``max.poll.interval.ms``
-   however long a batch takes; heartbeats flow from aiokafka's background task.
+2. The handler runs on the batch. While it runs, ``getmany`` keeps being called (every 0.2 s):
+   up to one more batch is fetched and prefetched, then the assigned partitions are *paused*.
+   aiokafka leaves the group when no ``getmany`` ran for ``max.poll.interval.ms``
+   (``fetcher_idle_time``), so the consumer never exceeds it however long a batch takes;
+   heartbeats flow from aiokafka's background task.
 3. Every message the batch caused is produced and acknowledged (``acks=all``).
 4. Only then are offsets committed, and only for partitions this consumer still owns: after a
    rebalance the old owner never commits for a partition it lost (see :class:`Revocations`).
