@@ -392,6 +392,8 @@ class StageRunner:
         self._last_lag = now
         lags: dict[TopicPartition, int] = {}
         for tp in self.consumer.assignment():
+            if tp not in self.consumer.assignment():
+                continue  # revoked during an earlier ``await position``: highwater() would assert
             high = self.consumer.highwater(tp)
             if high is None:
                 continue

@@ -86,6 +86,7 @@ class FakeConsumer:
         await listener.on_partitions_assigned(set(assigned))
 
     def highwater(self, tp: TopicPartition) -> int:
+        assert tp in self.assigned, "Partition is not assigned"  # as aiokafka's
         return self.n
 
     async def position(self, tp: TopicPartition) -> int:
@@ -216,3 +217,18 @@ async def test_long_batch_keeps_polling_with_partitions_paused():
     handled = [k for b in handler.batches for k in b]
     assert handled == [(0, i, b"g1") for i in range(10)]  # each record once, in order
     assert consumer.paused == set()  # resumed after the batch
+
+
+async def test_lag_report_survives_a_rebalance_between_partitions():
+    """aiokafka's ``highwater`` asserts the partition is assigned; a rebalance can land while the
+    lag report awaits ``position`` of an earlier partition."""
+    consumer = FakeConsumer(n=3)
+    runner = make_runner(consumer, Recorder(), max_batch=2)
+
+    async def position_then_rebalance(tp):
+        if consumer.gen == 1:  # the first partition asked: the other one moves away meanwhile
+            await consumer.rebalance(runner.listener, revoked={P0, P1}, assigned={tp})
+        return consumer.pos[tp]
+
+    consumer.position = position_then_rebalance  # type: ignore[method-assign]
+    await runner._report_lag()  # must not raise
