@@ -39,7 +39,11 @@ Where the CPU goes. For each pipeline round, the CPU seconds per image of each s
 of the local stack (Kafka, Redis, MariaDB, MinIO), of this bench process, of the idle
 configurations, and of the rest of the machine (other users) are read from /proc.
 
-Usage: python -m bench.infer_bench [--n 24] [--rounds 3] [--configs ...] [--json out.json]
+Summary: images/s and every ratio as the median over all rounds, and again over the quiet rounds
+only (the rest of the machine under ``QUIET_REST_CPU``), side by side; quote one and say which.
+
+Usage: python -m bench.infer_bench [--n 24] [--rounds 3] [--configs ...|review] [--json out.json]
+(``--configs review``: 2 processes x 2 threads against 1 x 2, and batching on/off with 2 workers.)
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ if str(REPO) not in sys.path:  # `python bench/infer_bench.py` as well as `pytho
     sys.path.insert(0, str(REPO))
 
 DEFAULT_CONFIGS = "engine:1x1,engine:1x2,engine:2x1,engine:1x1w2,pipe:1x1,pipe:1x1b1,pipe:2x1,pipe:1x1w2"
+REVIEW_CONFIGS = "engine:1x2,engine:2x2,pipe:1x2,pipe:2x2,engine:1x1w2,pipe:1x1w2,pipe:1x1w2b1"
+"""``--configs review``: 2 processes x 2 threads (against 1 x 2, raw engine and pipeline), and batching
+on vs off with 2 workers (``pipe:1x1w2`` vs ``pipe:1x1w2b1``), as the review asked."""
 WORDS = ("invoice total amount paid cash change receipt order number date station token item price "
          "quantity account balance payment customer service").split()
 
@@ -368,11 +375,16 @@ QUIET_REST_CPU = 0.1
 
 def summarize(results: dict[str, list[dict]], names: list[str], rounds: int) -> dict[str, list[float]]:
     """Print images/s, CPU per image and the ratios; return the per-round ratios."""
-    print("\n== images/s (median over rounds; every round in brackets)")
+    quiet = lambda x: x["cpu_rest_of_machine"] < QUIET_REST_CPU  # noqa: E731
+    med = lambda vs: f"{statistics.median(vs):.3f}" if vs else "  -  "  # noqa: E731
+    print("\n== images/s (median over all rounds, median over quiet rounds; every round in brackets, * = quiet)")
     for n in names:
         st = [x["rate"] for x in results[n]]
-        print(f"{n:16s} {statistics.median(st):.3f} [{', '.join(f'{v:.3f}' for v in st)}]   engine busy "
-              f"{statistics.median(x['engine_busy'] for x in results[n]):.2f}, "
+        busy = [x["engine_busy"] for x in results[n]]
+        rounds_txt = ", ".join(f"{x['rate']:.3f}" + ("*" if quiet(x) else "") for x in results[n])
+        print(f"{n:16s} all {statistics.median(st):.3f}  quiet {med([x['rate'] for x in results[n] if quiet(x)])} "
+              f"[{rounds_txt}]   engine busy "
+              f"{statistics.median(busy):.3f} ({min(busy):.3f}-{max(busy):.3f}), "
               f"{statistics.median(x['engine_s_per_img'] for x in results[n]):.3f} engine-s/img")
     print("\n== CPU seconds per image (mean over rounds)")
     for n in names:
@@ -394,12 +406,16 @@ def summarize(results: dict[str, list[dict]], names: list[str], rounds: int) -> 
         ratios["best pipeline/best engine"] = per
         print(f"{'best pipeline/best engine':34s} {statistics.median(per):.3f} [{', '.join(f'{v:.3f}' for v in per)}]"
               f"  (by median: {bp} vs {be})")
-    # Rounds that other users left alone: the same ratios over those only (where both sides were quiet)
-    print(f"\n== quiet rounds only (rest of machine under {QUIET_REST_CPU} CPU-s/img on both sides)")
+    # Rounds that other users left alone: the same ratios over those only (where both sides were quiet),
+    # next to the all-rounds median, so a summary can quote either and say which
+    print(f"\n== quiet rounds only (rest of machine under {QUIET_REST_CPU} CPU-s/img on both sides), "
+          "next to the all-rounds median")
     for label, a, b in _ratio_pairs(names):
-        per = [x["rate"] / y["rate"] for x, y in zip(results[a], results[b])
-               if x["cpu_rest_of_machine"] < QUIET_REST_CPU and y["cpu_rest_of_machine"] < QUIET_REST_CPU]
-        print(f"{label:34s} " + (f"{statistics.median(per):.3f} [{', '.join(f'{v:.3f}' for v in per)}]" if per else "no quiet pair"))
+        every = [x["rate"] / y["rate"] for x, y in zip(results[a], results[b])]
+        per = [x["rate"] / y["rate"] for x, y in zip(results[a], results[b]) if quiet(x) and quiet(y)]
+        print(f"{label:34s} all {statistics.median(every):.3f}  quiet "
+              + (f"{statistics.median(per):.3f} [{', '.join(f'{v:.3f}' for v in per)}] ({len(per)} of {len(every)} rounds)"
+                 if per else "no quiet pair"))
     # What the pipeline adds in CPU per image, against the engine's own CPU per image. When both cores
     # run the engine (2 processes, or 2 workers), this extra CPU comes out of the engine's share, so the
     # ratio it predicts is engine / (engine + extra); with one engine thread it fits in the other core.
@@ -446,7 +462,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=24, help="images per round (a multiple of --partitions)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--partitions", type=int, default=4)
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS)
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help=f"comma-separated configurations, or 'review' for {REVIEW_CONFIGS}")
     ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--from-json", type=Path, help="only print the summary of a run saved with --json")
     args = ap.parse_args()
@@ -460,7 +477,8 @@ def main() -> None:
     missing = stack_reachable()
     if missing:
         sys.exit(f"local stack not reachable ({missing}): run deploy/local/up.sh")
-    cfgs = [parse_config(c) for c in args.configs.split(",")]
+    configs = REVIEW_CONFIGS if args.configs == "review" else args.configs
+    cfgs = [parse_config(c) for c in configs.split(",")]
     names = [c.name for c in cfgs]
     images = balanced_images(args.n, args.partitions)
     cpu_model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")

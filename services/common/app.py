@@ -113,12 +113,8 @@ async def run_stage(
     ctx = StageContext(settings=settings, telemetry=telemetry, producer=producer)
     handler = await build_handler(ctx)
     consumer: AIOKafkaConsumer = make_consumer(
-        settings.kafka, [topic], group_id, client_id=f"ocrstream-{stage}", max_poll_interval_ms=max_poll_interval_ms
+        settings.kafka, [], group_id, client_id=f"ocrstream-{stage}", max_poll_interval_ms=max_poll_interval_ms
     )
-    await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)
-    started.set()
-    log.info("%s: consuming %s as group %s", stage, topic, group_id)
-
     runner = StageRunner(
         stage=stage,
         consumer=consumer,
@@ -131,6 +127,10 @@ async def run_stage(
         max_backoff_s=settings.retry_max_backoff_s,
         dlq_topic=settings.topics.dlq,
     )
+    consumer.subscribe([topic], listener=runner.listener)  # before start: the first join already has it
+    await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)
+    started.set()
+    log.info("%s: consuming %s as group %s", stage, topic, group_id)
     task = asyncio.create_task(runner.run(stop))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -3,12 +3,33 @@
 Delivery contract (at least once, idempotent writes downstream):
 
 1. ``getmany`` collects up to ``max_batch`` records or waits ``max_wait_ms``.
-2. The handler runs on the batch. While it runs, the assigned partitions are *paused* and
-   ``getmany`` keeps being called, so the consumer never exceeds ``max.poll.interval.ms``
-   however long a batch takes; heartbeats flow from aiokafka's background task.
+2. The handler runs on the batch. While it runs, ``getmany`` keeps being called (every 0.2 s):
+   up to one more batch is fetched and prefetched, then the assigned partitions are *paused*.
+   aiokafka leaves the group when no ``getmany`` ran for ``max.poll.interval.ms``
+   (``fetcher_idle_time``), so the consumer never exceeds it however long a batch takes;
+   heartbeats flow from aiokafka's background task.
 3. Every message the batch caused is produced and acknowledged (``acks=all``).
 4. Only then are offsets committed, and only for partitions this consumer still owns: after a
-   rebalance the old owner never commits for a partition it lost.
+   rebalance the old owner never commits for a partition it lost (see :class:`Revocations`).
+
+Rebalances (aiokafka 0.12, eager protocol): ``on_partitions_revoked`` runs in aiokafka's
+background coordination task, not inside ``getmany``, so it can run at any ``await`` of the
+loop -- while the handler runs, while the batch is produced, while the next batch is assembled.
+From the moment the revoke starts until the new assignment arrives, ``getmany`` does not return
+(it waits for the assignment), so every record fetched after the callback belongs to the new
+assignment. The callback does not wait for the batch in flight (a GPU batch may take minutes;
+the whole group would wait for it); instead:
+
+* records of revoked partitions that were fetched but not yet handled (the carry buffer and the
+  batch being assembled) are dropped, and their prefetches are forgotten (``Handler.forget``);
+  a partition that comes back is fetched again from its committed offset;
+* the batch in flight finishes and its messages are produced, but no offset of a revoked
+  partition is committed for it, even if the partition is assigned back meanwhile (its fetch
+  position restarts at the committed offset, before that batch's records).
+
+Results the old owner already produced for records of a lost partition stay: the new owner
+redoes those records and every write downstream is idempotent (keyed by the content hash), so
+a request still ends with one final state.
 
 Failures: a retriable error (store or broker down) is retried with capped exponential backoff
 for as long as it lasts (logged, counted). Any other error splits the batch into single
@@ -24,7 +45,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, MessageSizeTooLargeError
 
 from services.common.errors import is_transient
@@ -73,6 +94,11 @@ class Handler(ABC):
         """Called with records of the *next* batch while the current one runs; may start their
         I/O (e.g. S3 gets). They are passed to :meth:`handle` later as usual. Default: nothing."""
 
+    def forget(self, records: list[ConsumerRecord]) -> None:
+        """Drop what :meth:`prefetch` started for ``records``: their partitions were revoked and
+        they will never be passed to :meth:`handle` (a new owner fetches them again). Called from
+        the rebalance callback, only with records not yet handed to :meth:`handle`. Default: nothing."""
+
     async def after_produce(self) -> None:
         """Called once the messages of the last ``handle`` are acknowledged, before the commit."""
 
@@ -80,12 +106,35 @@ class Handler(ABC):
         """Release the handler's clients (called once at shutdown)."""
 
 
+class Revocations(ConsumerRebalanceListener):
+    """The runner's rebalance listener: pass it to ``consumer.subscribe(..., listener=...)``.
+
+    Source: aiokafka 0.12 ``GroupCoordinator._on_join_prepare`` awaits ``on_partitions_revoked``
+    before rejoining, from its background task; ``on_partitions_assigned`` after the new
+    assignment is set and before fetching resumes.
+    """
+
+    def __init__(self, runner: "StageRunner"):
+        self._runner = runner
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Drop the runner's unhandled records of ``revoked``; bar the batch in flight from committing them."""
+        self._runner._revoke(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        """Log the new assignment (partitions start at their committed offsets)."""
+        log.info("%s: assigned %s", self._runner.stage, sorted(assigned))
+
+
 class StageRunner:
     """Runs one stage's consumer loop until ``stop`` is set, then drains and commits.
 
     Args:
         stage: Stage name for logs and metrics (``ingest``, ``dedup``, ``infer``, ``sink``).
-        consumer: A started consumer, subscribed, with auto-commit off.
+        consumer: A consumer with auto-commit off, subscribed with ``listener=runner.listener``
+            (construct the runner first, then subscribe and start the consumer). Without the
+            listener the runner still skips partitions missing from ``assignment()`` at commit
+            time, but cannot drop records fetched before a rebalance.
         producer: A started producer.
         handler: The stage's logic.
         telemetry: Metrics and tracing hooks.
@@ -120,7 +169,10 @@ class StageRunner:
         self.max_attempts = max_attempts
         self.max_backoff_s = max_backoff_s
         self.dlq_topic = dlq_topic
-        self._carry: list[ConsumerRecord] = []
+        self._carry: list[ConsumerRecord] = []  # fetched, not yet handled (the batch being assembled, then the next)
+        self._in_flight: list[ConsumerRecord] = []  # the batch being handled, produced and committed
+        self._lost: set[TopicPartition] = set()  # partitions revoked since the batch in flight was taken
+        self.listener = Revocations(self)
         self._last_idle = 0.0
         self._last_lag = 0.0
 
@@ -138,26 +190,57 @@ class StageRunner:
             await self._produce(outgoing)
             await self._retrying(self.handler.after_produce)
             await self._commit(records)
+            self._in_flight = []
             self.telemetry.batch_done(self.stage, len(records), time.perf_counter() - started)
             await self._idle()  # housekeeping runs under load too (at most once a second)
 
     # -- steps --------------------------------------------------------------------------
     async def _next_batch(self) -> list[ConsumerRecord]:
-        """Up to ``max_batch`` records; waits at most ``max_wait_ms`` after the first one arrives."""
-        records, self._carry = self._carry[: self.max_batch], self._carry[self.max_batch :]
-        if not records:
+        """Up to ``max_batch`` records; waits at most ``max_wait_ms`` after the first one arrives.
+
+        Records are gathered in the carry buffer (so a revocation during the wait drops them
+        there) and taken out only when the batch goes in flight.
+        """
+        if not self._carry:
             got = await self.consumer.getmany(timeout_ms=1000, max_records=self.max_batch)
-            records = [r for recs in got.values() for r in recs]
-            if not records:
+            self._carry.extend(r for recs in got.values() for r in recs)
+            if not self._carry:
                 return []
         deadline = time.monotonic() + self.max_wait_ms / 1000
-        while len(records) < self.max_batch:
+        while len(self._carry) < self.max_batch:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 break
-            got = await self.consumer.getmany(timeout_ms=remaining_ms, max_records=self.max_batch - len(records))
-            records.extend(r for recs in got.values() for r in recs)
+            got = await self.consumer.getmany(timeout_ms=remaining_ms, max_records=self.max_batch - len(self._carry))
+            self._carry.extend(r for recs in got.values() for r in recs)
+        records, self._carry = self._carry[: self.max_batch], self._carry[self.max_batch :]
+        # Every record left in the carry was fetched under the current assignment (a revocation
+        # drops the others), so the batch starts with no lost partitions.
+        self._in_flight, self._lost = records, set()
         return records
+
+    def _revoke(self, revoked: set[TopicPartition]) -> None:
+        """Rebalance callback (see the module docstring): drop carried records of ``revoked`` and
+        their prefetches; the batch in flight will not commit them."""
+        def gone(r: ConsumerRecord) -> bool:
+            return TopicPartition(r.topic, r.partition) in revoked
+
+        dropped = [r for r in self._carry if gone(r)]
+        self._carry = [r for r in self._carry if not gone(r)]
+        in_flight = [r for r in self._in_flight if gone(r)]
+        self._lost |= revoked
+        if dropped:
+            try:
+                self.handler.forget(dropped)
+            except Exception as exc:  # a failing cleanup must not break the rebalance
+                log.warning("%s: forgetting prefetches failed: %r", self.stage, exc)
+        self.telemetry.revoked(self.stage, len(in_flight), len(dropped))
+        if in_flight or dropped:
+            log.warning("%s: partitions %s revoked: %d records of the batch in flight will not be committed, "
+                        "%d carried records dropped; the new owner redoes them",
+                        self.stage, sorted(revoked), len(in_flight), len(dropped))
+        else:
+            log.info("%s: partitions %s revoked (no records held)", self.stage, sorted(revoked))
 
     async def _idle(self) -> None:
         now = time.monotonic()
@@ -309,6 +392,8 @@ class StageRunner:
         self._last_lag = now
         lags: dict[TopicPartition, int] = {}
         for tp in self.consumer.assignment():
+            if tp not in self.consumer.assignment():
+                continue  # revoked during an earlier ``await position``: highwater() would assert
             high = self.consumer.highwater(tp)
             if high is None:
                 continue
@@ -320,13 +405,14 @@ class StageRunner:
         self.telemetry.lag(self.stage, lags)
 
     async def _commit(self, records: list[ConsumerRecord]) -> None:
-        """Commit the next offset of every partition in the batch that is still assigned."""
+        """Commit the next offset of every partition in the batch that was not revoked while the
+        batch was in flight and is still assigned."""
         last: dict[TopicPartition, int] = defaultdict(lambda: -1)
         for r in records:
             tp = TopicPartition(r.topic, r.partition)
             last[tp] = max(last[tp], r.offset)
         owned = self.consumer.assignment()
-        offsets = {tp: off + 1 for tp, off in last.items() if tp in owned}
+        offsets = {tp: off + 1 for tp, off in last.items() if tp in owned and tp not in self._lost}
         lost = set(last) - set(offsets)
         if lost:
             log.warning("%s: not committing %s: partitions were revoked during the batch", self.stage, sorted(lost))

@@ -63,6 +63,9 @@ class Telemetry:
         self.poisoned = Counter("ocrstream_poison_messages", "Records sent to the DLQ", ["stage"], registry=r)
         self.dep_retries = Counter("ocrstream_dependency_retries", "Retries while a dependency was down", ["stage", "error"], registry=r)
         self.commits = Counter("ocrstream_commits", "Offset commits", ["stage"], registry=r)
+        self.revoked_records = Counter("ocrstream_revoked_records",
+                                       "Records of revoked partitions the runner held: in_flight (handled, never committed) "
+                                       "or carried (fetched, dropped unhandled)", ["stage", "held"], registry=r)
         self.cache = Counter("ocrstream_cache", "Cache lookups by outcome (hit, miss, joined, promoted, error)", ["stage", "outcome", "tier"], registry=r)
         self.batch_size = Histogram("ocrstream_batch_size", "Records per batch", ["stage"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.batch_seconds = Histogram("ocrstream_batch_seconds", "Batch wall time", ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
@@ -318,6 +321,12 @@ class Telemetry:
     def commit(self, stage: str) -> None:
         """Offsets were committed."""
         self.commits.labels(stage).inc()
+
+    def revoked(self, stage: str, in_flight: int, carried: int) -> None:
+        """A rebalance took partitions away while the runner held ``in_flight`` records of them in the
+        running batch (left uncommitted) and ``carried`` fetched ones (dropped)."""
+        self.revoked_records.labels(stage, "in_flight").inc(in_flight)
+        self.revoked_records.labels(stage, "carried").inc(carried)
 
     # -- HTTP: /metrics /healthz /readyz --------------------------------------------------
     async def serve(self, port: int, host: str = "0.0.0.0") -> asyncio.AbstractServer:

@@ -111,6 +111,13 @@ class InferHandler(Handler):
             task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)  # no "never retrieved"
             self._prefetched[(rec.topic, rec.partition, rec.offset)] = task
 
+    def forget(self, records: list[ConsumerRecord]) -> None:
+        """Cancel the prefetches of ``records`` (their partitions were revoked; see :meth:`Handler.forget`)."""
+        for rec in records:
+            task = self._prefetched.pop((rec.topic, rec.partition, rec.offset), None)
+            if task is not None:
+                task.cancel()
+
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
         """See :meth:`Handler.handle`."""
         out: list[Outgoing] = []

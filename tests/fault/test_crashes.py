@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
+import urllib.request
 
+from aiokafka import TopicPartition
+
+from schemas.events import CompletedEvent, ResultEvent
+from services.common.kafka import make_consumer
+from services.common.settings import CommonSettings
 from tests.fault.conftest import reads_as, db_count, distinct_images
-from tests.stack import STAGES
+from tests.stack import STAGES, metric_value
 
 
 async def _check(docs, items):
@@ -49,14 +56,112 @@ async def test_sigterm_drains_and_exits_within_the_bound(fault_pipeline):
     await _check(await run, items)
 
 
+def _revoked_in_flight(p, st) -> float:
+    """Records of revoked partitions that ``st``'s batch in flight held (never committed by it)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{st.port}/metrics", timeout=5) as r:
+        return metric_value(r.read().decode(), "ocrstream_revoked_records_total", held="in_flight")
+
+
+async def _topic_values(s: CommonSettings, topic: str) -> list[bytes]:
+    """Every record value on ``topic`` (all partitions, from the beginning up to the current end)."""
+    consumer = make_consumer(s.kafka, [], None, "test-rebalance-reader")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, n) for n in consumer.partitions_for_topic(topic) or set()]
+        assert tps, f"no partitions known for {topic}"
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        values: list[bytes] = []
+        async def behind() -> bool:
+            return any([await consumer.position(tp) < end[tp] for tp in tps])
+
+        while await behind():
+            for recs in (await consumer.getmany(timeout_ms=500)).values():
+                values += [r.value for r in recs]
+        return values
+    finally:
+        await consumer.stop()
+
+
+async def _drained(s: CommonSettings, group: str, topic: str, bound_s: float = 180) -> None:
+    """Wait until ``group`` has committed the end of every partition of ``topic`` (a liveness bound)."""
+    consumer = make_consumer(s.kafka, [], group, "test-rebalance-offsets")  # never subscribes: no join
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, n) for n in consumer.partitions_for_topic(topic) or set()]
+        assert tps, f"no partitions known for {topic}"
+        for _ in range(int(bound_s / 0.5)):
+            end = await consumer.end_offsets(tps)
+            committed = {tp: (await consumer.committed(tp)) or 0 for tp in tps}
+            if all(committed[tp] >= end[tp] for tp in tps):
+                return
+            await asyncio.sleep(0.5)
+        raise AssertionError(f"{group} did not commit the end of {topic} in {bound_s}s")
+    finally:
+        await consumer.stop()
+
+
+async def _await_log(path, pattern: str, after: int, bound_s: float = 120) -> None:
+    """Wait until ``path`` has a line matching ``pattern`` past byte ``after`` (a liveness bound)."""
+    for _ in range(int(bound_s / 0.5)):
+        if re.search(pattern, path.read_bytes()[after:].decode(errors="replace")):
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"no {pattern!r} in {path} after {bound_s}s")
+
+
 async def test_second_infer_joins_and_first_leaves_mid_run(fault_pipeline):
-    """Rebalances mid-batch: the old owner never commits for lost partitions; one row per request."""
+    """A second infer joins while the first is mid-batch, then the first leaves (SIGTERM).
+
+    The first process's batch in flight at the join holds records of partitions it loses; it
+    must not commit them, so whoever owns them next redoes them: every such record gives one
+    more ``ocr.results`` event. Downstream the duplicates collapse: each request has exactly one
+    distinct completion on ``ocr.completed`` (replays are byte-identical, same ``event_id``;
+    consumers deduplicate on it), with its own image's text.
+    """
     p = fault_pipeline
-    items = distinct_images(80, "REBALANCE")
+    s = CommonSettings()
+    items = distinct_images(100, "REBALANCE")
+    [first] = [st for st in p.stages["infer"] if st.proc.poll() is None]
+    before = _revoked_in_flight(p, first)
+    log_at = first.log.stat().st_size
     run = asyncio.create_task(p.run(items, timeout=900))
     await asyncio.sleep(2.0)
-    [first] = [s for s in p.stages["infer"] if s.proc.poll() is None]
-    p.start("infer")  # joins the group: partitions move while the first is mid-batch
-    await asyncio.sleep(3.0)
-    assert p.stop(first, sig=signal.SIGTERM, timeout=60) == 0  # leaves mid-run
-    await _check(await run, items)
+    # joins the group: partitions move while the first is mid-batch (in a thread: the run goes on)
+    second = await asyncio.to_thread(p.start, "infer")
+    await _await_log(first.log, r"revoked", log_at)
+    await _await_log(first.log, r"infer: assigned", log_at)
+    in_flight_first = _revoked_in_flight(p, first) - before
+    # the scenario this test names: the rebalance hit the first process with a batch in flight
+    assert in_flight_first > 0, f"no batch in flight at the rebalance; see {first.log}"
+    assert "will not be committed" in first.log.read_bytes()[log_at:].decode(errors="replace")
+    assert await asyncio.to_thread(p.stop, first, signal.SIGTERM, 60) == 0  # leaves mid-run
+    docs = await run
+    await _check(docs, items)
+    # the redone records may still be on their way when every request has completed once
+    await _drained(s, p.env["OCRSTREAM_INFER_GROUP_ID"], s.topics.infer)
+    await _drained(s, p.env["OCRSTREAM_SINK_GROUP_ID"], s.topics.results)
+    in_flight_second = _revoked_in_flight(p, second)
+
+    ids = {d.request_id for d in docs}
+    results: dict[str, int] = {}
+    for v in await _topic_values(s, s.topics.results):
+        ev = ResultEvent.model_validate_json(v)
+        if ev.request.request_id in ids:
+            results[ev.request.request_id] = results.get(ev.request.request_id, 0) + 1
+    completions: dict[str, set[bytes]] = {}
+    for v in await _topic_values(s, s.topics.completed):
+        ev = CompletedEvent.model_validate_json(v)
+        if ev.request_id in ids:
+            completions.setdefault(ev.request_id, set()).add(v)
+
+    assert set(results) == ids and set(completions) == ids
+    # every record held in flight at a revocation was redone (its offset was never committed)
+    redone = sum(n - 1 for n in results.values())
+    assert redone >= in_flight_first + in_flight_second, (redone, in_flight_first, in_flight_second)
+    # ... and the duplicates collapse: one distinct completion per request, with its own text
+    for (_, name), doc in zip(items, docs):
+        [one] = completions[doc.request_id]
+        done = CompletedEvent.model_validate_json(one)
+        assert done.result.status == "ok" and reads_as(name, done.result.text), (name, done.result.text)

@@ -115,3 +115,22 @@ def test_engine_warnings_reach_the_result_once():
     assert [r.status for r in results] == ["ok", "ok"]
     assert len(results[0].lines) == 2 and results[0].warnings == ["truncated_max_tokens"]
     assert results[1].warnings == []
+
+
+def test_forget_cancels_the_prefetches_of_revoked_records():
+    class BlockingStore(MemoryStore):
+        async def get_uri(self, uri: str, max_bytes: int | None = None) -> bytes:
+            await asyncio.Event().wait()  # never answers: the prefetch is still running when forgotten
+
+    async def main():
+        handler = InferHandler(InferSettings(), BlockingStore({}), ScriptedEngine(), Telemetry("infer", TelemetrySettings()))
+        kept, gone = record(1, "s3://b/a"), record(2, "s3://b/b")
+        handler.prefetch([kept, gone])
+        tasks = dict(handler._prefetched)
+        handler.forget([gone])
+        await asyncio.sleep(0)
+        assert list(handler._prefetched) == [("ocr.infer", 0, 1)]
+        assert tasks[("ocr.infer", 0, 2)].cancelled() and not tasks[("ocr.infer", 0, 1)].done()
+        await handler.close()
+
+    asyncio.run(main())

@@ -4,7 +4,8 @@ import hashlib
 
 import pytest
 
-from bench.infer_bench import Config, _ratio_pairs, backlog_rate, balanced_images, parse_config, partition_of
+from bench.infer_bench import (REVIEW_CONFIGS, Config, _ratio_pairs, backlog_rate, balanced_images, parse_config,
+                               partition_of, summarize)
 
 
 def test_parse_config_round_trips():
@@ -55,3 +56,25 @@ def test_ratio_pairs_pair_like_with_like():
     assert pairs["batch on/off pipe:1x1"] == ("pipe:1x1", "pipe:1x1b1")
     assert pairs["2 procs/1 proc pipe:2x1"] == ("pipe:2x1", "pipe:1x1")
     assert pairs["2 procs/1 proc engine:2x1"] == ("engine:2x1", "engine:1x1")
+
+
+def test_review_configs_give_the_ratios_the_review_asked_for():
+    names = [parse_config(c).name for c in REVIEW_CONFIGS.split(",")]
+    pairs = {label: (a, b) for label, a, b in _ratio_pairs(names)}
+    assert pairs["2 procs/1 proc engine:2x2"] == ("engine:2x2", "engine:1x2")
+    assert pairs["2 procs/1 proc pipe:2x2"] == ("pipe:2x2", "pipe:1x2")
+    assert pairs["batch on/off pipe:1x1w2"] == ("pipe:1x1w2", "pipe:1x1w2b1")
+    assert pairs["pipeline/engine 2x2"] == ("pipe:2x2", "engine:2x2")
+
+
+def test_summary_prints_all_rounds_next_to_quiet_rounds(capsys):
+    def rnd(rate, rest):
+        return {"rate": rate, "engine_busy": 0.95, "engine_s_per_img": 1.0, "cpu_infer": 1.0, "cpu_rest_of_machine": rest}
+
+    results = {"engine:1x1": [rnd(1.0, 0.0), rnd(1.0, 0.0), rnd(1.0, 0.0)],
+               "pipe:1x1": [rnd(0.9, 0.0), rnd(2.0, 0.5), rnd(0.8, 0.0)]}  # round 2 noisy
+    summarize(results, list(results), 3)
+    out = capsys.readouterr().out
+    # all rounds: median(0.9, 2.0, 0.8) = 0.9; quiet rounds 1 and 3: median(0.9, 0.8) = 0.85
+    assert "pipeline/engine 1x1                all 0.900  quiet 0.850 [0.900, 0.800] (2 of 3 rounds)" in out
+    assert "pipe:1x1         all 0.900  quiet 0.850 [0.900*, 2.000, 0.800*]" in out
