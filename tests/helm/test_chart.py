@@ -402,3 +402,22 @@ def test_api_values_that_cannot_work_fail_early(sets, message):
         cmd += ["--set", s]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_api_door_is_closed_by_default_keys_rate_limit_no_cors_no_private_callbacks(manifests, monkeypatch):
+    """The chart's door (every values case) requires API keys, rate-limits each key, has CORS closed
+    and keeps callbacks off private addresses: as rendered, and as ApiSettings reads it."""
+    (w,) = _api(manifests, "Deployment")
+    env = _stage_env(manifests, w)
+    assert env["OCRSTREAM_AUTH_REQUIRED"] == "true"
+    assert float(env["OCRSTREAM_RATE_LIMIT_PER_S"]) > 0 and int(env["OCRSTREAM_RATE_LIMIT_BURST"]) >= 1
+    assert env.get("OCRSTREAM_HTTP_CORS_ORIGINS", "[]") == "[]"
+    assert env.get("OCRSTREAM_WEBHOOK_ALLOW_PRIVATE", "false") == "false"
+    for k in list(os.environ):
+        if k.startswith("OCRSTREAM_"):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v if isinstance(v, str) else "stub")
+    s = ApiSettings()
+    assert s.auth_required is True and s.rate_limit_per_s > 0
+    assert s.http_cors_origins == [] and s.webhook_allow_private is False

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
 import socket
 import time
 
 import httpx
 import pytest
+from PIL import Image, PngImagePlugin
 
 from tests.conftest import text_image
 from tests.integration.conftest import API_BODY_TIMEOUT_S, API_MAX_BYTES
@@ -19,12 +22,35 @@ def _client(api) -> httpx.Client:
     return httpx.Client(base_url=api.url, timeout=90)
 
 
+def _same_pixels(img: bytes, note: str) -> bytes:
+    """``img`` re-encoded as PNG with a text chunk ``note``: other bytes (so another SHA-256 and cache
+    key), the same pixels (PNG is lossless), so the engine sees the same input."""
+    info = PngImagePlugin.PngInfo()
+    info.add_text("ocrstream-test", note)
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(img)).save(buf, "PNG", pnginfo=info)
+    return buf.getvalue()
+
+
 def test_upload_long_poll_and_cached_repeat_match_the_kafka_path(api, pipeline):
+    """The Kafka path and the HTTP door each have the engine read the same pixels (two cache misses:
+    the HTTP copy differs by a PNG text chunk only), and their results are identical: text, every
+    line's box and confidence, page sizes."""
     img = text_image(["HTTP DESK", "LONG POLL"], size=40)
+    twin = _same_pixels(img, f"http-{time.time_ns()}")
+    assert twin != img
+    assert Image.open(io.BytesIO(twin)).tobytes() == Image.open(io.BytesIO(img)).tobytes()
+
+    # the Kafka path computes the image: a miss
+    [kafka_doc] = asyncio.run(pipeline.run([(img, "door.png")]))
+    assert kafka_doc.status == "ok" and kafka_doc.cache_hit is False and kafka_doc.near_duplicate_of is None
+    assert kafka_doc.content_sha256 == hashlib.sha256(img).hexdigest()
+    assert kafka_doc.text == "HTTP DESK\nLONG POLL"
+
     with _client(api) as c:
-        r = c.post("/v1/ocr", content=img, headers={"Content-Type": "image/png"},
+        r = c.post("/v1/ocr", content=twin, headers={"Content-Type": "image/png"},
                    params={"source": "web", "filename": "door.png", "metadata": '{"ticket": "T-1"}'})
-        assert r.status_code == 202, r.text
+        assert r.status_code == 202, r.text  # its own cache key: not answered from the Kafka path's result
         body = r.json()
         rid = body["request_id"]
         assert body["status"] == "pending" and body["links"]["self"] == f"/v1/ocr/{rid}"
@@ -36,16 +62,19 @@ def test_upload_long_poll_and_cached_repeat_match_the_kafka_path(api, pipeline):
         doc = got["result"]
         assert doc["text"] == "HTTP DESK\nLONG POLL"
         assert doc["source"] == "web" and doc["filename"] == "door.png" and doc["metadata"] == {"ticket": "T-1"}
-        assert doc["cache_hit"] is False
+        assert doc["cache_hit"] is False and doc["near_duplicate_of"] is None  # computed by the engine too
+        assert doc["content_sha256"] == hashlib.sha256(twin).hexdigest()
 
-        # the same image through Kafka gives the same result
-        [kafka_doc] = asyncio.run(pipeline.run([(img, "door.png")]))
-        assert kafka_doc.text == doc["text"]
-        assert [ln.text for ln in kafka_doc.lines] == [ln["text"] for ln in doc["lines"]]
-        assert [ln.box for ln in kafka_doc.lines] == [ln["box"] for ln in doc["lines"]]
+        # the same pixels through Kafka gave exactly the same result (RapidOCR on one thread per image is deterministic)
+        assert [ln.model_dump() for ln in kafka_doc.lines] == doc["lines"]
+        assert [pg.model_dump() for pg in kafka_doc.pages] == doc["pages"]
+        assert (kafka_doc.width, kafka_doc.height) == (doc["width"], doc["height"])
+        assert (kafka_doc.engine, kafka_doc.model, kafka_doc.model_revision) == (
+            doc["engine"], doc["model"], doc["model_revision"])
+        assert kafka_doc.cache_key.split(":")[0] == doc["cache_key"].split(":")[0]  # the same cache generation
 
         # a repeat is answered at once from the cache, 200 with the full result
-        r2 = c.post("/v1/ocr", content=img, headers={"Content-Type": "image/png"})
+        r2 = c.post("/v1/ocr", content=twin, headers={"Content-Type": "image/png"})
         assert r2.status_code == 200, r2.text
         hit = r2.json()
         assert hit["status"] == "ok" and hit["cache_hit"] is True

@@ -236,3 +236,64 @@ def test_finished_deliveries_are_deleted_after_the_retention_period_with_their_a
         ("new-done", "delivered"), ("old-pending", "pending"), ("other-old-done", "delivered")]
     attempts = db_rows("SELECT delivery_id FROM webhook_attempts WHERE delivery_id LIKE %s ORDER BY delivery_id", f"{tag}-%")
     assert [r["delivery_id"].removeprefix(f"{tag}-") for r in attempts] == ["new-done", "old-pending", "other-old-done"]
+
+
+@pytest.fixture(scope="module")
+def public_only_api(pipeline):
+    """A door as deployed (``webhook_allow_private`` off, its default) whose allow-list names loopback,
+    private and link-local hosts, so only the address check can refuse them. Its dispatcher is off
+    (the refusal is at submit; the session's door keeps delivering for the namespace)."""
+    st = pipeline.start(API, extra_env={
+        **API_ENV, "OCRSTREAM_WEBHOOK_ALLOW_PRIVATE": "false", "OCRSTREAM_WEBHOOK_ENABLED": "false",
+        "OCRSTREAM_WEBHOOK_ALLOWED_HOSTS": '["127.0.0.1", "localhost", "::1", "10.*", "169.254.169.254"]'})
+    st.url = f"http://127.0.0.1:{st.port}"
+    yield st
+    pipeline.stop(st)
+
+
+PUBLIC_ONLY = "only public addresses may be called"
+
+
+def test_callbacks_to_private_addresses_are_refused_at_submit_by_a_door_as_deployed(api, public_only_api):
+    """A live receiver on loopback: the session's door (private allowed, local testing) delivers to it;
+    the door as deployed refuses the same callback at submit, 400 ``callback_not_allowed`` naming the
+    address and its range, even for an image it would answer from the cache, and stores nothing."""
+    img_lines = ["SSRF GUARD 4040"]
+    with Receiver([200]) as rcv, httpx.Client(base_url=api.url, timeout=90) as local, \
+            httpx.Client(base_url=public_only_api.url, timeout=30) as door:
+        ok_rid = f"wh-local-{time.time_ns()}"
+        r = _submit(local, img_lines, f"{rcv.url}/hook", ok_rid)
+        assert r.status_code == 202, r.text
+        assert _delivery(ok_rid, ("delivered", "failed"))["state"] == "delivered" and len(rcv.hits) == 1
+
+        cases = {
+            f"{rcv.url}/hook": f"callback address 127.0.0.1 is a loopback address; {PUBLIC_ONLY}",
+            f"http://[::1]:{rcv.port}/hook": f"callback address ::1 is a loopback address; {PUBLIC_ONLY}",
+            "http://10.0.0.7/hook": f"callback address 10.0.0.7 is a private address; {PUBLIC_ONLY}",
+            "http://169.254.169.254/latest/meta-data/":
+                f"callback address 169.254.169.254 is a link-local address; {PUBLIC_ONLY}",
+        }
+        refused = []
+        for url, message in cases.items():
+            rid = f"wh-private-{time.time_ns()}"
+            refused.append(rid)
+            r = _submit(door, img_lines, url, rid)  # the image is cached: the callback is still checked first
+            assert r.status_code == 400, (url, r.text)
+            assert r.json()["error"] == {"code": "callback_not_allowed", "message": message}
+            assert door.get(f"/v1/ocr/{rid}").status_code == 404
+        # a name resolving to loopback (whichever of 127.0.0.1 and ::1 the resolver gives first)
+        rid = f"wh-private-{time.time_ns()}"
+        refused.append(rid)
+        r = _submit(door, img_lines, f"http://localhost:{rcv.port}/hook", rid)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "callback_not_allowed", r.text
+        assert re.fullmatch(rf"callback host 'localhost' resolves to (127\.0\.0\.1|::1), a loopback address; {PUBLIC_ONLY}",
+                            r.json()["error"]["message"]), r.text
+        assert door.get(f"/v1/ocr/{rid}").status_code == 404
+
+        # the same image without a callback is answered from the cache: only the callback was refused
+        cached = door.post("/v1/ocr", content=text_image(img_lines, size=40), headers={"Content-Type": "image/png"})
+        assert cached.status_code == 200 and cached.json()["result"]["text"] == "SSRF GUARD 4040", cached.text
+        assert len(rcv.hits) == 1  # nothing was delivered for the refused submissions
+    marks = ", ".join(["%s"] * len(refused))
+    assert db_rows(f"SELECT request_id FROM webhook_deliveries WHERE request_id IN ({marks})", *refused) == []
+    assert db_rows(f"SELECT request_id FROM requests WHERE request_id IN ({marks})", *refused) == []
