@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import socket
 import struct
 import time
@@ -18,6 +19,7 @@ from botocore.config import Config
 
 from services.common.s3 import staging_rule_id
 from services.common.settings import CommonSettings
+from services.ingest.api.uploads import MULTIPART_OVERHEAD
 from tests.conftest import text_image
 from tests.integration.conftest import API_BODY_TIMEOUT_S, API_ENV
 from tests.stack import API, metric_value
@@ -226,3 +228,145 @@ def test_init_installs_the_staging_lifecycle_rule_once(s3, stack_env):
     assert len(ours) == 1, rules
     assert ours[0]["Filter"] == {"Prefix": "staging/"} and ours[0]["Status"] == "Enabled"
     assert ours[0]["Expiration"] == {"Days": 1}
+
+
+# -- multipart/form-data: file parts stream the same way ------------------------------------
+
+BOUNDARY = "ocrstreamTestBoundary7f3a"
+FORM_TYPE = f"multipart/form-data; boundary={BOUNDARY}"
+
+
+def form_part(name: str, value: bytes, filename: str | None = None) -> bytes:
+    """One part of a multipart/form-data body (RFC 7578): a file part when ``filename`` is given."""
+    disp = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename is not None else "")
+    ctype = "Content-Type: image/png\r\n" if filename is not None else ""
+    return f"--{BOUNDARY}\r\nContent-Disposition: {disp}\r\n{ctype}\r\n".encode() + value + b"\r\n"
+
+
+FORM_END = f"--{BOUNDARY}--\r\n".encode()
+
+
+def send_until_answered(port: int, head: bytes, chunks) -> tuple[bytes, int]:
+    """Send ``head``, then the body chunks one by one until the door answers; returns (the
+    answer, body bytes sent before it came). A door that refuses the body part-way answers
+    (and may close) while the client still has bytes to send."""
+    sent = 0
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        for chunk in chunks:
+            if select.select([sock], [], [], 0)[0]:  # no waiting: the door's body deadline is running
+                answer = sock.recv(65536)
+                break
+            try:
+                sock.sendall(chunk)
+            except OSError:  # closed (or no longer read) by a door that has answered
+                break
+            sent += len(chunk)
+        while not answer.endswith(b"}}") and (more := sock.recv(65536)):
+            answer += more
+    return answer, sent
+
+
+def test_a_20_mib_multipart_file_streams_to_its_content_object_with_its_fields(door, s3):
+    text = "FORM UPLOAD 6390"  # read exactly by the engine; the bytes are new (random padding)
+    img = padded_png([text], 20 * MiB)
+    sha = hashlib.sha256(img).hexdigest()
+    # option fields before and after the file part: both apply
+    body = (form_part("source", b"web-form") + form_part("file", img, "scan.png")
+            + form_part("metadata", b'{"desk": "7"}') + FORM_END)
+    before = staged_outcomes(door)
+    with httpx.Client(base_url=door.url, timeout=120) as c:
+        r = c.post("/v1/ocr", content=body, headers={"Content-Type": FORM_TYPE})
+        assert r.status_code == 202, r.text
+        got = c.get(f"/v1/ocr/{r.json()['request_id']}", params={"wait": 60}).json()
+        assert got["status"] == "ok", got
+        doc = got["result"]
+        assert doc["text"] == text and doc["content_sha256"] == sha
+        assert (doc["filename"], doc["source"], doc["metadata"]) == ("scan.png", "web-form", {"desk": "7"})
+        obj = s3.get_object(Bucket=s3.bucket, Key=f"images/{sha[:2]}/{sha}")
+        assert obj["ContentType"] == "image/png" and obj["Body"].read() == img
+        assert staged(s3, door.prefix) == ([], [])
+        assert staged_outcomes(door)["completed"] == before["completed"] + 1
+
+        again = c.post("/v1/ocr", files={"file": ("again.png", img, "image/png")})  # httpx's own encoding
+        assert again.status_code == 200, again.text
+        assert again.json()["cache_hit"] is True and again.json()["result"]["text"] == text
+        assert staged(s3, door.prefix) == ([], [])
+        assert staged_outcomes(door)["aborted"] == before["aborted"] + 1
+
+
+@pytest.mark.parametrize("route", ["/v1/ocr", "/v1/ocr/batch"])
+def test_a_multipart_file_over_the_limit_gets_413_before_the_body_is_sent(door, s3, route):
+    """Chunked (no Content-Length to refuse up front): the file part alone passes the 45 MiB
+    image limit long before the body ends (the batch's whole-body limit is 128 MiB), and the
+    door answers while the client is still sending (sent as fast as the door reads: its body
+    deadline is 6 s)."""
+    before = staged_outcomes(door)
+    head = (f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: {FORM_TYPE}\r\n"
+            f"Transfer-Encoding: chunked\r\n\r\n").encode()
+
+    def framed(data: bytes) -> bytes:
+        return b"%x\r\n" % len(data) + data + b"\r\n"
+
+    total = 80 * MiB
+    start = form_part("source", b"limit") + form_part("file", b"", "huge.png")[:-2]  # the file's bytes follow
+    chunks = [framed(start)] + [framed(os.urandom(MiB)) for _ in range(total // MiB)]
+    answer, sent = send_until_answered(door.port, head, chunks)
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"413", answer[:300]
+    # the batch: the file's limit; /v1/ocr: that or its body's, only 64 KiB more (one chunk read may pass both)
+    limits = [LIMIT] if route.endswith("batch") else [LIMIT, LIMIT + MULTIPART_OVERHEAD]
+    assert any(f'"the upload exceeds the limit of {n} bytes"'.encode() in answer for n in limits), answer[:300]
+    assert sent < total * 3 // 4, sent
+    after = staged_outcomes(door)
+    assert after["aborted"] == before["aborted"] + 1 and after["completed"] == before["completed"]
+    assert staged(s3, door.prefix) == ([], [])
+
+
+def test_a_batch_streams_its_large_file_and_keeps_the_small_one_in_memory(door, s3):
+    """Sent chunked: a batch's admission sets aside its whole declared body (its small files stay
+    in memory), which this door's 12 MiB budget would refuse for 20 MiB; without a length it is
+    charged as it is read, and the streamed file's parts are given back as they are sent."""
+    texts = ["BATCH STREAM 2718", "SMALL ONE 4417"]
+    big, small = padded_png([texts[0]], 20 * MiB), text_image([texts[1]], size=40)
+    body = form_part("files", big, "big.png") + form_part("source", b"batch") + form_part("files", small, "small.png")
+    body += FORM_END
+    before = staged_outcomes(door)
+
+    def chunks():
+        for i in range(0, len(body), MiB):
+            yield body[i:i + MiB]
+
+    with httpx.Client(base_url=door.url, timeout=120) as c:
+        r = c.post("/v1/ocr/batch", content=chunks(), headers={"Content-Type": FORM_TYPE})
+        assert r.status_code == 202, r.text
+        items = r.json()["items"]
+        assert [it["filename"] for it in items] == ["big.png", "small.png"]
+        got = [c.get(f"/v1/ocr/{it['request_id']}", params={"wait": 60}).json() for it in items]
+    assert [g["result"]["text"] for g in got] == texts, got
+    assert all(g["result"]["source"] == "batch" for g in got)
+    sha = hashlib.sha256(big).hexdigest()
+    assert s3.get_object(Bucket=s3.bucket, Key=f"images/{sha[:2]}/{sha}")["Body"].read() == big
+    after = staged_outcomes(door)
+    assert after["completed"] == before["completed"] + 1 and after["aborted"] == before["aborted"]
+    assert staged(s3, door.prefix) == ([], [])
+
+
+def test_a_client_that_goes_away_mid_multipart_file_leaves_no_parts(door, s3):
+    before = staged_outcomes(door)
+    start = form_part("file", b"", "gone.png")[:-2]
+    head = (f"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: {FORM_TYPE}\r\n"
+            f"Content-Length: {len(start) + 30 * MiB}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", door.port), timeout=30) as sock:
+        sock.sendall(head + start)
+        for _ in range(12):
+            sock.sendall(os.urandom(MiB))
+        deadline = time.monotonic() + 60
+        while not staged(s3, door.prefix)[1] and time.monotonic() < deadline:  # the multipart upload began
+            time.sleep(0.1)
+        assert len(staged(s3, door.prefix)[1]) == 1
+    deadline = time.monotonic() + 60
+    while staged_outcomes(door)["aborted"] == before["aborted"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert staged_outcomes(door)["aborted"] == before["aborted"] + 1
+    assert staged(s3, door.prefix) == ([], [])

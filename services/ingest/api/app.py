@@ -7,11 +7,12 @@ Routes (all JSON; errors are ``{"error": {"code", "message"}}``, see :mod:`.erro
   reading (413 before the body is read when ``Content-Length`` is over it). A cached image is
   answered at once with 200 and the finished result; otherwise the image is checked from its
   header, stored once under its SHA-256 and sent on ``ocr.requests``: 202 with the request id.
-  A raw body reaching ``OCRSTREAM_HTTP_STREAM_PART_BYTES`` is not kept in memory: it streams to
-  an S3 multipart upload under the staging prefix (and a spool file) while it is read and
+  A raw body (or a multipart file part) reaching ``OCRSTREAM_HTTP_STREAM_PART_BYTES`` is not kept
+  in memory: it streams to an S3 multipart upload under the staging prefix (and a spool file) while it is read and
   hashed, and becomes the content object only once it is known to be new and valid
   (:class:`~services.ingest.api.uploads.StagedBody`, :func:`~services.ingest.accept.accept_staged`).
-* ``POST /v1/ocr/batch`` — many images in one multipart body; one item per file.
+* ``POST /v1/ocr/batch`` — many images in one multipart body; one item per file (each file part
+  read as a ``POST /v1/ocr`` file part is: :func:`~services.ingest.api.forms.read_multipart`).
 * ``GET /v1/ocr/{request_id}?wait=S`` — the request's state; with ``wait`` the call returns as
   soon as the completion arrives on ``ocr.completed`` (or after S seconds, still pending).
 * ``GET /v1/events?id=A&id=B...`` — server-sent events (``text/event-stream``): one event per id
@@ -71,8 +72,9 @@ from services.ingest.api.models import (
     ApiErrorBody, ApiErrorDetail, BatchItem, BatchLinks, BatchResponse, Health, Links, OcrResponse,
 )
 from services.ingest.api.settings import ApiSettings
+from services.ingest.api.forms import read_multipart
 from services.ingest.api.uploads import (
-    MULTIPART_OVERHEAD, Upload, UploadBudget, expected_hold, read_multipart, read_raw,
+    MULTIPART_OVERHEAD, Upload, UploadBudget, expected_hold, read_raw,
 )
 from services.ingest.api.webhooks import WebhookDispatcher, validate_callback_url
 
@@ -202,7 +204,7 @@ class FrontDoor:
         r = self.telemetry.registry
         self.http_requests = Counter("ocrstream_http_requests", "HTTP submissions and reads by outcome",
                                      ["route", "outcome"], registry=r)
-        self.http_staged = Counter("ocrstream_http_staged_uploads", "Raw uploads streamed to S3 (over one part) by how "
+        self.http_staged = Counter("ocrstream_http_staged_uploads", "Uploads (raw bodies, file parts) streamed to S3 by how "
                                    "their multipart upload ended: completed, aborted, abort_failed",
                                    ["outcome"], registry=r)
         self.http_seconds = Histogram("ocrstream_http_seconds", "Time to answer, by route and outcome",
@@ -687,10 +689,13 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             ctype = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110 §8.3.1)
             query = dict(request.query_params)
             if ctype.startswith("multipart/form-data"):
-                held.admit(expected_hold(request, s.limits.max_image_bytes + MULTIPART_OVERHEAD))
+                held.admit(expected_hold(request, s.limits.max_image_bytes + MULTIPART_OVERHEAD,
+                                         s.http_stream_part_bytes))
                 ups, fields = await read_multipart(request, s.limits.max_image_bytes,
                                                    s.limits.max_image_bytes + MULTIPART_OVERHEAD, 1, held,
-                                                   s.http_body_timeout_s)
+                                                   s.http_body_timeout_s, store=door.store,
+                                                   part_bytes=s.http_stream_part_bytes,
+                                                   on_staged_end=door.count_staged)
                 up = ups[0]
                 opts = SubmitOptions.parse({**query, **fields})
             elif ctype.startswith(_RAW_TYPES) or not ctype:
@@ -742,7 +747,16 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     async def _batch(request: Request, principal: Principal, held) -> Response:
         held.admit(expected_hold(request, s.http_batch_max_bytes))
         ups, fields = await read_multipart(request, s.limits.max_image_bytes, s.http_batch_max_bytes,
-                                           s.http_batch_max_files, held, s.http_body_timeout_s)
+                                           s.http_batch_max_files, held, s.http_body_timeout_s, store=door.store,
+                                           part_bytes=s.http_stream_part_bytes, on_staged_end=door.count_staged)
+        try:
+            return await _batch_submit(request, principal, ups, fields)
+        finally:
+            for up in ups:  # aborts each streamed file's multipart upload unless it became its image
+                if up.staged is not None:
+                    await up.staged.discard()
+
+    async def _batch_submit(request: Request, principal: Principal, ups: list[Upload], fields: dict[str, str]) -> Response:
         fields.pop("request_id", None)
         opts = SubmitOptions.parse(fields)
         sem = asyncio.Semaphore(s.ingest_concurrency)

@@ -34,9 +34,9 @@ class ApiSettings(IngestSettings):
     )
     http_stream_part_bytes: int = Field(
         default=8 * 1024 * 1024, ge=5 * 1024 * 1024, le=5 * 1024**3,
-        description="a raw upload reaching this size is streamed to S3 as a multipart upload with parts of this "
-                    "size while it is read (at most ~2 parts held per upload); smaller bodies stay in memory, "
-                    "bytes (S3: at least 5 MiB)")
+        description="an upload (raw body or multipart file part) reaching this size is streamed to S3 as a "
+                    "multipart upload with parts of this size while it is read (at most ~2 parts held per "
+                    "upload); smaller ones stay in memory, bytes (S3: at least 5 MiB)")
     http_body_timeout_s: float = Field(
         default=120.0, gt=0, description="a request body must arrive within this many seconds, else 408 (slow clients)"
     )

@@ -1,5 +1,7 @@
 """Reading uploads with the byte limit enforced while reading, and hashing as the bytes arrive;
-a raw body larger than one S3 part is streamed to S3 (and a spool file) while it is read."""
+a raw body larger than one S3 part is streamed to S3 (and a spool file) while it is read.
+``multipart/form-data`` bodies are read by :mod:`services.ingest.api.forms`, which streams
+large file parts the same way (:class:`PartSplitter`, :class:`StagedBody`)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,6 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 
 from services.common.s3 import MultipartUpload, ObjectStore
@@ -29,8 +29,8 @@ MIN_PART_BYTES = 5 * 1024 * 1024
 @dataclass(frozen=True)
 class Upload:
     """One uploaded image: its SHA-256 (hex, computed while reading when possible), the client's
-    file name, and its bytes: in ``data``, or (a raw body over one S3 part) in ``staged`` with
-    ``data`` empty."""
+    file name, and its bytes: in ``data``, or (a raw body or file part of one S3 part or more)
+    in ``staged`` with ``data`` empty."""
 
     data: bytes
     sha256: str
@@ -132,13 +132,15 @@ STREAM_SLACK = 256 * 1024
 
 def expected_hold(request: Request, limit: int, part_bytes: int = 0) -> int:
     """The most a request's body will hold in memory, from its ``Content-Length``: the whole
-    body, or for a raw body that will stream to S3 (``part_bytes`` > 0 and the body at least one
-    part) about two parts (:class:`StagedBody`). 0 when the length is absent, malformed or over
-    ``limit`` (the reading refuses those, or charges as it goes).
+    body, or for a body that will stream to S3 (``part_bytes`` > 0 and the body at least one
+    part: a raw body, or a multipart body with one file part) about two parts
+    (:class:`StagedBody`). 0 when the length is absent, malformed or over ``limit`` (the reading
+    refuses those, or charges as it goes).
 
     Args:
         limit: The byte limit of the body.
-        part_bytes: The stream part size for a raw body; 0 for bodies that are not streamed.
+        part_bytes: The stream part size; 0 for bodies that may hold all their bytes (a batch:
+            its file parts under one S3 part each stay in memory).
     """
     try:
         n = int(request.headers.get("content-length", ""))
@@ -151,7 +153,8 @@ def expected_hold(request: Request, limit: int, part_bytes: int = 0) -> int:
     return n
 
 
-def _too_large(limit: int) -> ApiError:
+def too_large(limit: int) -> ApiError:
+    """413 ``input_too_large``: an upload (body or file part) passed ``limit`` bytes."""
     return ApiError(413, "input_too_large", f"the upload exceeds the limit of {limit} bytes")
 
 
@@ -170,7 +173,7 @@ def check_declared_length(request: Request, limit: int) -> None:
     except ValueError:
         raise ApiError(400, "invalid_request", "Content-Length is not a number") from None
     if n > limit:
-        raise _too_large(limit)
+        raise too_large(limit)
 
 
 async def limited_stream(request: Request, limit: int, budget: Reservation | None = None,
@@ -207,7 +210,7 @@ async def limited_stream(request: Request, limit: int, budget: Reservation | Non
             raise ApiError(499, "client_closed", "the client closed the connection before the body was complete") from None
         seen += len(chunk)
         if seen > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
         if budget is not None:
             budget.take(len(chunk))
         yield chunk
@@ -255,7 +258,7 @@ def _s3_errors() -> Iterator[None]:
 
 
 class StagedBody:
-    """A raw body larger than one S3 part, streamed while it is read: each part goes to an S3
+    """A raw body or multipart file part of one S3 part or more, streamed while it is read: each part goes to an S3
     multipart upload to a new staging key (:meth:`ObjectStore.staging_key`) and to a spool file
     on local disk (an unlinked temporary file: gone when closed, or when the process dies), in
     the order read.
@@ -411,45 +414,3 @@ async def read_raw(request: Request, limit: int, budget: Reservation | None = No
     if not buf:
         raise ApiError(400, "empty_input", "the request body is empty")
     return Upload(bytes(buf), h.hexdigest(), None)
-
-
-async def read_multipart(request: Request, image_limit: int, total_limit: int, max_files: int,
-                         budget: Reservation | None = None, timeout_s: float | None = None
-                         ) -> tuple[list[Upload], dict[str, str]]:
-    """A ``multipart/form-data`` upload: the file parts (any field name, in order) and the
-    text fields (options such as ``task``, ``callback_url``).
-
-    Args:
-        image_limit: Bytes per file.
-        total_limit: Bytes of the whole body, enforced while reading.
-        max_files: File parts accepted.
-
-    Raises:
-        ApiError: 413 ``input_too_large`` (body or one file over its limit), 400
-            ``invalid_request`` (malformed multipart, too many files or fields), 400
-            ``empty_input`` (no file part, or an empty one).
-    """
-    parser = MultiPartParser(request.headers, limited_stream(request, total_limit, budget, timeout_s),
-                             max_files=max_files, max_fields=32, max_part_size=64 * 1024)
-    try:
-        form = await parser.parse()
-    except MultiPartException as exc:
-        raise ApiError(400, "invalid_request", f"multipart body rejected: {exc.message}") from None
-    uploads: list[Upload] = []
-    fields: dict[str, str] = {}
-    try:
-        for name, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                data = await value.read()
-                if len(data) > image_limit:
-                    raise _too_large(image_limit)
-                if not data:
-                    raise ApiError(400, "empty_input", f"file part {value.filename or name!r} is empty")
-                uploads.append(Upload(data, hashlib.sha256(data).hexdigest(), value.filename))
-            else:
-                fields[name] = value
-    finally:
-        await form.close()
-    if not uploads:
-        raise ApiError(400, "empty_input", "the multipart body has no file part")
-    return uploads, fields
