@@ -95,7 +95,8 @@ def test_dumps_writes_the_bytes_of_model_dump_through_orjson():
     # former orjson.dumps(model_dump(mode="json", by_alias=True)): floats, non-ASCII, nesting
     req = RequestEvent(request_id="r-1", content_sha256="a" * 64, image_uri="s3://b/k", size_bytes=7646,
                        metadata={"é": "ü\u2028€ \"q\" \\ \n"}, filename="bön.png",
-                       timings_ms={"http": 0.068, "tiny": 1e-7, "sum": 0.1 + 0.2, "neg": -0.0, "n": 3, "ms": 1796028733445.5})
+                       timings_ms={"http": 0.068, "tiny": 1e-7, "sum": 0.1 + 0.2, "neg": -0.0, "n": 3,
+                                   "ms": 1796028733445.5})
     lines = [Line(text=f"line {i} ünï €", box=[[1.5, 2], [300.25, 2], [300, 40.1], [1.5, 1 / 3]], confidence=0.98)
              for i in range(3)]
     ev = ResultEvent(request=req, cache_key="k", status="error", error={"code": "corrupt_image", "message": "bad ✗"},
