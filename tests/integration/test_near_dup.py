@@ -100,6 +100,7 @@ async def test_index_is_bounded_and_per_generation(nd_pipeline):
         h = 0x0123456789ABCDEF
         for i in range(5):
             await index.add("gen-a", f"{i:064d}", h ^ (1 << i))
+            await asyncio.sleep(0.003)  # scores are ms: two adds in one ms would tie (then ordered by member)
         found = await index.candidates("gen-a", h, max_hamming=2)
         assert [sha for _, sha in found] == [f"{i:064d}" for i in (4, 3, 2)]  # the 3 newest, all 1 bit away
         assert await index.candidates("gen-b", h, max_hamming=64) == []
