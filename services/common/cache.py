@@ -45,9 +45,17 @@ redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[2]) * 4)
 return {'wait', holder or ''}
 """
 
-# KEYS: entry, lease, waiters, inflight   ARGV: entry_json ('' = do not cache), ttl_ms, cache_key
+# KEYS: entry, lease, waiters, inflight   ARGV: entry_json ('' = do not cache), ttl_ms, holder
+# Without an entry (an error, or a result of another generation) the waiters are handed over only
+# when the lease is the holder's or nobody's: a late or replayed result must not take the waiters
+# (and then the lease) of a newer holder, which will complete them itself.
 _COMPLETE_BEGIN = """
-if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+if ARGV[1] ~= '' then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+elseif ARGV[3] ~= '' then
+  local holder = redis.call('GET', KEYS[2])
+  if holder and holder ~= ARGV[3] then return false end
+end
 return redis.call('LRANGE', KEYS[3], 0, -1)
 """
 
@@ -267,14 +275,30 @@ class ResultCache:
             return Claim("hit", CacheEntry.from_json(res[1]), ttl_ms if ttl_ms >= 0 else None)
         return Claim(outcome)
 
-    async def complete_begin(self, key: str, entry: CacheEntry | None, ttl_s: int) -> list[bytes]:
+    async def complete_begin(self, key: str, entry: CacheEntry | None, ttl_s: int,
+                             holder: str = "") -> list[bytes] | None:
         """Store the entry (when given) and return the waiters to complete (not yet removed).
 
         Call :meth:`complete_end` once their completions are durable; a crash in between
         leaves the waiters in place and a replay completes them again (idempotent).
+
+        Args:
+            key: The cache key.
+            entry: The entry to store, or None for a result that is not cached (an error, or
+                output of another generation).
+            ttl_s: The entry's TTL, s.
+            holder: Without an entry: the request id whose result this is. If another request
+                holds the lease (the reaper promoted a waiter, or this is a replay after a newer
+                request took the key), the waiters are its to complete.
+
+        Returns:
+            The waiters (JSON, oldest first), or None when they belong to another lease holder:
+            then call nothing else for this key (its lease is not ours to release).
         """
         entry_json = entry.to_json() if entry else b""
-        return list(await self._call("complete_begin", self._begin(keys=self._keys(key), args=[entry_json, ttl_s * 1000])))
+        args = [entry_json, ttl_s * 1000, "" if entry else holder]
+        raw = await self._call("complete_begin", self._begin(keys=self._keys(key), args=args))
+        return None if raw is None else list(raw)
 
     async def complete_end(self, key: str, n_done: int) -> None:
         """Remove the first ``n_done`` waiters and release the lease."""

@@ -122,10 +122,12 @@ class SinkHandler(Handler):
         docs: list[ResultDocument] = []
         for key, (entry, ttl_s, ev, output) in list(self._deferred.items()):
             try:
-                raw = await self.cache.complete_begin(key, entry, ttl_s)
+                raw = await self.cache.complete_begin(key, entry, ttl_s, holder=ev.request.request_id)
             except CacheUnavailable:
                 break
             del self._deferred[key]
+            if raw is None:  # another request holds the key now: its result completes the waiters
+                continue
             self._batch_pending[key] = len(raw)
             for w in raw:
                 docs.append(self._doc(RequestEvent.model_validate_json(w), output, ev, 0.0, time.perf_counter(),
@@ -214,13 +216,18 @@ class SinkHandler(Handler):
         if not key:
             return []
         try:
-            raw = await self.cache.complete_begin(key, entry, ttl_s)
+            raw = await self.cache.complete_begin(key, entry, ttl_s, holder=ev.request.request_id)
         except CacheUnavailable as exc:
             # Completed from on_idle as soon as Redis answers (bounded: one entry per key); if this
             # process dies first, the lease expires and dedup's reaper promotes a waiter instead.
             if len(self._deferred) < self.s.deferred_max_keys:
                 self._deferred[key] = (entry, ttl_s, ev, output)
             log.warning("sink: Redis unavailable (%s); waiters on %s will be completed when it is back", exc, key)
+            return []
+        if raw is None:
+            # not cached, and another request holds the lease (a promoted waiter, or a newer
+            # request after this result was first handled: a replay): its result completes them
+            log.info("sink: %s's waiters on %s belong to the current lease holder", ev.request.request_id, key)
             return []
         self._batch_pending[key] = len(raw)
         return [RequestEvent.model_validate_json(w) for w in raw]

@@ -76,3 +76,37 @@ def test_local_redis_is_durable_enough_for_single_flight(stack_env):
             await cache.close()
 
     asyncio.run(go())
+
+
+def test_an_uncached_result_hands_over_waiters_only_when_the_lease_is_its_holders(stack_env):
+    """An error (or another generation's output) stores nothing, so a newer request may hold the
+    key by the time a late or replayed result reaches the sink: its waiters and lease are left to
+    that holder. The holder's own result, or one whose lease has lapsed, takes the waiters."""
+
+    async def go():
+        cache = ResultCache(RedisSettings(key_prefix=f"holder-test-{os.getpid()}-{time.time_ns()}"))
+        key = "h" * 64
+        entry_key, lease_key, waiters_key, inflight_key = cache._keys(key)
+        try:
+            assert (await cache.claim(key, "B", b'{"request_id": "B"}', lease_ms=60_000)).outcome == "lead"
+            assert (await cache.claim(key, "C", b'{"request_id": "C"}', lease_ms=60_000)).outcome == "wait"
+            # a replay of an earlier holder A's error result: not A's lease, nothing handed over
+            assert await cache.complete_begin(key, None, 0, holder="A") is None
+            assert await cache.client.get(lease_key) == b"B"
+            assert await cache.client.lrange(waiters_key, 0, -1) == [b'{"request_id": "C"}']
+            # B's own error result takes C
+            assert await cache.complete_begin(key, None, 0, holder="B") == [b'{"request_id": "C"}']
+            await cache.complete_end(key, 1)
+            assert await cache.client.exists(lease_key, waiters_key) == 0
+            # a lapsed lease (nobody's): a late result completes whoever still waits
+            await cache.client.rpush(waiters_key, b'{"request_id": "D"}')
+            assert await cache.complete_begin(key, None, 0, holder="A") == [b'{"request_id": "D"}']
+            # a result that is cached takes the waiters whoever holds the lease (it is right for every copy)
+            assert (await cache.claim(key, "E", b'{"request_id": "E"}', lease_ms=60_000)).outcome == "lead"
+            assert await cache.complete_begin(key, CacheEntry("s3://b/results/h.json", 1, 1, 1), 60,
+                                              holder="A") == [b'{"request_id": "D"}']
+        finally:
+            await cache.client.delete(entry_key, lease_key, waiters_key, inflight_key)
+            await cache.close()
+
+    asyncio.run(go())
