@@ -119,10 +119,28 @@ def test_runaway_repetition_tail_is_trimmed():
 def test_exact_duplicates_dropped_and_same_text_runs_capped():
     dup = "A(1,1),(2,2)B(3,3),(4,4)A(1,1),(2,2)"
     assert [s.text for s in parse_spotting(dup, 1000, 1000)] == ["A", "B"]
-    # same text, new box each time (not a loop of identical text): a run over max_run is cut
-    run = "".join(f"0.00({i * 10},{i}),({i * 10 + 5},{i + 1})\n" for i in range(1, 21))
-    segs = parse_spotting(run, 1000, 1000, max_run=12)
-    assert len(segs) == 12 and segs[-1].box[0] == [120.0, 12.0]
+    # same text over and over, each box creeping over the one before (a loop): cut after max_run
+    run = "".join(f"0.00({100 + i},{100 + i}),({300 + i},{140 + i})\n" for i in range(1, 21))
+    stats = ParseStats()
+    segs = parse_spotting(run, 1000, 1000, max_run=12, stats=stats)
+    assert len(segs) == 12 and segs[-1].box[0] == [112.0, 112.0] and stats.runaway == 8
+
+
+def test_a_table_column_of_the_same_value_is_kept_whole():
+    # 30 cells reading "0", each in its own box: text, not a loop
+    cells = "Qty(100,20),(200,40)\n" + "".join(f"0({100},{50 + 30 * i}),({140},{70 + 30 * i})\n" for i in range(30))
+    stats = ParseStats()
+    segs = parse_spotting(cells, 1000, 1000, stats=stats)
+    assert [s.text for s in segs] == ["Qty"] + ["0"] * 30 and stats.runaway == 0
+
+
+def test_thousands_of_nested_brackets_do_not_raise():
+    # json.loads raises RecursionError (not ValueError) on deep nesting
+    assert parse_spotting("[" * 5000, 1000, 1000) == []
+    assert parse_spotting('{"a":' * 1500, 1000, 1000) == []
+    # not JSON after all: read as the plain form
+    [seg] = parse_spotting("[" * 1200 + "Hello(100,200),(300,400)", 1000, 1000)
+    assert seg.text == "[" * 1200 + "Hello" and seg.box == [[100.0, 200.0], [300.0, 200.0], [300.0, 400.0], [100.0, 400.0]]
 
 
 def test_clip_to_the_unpadded_image():

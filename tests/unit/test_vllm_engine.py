@@ -23,7 +23,7 @@ from services.infer.engines import hunyuan
 from services.infer.engines.base import EngineOutput, EngineTimeout
 from services.infer.engines.vllm_engine import VllmEngine, _supported_args, select_device
 
-OK, LENGTH, LOOP, FORM, SLOW, RAISE = 10, 20, 30, 40, 50, 60
+OK, LENGTH, LOOP, FORM, SLOW, RAISE, NESTED = 10, 20, 30, 40, 50, 60, 70
 ANSWER = "INVOICE(100,50),(400,90)\n发票号码(600,52),(800,88)\nTOTAL 97.50(100,900),(500,950)"
 CUT = "INVOICE(100,50),(400,90)\nTOTAL 97.50(100,9"
 LOOP_ITEM = "重复(10,40),(90,60)"
@@ -135,6 +135,9 @@ class FakeAsyncLLM:
                 yield o
         elif kind == SLOW:
             async for o in stream(ANSWER, "stop", delay=5.0):
+                yield o
+        elif kind == NESTED:
+            async for o in stream("[" * 5000, "length", size=500):
                 yield o
         elif kind == RAISE:
             raise RuntimeError("engine core died")
@@ -276,6 +279,28 @@ async def test_batch_results_warnings_and_failures(fake_vllm):
     assert [s.text for s in cut.segments] == ["INVOICE"] and cut.warnings == ("truncated_max_tokens",)
     assert isinstance(boom, RuntimeError) and str(boom) == "engine core died"
     assert len(fake_vllm.last.aborted) == 1  # the failed request is aborted
+
+
+async def test_an_answer_of_nested_brackets_fails_no_other_image(fake_vllm):
+    eng = await started()
+    ok, nested, ok2 = await eng.ocr([page(OK), page(NESTED), page(OK)], timeout_s=10)
+    assert [s.text for s in ok.segments] == [s.text for s in ok2.segments] == ["INVOICE", "发票号码", "TOTAL 97.50"]
+    assert isinstance(nested, EngineOutput) and nested.segments == [] and "truncated_max_tokens" in nested.warnings
+
+
+async def test_a_parse_failure_is_that_images_error(fake_vllm, monkeypatch):
+    eng = await started()
+    real = hunyuan.parse_spotting
+
+    def parse(text, *a, **kw):
+        if text.startswith("["):
+            raise MemoryError("simulated")
+        return real(text, *a, **kw)
+
+    monkeypatch.setattr(hunyuan, "parse_spotting", parse)
+    ok, nested = await eng.ocr([page(OK), page(NESTED)], timeout_s=10)
+    assert isinstance(ok, EngineOutput) and len(ok.segments) == 3
+    assert isinstance(nested, RuntimeError) and "could not be parsed" in str(nested) and "simulated" in str(nested)
 
 
 async def test_per_image_timeout_aborts_only_that_request(fake_vllm):

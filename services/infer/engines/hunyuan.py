@@ -329,12 +329,12 @@ def _json_items(body: str, stats: ParseStats) -> list[tuple[str, list[float]]] |
         if not isinstance(data, list):
             return None
         objs = data
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: thousands of nested brackets
         # Truncated or slightly broken array: salvage every complete flat object.
         for m in re.finditer(r"\{[^{}]*\}", body):
             try:
                 objs.append(json.loads(m.group(0)))
-            except ValueError:
+            except (ValueError, RecursionError):
                 stats.malformed += 1
         stats.notes.append("json salvaged")
         if not objs:
@@ -434,6 +434,17 @@ def _to_pixels(nums: list[float], width: int, height: int) -> list[list[float]] 
     return pts
 
 
+def _overlap(a: list[list[float]] | None, b: list[list[float]] | None) -> bool:
+    """True when the axis-aligned extents of boxes ``a`` and ``b`` (4 corner points, px) intersect."""
+    if a is None or b is None:
+        return False
+    ax0, ax1 = min(p[0] for p in a), max(p[0] for p in a)
+    ay0, ay1 = min(p[1] for p in a), max(p[1] for p in a)
+    bx0, bx1 = min(p[0] for p in b), max(p[0] for p in b)
+    by0, by1 = min(p[1] for p in b), max(p[1] for p in b)
+    return ax0 < bx1 and bx0 < ax1 and ay0 < by1 and by0 < ay1
+
+
 def parse_spotting(
     text: str,
     width: int,
@@ -457,9 +468,11 @@ def parse_spotting(
     truncated last entry) are skipped, never raised.
 
     Runaway guard: a loop at the end of the raw text (see :func:`find_tail_loop`; runs of one
-    character are text, never a loop) is trimmed to one copy; an entry identical to an earlier one (same text and box) is dropped; a run of
-    more than ``max_run`` consecutive entries with the same text keeps only the first
-    ``max_run``.
+    character are text, never a loop) is trimmed to one copy; an entry identical to an earlier
+    one (same text and box) is dropped; a run of more than ``max_run`` consecutive entries with
+    the same text, each box overlapping the one before, keeps only the first ``max_run``
+    (``stats.runaway`` counts the rest; the engines flag the result ``truncated_repetition``).
+    Same-text entries in separate boxes (a table column of ``0``) are all kept.
 
     Args:
         text: The model's answer.
@@ -500,7 +513,7 @@ def parse_spotting(
     cw, ch = clip if clip else (width, height)
     out: list[Segment] = []
     seen: set[tuple] = set()
-    run_text, run_len = None, 0
+    run_text, run_box, run_len = None, None, 0
     for raw_text, nums in items:
         t = " ".join(raw_text.split())
         box = _to_pixels(nums, width, height)
@@ -517,8 +530,10 @@ def parse_spotting(
             st.duplicates += 1
             continue
         seen.add(key)
-        run_len = run_len + 1 if t == run_text else 1
-        run_text = t
+        # a loop repeats a text over the same place; a table column of "0" or "N/A" puts it in
+        # separate cells, which are kept however many there are
+        run_len = run_len + 1 if t == run_text and _overlap(box, run_box) else 1
+        run_text, run_box = t, box
         if run_len > max_run:
             st.runaway += 1
             continue

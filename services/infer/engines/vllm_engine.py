@@ -335,8 +335,11 @@ class VllmEngine(OcrEngine):
             await self._abort(request_id)
             return exc
         stats = hunyuan.ParseStats()
-        segs = hunyuan.parse_spotting(text, pw, ph, clip=(w, h) if (pw, ph) != (w, h) else None, stats=stats)
-        if stats.tail_trimmed and WARNING_TRUNCATED_REPETITION not in warnings:
+        try:
+            segs = hunyuan.parse_spotting(text, pw, ph, clip=(w, h) if (pw, ph) != (w, h) else None, stats=stats)
+        except Exception as exc:  # noqa: BLE001 - this image's engine error, never the whole batch's
+            return RuntimeError(f"model output of {len(text)} characters could not be parsed: {exc!r}")
+        if (stats.tail_trimmed or stats.runaway) and WARNING_TRUNCATED_REPETITION not in warnings:
             warnings = (*warnings, WARNING_TRUNCATED_REPETITION)
         return EngineOutput(segs, (time.perf_counter() - started) * 1000, warnings)
 
