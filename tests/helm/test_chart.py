@@ -421,3 +421,14 @@ def test_api_door_is_closed_by_default_keys_rate_limit_no_cors_no_private_callba
     s = ApiSettings()
     assert s.auth_required is True and s.rate_limit_per_s > 0
     assert s.http_cors_origins == [] and s.webhook_allow_private is False
+
+
+def test_cache_enabled_reaches_the_door_and_dedup_alike():
+    """``config.cache_enabled`` is one setting for every stage: turned off, neither dedup nor the
+    HTTP door answers from the cache (the door reads the same variable)."""
+    docs = render(REQUIRED, sets=("config.cache_enabled=false",))
+    for comp in ("dedup", "api"):
+        (w,) = [d for d in workloads(docs) if component(d) == comp]
+        assert _stage_env(docs, w)["OCRSTREAM_CACHE_ENABLED"] == "false", comp
+    (w,) = [d for d in workloads(render(REQUIRED)) if component(d) == "api"]
+    assert _stage_env(render(REQUIRED), w)["OCRSTREAM_CACHE_ENABLED"] == "true"
