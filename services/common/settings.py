@@ -198,7 +198,8 @@ class CommonSettings(BaseSettings):
     """Settings every stage has. Env prefix ``OCRSTREAM_``, nested delimiter ``__``."""
 
     model_config = SettingsConfigDict(
-        env_prefix="OCRSTREAM_", env_nested_delimiter="__", extra="ignore", frozen=True
+        env_prefix="OCRSTREAM_", env_nested_delimiter="__", extra="ignore", frozen=True,
+        allow_inf_nan=False,  # a time or size of "nan" or "inf" is a mistake, never a setting
     )
 
     kafka: KafkaSettings = KafkaSettings()

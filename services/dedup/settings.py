@@ -46,5 +46,5 @@ class DedupSettings(CommonSettings):
                                     "still stores each result and its Redis entry (the HTTP door reads the same variable)")
     lru_entries: int = Field(default=10_000, description="in-process LRU in front of Redis: entries")
     lru_bytes: int = Field(default=8 * 1024 * 1024, description="in-process LRU in front of Redis: bytes")
-    lru_ttl_s: float = Field(default=60.0, description="in-process LRU: entry age limit, s (bounds how long a purge takes to reach dedup)")
+    lru_ttl_s: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="in-process LRU: entry age limit, s (bounds how long a purge takes to reach dedup)")
     near_dup: NearDupSettings = NearDupSettings()

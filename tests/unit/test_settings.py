@@ -76,3 +76,15 @@ def test_the_door_started_with_a_list_setting_that_is_not_json_exits_with_one_me
     assert proc.returncode == 1
     assert "OCRSTREAM_HTTP_CORS_ORIGINS='*': not valid JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_nan_or_infinite_times_are_refused(monkeypatch, value):
+    from services.dedup.settings import DedupSettings
+
+    monkeypatch.setenv("OCRSTREAM_LRU_TTL_S", value)  # a nan age would keep LRU entries forever
+    monkeypatch.setenv("OCRSTREAM_SHUTDOWN_TIMEOUT_S", value)
+    with pytest.raises(SystemExit) as exc:
+        load_settings(DedupSettings)
+    assert f"OCRSTREAM_LRU_TTL_S='{value}'" in str(exc.value)
+    assert f"OCRSTREAM_SHUTDOWN_TIMEOUT_S='{value}'" in str(exc.value)

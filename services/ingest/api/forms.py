@@ -207,7 +207,7 @@ async def read_multipart(request: Request, image_limit: int, total_limit: int, m
     form = FormReader(charset, image_limit, max_files, part_bytes if store is not None else 0)
     try:
         parser = MultipartParser(params[b"boundary"], form.callbacks())
-    except FormParserError as exc:  # e.g. a boundary over 70 characters (RFC 2046 §5.1.1)
+    except FormParserError as exc:  # e.g. a boundary python-multipart refuses (over 256 characters)
         raise _rejected(str(exc)) from None
     try:
         async for chunk in limited_stream(request, total_limit, budget, timeout_s):
