@@ -224,6 +224,10 @@ class CommonSettings(BaseSettings):
         description="vllm: auto | hunyuan | chat | a literal template containing {prompt} (part of the cache key)",
     )
     openai_prompt: str = Field(default=HUNYUAN_PROMPT, description="openai: the prompt (part of the cache key)")
+    cache_enabled: bool = Field(
+        default=True,
+        description="False: no request is answered from the cache (dedup sends every request to inference and "
+                    "the HTTP door answers none at once); the sink still stores each result and its Redis entry")
     limits: Limits = Limits()
     max_attempts: int = Field(default=3, ge=1, description="attempts before a message goes to ocr.dlq")
     lease_ms: int = Field(

@@ -42,8 +42,6 @@ class DedupSettings(CommonSettings):
     dedup_max_wait_ms: int = Field(
         default=0, ge=0,
         description="longest wait for a batch to fill, ms; 0 = take what has arrived (a backlog still makes full batches)")
-    cache_enabled: bool = Field(default=True, description="False: dedup looks nothing up and sends every request to inference; the sink "
-                                    "still stores each result and its Redis entry (the HTTP door reads the same variable)")
     lru_entries: int = Field(default=10_000, description="in-process LRU in front of Redis: entries")
     lru_bytes: int = Field(default=8 * 1024 * 1024, description="in-process LRU in front of Redis: bytes")
     lru_ttl_s: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="in-process LRU: entry age limit, s (bounds how long a purge takes to reach dedup)")

@@ -24,10 +24,6 @@ class ApiSettings(IngestSettings):
     http_events_keepalive_s: float = Field(
         default=15.0, gt=0, description="silence on a GET /v1/events stream before a keep-alive comment line, s")
     http_batch_max_bytes: int = Field(default=128 * 1024 * 1024, description="body bytes per POST /v1/ocr/batch")
-    cache_enabled: bool = Field(
-        default=True,
-        description="False: the door answers no upload from the cache; each goes on to dedup (the same variable "
-                    "as dedup's, so one setting turns the whole cache lookup off)")
     http_accepted_ttl_s: int = Field(default=7 * 86_400, description="how long an accepted request id is remembered as pending, s")
     http_upload_budget_bytes: int = Field(
         default=512 * 1024 * 1024, ge=0, description="request bodies held in memory at once, bytes; past it 503 (0 = unbounded)"
