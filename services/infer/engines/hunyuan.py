@@ -26,13 +26,16 @@ import io
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 from PIL import Image
 
+from schemas.events import WARNING_TRUNCATED_REPETITION
 from services.common.settings import VLM_MAX_SIDE as COMMON_VLM_MAX_SIDE
 from services.common.textlines import Segment
+from services.infer.engines.base import EngineOutput
 
 log = logging.getLogger(__name__)
 
@@ -542,3 +545,29 @@ def parse_spotting(
     if st.malformed or st.duplicates or st.runaway or st.tail_trimmed:
         log.debug("hunyuan parse: %s", st)
     return out
+
+
+def answer_to_output(text: str, sent: tuple[int, int], image: tuple[int, int], warnings: tuple[str, ...],
+                     started: float) -> EngineOutput | RuntimeError:
+    """One image's model answer as the VLM engines return it.
+
+    Args:
+        text: The model's answer.
+        sent: ``(width, height)`` in pixels of the (padded) image sent to the model.
+        image: ``(width, height)`` of the image before padding; boxes are clamped to it.
+        warnings: The generation's own warnings (``truncated_max_tokens``, ...).
+        started: ``time.perf_counter()`` when the image's request began (for ``inference_ms``).
+
+    Returns:
+        An :class:`EngineOutput`, flagged ``truncated_repetition`` when the parser cut a loop,
+        or a ``RuntimeError`` when the answer cannot be parsed at all: that image's engine error,
+        never the whole batch's.
+    """
+    stats = ParseStats()
+    try:
+        segs = parse_spotting(text, *sent, clip=image if sent != image else None, stats=stats)
+    except Exception as exc:  # noqa: BLE001 - see Returns
+        return RuntimeError(f"model output of {len(text)} characters could not be parsed: {exc!r}")
+    if (stats.tail_trimmed or stats.runaway) and WARNING_TRUNCATED_REPETITION not in warnings:
+        warnings = (*warnings, WARNING_TRUNCATED_REPETITION)
+    return EngineOutput(segs, (time.perf_counter() - started) * 1000, warnings)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
+from schemas.events import WARNING_TRUNCATED_MAX_TOKENS
 from services.infer.engines import hunyuan
 from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
 
@@ -270,14 +270,7 @@ class OpenAiEngine(OcrEngine):
                 return exc
             except Exception as exc:
                 return exc
-        stats = hunyuan.ParseStats()
-        try:
-            segs = hunyuan.parse_spotting(text, pw, ph, clip=(w, h) if (pw, ph) != (w, h) else None, stats=stats)
-        except Exception as exc:  # noqa: BLE001 - this image's engine error, never the whole batch's
-            return RuntimeError(f"model output of {len(text)} characters could not be parsed: {exc!r}")
-        if (stats.tail_trimmed or stats.runaway) and WARNING_TRUNCATED_REPETITION not in warnings:
-            warnings = (*warnings, WARNING_TRUNCATED_REPETITION)
-        return EngineOutput(segs, (time.perf_counter() - started) * 1000, warnings)
+        return hunyuan.answer_to_output(text, (pw, ph), (w, h), warnings, started)
 
     async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
         """See :meth:`OcrEngine.ocr`. A timed-out image's HTTP thread ends at its socket timeout

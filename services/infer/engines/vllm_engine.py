@@ -334,14 +334,7 @@ class VllmEngine(OcrEngine):
         except Exception as exc:
             await self._abort(request_id)
             return exc
-        stats = hunyuan.ParseStats()
-        try:
-            segs = hunyuan.parse_spotting(text, pw, ph, clip=(w, h) if (pw, ph) != (w, h) else None, stats=stats)
-        except Exception as exc:  # noqa: BLE001 - this image's engine error, never the whole batch's
-            return RuntimeError(f"model output of {len(text)} characters could not be parsed: {exc!r}")
-        if (stats.tail_trimmed or stats.runaway) and WARNING_TRUNCATED_REPETITION not in warnings:
-            warnings = (*warnings, WARNING_TRUNCATED_REPETITION)
-        return EngineOutput(segs, (time.perf_counter() - started) * 1000, warnings)
+        return hunyuan.answer_to_output(text, (pw, ph), (w, h), warnings, started)
 
     async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
         """See :meth:`OcrEngine.ocr`. All images are in flight at once (vLLM batches them);
