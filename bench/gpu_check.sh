@@ -16,20 +16,26 @@
 #      then InferHandler.handle over in-memory PNG records at max_batch 1, 8, 32 (only Kafka
 #      and S3 are stand-ins) and the ratios (last line: RESULT {json}).
 #
-# Providing vLLM, either of:
-#   a) a machine image where `python3 -c 'import vllm'` works (then nothing is installed), or
-#   b) a wheel folder: WHEEL_DIR=/path, or .whl/ at the repo root (git-ignored), holding vllm,
-#      the torch it pins, and every other missing distribution (step 2 prints the list). Made on
-#      a machine with PyPI access, for CPython 3.12 on x86-64 Linux:
+# Providing vLLM, one of:
+#   a) a machine image where `python3 -c 'import vllm'` works (then nothing is installed);
+#   b) an offline bundle made by bench/gpu/bundle.sh: vllm 0.26.0 (the newest vLLM that pins
+#      torch 2.11.0, the torch of this project's GPU machine image), trimmed to what one dense
+#      model on a Hopper GPU uses, and the packages that image lacks, as one site-packages tree
+#      packed as tar.xz in parts of at most 54 MB: .gpu-bundle/1/, .gpu-bundle/2/ (git-ignored).
+#      The parts are reassembled (sha256 checked), unpacked once per machine to
+#      /tmp/ocrstream-gpu-site and put first on PYTHONPATH. Where one call can carry 64 MiB
+#      (this workplace's device tool), carry .gpu-bundle/1 in one call and .gpu-bundle/2 with
+#      the run in the next: the first part stays on the machine while it is held;
+#   c) a wheel folder: WHEEL_DIR=/path, or .whl/ at the repo root (git-ignored), holding vllm,
+#      the torch it pins and every other missing distribution (step 2 prints the list), made on
+#      a machine with PyPI access for CPython 3.12 on x86-64 Linux:
 #
 #      python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 #          --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 \
 #          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
-#          -d .whl vllm==0.33.0 torch==2.14.0 $(python3 bench/gpu/missing.py | grep -v '^vllm\|^torch')
+#          -d .whl vllm==0.26.0 torch==2.11.0 $(python3 bench/gpu/missing.py | grep -v '^vllm\|^torch')
 #
-#      Expect several GB (torch and the CUDA libraries). That is far over what can be carried to
-#      a machine in one call where the carry is limited (64 MiB on this workplace's device
-#      tool), so there option a) is the one that works.
+#      That is several GB (torch and the CUDA libraries).
 #
 # Environment knobs: PYTHON, WHEEL_DIR, GPU_CHECK_TIMEOUT_S, ENFORCE_EAGER (1 = no CUDA graphs,
 # default, faster start; 0 = CUDA graphs, closer to production), BATCHES (default 1,8,32).
@@ -76,6 +82,31 @@ command -v "$PY" >/dev/null 2>&1 || die "no $PY"
 "$PY" -c 'import sys; print("python", sys.version.split()[0], sys.executable)'
 
 step "2/4 vLLM and the infer stage's dependencies"
+BUNDLE="${GPU_BUNDLE:-$ROOT/.gpu-bundle}"
+# the parts in order of their names (part00, part01, ...), whatever folder each came in
+bundle_parts() { for f in "$BUNDLE"/*/site.tar.xz.part*; do echo "$(basename "$f") $f"; done | sort | cut -d' ' -f2; }
+if compgen -G "$BUNDLE/*/site.tar.xz.part*" >/dev/null; then
+    SITE=/tmp/ocrstream-gpu-site
+    want="$(sed -n 's/^sha256=//p' "$BUNDLE"/*/MANIFEST | sort -u)"
+    nparts="$(sed -n 's/^parts=//p' "$BUNDLE"/*/MANIFEST | sort -u)"
+    [[ $(wc -l <<<"$want") -eq 1 && $(wc -l <<<"$nparts") -eq 1 ]] \
+        || die "$BUNDLE holds parts of different bundles (MANIFEST sha256: $(echo $want)); rebuild with bench/gpu/bundle.sh"
+    if [[ -f "$SITE/.sha256" && "$(cat "$SITE/.sha256")" == "$want" ]]; then
+        echo "bundle $want already unpacked in $SITE"
+    else
+        have="$(bundle_parts | wc -l)"
+        [[ "$have" -eq "$nparts" ]] || die "bundle incomplete: $have of $nparts parts under $BUNDLE ($(bundle_parts | tr '\n' ' ')).
+Carry every .gpu-bundle/N folder (one per call is fine: earlier parts stay on a held machine)."
+        got="$(cat $(bundle_parts) | sha256sum | cut -d' ' -f1)"
+        [[ "$got" == "$want" ]] || die "bundle parts do not add up: sha256 $got, MANIFEST says $want"
+        rm -rf "$SITE" && mkdir -p "$SITE"
+        cat $(bundle_parts) | xz -d -T0 | tar xf - -C "$SITE" \
+            || die "unpacking the bundle into $SITE failed"
+        echo "$want" > "$SITE/.sha256"
+        echo "bundle unpacked into $SITE ($(du -sh "$SITE" | cut -f1), $((SECONDS - T0)) s so far)"
+    fi
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 MISSING="$("$PY" bench/gpu/missing.py || true)"
 if [[ -z "$MISSING" ]]; then
     echo "everything importable by $PY"
@@ -88,12 +119,12 @@ else
     if [[ -z "$WHEELS" ]]; then
         die "missing: $(echo $MISSING). No wheel folder found (looked at \$WHEEL_DIR, $ROOT/.whl, $ROOT/../.whl, $ROOT/shared/.whl, $HOME/.whl).
 Provide vLLM one of two ways: run on a machine image where '$PY -c \"import vllm\"' works, or set WHEEL_DIR to a folder
-holding vllm==0.33.0, torch==2.14.0 and the other distributions listed above (see the header of bench/gpu_check.sh
-for the pip download command)."
+holding vllm==0.26.0, torch==2.11.0 and the other distributions listed above, or build the offline bundle
+(bench/gpu/bundle.sh; see the header of bench/gpu_check.sh)."
     fi
     if grep -q '^vllm' <<<"$MISSING" && ! compgen -G "$WHEELS/vllm-*.whl" >/dev/null; then
-        die "vLLM is not installed and $WHEELS holds no vllm-*.whl ($(ls "$WHEELS" | wc -l) files). Put vllm==0.33.0, torch==2.14.0 and
-their dependencies there, or run on a machine image with vllm installed."
+        die "vLLM is not installed and $WHEELS holds no vllm-*.whl ($(ls "$WHEELS" | wc -l) files). Put vllm==0.26.0, torch==2.11.0 and
+their dependencies there, build the offline bundle (bench/gpu/bundle.sh), or run on a machine image with vllm installed."
     fi
     echo "installing offline from $WHEELS ($(ls "$WHEELS" | wc -l) files, $(du -sh "$WHEELS" | cut -f1))"
     # A venv that also sees $PY's packages. `--system-site-packages` would give the *base*

@@ -1,7 +1,7 @@
 """Which Python distributions the GPU check needs and this interpreter lacks (no imports run).
 
 Prints one line per missing distribution, pinned as in pyproject.toml where the project pins
-it (``vllm==0.33.0``, ``aiokafka==0.12.0``, ...), else unpinned (pip picks what vllm's or the
+it (``vllm==0.26.0``, ``aiokafka==0.12.0``, ...), else unpinned (pip picks what vllm's or the
 project's pins allow). Exit status 0 when nothing is missing, 1 otherwise.
 
 The list is what ``bench/gpu/throughput.py`` imports through the infer stage (handler, settings,
