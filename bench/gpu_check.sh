@@ -37,7 +37,8 @@
 #
 #      That is several GB (torch and the CUDA libraries).
 #
-# Environment knobs: PYTHON, WHEEL_DIR, GPU_CHECK_TIMEOUT_S, ENFORCE_EAGER (1 = no CUDA graphs,
+# Environment knobs: PYTHON, GPU_BUNDLE (default .gpu-bundle), GPU_BUNDLE_SITE (default
+# /tmp/ocrstream-gpu-site), WHEEL_DIR, GPU_CHECK_TIMEOUT_S, ENFORCE_EAGER (1 = no CUDA graphs,
 # default, faster start; 0 = CUDA graphs, closer to production), BATCHES (default 1,8,32).
 set -euo pipefail
 
@@ -86,7 +87,7 @@ BUNDLE="${GPU_BUNDLE:-$ROOT/.gpu-bundle}"
 # the parts in order of their names (part00, part01, ...), whatever folder each came in
 bundle_parts() { for f in "$BUNDLE"/*/site.tar.xz.part*; do echo "$(basename "$f") $f"; done | sort | cut -d' ' -f2; }
 if compgen -G "$BUNDLE/*/site.tar.xz.part*" >/dev/null; then
-    SITE=/tmp/ocrstream-gpu-site
+    SITE="${GPU_BUNDLE_SITE:-/tmp/ocrstream-gpu-site}"
     want="$(sed -n 's/^sha256=//p' "$BUNDLE"/*/MANIFEST | sort -u)"
     nparts="$(sed -n 's/^parts=//p' "$BUNDLE"/*/MANIFEST | sort -u)"
     [[ $(wc -l <<<"$want") -eq 1 && $(wc -l <<<"$nparts") -eq 1 ]] \

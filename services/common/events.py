@@ -20,8 +20,7 @@ def dumps(event: BaseModel) -> bytes:
     ``orjson.dumps(event.model_dump(mode="json", by_alias=True))`` (what it was): 5 instead of
     8 µs for a cache hit's ``ResultEvent``, 38 instead of 70 µs for one with 30 lines. The bytes
     are the same (compact, fields in declaration order, UTF-8 unescaped, the same shortest float
-    text), except that a float of 1e16 or more is written with the exponent's sign (``1e+16``,
-    orjson ``1e16``): the same number to any JSON reader (tests/unit/test_schemas.py).
+    text, ``1e+16``; tests/unit/test_schemas.py).
     """
     return event.__pydantic_serializer__.to_json(event, by_alias=True)
 

@@ -1,0 +1,34 @@
+"""`pip install 'ocrstream[gpu]'` has a solution: the base pins and vLLM's own pins agree.
+
+The GPU extra is never installed in CI (no GPU, several GB), so a pin that vLLM refuses would go
+unnoticed until someone builds an inference image. vLLM 0.26.0 asks for fastapi < 0.137, torch
+2.11.0 exactly and (through mistral-common on Python < 3.13) numpy < 2.4; this test resolves the
+whole set, base dependencies and the ``gpu`` extra, for CPython 3.12 on x86-64 Linux against the
+package index (uv's resolver; nothing is downloaded but metadata).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_extra_resolves_with_the_base_dependencies(tmp_path):
+    uv = Path(sys.executable).with_name("uv")
+    out = tmp_path / "gpu.txt"
+    res = subprocess.run(
+        [str(uv), "pip", "compile", "pyproject.toml", "--extra", "gpu", "--python-version", "3.12",
+         "--python-platform", "x86_64-manylinux_2_28", "--no-header", "--quiet", "-o", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    resolved = dict(ln.split("==", 1) for ln in out.read_text().splitlines() if "==" in ln and not ln.startswith(" "))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for spec in project["dependencies"] + project["optional-dependencies"]["gpu"]:
+        name, version = spec.split("==")
+        assert resolved[name.lower()] == version.split()[0], name
+    assert resolved["vllm"] == "0.26.0" and resolved["torch"] == "2.11.0"
