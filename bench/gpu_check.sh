@@ -21,11 +21,12 @@
 #   b) an offline bundle made by bench/gpu/bundle.sh: vllm 0.26.0 (the newest vLLM that pins
 #      torch 2.11.0, the torch of this project's GPU machine image), trimmed to what one dense
 #      model on a Hopper GPU uses, and the packages that image lacks, as one site-packages tree
-#      packed as tar.xz in parts of at most 54 MB: .gpu-bundle/1/, .gpu-bundle/2/ (git-ignored).
+#      packed as tar.xz in parts of at most 54 MiB: .gpu-bundle/1/, .gpu-bundle/2/ (git-ignored).
 #      The parts are reassembled (sha256 checked), unpacked once per machine to
 #      /tmp/ocrstream-gpu-site and put first on PYTHONPATH. Where one call can carry 64 MiB
 #      (this workplace's device tool), carry .gpu-bundle/1 in one call and .gpu-bundle/2 with
-#      the run in the next: the first part stays on the machine while it is held;
+#      the run in the next, sent at once: the first part stays on the machine only while it is
+#      held (30 s after a command there);
 #   c) a wheel folder: WHEEL_DIR=/path, or .whl/ at the repo root (git-ignored), holding vllm,
 #      the torch it pins and every other missing distribution (step 2 prints the list), made on
 #      a machine with PyPI access for CPython 3.12 on x86-64 Linux:
@@ -57,9 +58,12 @@ if [[ -z "${GPU_CHECK_INNER:-}" ]]; then
 fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# bundle paths given relative are relative to where the script was started
+BUNDLE="$(realpath -m -- "${GPU_BUNDLE:-$ROOT/.gpu-bundle}")"
+SITE="$(realpath -m -- "${GPU_BUNDLE_SITE:-/tmp/ocrstream-gpu-site}")"
 cd "$ROOT"
 T0=$SECONDS
-WORK="$(mktemp -d /tmp/ocrstream-gpu-check.XXXXXX)"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/ocrstream-gpu-check.XXXXXX")"
 step() { echo; echo "=== [$((SECONDS - T0)) s] $*"; }
 save_logs() { if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then cp "$WORK"/*.log "$OUT"/ 2>/dev/null || true; fi; }
 trap save_logs EXIT
@@ -83,30 +87,69 @@ command -v "$PY" >/dev/null 2>&1 || die "no $PY"
 "$PY" -c 'import sys; print("python", sys.version.split()[0], sys.executable)'
 
 step "2/4 vLLM and the infer stage's dependencies"
-BUNDLE="${GPU_BUNDLE:-$ROOT/.gpu-bundle}"
-# the parts in order of their names (part00, part01, ...), whatever folder each came in
-bundle_parts() { for f in "$BUNDLE"/*/site.tar.xz.part*; do echo "$(basename "$f") $f"; done | sort | cut -d' ' -f2; }
-if compgen -G "$BUNDLE/*/site.tar.xz.part*" >/dev/null; then
-    SITE="${GPU_BUNDLE_SITE:-/tmp/ocrstream-gpu-site}"
-    want="$(sed -n 's/^sha256=//p' "$BUNDLE"/*/MANIFEST | sort -u)"
-    nparts="$(sed -n 's/^parts=//p' "$BUNDLE"/*/MANIFEST | sort -u)"
-    [[ $(wc -l <<<"$want") -eq 1 && $(wc -l <<<"$nparts") -eq 1 ]] \
-        || die "$BUNDLE holds parts of different bundles (MANIFEST sha256: $(echo $want)); rebuild with bench/gpu/bundle.sh"
+# The offline bundle (bench/gpu/bundle.sh): parts N/site.tar.xz.partNN, each folder with a
+# MANIFEST (parts=, sha256= of the whole, partNN= sha256 of each part). Unpacked once into $SITE
+# (stamped with the bundle's sha256), through a temporary folder renamed into place.
+manifest() { sed -n "s/^$1=//p" "$BUNDLE"/*/MANIFEST 2>/dev/null | tr -d '\r' | sort -u; }
+mapfile -t PARTS < <(for f in "$BUNDLE"/*/site.tar.xz.part*; do
+    [[ -f "$f" ]] && printf '%s\t%s\n' "$(basename "$f")" "$f"; done | sort | cut -f2-)
+if [[ -n "${GPU_BUNDLE:-}" && ${#PARTS[@]} -eq 0 ]]; then
+    die "GPU_BUNDLE=$GPU_BUNDLE: no parts there (expected $BUNDLE/1/site.tar.xz.part00, $BUNDLE/2/site.tar.xz.part01, ...)"
+fi
+if [[ ${#PARTS[@]} -gt 0 ]]; then
+    compgen -G "$BUNDLE/*/MANIFEST" >/dev/null || die "$BUNDLE has parts but no MANIFEST; rebuild with bench/gpu/bundle.sh"
+    want="$(manifest sha256)"
+    nparts="$(manifest parts)"
+    if [[ $(wc -l <<<"$want") -ne 1 || $(wc -l <<<"$nparts") -ne 1 ]]; then
+        die "$BUNDLE holds parts of different builds of the bundle:
+$(for m in "$BUNDLE"/*/MANIFEST; do echo "  $(dirname "$m"): $(grep -h '^sha256=' "$m" | tr -d '\r'), $(grep -h '^parts=' "$m" | tr -d '\r')"; done)
+Carry every folder of one build (each build has its own sha256; rebuilding between two calls breaks the part already on the machine)."
+    fi
+    case "$BUNDLE/" in "$SITE"/*) die "GPU_BUNDLE_SITE=$SITE holds the bundle itself ($BUNDLE); choose another folder";; esac
     if [[ -f "$SITE/.sha256" && "$(cat "$SITE/.sha256")" == "$want" ]]; then
         echo "bundle $want already unpacked in $SITE"
     else
-        have="$(bundle_parts | wc -l)"
-        [[ "$have" -eq "$nparts" ]] || die "bundle incomplete: $have of $nparts parts under $BUNDLE ($(bundle_parts | tr '\n' ' ')).
-Carry every .gpu-bundle/N folder (one per call is fine: earlier parts stay on a held machine)."
-        got="$(cat $(bundle_parts) | sha256sum | cut -d' ' -f1)"
-        [[ "$got" == "$want" ]] || die "bundle parts do not add up: sha256 $got, MANIFEST says $want"
-        rm -rf "$SITE" && mkdir -p "$SITE"
-        cat $(bundle_parts) | xz -d -T0 | tar xf - -C "$SITE" \
-            || die "unpacking the bundle into $SITE failed"
-        echo "$want" > "$SITE/.sha256"
+        if [[ -e "$SITE" && ! -f "$SITE/.sha256" ]] && [[ -n "$(ls -A "$SITE" 2>/dev/null)" ]]; then
+            die "$SITE exists, is not empty and is not an unpacked bundle (no .sha256 stamp): not touching it. Set GPU_BUNDLE_SITE to another folder or remove it."
+        fi
+        names="$(for f in "${PARTS[@]}"; do basename "$f"; done | sort -u)"
+        expected="$(for ((i = 0; i < nparts; i++)); do printf 'site.tar.xz.part%02d\n' "$i"; done)"
+        if [[ "$names" != "$expected" || ${#PARTS[@]} -ne $nparts ]]; then
+            lacking="$(comm -13 <(echo "$names") <(echo "$expected") | tr '\n' ' ')"
+            extra="$(comm -23 <(echo "$names") <(echo "$expected") | tr '\n' ' ')"
+            die "bundle incomplete or mixed: the MANIFEST says $nparts parts (part00..part$(printf %02d $((nparts - 1)))); found ${#PARTS[@]}:
+$(printf '  %s\n' "${PARTS[@]}")${lacking:+
+missing: $lacking}${extra:+
+unexpected or twice: $extra}
+Every .gpu-bundle/N folder must be on this machine. Carried one per call, the next call must come within
+the machine's idle window (30 s on this workplace's device tool): a machine handed back loses the parts carried before."
+        fi
+        for f in "${PARTS[@]}"; do
+            part="$(basename "$f")"; part="${part#site.tar.xz.}"
+            ps="$(manifest "$part")"
+            if [[ -n "$ps" ]]; then
+                [[ "$(sha256sum < "$f" | cut -d' ' -f1)" == "$ps" ]] \
+                    || die "bundle part $f is damaged (sha256 differs from the MANIFEST): carry that folder again"
+            fi
+        done
+        got="$(cat "${PARTS[@]}" | sha256sum | cut -d' ' -f1)"
+        [[ "$got" == "$want" ]] || die "bundle parts do not add up: sha256 $got, MANIFEST says $want; carry the folders again"
+        tmp="$SITE.unpacking.$$"
+        rm -rf "$tmp" && mkdir -p "$tmp"
+        if command -v xz >/dev/null 2>&1; then
+            cat "${PARTS[@]}" | xz -d -T0 | tar xf - -C "$tmp" || { rm -rf "$tmp"; die "unpacking the bundle failed"; }
+        else
+            echo "no xz here; unpacking with Python's tarfile (slower)"
+            cat "${PARTS[@]}" | "$PY" -c 'import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="data")' "$tmp" \
+                || { rm -rf "$tmp"; die "unpacking the bundle failed"; }
+        fi
+        echo "$want" > "$tmp/.sha256"
+        # only an earlier unpacked bundle (stamped) or an empty folder is replaced
+        rm -rf "$SITE" && mv "$tmp" "$SITE"
         echo "bundle unpacked into $SITE ($(du -sh "$SITE" | cut -f1), $((SECONDS - T0)) s so far)"
     fi
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    BUNDLED=1
 fi
 MISSING="$("$PY" bench/gpu/missing.py || true)"
 if [[ -z "$MISSING" ]]; then
@@ -117,9 +160,13 @@ else
     for d in "${WHEEL_DIR:-}" "$ROOT/.whl" "$ROOT/../.whl" "$ROOT/shared/.whl" "$HOME/.whl"; do
         if [[ -n "$d" && -d "$d" ]] && compgen -G "$d/*.whl" >/dev/null; then WHEELS="$d"; break; fi
     done
+    if [[ -z "$WHEELS" && -n "${BUNDLED:-}" ]]; then
+        die "missing even with the bundle in $SITE: $(echo $MISSING). The bundle brings vLLM and the infer stage's packages;
+torch, transformers and tokenizers must come with the machine image (or a WHEEL_DIR)."
+    fi
     if [[ -z "$WHEELS" ]]; then
         die "missing: $(echo $MISSING). No wheel folder found (looked at \$WHEEL_DIR, $ROOT/.whl, $ROOT/../.whl, $ROOT/shared/.whl, $HOME/.whl).
-Provide vLLM one of two ways: run on a machine image where '$PY -c \"import vllm\"' works, or set WHEEL_DIR to a folder
+Provide vLLM one of three ways: run on a machine image where '$PY -c \"import vllm\"' works, or set WHEEL_DIR to a folder
 holding vllm==0.26.0, torch==2.11.0 and the other distributions listed above, or build the offline bundle
 (bench/gpu/bundle.sh; see the header of bench/gpu_check.sh)."
     fi

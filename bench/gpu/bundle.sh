@@ -2,7 +2,7 @@
 # Build the offline bundle that bench/gpu_check.sh installs on a GPU machine without a
 # package index: vLLM 0.26.0 (trimmed) and the packages in bench/gpu/bundle-requirements.txt,
 # installed into one site-packages tree, packed as tar.xz and split into parts small enough to
-# carry (default 54 MB each, two parts), one part per folder:
+# carry (default 54 MiB each, two parts), one part per folder:
 #
 #     .gpu-bundle/1/site.tar.xz.part00   .gpu-bundle/2/site.tar.xz.part01   (+ MANIFEST in each)
 #
@@ -21,6 +21,20 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="$(realpath -m "${1:-$ROOT/.gpu-bundle}")"
 PART_MB="${2:-54}"
+[[ "$PART_MB" =~ ^[1-9][0-9]*$ ]] || { echo "bundle.sh: PART_MB must be a whole number of MiB, not '$PART_MB'" >&2; exit 2; }
+# OUT is replaced at the end: refuse anything but an earlier bundle (N/ folders of parts + MANIFEST)
+if [[ -e "$OUT" ]]; then
+    stray=""
+    [[ -d "$OUT" ]] || stray="$OUT"
+    while IFS= read -r -d '' f; do
+        rel="${f#"$OUT"/}"
+        [[ "$rel" =~ ^[0-9]+(/(MANIFEST|site\.tar\.xz\.part[0-9]+))?$ ]] || stray+="$rel "
+    done < <(find "$OUT" -mindepth 1 -print0 2>/dev/null)
+    if [[ -n "$stray" ]]; then
+        echo "bundle.sh: $OUT exists and is not an earlier bundle (it holds: ${stray:0:200}); not replacing it" >&2
+        exit 2
+    fi
+fi
 VLLM=vllm==0.26.0
 PY="${PYTHON:-python3}"
 TMP="$(mktemp -d /tmp/ocrstream-gpu-bundle.XXXXXX)"
@@ -40,11 +54,18 @@ rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.
       vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so
 rm -rf vllm/third_party/fmha_sm100/cutlass vllm/third_party/deep_gemm/include bin
 find . -name __pycache__ -prune -exec rm -rf {} +
-test -f vllm/_C_stable_libtorch.abi3.so && test -f vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so
+# direct_url.json records this build's temporary path (and RECORD its hash): drop both
+rm -f ./*.dist-info/direct_url.json
+sed -i '/\.dist-info\/direct_url\.json,/d' ./*.dist-info/RECORD
+for f in vllm/_C_stable_libtorch.abi3.so vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so; do
+    [[ -f "$f" ]] || { echo "bundle.sh: $VLLM has no $f; this trimming is for vllm 0.26.0" >&2; exit 1; }
+done
 echo "   $(du -sh . | cut -f1) unpacked"
 
 echo "== packing (xz -9, takes minutes)"
-tar cf - . | xz -9 -T0 > "$TMP/site.tar.xz"
+# reproducible: the same packages give the same bytes (names sorted, times and owners fixed), so
+# a rebuild does not invalidate a part already carried to a machine
+tar cf - --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner . | xz -9 -T2 > "$TMP/site.tar.xz"
 sha="$(sha256sum "$TMP/site.tar.xz" | cut -d' ' -f1)"
 rm -rf "$OUT"
 split -b "${PART_MB}M" -d "$TMP/site.tar.xz" "$TMP/site.tar.xz.part"
@@ -54,8 +75,10 @@ for part in "$TMP"/site.tar.xz.part*; do
     mkdir -p "$OUT/$i"
     mv "$part" "$OUT/$i/"
 done
+manifest="$(printf 'parts=%s\nsha256=%s\nvllm=%s\n' "$i" "$sha" "$VLLM"
+            for f in "$OUT"/*/site.tar.xz.part*; do echo "${f##*.}=$(sha256sum < "$f" | cut -d' ' -f1)"; done)"
 for d in "$OUT"/*/; do
-    printf 'parts=%s\nsha256=%s\nvllm=%s\n' "$i" "$sha" "$VLLM" > "$d/MANIFEST"
+    echo "$manifest" > "$d/MANIFEST"
 done
-echo "== $OUT: $i part(s) of at most ${PART_MB} MB, $(du -sh "$OUT" | cut -f1) in all, sha256 $sha"
+echo "== $OUT: $i part(s) of at most ${PART_MB} MiB, $(du -sh "$OUT" | cut -f1) in all, sha256 $sha"
 ls -la "$OUT"/*

@@ -59,9 +59,10 @@ def test_bundle_requirements_agree_with_pyproject():
     assert "vllm" not in bundle and "torch" not in bundle  # vllm comes trimmed, torch from the image
 
 
-def _bundle(tmp_path, payload: dict[str, str], parts: int, keep: int):
-    """A bundle like bench/gpu/bundle.sh makes: tar.xz of ``payload`` split into ``parts``
-    parts, one per folder; only the first ``keep`` folders are written."""
+def _bundle(root, payload: dict[str, str], parts: int, keep: int):
+    """A bundle as bench/gpu/bundle.sh makes it under ``root``: tar.xz of ``payload`` split into
+    ``parts`` parts, one per folder, each with a MANIFEST (count, sha256 of the whole and of each
+    part); only the first ``keep`` folders are written."""
     import hashlib
     import io
     import lzma
@@ -75,44 +76,92 @@ def _bundle(tmp_path, payload: dict[str, str], parts: int, keep: int):
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     blob = lzma.compress(buf.getvalue())
-    sha = hashlib.sha256(blob).hexdigest()
     step = -(-len(blob) // parts)
-    root = tmp_path / "bundle"
+    chunks = [blob[i * step:(i + 1) * step] for i in range(parts)]
+    manifest = f"parts={parts}\nsha256={hashlib.sha256(blob).hexdigest()}\nvllm=vllm==0.26.0\n" + "".join(
+        f"part{i:02d}={hashlib.sha256(c).hexdigest()}\n" for i, c in enumerate(chunks))
     for i in range(keep):
         d = root / str(i + 1)
         d.mkdir(parents=True)
-        (d / f"site.tar.xz.part{i:02d}").write_bytes(blob[i * step:(i + 1) * step])
-        (d / "MANIFEST").write_text(f"parts={parts}\nsha256={sha}\nvllm=vllm==0.26.0\n")
+        (d / f"site.tar.xz.part{i:02d}").write_bytes(chunks[i])
+        (d / "MANIFEST").write_text(manifest)
     return root
 
 
-def _gpu_check(tmp_path, bundle):
+STANDIN = {"vllm/__init__.py": "__version__ = 'test'\n"}
+
+
+def _gpu_check(tmp_path, bundle, site):
     import os
     import subprocess
 
     from bench.gpu import missing
 
-    env = dict(os.environ, GPU_BUNDLE=str(bundle), GPU_BUNDLE_SITE=str(tmp_path / "site"),
+    env = dict(os.environ, GPU_BUNDLE=str(bundle), GPU_BUNDLE_SITE=str(site), TMPDIR=str(tmp_path),
                WHEEL_DIR=str(tmp_path / "no-wheels"), PYTHON=sys.executable, PATH="/usr/bin:/bin")
     return subprocess.run(["bash", str(missing.ROOT / "bench/gpu_check.sh")], env=env, capture_output=True,
                           text=True, timeout=120)
 
 
 def test_gpu_check_refuses_an_incomplete_bundle(tmp_path):
-    bundle = _bundle(tmp_path, {"vllm/__init__.py": "__version__ = 'test'\n"}, parts=2, keep=1)
-    res = _gpu_check(tmp_path, bundle)
+    bundle = _bundle(tmp_path / "bundle", STANDIN, parts=2, keep=1)
+    res = _gpu_check(tmp_path, bundle, tmp_path / "site")
     assert res.returncode == 1
-    assert "bundle incomplete: 1 of 2 parts" in res.stderr
+    assert "bundle incomplete or mixed: the MANIFEST says 2 parts (part00..part01); found 1" in res.stderr
+    assert "missing: site.tar.xz.part01" in res.stderr and "within\nthe machine's idle window" in res.stderr
     assert not (tmp_path / "site").exists()
 
 
 def test_gpu_check_unpacks_the_bundle_first_on_the_path(tmp_path):
-    """Both parts reassembled, checked and unpacked; what the bundle holds is importable (here
-    a stand-in ``vllm``), so only what it lacks (torch) is reported missing."""
-    bundle = _bundle(tmp_path, {"vllm/__init__.py": "__version__ = 'test'\n"}, parts=2, keep=2)
-    res = _gpu_check(tmp_path, bundle)
-    assert res.returncode == 1, res.stdout
-    assert f"bundle unpacked into {tmp_path / 'site'}" in res.stdout
-    assert (tmp_path / "site/vllm/__init__.py").read_text() == "__version__ = 'test'\n"
+    """Both parts reassembled, checked and unpacked (a folder with a space in its name); what the
+    bundle holds is importable (a stand-in ``vllm``), so only what it lacks (torch) is missing.
+    A second run reuses the unpacked tree."""
+    bundle = _bundle(tmp_path / "my bundle", STANDIN, parts=2, keep=2)
+    site = tmp_path / "the site"
+    res = _gpu_check(tmp_path, bundle, site)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"bundle unpacked into {site}" in res.stdout
+    assert (site / "vllm/__init__.py").read_text() == "__version__ = 'test'\n"
     missing_line = next(ln for ln in res.stdout.splitlines() if ln.startswith("missing for"))
     assert "torch==2.11.0" in missing_line and "vllm" not in missing_line
+    assert "missing even with the bundle" in res.stderr
+    again = _gpu_check(tmp_path, bundle, site)
+    assert "already unpacked in" in again.stdout and "bundle unpacked into" not in again.stdout
+
+
+def test_gpu_check_names_a_damaged_part_and_keeps_the_old_site(tmp_path):
+    bundle = _bundle(tmp_path / "bundle", STANDIN, parts=2, keep=2)
+    part = bundle / "2" / "site.tar.xz.part01"
+    data = bytearray(part.read_bytes())
+    data[0] ^= 0xFF
+    part.write_bytes(bytes(data))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / ".sha256").write_text("an earlier bundle\n")
+    res = _gpu_check(tmp_path, bundle, site)
+    assert res.returncode == 1
+    assert f"bundle part {part} is damaged" in res.stderr
+    assert (site / ".sha256").read_text() == "an earlier bundle\n"  # nothing replaced
+
+
+def test_gpu_check_never_deletes_a_folder_that_is_not_an_unpacked_bundle(tmp_path):
+    bundle = _bundle(tmp_path / "bundle", STANDIN, parts=2, keep=2)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    res = _gpu_check(tmp_path, bundle, precious)
+    assert res.returncode == 1 and "is not an unpacked bundle (no .sha256 stamp): not touching it" in res.stderr
+    assert (precious / "notes.txt").read_text() == "keep me"
+    res = _gpu_check(tmp_path, bundle, tmp_path)  # the folder that holds the bundle
+    assert res.returncode == 1 and "holds the bundle itself" in res.stderr
+    assert (bundle / "1" / "site.tar.xz.part00").exists()
+
+
+def test_gpu_check_says_which_folder_holds_which_build(tmp_path):
+    a = _bundle(tmp_path / "a", STANDIN, parts=2, keep=2)
+    b = _bundle(tmp_path / "b", {"vllm/__init__.py": "__version__ = 'other'\n"}, parts=2, keep=2)
+    (a / "2").rename(tmp_path / "a2-old")
+    (b / "2").rename(a / "2")
+    res = _gpu_check(tmp_path, a, tmp_path / "site")
+    assert res.returncode == 1 and "holds parts of different builds of the bundle" in res.stderr
+    assert f"{a / '1'}: sha256=" in res.stderr and f"{a / '2'}: sha256=" in res.stderr
