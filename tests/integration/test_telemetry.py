@@ -71,8 +71,9 @@ def _wait_for_traces(p: Pipeline, trace_ids: set[str], timeout: float = 20) -> l
         for s in spans:
             by_trace.setdefault(s["trace_id"], set()).add(s["service"])
             names.setdefault(s["trace_id"], set()).add(s["name"])
-        complete = all(by_trace.get(t, set()) >= SERVICES and {"infer", "sink"} <= names.get(t, set())
-                       for t in trace_ids)
+        # the sink's publish of ocr.completed is the last span of a trace to be exported
+        last = {"infer", "sink", f"{p.env['OCRSTREAM_TOPICS__COMPLETED']} publish"}
+        complete = all(by_trace.get(t, set()) >= SERVICES and last <= names.get(t, set()) for t in trace_ids)
         if complete or time.time() > deadline:
             return spans
         time.sleep(0.3)
