@@ -12,7 +12,11 @@ small, so what is measured is the pipeline. For each setting it prints:
   after their first copy completed (served from the cache) and repeats that joined an
   in-flight inference, and of first copies. "Completion" is the moment this client receives the
   request's event from ``ocr.completed``: every hop, the MariaDB writes and the completion
-  topic included.
+  topic included;
+- where the time of a repeat served from the cache goes: the p50 of each ``timings_ms`` entry
+  of its completion (queue waits before ingest, dedup and sink, each stage's own work) and of
+  the rest (the sink's batched MariaDB write and its ``ocr.completed`` publish, this client's
+  fetch).
 
 The images are generated, not ``../shared/samples``: 12 scanned documents cannot give 6,840
 distinct images, and at ~1.5 s of engine time each a run would take hours on 2 cores.
@@ -64,8 +68,9 @@ def make_workload(n: int, dup_ratio: float, seed: int = 11) -> tuple[list[bytes]
 
 
 async def drive(p: Pipeline, bodies: list[bytes], rate: float, timeout: float,
-                warm_first: bool = False) -> list[tuple[bytes, float, float, str]]:
-    """Submit at ``rate``/s; returns (body, submitted_at, completed_at, cache_key) per request.
+                warm_first: bool = False) -> list[tuple[bytes, float, float, str, dict]]:
+    """Submit at ``rate``/s; returns (body, submitted_at, completed_at, cache_key, timings_ms)
+    per request (``timings_ms``: the completion's per-stage milliseconds).
 
     Times are seconds since the epoch on this machine's clock: submitted just before the produce,
     completed when this client receives the request's ``ocr.completed`` event.
@@ -79,11 +84,11 @@ async def drive(p: Pipeline, bodies: list[bytes], rate: float, timeout: float,
     await watcher.start()
     await submitter.start()
     sent: dict[str, tuple[bytes, float]] = {}
-    done: dict[str, tuple[float, str]] = {}
+    done: dict[str, tuple[float, str, dict]] = {}
 
     async def collect():
         async for ev in watcher.completions_forever():
-            done[ev.request_id] = (time.time(), ev.result.cache_key or "")
+            done[ev.request_id] = (time.time(), ev.result.cache_key or "", dict(ev.result.timings_ms))
             if len(done) == len(bodies):
                 return
 
@@ -120,13 +125,25 @@ async def drive(p: Pipeline, bodies: list[bytes], rate: float, timeout: float,
     return [(body, at, *done[rid]) for rid, (body, at) in sent.items()]
 
 
-def summarize(label: str, rows: list[tuple[bytes, float, float, str]], calls: float, unique: int) -> int:
+def breakdown(latencies_ms: list[float], timings: list[dict]) -> str:
+    """Where the time of a set of requests goes: the median of each stage's ``timings_ms`` entry
+    (queue waits, the stages' own work, the sink's write), and of the rest per request (the
+    submit before ingest's clock starts, producing and fetching ``ocr.completed``, this client)."""
+    if not timings:
+        return ""
+    keys = [k for k in timings[0] if k != "total" and all(k in t for t in timings)]
+    rest = [lat - sum(t[k] for k in keys) for lat, t in zip(latencies_ms, timings)]
+    parts = [f"{k} {pct([t[k] for t in timings], 50):.1f}" for k in keys] + [f"rest {pct(rest, 50):.1f}"]
+    return "p50 ms by hop: " + ", ".join(parts)
+
+
+def summarize(label: str, rows: list[tuple[bytes, float, float, str, dict]], calls: float, unique: int) -> int:
     """Print one setting's figures; returns the number of unique cache keys among the completions."""
     first_done: dict[bytes, float] = {}
     first_seen: set[bytes] = set()
-    firsts, joined, hits = [], [], []
-    keys = {key for *_, key in rows if key}
-    for body, sub, comp, _key in sorted(rows, key=lambda r: r[1]):
+    firsts, joined, hits, hit_timings = [], [], [], []
+    keys = {row[3] for row in rows if row[3]}
+    for body, sub, comp, _key, timings in sorted(rows, key=lambda r: r[1]):
         ms = (comp - sub) * 1000
         if body not in first_seen:
             first_seen.add(body)
@@ -134,6 +151,7 @@ def summarize(label: str, rows: list[tuple[bytes, float, float, str]], calls: fl
             firsts.append(ms)
         elif sub >= first_done[body]:
             hits.append(ms)
+            hit_timings.append(timings)
         else:
             joined.append(ms)
     print(f"[{label}] requests {len(rows)}, distinct images {unique}, unique cache keys {len(keys)}, "
@@ -142,6 +160,8 @@ def summarize(label: str, rows: list[tuple[bytes, float, float, str]], calls: fl
                        ("  repeats joining in-flight", joined), ("first copies", firsts)):
         if vals:
             print(f"[{label}]   {name:28} n={len(vals):6d}  p50 {pct(vals, 50):10.1f} ms  p99 {pct(vals, 99):10.1f} ms")
+    if hits:
+        print(f"[{label}]   repeats after completion, {breakdown(hits, hit_timings)}")
     return len(keys)
 
 
