@@ -125,6 +125,7 @@ def worker_faust(in_topic: str, out_topic: str, app_id: str) -> None:
         app_id,
         broker=f"kafka://{BOOTSTRAP}",
         store="memory://",
+        datadir=tempfile.mkdtemp(prefix=f"{app_id}-"),  # not ./{app_id}-data in the working directory
         web_enabled=False,
         topic_partitions=PARTITIONS,
         key_serializer="raw",

@@ -7,7 +7,7 @@
 #     .gpu-bundle/1/site.tar.xz.part00   .gpu-bundle/2/site.tar.xz.part01   (+ MANIFEST in each)
 #
 # Run on a machine with PyPI access (x86-64 Linux, any Python >= 3.10 with pip; builds for
-# CPython 3.12). Takes about 3 minutes (the xz step) and ~1 GB of /tmp.
+# CPython 3.12). Takes 2-6 minutes on 2 cores (mostly the xz step) and ~1 GB of /tmp.
 #
 # Why trimmed: the vllm 0.26.0 wheel is 290 MB. For one dense model on one Hopper GPU it needs
 # _C_stable_libtorch (custom ops) and _vllm_fa3_C (FlashAttention 3, which vLLM picks on
