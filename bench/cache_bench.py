@@ -127,8 +127,9 @@ async def drive(p: Pipeline, bodies: list[bytes], rate: float, timeout: float,
 
 def breakdown(latencies_ms: list[float], timings: list[dict]) -> str:
     """Where the time of a set of requests goes: the median of each stage's ``timings_ms`` entry
-    (queue waits, the stages' own work, the sink's write), and of the rest per request (the
-    submit before ingest's clock starts, producing and fetching ``ocr.completed``, this client)."""
+    (queue waits, the stages' own work; the sink's ``write`` is its work before the batched
+    MariaDB write, since the document is built before it is written) and of the rest per request:
+    the sink's batched MariaDB write, its ``ocr.completed`` publish and this client's fetch."""
     if not timings:
         return ""
     keys = [k for k in timings[0] if k != "total" and all(k in t for t in timings)]

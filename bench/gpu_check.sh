@@ -32,8 +32,8 @@
 #      a machine with PyPI access for CPython 3.12 on x86-64 Linux:
 #
 #      python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
-#          --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 \
-#          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+#          --abi cp312 --abi abi3 --abi none $(for t in _2_35 _2_34 _2_31 _2_28 _2_27 _2_26 _2_24 \
+#          _2_17 2014 _2_5 1; do echo --platform manylinux${t}_x86_64; done) --platform any \
 #          -d .whl vllm==0.26.0 torch==2.11.0 $(python3 bench/gpu/missing.py | grep -v '^vllm\|^torch')
 #
 #      That is several GB (torch and the CUDA libraries).
@@ -67,6 +67,7 @@ WORK="$(mktemp -d "${TMPDIR:-/tmp}/ocrstream-gpu-check.XXXXXX")"
 step() { echo; echo "=== [$((SECONDS - T0)) s] $*"; }
 save_logs() { if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then cp "$WORK"/*.log "$OUT"/ 2>/dev/null || true; fi; }
 trap save_logs EXIT
+trap "exit 143" TERM INT  # so the EXIT trap runs when the timeout stops the script
 die() { echo "gpu_check: FAILED after $((SECONDS - T0)) s: $*" >&2; exit 1; }
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -89,7 +90,8 @@ command -v "$PY" >/dev/null 2>&1 || die "no $PY"
 step "2/4 vLLM and the infer stage's dependencies"
 # The offline bundle (bench/gpu/bundle.sh): parts N/site.tar.xz.partNN, each folder with a
 # MANIFEST (parts=, sha256= of the whole, partNN= sha256 of each part). Unpacked once into $SITE
-# (stamped with the bundle's sha256), through a temporary folder renamed into place.
+# (stamped with the bundle's sha256 in $SITE/.ocrstream-gpu-bundle), through a temporary folder
+# renamed into place.
 manifest() { sed -n "s/^$1=//p" "$BUNDLE"/*/MANIFEST 2>/dev/null | tr -d '\r' | sort -u; }
 mapfile -t PARTS < <(for f in "$BUNDLE"/*/site.tar.xz.part*; do
     [[ -f "$f" ]] && printf '%s\t%s\n' "$(basename "$f")" "$f"; done | sort | cut -f2-)
@@ -97,20 +99,24 @@ if [[ -n "${GPU_BUNDLE:-}" && ${#PARTS[@]} -eq 0 ]]; then
     die "GPU_BUNDLE=$GPU_BUNDLE: no parts there (expected $BUNDLE/1/site.tar.xz.part00, $BUNDLE/2/site.tar.xz.part01, ...)"
 fi
 if [[ ${#PARTS[@]} -gt 0 ]]; then
-    compgen -G "$BUNDLE/*/MANIFEST" >/dev/null || die "$BUNDLE has parts but no MANIFEST; rebuild with bench/gpu/bundle.sh"
+    ls "$BUNDLE"/*/MANIFEST >/dev/null 2>&1 || die "$BUNDLE has parts but no MANIFEST; rebuild with bench/gpu/bundle.sh"
     want="$(manifest sha256)"
     nparts="$(manifest parts)"
+    [[ -n "$want" && -n "$nparts" ]] && ! grep -qvxE '[0-9a-f]{64}' <<<"$want" && ! grep -qvxE '[1-9][0-9]*' <<<"$nparts" \
+        || die "the MANIFEST files under $BUNDLE have no sha256= or parts= line; rebuild with bench/gpu/bundle.sh"
     if [[ $(wc -l <<<"$want") -ne 1 || $(wc -l <<<"$nparts") -ne 1 ]]; then
         die "$BUNDLE holds parts of different builds of the bundle:
 $(for m in "$BUNDLE"/*/MANIFEST; do echo "  $(dirname "$m"): $(grep -h '^sha256=' "$m" | tr -d '\r'), $(grep -h '^parts=' "$m" | tr -d '\r')"; done)
 Carry every folder of one build (each build has its own sha256; rebuilding between two calls breaks the part already on the machine)."
     fi
     case "$BUNDLE/" in "$SITE"/*) die "GPU_BUNDLE_SITE=$SITE holds the bundle itself ($BUNDLE); choose another folder";; esac
-    if [[ -f "$SITE/.sha256" && "$(cat "$SITE/.sha256")" == "$want" ]]; then
+    STAMP=.ocrstream-gpu-bundle  # holds the sha256 of the bundle unpacked there
+    stamped() { [[ -f "$SITE/$STAMP" ]] && grep -qxE '[0-9a-f]{64}' "$SITE/$STAMP"; }
+    if stamped && [[ "$(cat "$SITE/$STAMP")" == "$want" ]]; then
         echo "bundle $want already unpacked in $SITE"
     else
-        if [[ -e "$SITE" && ! -f "$SITE/.sha256" ]] && [[ -n "$(ls -A "$SITE" 2>/dev/null)" ]]; then
-            die "$SITE exists, is not empty and is not an unpacked bundle (no .sha256 stamp): not touching it. Set GPU_BUNDLE_SITE to another folder or remove it."
+        if [[ -e "$SITE" ]] && ! stamped && [[ -n "$(ls -A "$SITE" 2>/dev/null)" || ! -d "$SITE" ]]; then
+            die "$SITE exists, is not empty and is not an unpacked bundle (no $STAMP stamp): not touching it. Set GPU_BUNDLE_SITE to another folder or remove it."
         fi
         names="$(for f in "${PARTS[@]}"; do basename "$f"; done | sort -u)"
         expected="$(for ((i = 0; i < nparts; i++)); do printf 'site.tar.xz.part%02d\n' "$i"; done)"
@@ -135,17 +141,20 @@ the machine's idle window (30 s on this workplace's device tool): a machine hand
         got="$(cat "${PARTS[@]}" | sha256sum | cut -d' ' -f1)"
         [[ "$got" == "$want" ]] || die "bundle parts do not add up: sha256 $got, MANIFEST says $want; carry the folders again"
         tmp="$SITE.unpacking.$$"
-        rm -rf "$tmp" && mkdir -p "$tmp"
+        trap 'rm -rf -- "$tmp"; save_logs' EXIT  # a run killed mid-unpack leaves nothing behind
+        rm -rf -- "$tmp" && mkdir -p -- "$tmp" || die "cannot create $tmp"
         if command -v xz >/dev/null 2>&1; then
-            cat "${PARTS[@]}" | xz -d -T0 | tar xf - -C "$tmp" || { rm -rf "$tmp"; die "unpacking the bundle failed"; }
+            cat "${PARTS[@]}" | xz -d -T0 | tar xf - -C "$tmp" || die "unpacking the bundle failed"
         else
             echo "no xz here; unpacking with Python's tarfile (slower)"
             cat "${PARTS[@]}" | "$PY" -c 'import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="data")' "$tmp" \
-                || { rm -rf "$tmp"; die "unpacking the bundle failed"; }
+                || die "unpacking the bundle failed"
         fi
-        echo "$want" > "$tmp/.sha256"
+        echo "$want" > "$tmp/$STAMP"
         # only an earlier unpacked bundle (stamped) or an empty folder is replaced
-        rm -rf "$SITE" && mv "$tmp" "$SITE"
+        rm -rf -- "$SITE" || die "cannot remove the earlier bundle in $SITE"
+        mv -T -- "$tmp" "$SITE" || die "cannot move the unpacked bundle into $SITE"
+        trap save_logs EXIT
         echo "bundle unpacked into $SITE ($(du -sh "$SITE" | cut -f1), $((SECONDS - T0)) s so far)"
     fi
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
@@ -161,8 +170,9 @@ else
         if [[ -n "$d" && -d "$d" ]] && compgen -G "$d/*.whl" >/dev/null; then WHEELS="$d"; break; fi
     done
     if [[ -z "$WHEELS" && -n "${BUNDLED:-}" ]]; then
-        die "missing even with the bundle in $SITE: $(echo $MISSING). The bundle brings vLLM and the infer stage's packages;
-torch, transformers and tokenizers must come with the machine image (or a WHEEL_DIR)."
+        die "missing even with the bundle in $SITE: $(echo $MISSING). The bundle brings vLLM and the packages in
+bench/gpu/bundle-requirements.txt; the rest (torch 2.11.0, transformers, tokenizers, numpy, ...) must come with the
+machine image, or from a WHEEL_DIR."
     fi
     if [[ -z "$WHEELS" ]]; then
         die "missing: $(echo $MISSING). No wheel folder found (looked at \$WHEEL_DIR, $ROOT/.whl, $ROOT/../.whl, $ROOT/shared/.whl, $HOME/.whl).

@@ -38,7 +38,7 @@ fi
 VLLM=vllm==0.26.0
 PY="${PYTHON:-python3}"
 TMP="$(mktemp -d /tmp/ocrstream-gpu-bundle.XXXXXX)"
-trap 'rm -rf "$TMP"' EXIT
+trap 'rm -rf -- "$TMP" "${NEW:-}"' EXIT
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none)
 for p in manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_24 \
          manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1; do PLAT+=(--platform "${p}_x86_64"); done
@@ -56,29 +56,33 @@ rm -rf vllm/third_party/fmha_sm100/cutlass vllm/third_party/deep_gemm/include bi
 find . -name __pycache__ -prune -exec rm -rf {} +
 # direct_url.json records this build's temporary path (and RECORD its hash): drop both
 rm -f ./*.dist-info/direct_url.json
-sed -i '/\.dist-info\/direct_url\.json,/d' ./*.dist-info/RECORD
+# ... and RECORD lists the console scripts removed above (their first line names this Python)
+sed -i -e '/\.dist-info\/direct_url\.json,/d' -e '/^\.\.\/\.\.\/bin\//d' ./*.dist-info/RECORD
 for f in vllm/_C_stable_libtorch.abi3.so vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so; do
     [[ -f "$f" ]] || { echo "bundle.sh: $VLLM has no $f; this trimming is for vllm 0.26.0" >&2; exit 1; }
 done
 echo "   $(du -sh . | cut -f1) unpacked"
 
 echo "== packing (xz -9, takes minutes)"
-# reproducible: the same packages give the same bytes (names sorted, times and owners fixed), so
-# a rebuild does not invalidate a part already carried to a machine
-tar cf - --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner . | xz -9 -T2 > "$TMP/site.tar.xz"
+# reproducible with the same tools (GNU tar, xz): the same packages give the same bytes (names
+# sorted, times, owners and modes fixed), so a rebuild does not invalidate a part already carried
+tar cf - --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner --mode=go-w,a+rX . | xz -9 -T2 > "$TMP/site.tar.xz"
 sha="$(sha256sum "$TMP/site.tar.xz" | cut -d' ' -f1)"
-rm -rf "$OUT"
+NEW="$OUT.new.$$"  # assembled beside OUT, then swapped in: a failure leaves the old bundle
+rm -rf -- "$NEW"
 split -b "${PART_MB}M" -d "$TMP/site.tar.xz" "$TMP/site.tar.xz.part"
 i=0
 for part in "$TMP"/site.tar.xz.part*; do
     i=$((i + 1))
-    mkdir -p "$OUT/$i"
-    mv "$part" "$OUT/$i/"
+    mkdir -p "$NEW/$i"
+    mv "$part" "$NEW/$i/"
 done
 manifest="$(printf 'parts=%s\nsha256=%s\nvllm=%s\n' "$i" "$sha" "$VLLM"
-            for f in "$OUT"/*/site.tar.xz.part*; do echo "${f##*.}=$(sha256sum < "$f" | cut -d' ' -f1)"; done)"
-for d in "$OUT"/*/; do
+            for f in "$NEW"/*/site.tar.xz.part*; do echo "${f##*.}=$(sha256sum < "$f" | cut -d' ' -f1)"; done)"
+for d in "$NEW"/*/; do
     echo "$manifest" > "$d/MANIFEST"
 done
+rm -rf -- "$OUT"
+mv -T -- "$NEW" "$OUT"
 echo "== $OUT: $i part(s) of at most ${PART_MB} MiB, $(du -sh "$OUT" | cut -f1) in all, sha256 $sha"
 ls -la "$OUT"/*

@@ -42,8 +42,13 @@ def test_missing_lists_pinned_distributions(monkeypatch):
     assert "aiokafka==0.12.0" not in gone  # installed here
 
 
-def _pins(lines):
-    return {n.lower(): v for n, v in (ln.split("==", 1) for ln in lines if "==" in ln and not ln.startswith("#"))}
+def _pins(text: str) -> dict[str, str]:
+    """``name -> version`` of a requirements file of exact pins (comment lines skipped); a name
+    pinned twice fails."""
+    pairs = [ln.split("==", 1) for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    names = [n.lower() for n, _ in pairs]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    return {n.lower(): v for n, v in pairs}
 
 
 def test_bundle_requirements_agree_with_pyproject():
@@ -51,7 +56,7 @@ def test_bundle_requirements_agree_with_pyproject():
     from bench.gpu import missing
 
     root = missing.ROOT
-    bundle = _pins((root / "bench/gpu/bundle-requirements.txt").read_text().split())
+    bundle = _pins((root / "bench/gpu/bundle-requirements.txt").read_text())
     project = {k: v.split("==", 1)[1] for k, v in missing.pins().items()}
     shared = sorted(set(bundle) & set(project))
     assert {"aiokafka", "boto3", "orjson", "pydantic", "pydantic-settings", "fastapi"} <= set(shared)
@@ -97,7 +102,7 @@ def _gpu_check(tmp_path, bundle, site):
 
     from bench.gpu import missing
 
-    env = dict(os.environ, GPU_BUNDLE=str(bundle), GPU_BUNDLE_SITE=str(site), TMPDIR=str(tmp_path),
+    env = dict(os.environ, GPU_BUNDLE=str(bundle), GPU_BUNDLE_SITE=str(site), TMPDIR=str(tmp_path), HOME=str(tmp_path),
                WHEEL_DIR=str(tmp_path / "no-wheels"), PYTHON=sys.executable, PATH="/usr/bin:/bin")
     return subprocess.run(["bash", str(missing.ROOT / "bench/gpu_check.sh")], env=env, capture_output=True,
                           text=True, timeout=120)
@@ -114,8 +119,8 @@ def test_gpu_check_refuses_an_incomplete_bundle(tmp_path):
 
 def test_gpu_check_unpacks_the_bundle_first_on_the_path(tmp_path):
     """Both parts reassembled, checked and unpacked (a folder with a space in its name); what the
-    bundle holds is importable (a stand-in ``vllm``), so only what it lacks (torch) is missing.
-    A second run reuses the unpacked tree."""
+    bundle holds is importable (a stand-in ``vllm``; the tree is put on PYTHONPATH), so only what
+    it lacks (torch) is missing. A second run reuses the unpacked tree."""
     bundle = _bundle(tmp_path / "my bundle", STANDIN, parts=2, keep=2)
     site = tmp_path / "the site"
     res = _gpu_check(tmp_path, bundle, site)
@@ -137,11 +142,13 @@ def test_gpu_check_names_a_damaged_part_and_keeps_the_old_site(tmp_path):
     part.write_bytes(bytes(data))
     site = tmp_path / "site"
     site.mkdir()
-    (site / ".sha256").write_text("an earlier bundle\n")
+    earlier = "0" * 64 + "\n"  # the stamp of an earlier bundle
+    (site / ".ocrstream-gpu-bundle").write_text(earlier)
     res = _gpu_check(tmp_path, bundle, site)
     assert res.returncode == 1
     assert f"bundle part {part} is damaged" in res.stderr
-    assert (site / ".sha256").read_text() == "an earlier bundle\n"  # nothing replaced
+    assert (site / ".ocrstream-gpu-bundle").read_text() == earlier  # nothing replaced
+    assert not list(tmp_path.glob("site.unpacking.*"))
 
 
 def test_gpu_check_never_deletes_a_folder_that_is_not_an_unpacked_bundle(tmp_path):
@@ -150,7 +157,7 @@ def test_gpu_check_never_deletes_a_folder_that_is_not_an_unpacked_bundle(tmp_pat
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
     res = _gpu_check(tmp_path, bundle, precious)
-    assert res.returncode == 1 and "is not an unpacked bundle (no .sha256 stamp): not touching it" in res.stderr
+    assert res.returncode == 1 and "is not an unpacked bundle (no .ocrstream-gpu-bundle stamp): not touching it" in res.stderr
     assert (precious / "notes.txt").read_text() == "keep me"
     res = _gpu_check(tmp_path, bundle, tmp_path)  # the folder that holds the bundle
     assert res.returncode == 1 and "holds the bundle itself" in res.stderr
