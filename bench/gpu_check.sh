@@ -107,7 +107,8 @@ if [[ ${#PARTS[@]} -gt 0 ]]; then
     if [[ $(wc -l <<<"$want") -ne 1 || $(wc -l <<<"$nparts") -ne 1 ]]; then
         die "$BUNDLE holds parts of different builds of the bundle:
 $(for m in "$BUNDLE"/*/MANIFEST; do echo "  $(dirname "$m"): $(grep -h '^sha256=' "$m" | tr -d '\r'), $(grep -h '^parts=' "$m" | tr -d '\r')"; done)
-Carry every folder of one build (each build has its own sha256; rebuilding between two calls breaks the part already on the machine)."
+Carry every folder of one build (a rebuild from other packages or with other tools has another sha256, and then the
+parts already on the machine no longer fit)."
     fi
     case "$BUNDLE/" in "$SITE"/*) die "GPU_BUNDLE_SITE=$SITE holds the bundle itself ($BUNDLE); choose another folder";; esac
     STAMP=.ocrstream-gpu-bundle  # holds the sha256 of the bundle unpacked there
