@@ -43,6 +43,14 @@ def pins() -> dict[str, str]:
     return out
 
 
+def bundle_pins() -> list[tuple[str, str]]:
+    """``(name, version)`` per line of bench/gpu/bundle-requirements.txt (what the offline bundle
+    carries), in file order, names lower-cased; comment lines skipped."""
+    lines = (ROOT / "bench/gpu/bundle-requirements.txt").read_text().splitlines()
+    pairs = [ln.strip().split("==", 1) for ln in lines if ln.strip() and not ln.startswith("#")]
+    return [(n.lower(), v) for n, v in pairs]
+
+
 def missing(modules: dict[str, str]) -> list[str]:
     p = pins()
     out = []

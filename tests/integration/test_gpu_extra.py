@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.gpu import missing
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,7 +31,6 @@ def test_gpu_extra_resolves_with_the_base_dependencies(tmp_path):
     assert resolved["vllm"] == "0.26.0" and resolved["torch"] == "2.11.0"
     assert resolved["fastapi"] == "0.136.3" and resolved["numpy"] == "2.3.5"
     # the GPU check's offline bundle carries exactly what a `pip install 'ocrstream[gpu]'` gets
-    bundle = [ln.split("==") for ln in (ROOT / "bench/gpu/bundle-requirements.txt").read_text().splitlines()
-              if ln and not ln.startswith("#")]
+    bundle = missing.bundle_pins()
     assert len(bundle) == len({name for name, _ in bundle}) > 40
     assert {name: resolved.get(name) for name, _ in bundle} == dict(bundle)

@@ -42,21 +42,14 @@ def test_missing_lists_pinned_distributions(monkeypatch):
     assert "aiokafka==0.12.0" not in gone  # installed here
 
 
-def _pins(text: str) -> dict[str, str]:
-    """``name -> version`` of a requirements file of exact pins (comment lines skipped); a name
-    pinned twice fails."""
-    pairs = [ln.split("==", 1) for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-    names = [n.lower() for n, _ in pairs]
-    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
-    return {n.lower(): v for n, v in pairs}
-
-
 def test_bundle_requirements_agree_with_pyproject():
     """The offline GPU bundle carries the same versions the project pins (one version of each)."""
     from bench.gpu import missing
 
-    root = missing.ROOT
-    bundle = _pins((root / "bench/gpu/bundle-requirements.txt").read_text())
+    pairs = missing.bundle_pins()
+    names = [n for n, _ in pairs]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    bundle = dict(pairs)
     project = {k: v.split("==", 1)[1] for k, v in missing.pins().items()}
     shared = sorted(set(bundle) & set(project))
     assert {"aiokafka", "boto3", "orjson", "pydantic", "pydantic-settings", "fastapi"} <= set(shared)
