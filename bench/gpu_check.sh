@@ -204,6 +204,14 @@ their dependencies there, build the offline bundle (bench/gpu/bundle.sh), or run
     STILL="$("$PY" bench/gpu/missing.py || true)"
     [[ -z "$STILL" ]] || die "still missing after the install: $(echo $STILL)"
 fi
+# vLLM samples top-k/top-p with FlashInfer by default and imports it when the engine starts. The
+# bundle leaves FlashInfer out (its wheel, the CUTLASS DSL and cuDNN front end it pulls in do not
+# fit the parts), so without it vLLM is told to use its own sampler. A pip install of the `gpu`
+# extra (Dockerfile.gpu) brings FlashInfer and keeps vLLM's default.
+if ! "$PY" -c 'import flashinfer' >/dev/null 2>&1; then
+    export VLLM_USE_FLASHINFER_SAMPLER=0
+    echo "flashinfer not importable: VLLM_USE_FLASHINFER_SAMPLER=0 (vLLM's own top-k/top-p sampler)"
+fi
 "$PY" - <<'PY' || die "vLLM does not import, or torch sees no CUDA device"
 import torch, vllm, transformers
 print("vllm", vllm.__version__, "| torch", torch.__version__, "cuda", torch.version.cuda,
