@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from bench.gpu import throughput
 
 
-async def test_fake_engine_run_goes_through_the_infer_handler(capsys, monkeypatch):
+async def test_fake_engine_run_goes_through_the_infer_handler(capsys, monkeypatch, caplog):
     calls = []
     real = throughput.fake_engine_class()
 
@@ -31,6 +31,8 @@ async def test_fake_engine_run_goes_through_the_infer_handler(capsys, monkeypatc
     assert sizes == [1] * 5 + [4] * 3  # b1: warm-up + 4 timed; b4: warm-up + 8 images (at least 2 batches)
     assert all(shape == (1152, 896, 3) for c in calls for shape in c)
     assert "max_batch   4: 8 requests through InferHandler.handle" in out and "errors 0" in out
+    # records are keyed as dedup keys them for this engine: no generation-mismatch warnings
+    assert not [r for r in caplog.records if "not cached under that key" in r.getMessage()]
 
 
 def test_missing_lists_pinned_distributions(monkeypatch):

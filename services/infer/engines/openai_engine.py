@@ -130,7 +130,7 @@ class OpenAiEngine(OcrEngine):
     @classmethod
     def from_settings(cls, s) -> OpenAiEngine:
         """Build from :class:`~services.infer.settings.InferSettings`."""
-        if s.engine.engine == "openai" and s.engine.model != s.openai_model:
+        if s.engine.model != s.openai_model:  # this engine runs whatever engine.engine says
             log.warning("openai: engine.model=%r (the cache key) differs from openai_model=%r (what is asked)",
                         s.engine.model, s.openai_model)
         key = s.openai_api_key.get_secret_value() if s.openai_api_key is not None else None

@@ -163,7 +163,7 @@ class VllmEngine(OcrEngine):
     @classmethod
     def from_settings(cls, s) -> VllmEngine:
         """Build from :class:`~services.infer.settings.InferSettings`."""
-        if s.engine.engine == "vllm" and s.engine.model != s.vllm_model:
+        if s.engine.model != s.vllm_model:  # this engine runs whatever engine.engine says
             log.warning(
                 "vllm: engine.model=%r (the cache key) differs from vllm_model=%r (what is loaded)",
                 s.engine.model, s.vllm_model,
