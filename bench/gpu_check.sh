@@ -2,7 +2,8 @@
 # GPU check: the infer stage's batcher (InferHandler.handle) with the real vLLM engine on a tiny
 # random Qwen2-VL, at max_batch 1 / 8 / 32, printing images/s and the ratios b8/b1, b32/b1.
 #
-# For one single-GPU machine with no internet. Worst case 475 s: the whole script runs under
+# For one single-GPU machine with no internet (on an H200 with the bundle, 2026-11-30: 153 s;
+# 161 s with ENFORCE_EAGER=0). Worst case 475 s: the whole script runs under
 # `timeout --kill-after=15 $GPU_CHECK_TIMEOUT_S` (default 460 s, capped at 465 s). Steps, each timed:
 #   1. GPU and Python present (python3 >= 3.10);
 #   2. what is missing (bench/gpu/missing.py, under a second): vLLM, torch, transformers,
