@@ -84,7 +84,7 @@ def submit(
     wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for every result"),
     out: Optional[Path] = typer.Option(None, "--out", help="folder for one result JSON per image"),
     timeout: float = typer.Option(600.0, help="seconds to wait for all results"),
-    task: str = typer.Option("ocr", help="task (part of the cache key)"),
+    task: str = typer.Option("ocr", help="task (part of the cache key): one of the deployment's OCRSTREAM_TASKS"),
     source: str = typer.Option("cli", help="source label (selects the cache TTL)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the text"),
 ) -> None:

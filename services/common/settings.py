@@ -224,6 +224,11 @@ class CommonSettings(BaseSettings):
         description="vllm: auto | hunyuan | chat | a literal template containing {prompt} (part of the cache key)",
     )
     openai_prompt: str = Field(default=HUNYUAN_PROMPT, description="openai: the prompt (part of the cache key)")
+    tasks: tuple[str, ...] = Field(
+        default=("ocr",), min_length=1,
+        description="the tasks a request may name (JSON list; each is part of the cache key): a request naming "
+                    "another is rejected with invalid_request, so a caller's typo or made-up task never makes "
+                    "a cache generation of its own")
     cache_enabled: bool = Field(
         default=True,
         description="False: no request is answered from the cache (dedup sends every request to inference and "
@@ -235,6 +240,13 @@ class CommonSettings(BaseSettings):
         description="in-flight lease, ms: a holder silent this long is replaced (dedup claims and reaps; the sink promotes a waiter with it)")
     shutdown_timeout_s: float = Field(default=20.0, description="SIGTERM drain bound; below k8s grace period")
     retry_max_backoff_s: float = Field(default=10.0, description="cap of the backoff while a store is down")
+
+    def task_error(self, task: str) -> str | None:
+        """Why ``task`` is refused (a message for an ``invalid_request`` error), or None when
+        :attr:`tasks` lists it."""
+        if task in self.tasks:
+            return None
+        return f"task {task[:64]!r} is not one of this deployment's tasks: {', '.join(self.tasks)} (OCRSTREAM_TASKS)"
 
     def generation(self, task: str) -> CacheGeneration:
         """The cache generation of ``task`` as this deployment computes it: :attr:`engine` plus

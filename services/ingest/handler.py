@@ -89,6 +89,8 @@ class IngestHandler(Handler):
         return [Outgoing(self.s.topics.requests, req.content_sha256, dumps(req), headers)]
 
     async def _accept(self, event: SubmitEvent, base: RequestEvent) -> RequestEvent:
+        if (refused := self.s.task_error(event.task)) is not None:
+            raise OcrError(ErrorCode.INVALID_REQUEST, refused)
         limits = self.s.limits
         if event.image_b64 is not None:
             try:

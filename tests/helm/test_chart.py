@@ -432,3 +432,13 @@ def test_cache_enabled_reaches_the_door_and_dedup_alike():
         assert _stage_env(docs, w)["OCRSTREAM_CACHE_ENABLED"] == "false", comp
     (w,) = [d for d in workloads(render(REQUIRED)) if component(d) == "api"]
     assert _stage_env(render(REQUIRED), w)["OCRSTREAM_CACHE_ENABLED"] == "true"
+
+
+def test_tasks_reach_every_stage_as_one_json_list():
+    """``config.tasks`` is read by ingest and the door (who refuse other tasks) and by every stage
+    that builds cache keys: one JSON list in each stage's environment."""
+    docs = render(REQUIRED, sets=("config.tasks={ocr,receipt}",))
+    for w in workloads(docs):
+        assert _stage_env(docs, w)["OCRSTREAM_TASKS"] == '["ocr","receipt"]', component(w)
+    (w,) = [d for d in workloads(render(REQUIRED)) if component(d) == "ingest"]
+    assert _stage_env(render(REQUIRED), w)["OCRSTREAM_TASKS"] == '["ocr"]'

@@ -118,6 +118,14 @@ def test_bad_input_gets_a_specific_error_and_the_next_image_still_goes_through(a
                    params={"request_id": "bad id with spaces"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
         assert "request_id" in r.json()["error"]["message"]
+        r = c.post("/v1/ocr", content=text_image(["X"]), headers={"Content-Type": "image/png"},
+                   params={"task": "layout"})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "code": "invalid_request",
+            "message": "task 'layout' is not one of this deployment's tasks: ocr (OCRSTREAM_TASKS)"}
+        r = c.post("/v1/ocr/batch", files=[("files", ("a.png", text_image(["X"]), "image/png"))],
+                   data={"task": "layout"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
         jpeg = text_image(["TRUNCATED"], fmt="JPEG")
         truncated = jpeg[: len(jpeg) // 2]  # header fine, data cut: found by the decoder
         r = c.post("/v1/ocr", content=truncated, headers={"Content-Type": "image/jpeg"})

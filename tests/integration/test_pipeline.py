@@ -72,3 +72,17 @@ async def test_bad_inputs_get_specific_errors_and_the_next_image_goes_through(pi
     for d in docs[:3]:
         [row] = db_rows("SELECT status, error_code FROM requests WHERE request_id = %s", d.request_id)
         assert row == {"status": "error", "error_code": d.error.code.value}
+
+
+async def test_a_task_the_deployment_does_not_list_is_refused_and_the_next_goes_through(pipeline):
+    """A made-up task would be a cache generation of its own (and a Redis record of it) for an
+    engine that does the same thing anyway: ingest refuses it before reading the image."""
+    calls = pipeline.engine_calls()
+    [refused] = await pipeline.run([(text_image(["MADE UP TASK 41"]), "layout.png")], task="layout")
+    assert refused.status == "error" and refused.error.code is ErrorCode.INVALID_REQUEST
+    assert refused.error.message == "task 'layout' is not one of this deployment's tasks: ocr (OCRSTREAM_TASKS)"
+    assert refused.task == "layout" and refused.content_sha256 is None and pipeline.engine_calls() == calls
+    [row] = db_rows("SELECT status, error_code FROM requests WHERE request_id = %s", refused.request_id)
+    assert row == {"status": "error", "error_code": "invalid_request"}
+    [ok] = await pipeline.run([(text_image(["LISTED TASK 42"]), "ocr.png")], task="ocr")
+    assert ok.status == "ok" and ok.text == "LISTED TASK 42" and pipeline.engine_calls() == calls + 1

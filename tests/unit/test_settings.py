@@ -88,3 +88,32 @@ def test_nan_or_infinite_times_are_refused(monkeypatch, value):
         load_settings(DedupSettings)
     assert f"OCRSTREAM_LRU_TTL_S='{value}'" in str(exc.value)
     assert f"OCRSTREAM_SHUTDOWN_TIMEOUT_S='{value}'" in str(exc.value)
+
+
+def test_tasks_come_from_the_environment_and_others_are_refused_by_name(monkeypatch):
+    from services.common.settings import CommonSettings
+
+    assert CommonSettings().tasks == ("ocr",) and CommonSettings().task_error("ocr") is None
+    monkeypatch.setenv("OCRSTREAM_TASKS", '["ocr", "receipt"]')
+    s = load_settings(CommonSettings)
+    assert s.tasks == ("ocr", "receipt") and s.task_error("receipt") is None
+    assert s.task_error("layout") == (
+        "task 'layout' is not one of this deployment's tasks: ocr, receipt (OCRSTREAM_TASKS)")
+    monkeypatch.setenv("OCRSTREAM_TASKS", "[]")
+    with pytest.raises(SystemExit) as exc:
+        load_settings(CommonSettings)
+    assert "OCRSTREAM_TASKS=[]: Tuple should have at least 1 item" in str(exc.value)
+
+
+def test_the_door_refuses_a_task_the_deployment_does_not_list():
+    from services.common.settings import CommonSettings
+    from services.ingest.api.app import SubmitOptions
+    from services.ingest.api.errors import ApiError
+
+    s = CommonSettings(tasks=("ocr", "receipt"))
+    assert SubmitOptions.parse({"task": "receipt"}, s).task == "receipt"
+    assert SubmitOptions.parse({}, s).task == "ocr"
+    with pytest.raises(ApiError) as exc:
+        SubmitOptions.parse({"task": "layout", "source": "form"}, s)
+    assert (exc.value.status, exc.value.code) == (400, "invalid_request")
+    assert exc.value.message.startswith("task 'layout' is not one of this deployment's tasks: ocr, receipt")

@@ -59,7 +59,7 @@ from services.common.events import dumps
 from services.common.kafka import make_producer
 from services.common.outputs import OutputLru
 from services.common.s3 import ObjectStore
-from services.common.settings import load_settings
+from services.common.settings import CommonSettings, load_settings
 from services.common.telemetry import SpanKind, Telemetry
 from services.ingest.accept import accept_image, accept_staged
 from services.ingest.api.auth import Guard, Principal
@@ -130,7 +130,8 @@ def _query(name: str, description: str, max_length: int | None = None) -> dict:
 
 #: ``POST /v1/ocr``'s query options for a raw body (multipart sends them as form fields instead).
 _SUBMIT_PARAMS = [
-    _query("task", "what to do with the image (part of the cache key); default `ocr`", 64),
+    _query("task", "what to do with the image (part of the cache key): one of the deployment's tasks "
+                   "(`OCRSTREAM_TASKS`), else 400 `invalid_request`; default `ocr`", 64),
     _query("source", "where the image comes from (picks the cache TTL); default `http`", 64),
     _query("filename", "the image's file name, kept with the result", 512),
     _query("callback_url", "webhook URL for the completion (its host must be on the allow-list)", 2048),
@@ -152,8 +153,9 @@ class SubmitOptions(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
-    def parse(cls, fields: dict[str, str]) -> "SubmitOptions":
-        """From query/form fields; ``metadata`` is a JSON object of strings.
+    def parse(cls, fields: dict[str, str], settings: CommonSettings | None = None) -> "SubmitOptions":
+        """From query/form fields; ``metadata`` is a JSON object of strings. With ``settings``,
+        ``task`` must be one of its :attr:`~CommonSettings.tasks`.
 
         Raises:
             ApiError: 400 ``invalid_request`` naming the bad field.
@@ -172,6 +174,8 @@ class SubmitOptions(BaseModel):
             raise ApiError(400, "invalid_request", f"{where}: {first['msg']}") from None
         if sum(len(k) + len(v) for k, v in opts.metadata.items()) > 16_384:
             raise ApiError(400, "invalid_request", "metadata is limited to 16 KiB")
+        if settings is not None and (refused := settings.task_error(opts.task)) is not None:
+            raise ApiError(400, "invalid_request", refused)
         return opts
 
 
@@ -699,9 +703,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                                                    part_bytes=s.http_stream_part_bytes,
                                                    on_staged_end=door.count_staged)
                 up = ups[0]
-                opts = SubmitOptions.parse({**query, **fields})
+                opts = SubmitOptions.parse({**query, **fields}, s)
             elif ctype.startswith(_RAW_TYPES) or not ctype:
-                opts = SubmitOptions.parse(query)
+                opts = SubmitOptions.parse(query, s)
                 held.admit(expected_hold(request, s.limits.max_image_bytes, s.http_stream_part_bytes))
                 up = await read_raw(request, s.limits.max_image_bytes, held, s.http_body_timeout_s, store=door.store,
                                     part_bytes=s.http_stream_part_bytes, on_staged_end=door.count_staged)
@@ -760,7 +764,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     async def _batch_submit(request: Request, principal: Principal, ups: list[Upload], fields: dict[str, str]) -> Response:
         fields.pop("request_id", None)
-        opts = SubmitOptions.parse(fields)
+        opts = SubmitOptions.parse(fields, s)
         sem = asyncio.Semaphore(s.ingest_concurrency)
 
         async def one(i: int, up: Upload) -> BatchItem:
