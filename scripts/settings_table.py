@@ -6,6 +6,7 @@ The table sits between the markers ``<!-- settings:begin -->`` and ``<!-- settin
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -32,7 +33,10 @@ def _default(field) -> str:
         return "(secret)"
     if isinstance(value, BaseModel):
         return ""
-    text = repr(value) if isinstance(value, str) else str(value)
+    if isinstance(value, (list, tuple, dict)):  # as the variable takes it: JSON
+        text = json.dumps(list(value) if isinstance(value, tuple) else value, ensure_ascii=False)
+    else:
+        text = repr(value) if isinstance(value, str) else str(value)
     return text.replace("|", "\\|")
 
 

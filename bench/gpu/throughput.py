@@ -233,23 +233,25 @@ async def run(args) -> int:
 
     engine = build_engine(args)
     t0 = time.perf_counter()
-    await engine.start()
-    print(f"engine: started and warmed up in {time.perf_counter() - t0:.1f} s (ready={engine.ready})", flush=True)
-    if not args.fake_engine and not await engine_checks(engine):
-        return 1
-
-    telemetry = Telemetry("infer", TelemetrySettings())
     results: dict[int, float] = {}
-    for b in args.batches:
-        ips, ok, errors, inf = await run_batch_size(args, engine, telemetry, b)
-        results[b] = ips
-        p50 = float(np.median(inf)) if inf else float("nan")
-        print(f"max_batch {b:>3}: {ok + errors} requests through InferHandler.handle, {ips:7.2f} images/s, "
-              f"inference share p50 {p50:.0f} ms, errors {errors}", flush=True)
-        if ok == 0:
-            print(f"FAIL: every request failed at max_batch {b}", flush=True)
+    try:  # closed on every path: vLLM's engine core is a process of its own, holding the GPU
+        await engine.start()
+        print(f"engine: started and warmed up in {time.perf_counter() - t0:.1f} s (ready={engine.ready})", flush=True)
+        if not args.fake_engine and not await engine_checks(engine):
             return 1
-    await engine.close()
+
+        telemetry = Telemetry("infer", TelemetrySettings())
+        for b in args.batches:
+            ips, ok, errors, inf = await run_batch_size(args, engine, telemetry, b)
+            results[b] = ips
+            p50 = float(np.median(inf)) if inf else float("nan")
+            print(f"max_batch {b:>3}: {ok + errors} requests through InferHandler.handle, {ips:7.2f} images/s, "
+                  f"inference share p50 {p50:.0f} ms, errors {errors}", flush=True)
+            if ok == 0:
+                print(f"FAIL: every request failed at max_batch {b}", flush=True)
+                return 1
+    finally:
+        await engine.close()
 
     base = results.get(1)
     print("\nthroughput (images/s): " + ", ".join(f"b{b}={v:.2f}" for b, v in results.items()))
@@ -285,7 +287,7 @@ def main() -> None:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.enforce_eager = bool(args.enforce_eager)
     rc = asyncio.run(run(args))
-    # The engine is closed by now. With CUDA graphs (--enforce-eager 0) the interpreter was seen
+    # run() closed the engine on every path. With CUDA graphs (--enforce-eager 0) the interpreter was seen
     # on an H200 to hang at exit for over a minute after the last line (vLLM 0.26.0 threads);
     # the results are printed, so leave at once.
     sys.stdout.flush()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError
+from pydantic import BaseModel, Field, SecretStr, StringConstraints, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from schemas.keys import CacheGeneration
@@ -224,11 +224,11 @@ class CommonSettings(BaseSettings):
         description="vllm: auto | hunyuan | chat | a literal template containing {prompt} (part of the cache key)",
     )
     openai_prompt: str = Field(default=HUNYUAN_PROMPT, description="openai: the prompt (part of the cache key)")
-    tasks: tuple[str, ...] = Field(
+    tasks: tuple[Annotated[str, StringConstraints(min_length=1, max_length=64)], ...] = Field(
         default=("ocr",), min_length=1,
-        description="the tasks a request may name (JSON list; each is part of the cache key): a request naming "
-                    "another is rejected with invalid_request, so a caller's typo or made-up task never makes "
-                    "a cache generation of its own")
+        description="the tasks a request may name (JSON list, must include ocr, the task of requests that name "
+                    "none; each is part of the cache key): ingest, the HTTP door and dedup refuse any other with "
+                    "invalid_request, so a typo or a made-up task never makes a cache generation of its own")
     cache_enabled: bool = Field(
         default=True,
         description="False: no request is answered from the cache (dedup sends every request to inference and "
@@ -241,12 +241,19 @@ class CommonSettings(BaseSettings):
     shutdown_timeout_s: float = Field(default=20.0, description="SIGTERM drain bound; below k8s grace period")
     retry_max_backoff_s: float = Field(default=10.0, description="cap of the backoff while a store is down")
 
+    @field_validator("tasks")
+    @classmethod
+    def _default_task_listed(cls, tasks: tuple[str, ...]) -> tuple[str, ...]:
+        if "ocr" not in tasks:
+            raise ValueError("must include 'ocr', the task of every request that names none")
+        return tasks
+
     def task_error(self, task: str) -> str | None:
-        """Why ``task`` is refused (a message for an ``invalid_request`` error), or None when
-        :attr:`tasks` lists it."""
+        """Why ``task`` is refused (the message of an ``invalid_request`` error, for the caller),
+        or None when :attr:`tasks` lists it."""
         if task in self.tasks:
             return None
-        return f"task {task[:64]!r} is not one of this deployment's tasks: {', '.join(self.tasks)} (OCRSTREAM_TASKS)"
+        return f"task {task[:64]!r} is not one of this deployment's tasks: {', '.join(self.tasks)}"
 
     def generation(self, task: str) -> CacheGeneration:
         """The cache generation of ``task`` as this deployment computes it: :attr:`engine` plus

@@ -7,7 +7,8 @@ import time
 
 from aiokafka import ConsumerRecord
 
-from schemas.events import InferEvent, Page, RequestEvent, ResultEvent
+from schemas.errors import ErrorCode
+from schemas.events import ErrorInfo, InferEvent, Page, RequestEvent, ResultEvent
 from schemas.keys import cache_key
 from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
 from services.common.dlq import poison_messages
@@ -66,12 +67,20 @@ class DedupHandler(Handler):
 
     async def _one(self, req: RequestEvent, queued: float, headers) -> list[Outgoing]:
         started = time.perf_counter()
-        gen = self.s.generation(req.task)
-        key = cache_key(req.content_sha256, gen)
 
         def timed(r: RequestEvent) -> RequestEvent:
             t = dict(r.timings_ms, queue_dedup=queued, dedup=(time.perf_counter() - started) * 1000)
             return r.model_copy(update={"timings_ms": t})
+
+        if (refused := self.s.task_error(req.task)) is not None:
+            # ingest refuses these first; one can still arrive from an ingest or door with other
+            # settings (a rolling upgrade): refused here too, before any generation or Redis call
+            self.telemetry.requests_done.labels("dedup", "error", ErrorCode.INVALID_REQUEST.value).inc()
+            ev = ResultEvent(request=timed(req), status="error",
+                             error=ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=refused))
+            return [Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), headers)]
+        gen = self.s.generation(req.task)
+        key = cache_key(req.content_sha256, gen)
 
         def near_hit(n: NearHit) -> list[Outgoing]:
             self.telemetry.cache.labels("dedup", "hit", "near").inc()

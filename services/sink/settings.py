@@ -1,6 +1,6 @@
 """Sink settings (env prefix ``OCRSTREAM_``)."""
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from services.common.settings import CommonSettings
 
@@ -28,6 +28,16 @@ class SinkSettings(CommonSettings):
         default=8 * 1024 * 1024, ge=0,
         description="bound on their JSON size, bytes (in memory ~8x: services/common/outputs.py); 0 = entries only",
     )
+
+    @field_validator("cache_ttl_by_task")
+    @classmethod
+    def _ttl_tasks_listed(cls, ttls: dict[str, int], info: ValidationInfo) -> dict[str, int]:
+        tasks = info.data.get("tasks")  # validated before (a CommonSettings field); absent if it failed
+        unknown = sorted(set(ttls) - set(tasks)) if tasks else []
+        if unknown:
+            raise ValueError(f"names {', '.join(map(repr, unknown))}, not among the tasks ({', '.join(tasks)}): "
+                             "no request can carry it")
+        return ttls
 
     def ttl_for(self, source: str, task: str) -> int:
         """Cache TTL in seconds: the source's override, else the task's, else ``cache_ttl_s``.

@@ -30,6 +30,9 @@ def test_gpu_extra_resolves_with_the_base_dependencies(tmp_path):
     resolved = dict(ln.split("==", 1) for ln in out.read_text().splitlines() if "==" in ln and not ln.startswith(" "))
     assert resolved["vllm"] == "0.26.0" and resolved["torch"] == "2.11.0"
     assert resolved["fastapi"] == "0.136.3" and resolved["numpy"] == "2.3.5"
+    # vLLM's sampler imports FlashInfer on CUDA: a real install has it (only the bundle leaves it out,
+    # and bench/gpu_check.sh then sets VLLM_USE_FLASHINFER_SAMPLER=0)
+    assert resolved["flashinfer-python"] == "0.6.14"
     # the GPU check's offline bundle carries exactly what a `pip install 'ocrstream[gpu]'` gets
     bundle = missing.bundle_pins()
     assert len(bundle) == len({name for name, _ in bundle}) > 40

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import orjson
@@ -80,9 +81,60 @@ async def test_a_task_the_deployment_does_not_list_is_refused_and_the_next_goes_
     calls = pipeline.engine_calls()
     [refused] = await pipeline.run([(text_image(["MADE UP TASK 41"]), "layout.png")], task="layout")
     assert refused.status == "error" and refused.error.code is ErrorCode.INVALID_REQUEST
-    assert refused.error.message == "task 'layout' is not one of this deployment's tasks: ocr (OCRSTREAM_TASKS)"
+    assert refused.error.message == "task 'layout' is not one of this deployment's tasks: ocr"
     assert refused.task == "layout" and refused.content_sha256 is None and pipeline.engine_calls() == calls
     [row] = db_rows("SELECT status, error_code FROM requests WHERE request_id = %s", refused.request_id)
     assert row == {"status": "error", "error_code": "invalid_request"}
     [ok] = await pipeline.run([(text_image(["LISTED TASK 42"]), "ocr.png")], task="ocr")
     assert ok.status == "ok" and ok.text == "LISTED TASK 42" and pipeline.engine_calls() == calls + 1
+    assert "layout" not in _generation_tasks()
+
+
+def _generation_tasks() -> set[str]:
+    """Tasks of the cache generations dedup has registered in this namespace's Redis."""
+    import redis
+
+    s = CommonSettings()
+    gens = redis.Redis.from_url(s.redis.url).hgetall(f"{s.redis.key_prefix}:gens")
+    return {orjson.loads(raw)["task"] for raw in gens.values()}
+
+
+async def test_dedup_refuses_an_unlisted_task_that_got_past_an_ingest_with_other_settings(pipeline):
+    """In a rolling upgrade an ingest or door with other settings can still publish a request
+    naming a task this deployment does not list: dedup refuses it too, before any Redis call."""
+    import hashlib
+    import uuid
+
+    from schemas.events import RequestEvent
+    from schemas.keys import image_object_key
+    from services.common.completions import CompletionWatcher
+    from services.common.events import dumps
+    from services.common.kafka import make_producer
+
+    s = CommonSettings()
+    data = text_image(["PAST INGEST 43"])
+    sha = hashlib.sha256(data).hexdigest()
+    uri = ObjectStore(s.s3).uri(image_object_key(sha))  # never read: refused before anything looks at it
+    rid = f"past-ingest-{uuid.uuid4().hex[:8]}"
+    req = RequestEvent(request_id=rid, content_sha256=sha, image_uri=uri, size_bytes=len(data), format="png",
+                       task="layout")
+    calls = pipeline.engine_calls()
+    watcher = CompletionWatcher(s)
+    await watcher.start()
+    producer = make_producer(s.kafka, "test-past-ingest")
+    await producer.start()
+    try:
+        await producer.send_and_wait(s.topics.requests, dumps(req), key=sha.encode())
+        async def first():
+            async for ev in watcher.completions({rid}):
+                return ev.result
+        doc = await asyncio.wait_for(first(), 120)
+    finally:
+        await producer.stop()
+        await watcher.stop()
+    assert doc.status == "error" and doc.error.code is ErrorCode.INVALID_REQUEST
+    assert doc.error.message == "task 'layout' is not one of this deployment's tasks: ocr"
+    assert "dedup" in doc.timings_ms and pipeline.engine_calls() == calls
+    assert "layout" not in _generation_tasks()
+    [row] = db_rows("SELECT status, error_code FROM requests WHERE request_id = %s", rid)
+    assert row == {"status": "error", "error_code": "invalid_request"}

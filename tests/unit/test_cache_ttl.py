@@ -4,7 +4,7 @@ from services.sink.settings import SinkSettings
 
 
 def test_ttl_precedence_source_then_task_then_default():
-    s = SinkSettings(cache_ttl_s=86_400, cache_ttl_by_source={"screenshot": 600},
+    s = SinkSettings(cache_ttl_s=86_400, cache_ttl_by_source={"screenshot": 600}, tasks=("ocr", "table", "layout"),
                      cache_ttl_by_task={"table": 7_200, "ocr": 3_600})
     assert s.ttl_for("upload", "layout") == 86_400  # no override: the default
     assert s.ttl_for("upload", "table") == 7_200  # the task's override

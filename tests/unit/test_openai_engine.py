@@ -224,3 +224,19 @@ def test_max_side_follows_the_setting():
 
     assert OpenAiEngine.from_settings(InferSettings(engine_kind="openai")).max_side == 2048
     assert OpenAiEngine.from_settings(InferSettings(engine_kind="openai", engine_max_side=1280)).max_side == 1280
+
+
+def test_a_cache_key_naming_another_model_is_reported(caplog):
+    from services.common.settings import EngineIdentity
+    from services.infer.settings import InferSettings
+
+    with caplog.at_level("WARNING", logger="services.infer.engines.openai_engine"):
+        OpenAiEngine.from_settings(InferSettings(engine_kind="openai", openai_model="my-ocr-vlm"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "openai: engine.model='PP-OCRv4-ch' (the cache key) differs from openai_model='my-ocr-vlm' (what is asked)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="services.infer.engines.openai_engine"):
+        OpenAiEngine.from_settings(InferSettings(
+            engine_kind="openai", openai_model="my-ocr-vlm",
+            engine=EngineIdentity(engine="openai", model="my-ocr-vlm", model_revision="r1")))
+    assert caplog.records == []

@@ -92,17 +92,36 @@ def test_nan_or_infinite_times_are_refused(monkeypatch, value):
 
 def test_tasks_come_from_the_environment_and_others_are_refused_by_name(monkeypatch):
     from services.common.settings import CommonSettings
+    from services.sink.settings import SinkSettings
 
+    monkeypatch.delenv("OCRSTREAM_TASKS", raising=False)
+    monkeypatch.delenv("OCRSTREAM_CACHE_TTL_BY_TASK", raising=False)
     assert CommonSettings().tasks == ("ocr",) and CommonSettings().task_error("ocr") is None
     monkeypatch.setenv("OCRSTREAM_TASKS", '["ocr", "receipt"]')
     s = load_settings(CommonSettings)
     assert s.tasks == ("ocr", "receipt") and s.task_error("receipt") is None
-    assert s.task_error("layout") == (
-        "task 'layout' is not one of this deployment's tasks: ocr, receipt (OCRSTREAM_TASKS)")
-    monkeypatch.setenv("OCRSTREAM_TASKS", "[]")
+    assert s.task_error("layout") == "task 'layout' is not one of this deployment's tasks: ocr, receipt"
+    monkeypatch.setenv("OCRSTREAM_CACHE_TTL_BY_TASK", '{"receipt": 3600}')
+    assert load_settings(SinkSettings).ttl_for("upload", "receipt") == 3600
+    for bad, why in [("[]", "OCRSTREAM_TASKS=[]: Tuple should have at least 1 item"),
+                     ('["receipt"]', "OCRSTREAM_TASKS=['receipt']: Value error, must include 'ocr'"),
+                     ('["ocr", ""]', "OCRSTREAM_TASKS__1='': String should have at least 1 character")]:
+        monkeypatch.setenv("OCRSTREAM_TASKS", bad)
+        with pytest.raises(SystemExit) as exc:
+            load_settings(CommonSettings)
+        assert why in str(exc.value), (bad, str(exc.value))
+
+
+def test_a_ttl_for_a_task_no_request_can_carry_is_refused(monkeypatch):
+    from services.sink.settings import SinkSettings
+
+    monkeypatch.delenv("OCRSTREAM_TASKS", raising=False)
+    monkeypatch.setenv("OCRSTREAM_CACHE_TTL_BY_TASK", '{"ocr": 7200, "recipt": 60}')
     with pytest.raises(SystemExit) as exc:
-        load_settings(CommonSettings)
-    assert "OCRSTREAM_TASKS=[]: Tuple should have at least 1 item" in str(exc.value)
+        load_settings(SinkSettings)
+    assert str(exc.value).endswith(
+        "OCRSTREAM_CACHE_TTL_BY_TASK={'ocr': 7200, 'recipt': 60}: Value error, names 'recipt', "
+        "not among the tasks (ocr): no request can carry it")
 
 
 def test_the_door_refuses_a_task_the_deployment_does_not_list():
@@ -116,4 +135,4 @@ def test_the_door_refuses_a_task_the_deployment_does_not_list():
     with pytest.raises(ApiError) as exc:
         SubmitOptions.parse({"task": "layout", "source": "form"}, s)
     assert (exc.value.status, exc.value.code) == (400, "invalid_request")
-    assert exc.value.message.startswith("task 'layout' is not one of this deployment's tasks: ocr, receipt")
+    assert exc.value.message == "task 'layout' is not one of this deployment's tasks: ocr, receipt"

@@ -153,9 +153,9 @@ class SubmitOptions(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
-    def parse(cls, fields: dict[str, str], settings: CommonSettings | None = None) -> "SubmitOptions":
-        """From query/form fields; ``metadata`` is a JSON object of strings. With ``settings``,
-        ``task`` must be one of its :attr:`~CommonSettings.tasks`.
+    def parse(cls, fields: dict[str, str], settings: CommonSettings) -> "SubmitOptions":
+        """From query/form fields; ``metadata`` is a JSON object of strings; ``task`` must be one
+        of ``settings.tasks``.
 
         Raises:
             ApiError: 400 ``invalid_request`` naming the bad field.
@@ -174,7 +174,7 @@ class SubmitOptions(BaseModel):
             raise ApiError(400, "invalid_request", f"{where}: {first['msg']}") from None
         if sum(len(k) + len(v) for k, v in opts.metadata.items()) > 16_384:
             raise ApiError(400, "invalid_request", "metadata is limited to 16 KiB")
-        if settings is not None and (refused := settings.task_error(opts.task)) is not None:
+        if (refused := settings.task_error(opts.task)) is not None:
             raise ApiError(400, "invalid_request", refused)
         return opts
 
