@@ -10,7 +10,7 @@ from aiokafka import ConsumerRecord
 
 from schemas.errors import RETRYABLE_CODES, ErrorCode
 from schemas.events import (
-    CompletedEvent, ErrorInfo, InferEvent, OcrOutput, RequestEvent, ResultDocument, ResultEvent, now_ms,
+    CompletedEvent, InferEvent, OcrOutput, RequestEvent, ResultDocument, ResultEvent, now_ms,
 )
 from schemas.keys import result_object_key
 from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
