@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 from typing import Annotated, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, StringConstraints, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
@@ -38,11 +39,11 @@ class KafkaSettings(BaseModel):
     linger_ms: int = Field(
         default=0, ge=0,
         description="producer batching delay, ms; 0 = send at once (messages sent while a request is in flight still batch)")
-    max_request_size: int = Field(default=1_048_576, description="bytes; the broker's default message limit")
-    session_timeout_ms: int = Field(default=30_000, description="consumer group session timeout, ms")
-    heartbeat_interval_ms: int = Field(default=3_000, description="consumer heartbeat interval, ms")
-    max_poll_interval_ms: int = Field(default=300_000, description="max time between polls, ms (the runner keeps polling while a batch runs)")
-    request_timeout_ms: int = Field(default=30_000, description="Kafka request timeout, ms")
+    max_request_size: int = Field(default=1_048_576, ge=1, description="bytes; the broker's default message limit")
+    session_timeout_ms: int = Field(default=30_000, ge=1, description="consumer group session timeout, ms")
+    heartbeat_interval_ms: int = Field(default=3_000, ge=1, description="consumer heartbeat interval, ms")
+    max_poll_interval_ms: int = Field(default=300_000, ge=1, description="max time between polls, ms (the runner keeps polling while a batch runs)")
+    request_timeout_ms: int = Field(default=30_000, ge=1, description="Kafka request timeout, ms")
 
 
 class S3Settings(BaseModel):
@@ -53,9 +54,9 @@ class S3Settings(BaseModel):
     secret_key: SecretStr = Field(default=SecretStr("ocrstream-secret"), description="secret access key")
     region: str = Field(default="us-east-1", description="region")
     bucket: str = Field(default="ocrstream", description="bucket for images/ and results/")
-    connect_timeout_s: float = Field(default=5.0, description="connect timeout, s")
-    read_timeout_s: float = Field(default=30.0, description="read timeout, s")
-    max_pool_connections: int = Field(default=32, description="HTTP connections per process")
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="connect timeout, s")
+    read_timeout_s: float = Field(default=30.0, gt=0, description="read timeout, s")
+    max_pool_connections: int = Field(default=32, ge=1, description="HTTP connections per process")
     known_keys: int = Field(
         default=65_536, ge=0,
         description="image keys this process stored or saw present, remembered so a repeat skips the HEAD; "
@@ -69,6 +70,15 @@ class S3Settings(BaseModel):
         description="key prefix of large HTTP uploads while they stream in (multipart uploads, then one object "
                     "until it is copied to images/); `ocrstream init` expires what is left there after 1 day")
 
+    @field_validator("endpoint_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            u = urlsplit(v)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise ValueError("must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:9000")
+        return v
+
 
 class RedisSettings(BaseModel):
     """Redis holding the result cache, in-flight leases and waiters."""
@@ -78,23 +88,37 @@ class RedisSettings(BaseModel):
     timeout_ms: int = Field(default=100, ge=1, description="time budget of every Redis call")
     key_prefix: str = Field(default="ocr", description="prefix of every key ocrstream writes")
 
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        u = urlsplit(v)
+        if u.scheme not in ("redis", "rediss", "unix") or (u.scheme != "unix" and not u.hostname) \
+                or (u.scheme == "unix" and not u.path):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL, e.g. redis://127.0.0.1:6379/0")
+        return v
+
 
 class MySQLSettings(BaseModel):
     """MariaDB/MySQL holding the requests and results tables."""
 
     host: str = Field(default="127.0.0.1", description="MariaDB/MySQL host")
-    port: int = Field(default=3306, description="port")
+    port: int = Field(default=3306, ge=1, le=65535, description="port")
     user: str = Field(default="ocrstream", description="user")
     password: SecretStr = Field(default=SecretStr("ocrstream"), description="password")
     database: str = Field(default="ocrstream", description="database")
-    connect_timeout_s: float = Field(default=5.0, description="connect timeout, s")
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="connect timeout, s")
 
 
 class TelemetrySettings(BaseModel):
     """Logging, metrics and tracing."""
 
-    log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
-    metrics_port: int | None = Field(default=None, description="port for /metrics, /healthz, /readyz; None = off")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: object) -> object:
+        return v.upper() if isinstance(v, str) else v
+    metrics_port: int | None = Field(default=None, ge=1, le=65535, description="port for /metrics, /healthz, /readyz; None = off")
     traces_exporter: Literal["none", "console", "otlp", "file"] = Field(
         default="none",
         description="none (ids propagate, nothing recorded), console, otlp (extra `otlp`) or file (JSON lines)",
@@ -130,7 +154,7 @@ class EngineIdentity(BaseModel):
     engine: Literal["rapidocr", "vllm", "openai"] = Field(default="rapidocr", description="engine name (part of the cache key)")
     model: str = Field(default="PP-OCRv4-ch", description="model id (part of the cache key)")
     model_revision: str = Field(default="rapidocr-onnxruntime-1.4.4", description="model revision (part of the cache key)")
-    preprocess_version: int = Field(default=1, description="bump when decoding/preprocessing changes results")
+    preprocess_version: int = Field(default=1, ge=1, description="bump when decoding/preprocessing changes results")
     det_limit_side_len: int = Field(
         default=RAPIDOCR_DET_LIMIT_SIDE_LEN, ge=32, le=2048,
         description="rapidocr: the detector upscales the short side to at least this (px; RapidOCR's 736); "
@@ -187,11 +211,11 @@ class EngineIdentity(BaseModel):
 class Limits(BaseModel):
     """Limits that protect the service; each is enforced at the earliest stage that can."""
 
-    max_image_bytes: int = Field(default=50 * 1024 * 1024, description="bytes per upload (ingest)")
-    max_pixels: int = Field(default=100_000_000, description="width x height per page, from the header")
-    max_pages: int = Field(default=20, description="pages/frames per multi-page input")
-    infer_timeout_s: float = Field(default=300.0, description="per-image inference time")
-    inline_max_bytes: int = Field(default=700 * 1024, description="largest image sent inline on ocr.submit")
+    max_image_bytes: int = Field(default=50 * 1024 * 1024, ge=1, description="bytes per upload (ingest)")
+    max_pixels: int = Field(default=100_000_000, ge=1, description="width x height per page, from the header")
+    max_pages: int = Field(default=20, ge=1, description="pages/frames per multi-page input")
+    infer_timeout_s: float = Field(default=300.0, gt=0, description="per-image inference time")
+    inline_max_bytes: int = Field(default=700 * 1024, ge=0, description="largest image sent inline on ocr.submit")
 
 
 class CommonSettings(BaseSettings):
@@ -238,8 +262,8 @@ class CommonSettings(BaseSettings):
     lease_ms: int = Field(
         default=600_000, ge=1,
         description="in-flight lease, ms: a holder silent this long is replaced (dedup claims and reaps; the sink promotes a waiter with it)")
-    shutdown_timeout_s: float = Field(default=20.0, description="SIGTERM drain bound; below k8s grace period")
-    retry_max_backoff_s: float = Field(default=10.0, description="cap of the backoff while a store is down")
+    shutdown_timeout_s: float = Field(default=20.0, gt=0, description="SIGTERM drain bound; below k8s grace period")
+    retry_max_backoff_s: float = Field(default=10.0, gt=0, description="cap of the backoff while a store is down")
 
     @field_validator("tasks")
     @classmethod
@@ -297,10 +321,22 @@ def load_settings(cls: type[S]) -> S:
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            name = (prefix + delim.join(str(part) for part in err["loc"])).upper()
-            shown = _shown(name, err.get("input"))
-            lines.append(f"{name}{shown}: {err['msg']}")
+            name, value, inner = _located(err["loc"], err.get("input"), prefix, delim)
+            lines.append(f"{name}{_shown(name, value)}: {inner + ': ' if inner else ''}{err['msg']}")
         raise SystemExit("ocrstream: invalid settings in the environment:\n  " + "\n  ".join(lines)) from None
+
+
+def _located(loc: tuple, value: object, prefix: str, delim: str) -> tuple[str, object, str]:
+    """``(variable, its value as set, where inside it)`` for an error at ``loc``: the longest variable
+    set in the environment that holds it (``OCRSTREAM_CACHE_TTL_BY_TASK`` for an item of its
+    JSON, ``OCRSTREAM_MYSQL__PORT`` for that nested field), else the name the field would have."""
+    env = {n.upper(): n for n in os.environ}
+    parts = [str(p) for p in loc]
+    for i in range(len(parts), 0, -1):
+        var = env.get((prefix + delim.join(parts[:i])).upper())
+        if var is not None:
+            return var, os.environ[var], ".".join(parts[i:])
+    return (prefix + delim.join(parts)).upper(), value, ""
 
 
 def _unparsed(exc: SettingsError, prefix: str, delim: str) -> list[str]:

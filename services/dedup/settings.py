@@ -17,7 +17,7 @@ class NearDupSettings(BaseModel):
     max_candidates: int = Field(default=3, ge=1, description="candidates verified per request, closest hash first")
     bucket_size: int = Field(default=64, ge=1, description="newest images kept per LSH bucket (8 buckets per image)")
     index_ttl_s: int = Field(default=86_400, ge=1, description="an LSH bucket expires this long after its last write, s")
-    max_image_bytes: int = Field(default=20 * 1024 * 1024, description="larger images are not looked up (bytes)")
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=0, description="larger images are not looked up (bytes)")
     block_px: int = Field(default=8, ge=2, description="verification window side, px of the compared page")
     max_block_diff: float = Field(default=12.0, gt=0, description="largest L4-mean grey difference (0-255) of any window")
     blur_radius: float = Field(default=1.0, ge=0, description="Gaussian blur (px) before comparing")
@@ -38,11 +38,11 @@ class DedupSettings(CommonSettings):
     """Settings of the dedup stage."""
 
     dedup_group_id: str = Field(default="ocrstream-dedup", description="consumer group of the dedup stage")
-    dedup_max_batch: int = Field(default=64, description="records per batch")
+    dedup_max_batch: int = Field(default=64, ge=1, description="records per batch")
     dedup_max_wait_ms: int = Field(
         default=0, ge=0,
         description="longest wait for a batch to fill, ms; 0 = take what has arrived (a backlog still makes full batches)")
-    lru_entries: int = Field(default=10_000, description="in-process LRU in front of Redis: entries")
-    lru_bytes: int = Field(default=8 * 1024 * 1024, description="in-process LRU in front of Redis: bytes")
+    lru_entries: int = Field(default=10_000, ge=0, description="in-process LRU in front of Redis: entries")
+    lru_bytes: int = Field(default=8 * 1024 * 1024, ge=0, description="in-process LRU in front of Redis: bytes")
     lru_ttl_s: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="in-process LRU: entry age limit, s (bounds how long a purge takes to reach dedup)")
     near_dup: NearDupSettings = NearDupSettings()

@@ -17,12 +17,12 @@ class InferSettings(CommonSettings):
     infer_group_id: str = Field(default="ocrstream-infer", description="consumer group of the infer stage")
     max_batch: int = Field(default=8, ge=1, description="events per micro-batch")
     max_wait_ms: int = Field(default=20, ge=0, description="longest wait for a micro-batch to fill")
-    infer_max_poll_interval_ms: int = Field(default=300_000, description="partitions are paused while a batch runs")
-    fetch_concurrency: int = Field(default=8, description="S3 gets in flight per batch")
+    infer_max_poll_interval_ms: int = Field(default=300_000, ge=1, description="partitions are paused while a batch runs")
+    fetch_concurrency: int = Field(default=8, ge=1, description="S3 gets in flight per batch")
     # RapidOCR (CPU) engine
-    rapidocr_threads: int = Field(default=1, description="ONNX Runtime intra-op threads per image (bench/engine_tuning.py)")
-    rapidocr_workers: int = Field(default=2, description="images in flight per process (2 per 2 cores: bench/infer_bench.py)")
-    tile_max_aspect: float = Field(default=3.0, description="pages longer than engine_max_side and longer/shorter above this are sliced into tiles")
+    rapidocr_threads: int = Field(default=1, ge=1, description="ONNX Runtime intra-op threads per image (bench/engine_tuning.py)")
+    rapidocr_workers: int = Field(default=2, ge=1, description="images in flight per process (2 per 2 cores: bench/infer_bench.py)")
+    tile_max_aspect: float = Field(default=3.0, ge=1, description="pages longer than engine_max_side and longer/shorter above this are sliced into tiles")
     device: str = Field(default="cuda:0", description="GPU engines: the one device this process uses")
     # vLLM (in-process, GPU) engine; model default HunyuanOCR. Keep engine.model equal to vllm_model.
     vllm_model: str = Field(default="tencent/HunyuanOCR", description="HF id or local path vLLM loads (no download if cached/local)")
@@ -30,10 +30,10 @@ class InferSettings(CommonSettings):
     vllm_dtype: str = "auto"
     vllm_gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1)
     vllm_max_num_seqs: int = Field(default=64, ge=1, description="requests decoded together")
-    vllm_max_model_len: int = Field(default=16384, description="prompt (a 2K page is ~4,100 image tokens) + output")
-    vllm_max_num_batched_tokens: int = Field(default=32768, description="well above one page's tokens, so pages overlap")
+    vllm_max_model_len: int = Field(default=16384, ge=1, description="prompt (a 2K page is ~4,100 image tokens) + output")
+    vllm_max_num_batched_tokens: int = Field(default=32768, ge=1, description="well above one page's tokens, so pages overlap")
     vllm_max_tokens: int = Field(default=4096, ge=1, description="generation cap per image")
-    vllm_repetition_penalty: float = Field(default=1.0, description="1.0 = off, as vLLM's HunyuanOCR recipe (greedy, top_k 1)")
+    vllm_repetition_penalty: float = Field(default=1.0, gt=0, description="1.0 = off, as vLLM's HunyuanOCR recipe (greedy, top_k 1)")
     vllm_repeat_stop: bool = Field(default=True, description="abort a request whose output ends in a loop (result flagged truncated_repetition)")
     vllm_trust_remote_code: bool = True
     vllm_enforce_eager: bool = Field(default=False, description="no CUDA graphs (faster start, slower decode)")
@@ -49,7 +49,7 @@ class InferSettings(CommonSettings):
     openai_retries: int = Field(default=3, ge=1, description="attempts on 5xx/429/connection errors")
     openai_backoff_s: float = Field(default=0.5, ge=0, description="first retry backoff, doubling")
     openai_max_concurrency: int = Field(default=32, ge=1, description="requests in flight per process")
-    openai_ready_timeout_s: float = Field(default=900.0, description="wait for the server at start-up")
+    openai_ready_timeout_s: float = Field(default=900.0, gt=0, description="wait for the server at start-up")
     openai_image_format: Literal["png", "jpeg"] = "png"
-    openai_repetition_penalty: float = Field(default=1.0, description="1.0 = off, as vLLM's HunyuanOCR recipe")
+    openai_repetition_penalty: float = Field(default=1.0, gt=0, description="1.0 = off, as vLLM's HunyuanOCR recipe")
     openai_extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields (JSON)")

@@ -1,5 +1,7 @@
 """Sink settings (env prefix ``OCRSTREAM_``)."""
 
+from typing import Annotated
+
 from pydantic import Field, ValidationInfo, field_validator
 
 from services.common.settings import CommonSettings
@@ -9,17 +11,17 @@ class SinkSettings(CommonSettings):
     """Settings of the sink stage."""
 
     sink_group_id: str = Field(default="ocrstream-sink", description="consumer group of the sink stage")
-    sink_max_batch: int = Field(default=64, description="records per batch")
+    sink_max_batch: int = Field(default=64, ge=1, description="records per batch")
     sink_max_wait_ms: int = Field(
         default=0, ge=0,
         description="longest wait for a batch to fill, ms; 0 = take what has arrived (a backlog still makes full batches)")
-    cache_ttl_s: int = Field(default=86_400, description="cache entry TTL (static documents: ~24 h)")
-    cache_ttl_by_source: dict[str, int] = Field(
+    cache_ttl_s: int = Field(default=86_400, ge=1, description="cache entry TTL, s (static documents: ~24 h); at least 1")
+    cache_ttl_by_source: dict[str, Annotated[int, Field(ge=1)]] = Field(
         default_factory=lambda: {"screenshot": 600},
-        description='TTL overrides per request source, JSON, e.g. {"screenshot": 600}',
+        description='TTL overrides per request source, s, JSON, e.g. {"screenshot": 600}',
     )
-    cache_ttl_by_task: dict[str, int] = Field(default_factory=dict, description="TTL overrides per task, JSON")
-    deferred_max_keys: int = Field(default=10_000, description="results kept to complete their waiters once Redis is back")
+    cache_ttl_by_task: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict, description="TTL overrides per task, s, JSON")
+    deferred_max_keys: int = Field(default=10_000, ge=0, description="results kept to complete their waiters once Redis is back")
     output_lru_entries: int = Field(
         default=16_384, ge=0,
         description="result documents kept in memory for cache hits (a hit outside it reads S3, ~4 ms: bench/cache_bench.py)",

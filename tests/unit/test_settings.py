@@ -103,9 +103,9 @@ def test_tasks_come_from_the_environment_and_others_are_refused_by_name(monkeypa
     assert s.task_error("layout") == "task 'layout' is not one of this deployment's tasks: ocr, receipt"
     monkeypatch.setenv("OCRSTREAM_CACHE_TTL_BY_TASK", '{"receipt": 3600}')
     assert load_settings(SinkSettings).ttl_for("upload", "receipt") == 3600
-    for bad, why in [("[]", "OCRSTREAM_TASKS=[]: Tuple should have at least 1 item"),
-                     ('["receipt"]', "OCRSTREAM_TASKS=['receipt']: Value error, must include 'ocr'"),
-                     ('["ocr", ""]', "OCRSTREAM_TASKS__1='': String should have at least 1 character")]:
+    for bad, why in [("[]", "OCRSTREAM_TASKS='[]': Tuple should have at least 1 item"),
+                     ('["receipt"]', """OCRSTREAM_TASKS='["receipt"]': Value error, must include 'ocr'"""),
+                     ('["ocr", ""]', """OCRSTREAM_TASKS='["ocr", ""]': 1: String should have at least 1 character""")]:
         monkeypatch.setenv("OCRSTREAM_TASKS", bad)
         with pytest.raises(SystemExit) as exc:
             load_settings(CommonSettings)
@@ -120,8 +120,39 @@ def test_a_ttl_for_a_task_no_request_can_carry_is_refused(monkeypatch):
     with pytest.raises(SystemExit) as exc:
         load_settings(SinkSettings)
     assert str(exc.value).endswith(
-        "OCRSTREAM_CACHE_TTL_BY_TASK={'ocr': 7200, 'recipt': 60}: Value error, names 'recipt', "
+        """OCRSTREAM_CACHE_TTL_BY_TASK='{"ocr": 7200, "recipt": 60}': Value error, names 'recipt', """
         "not among the tasks (ocr): no request can carry it")
+
+
+@pytest.mark.parametrize("name, value, line", [
+    ("OCRSTREAM_CACHE_TTL_BY_TASK", '{"ocr": 0}',
+     """OCRSTREAM_CACHE_TTL_BY_TASK='{"ocr": 0}': ocr: Input should be greater than or equal to 1"""),
+    ("OCRSTREAM_CACHE_TTL_S", "0", "OCRSTREAM_CACHE_TTL_S='0': Input should be greater than or equal to 1"),
+    ("OCRSTREAM_SINK_MAX_BATCH", "0", "OCRSTREAM_SINK_MAX_BATCH='0': Input should be greater than or equal to 1"),
+    ("OCRSTREAM_REDIS__URL", "notaurl", "OCRSTREAM_REDIS__URL='notaurl': Value error, must be a redis://, rediss:// "
+                                        "or unix:// URL, e.g. redis://127.0.0.1:6379/0"),
+    ("OCRSTREAM_S3__ENDPOINT_URL", "ht!tp://", "OCRSTREAM_S3__ENDPOINT_URL='ht!tp://': Value error, must be an "
+                                              "http:// or https:// URL with a host, e.g. http://127.0.0.1:9000"),
+    ("OCRSTREAM_TELEMETRY__LOG_LEVEL", "LOUD",
+     "OCRSTREAM_TELEMETRY__LOG_LEVEL='LOUD': Input should be 'DEBUG', 'INFO', 'WARNING' or 'ERROR'"),
+])
+def test_values_that_would_break_a_stage_later_are_refused_at_start(monkeypatch, name, value, line):
+    """A TTL of 0 made Redis refuse every SET (the sink took it for an outage and kept the lease,
+    so repeats waited for it to expire); 0 records per batch or an unusable URL failed later with
+    a traceback."""
+    from services.sink.settings import SinkSettings
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exc:
+        load_settings(SinkSettings)
+    assert str(exc.value).splitlines()[1:] == ["  " + line]
+
+
+def test_the_log_level_is_read_in_any_case(monkeypatch):
+    from services.common.settings import CommonSettings
+
+    monkeypatch.setenv("OCRSTREAM_TELEMETRY__LOG_LEVEL", "debug")
+    assert load_settings(CommonSettings).telemetry.log_level == "DEBUG"
 
 
 def test_the_door_refuses_a_task_the_deployment_does_not_list():

@@ -15,7 +15,7 @@ class ApiSettings(IngestSettings):
     """
 
     http_host: str = Field(default="127.0.0.1", description="address the HTTP door listens on")
-    http_port: int = Field(default=8080, description="port of the HTTP door (also serves /metrics, /healthz, /readyz)")
+    http_port: int = Field(default=8080, ge=1, le=65535, description="port of the HTTP door (also serves /metrics, /healthz, /readyz)")
     http_wait_max_s: float = Field(default=60.0, gt=0, description="longest long-poll a GET ?wait= may ask for, s")
     http_max_waiters: int = Field(default=10_000, ge=1, description="long-polls held at once per process; more get 503")
     http_batch_max_files: int = Field(default=64, ge=1, description="images per POST /v1/ocr/batch (and request ids per GET /v1/events)")
@@ -23,8 +23,8 @@ class ApiSettings(IngestSettings):
         default=300.0, gt=0, description="longest a GET /v1/events stream stays open (its `timeout` is capped to it), s")
     http_events_keepalive_s: float = Field(
         default=15.0, gt=0, description="silence on a GET /v1/events stream before a keep-alive comment line, s")
-    http_batch_max_bytes: int = Field(default=128 * 1024 * 1024, description="body bytes per POST /v1/ocr/batch")
-    http_accepted_ttl_s: int = Field(default=7 * 86_400, description="how long an accepted request id is remembered as pending, s")
+    http_batch_max_bytes: int = Field(default=128 * 1024 * 1024, ge=1, description="body bytes per POST /v1/ocr/batch")
+    http_accepted_ttl_s: int = Field(default=7 * 86_400, ge=1, description="how long an accepted request id is remembered as pending, s")
     http_upload_budget_bytes: int = Field(
         default=512 * 1024 * 1024, ge=0, description="request bodies held in memory at once, bytes; past it 503 (0 = unbounded)"
     )
