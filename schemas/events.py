@@ -102,6 +102,10 @@ class SubmitEvent(_Frozen):
             raise ValueError("exactly one of image_b64 or image_uri is required")
         if sum(len(k) + len(v) for k, v in self.metadata.items()) > 16_384:
             raise ValueError("metadata is limited to 16 KiB")
+        if self.image_uri is not None and any(
+                seg in (".", "..") for seg in self.image_uri.split("/", 3)[3].split("/")):
+            # S3 keys are flat names, but S3-compatible servers (MinIO) refuse these outright
+            raise ValueError("image_uri: the object key has a '.' or '..' path segment")
         return self
 
     def image_bytes(self) -> bytes:

@@ -93,6 +93,10 @@ def submit(
     from services.common.completions import CompletionWatcher
 
     s = load_settings(CommonSettings)
+    for name, value in (("--task", task), ("--source", source)):
+        if not 1 <= len(value) <= 64:  # the limits of the submit event (schemas/events.py)
+            err.print(f"[red]error:[/red] {name} must be 1 to 64 characters, not {len(value)}")
+            raise typer.Exit(2)
     try:
         files = collect_files(paths)
     except FileNotFoundError as exc:

@@ -147,8 +147,8 @@ class Database:
                     d.content_sha256,
                     d.cache_key,
                     int(d.cache_hit),
-                    d.task,
-                    d.source,
+                    d.task[:64],  # bounded where requests enter (ingest, the door); a stray producer's
+                    d.source[:64],  # longer value must not cost the request its row (whole in document_json)
                     (d.filename or "")[:512] or None,
                     len(d.lines),
                     d.result_uri,

@@ -106,6 +106,10 @@ def sniff(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
         raise OcrError(ErrorCode.EMPTY_INPUT, "the image has zero bytes")
     if head.startswith(PDF_MAGIC):
         return _sniff_pdf(data, max_pixels, max_pages)
+    if max_pixels > (Image.MAX_IMAGE_PIXELS or max_pixels):
+        # Pillow's own bomb check (an error above 2x MAX_IMAGE_PIXELS, ~179 M by default) would
+        # refuse images this deployment allows; ours (_check_pixels) runs right after the header.
+        Image.MAX_IMAGE_PIXELS = max_pixels
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

@@ -126,6 +126,14 @@ def test_bad_input_gets_a_specific_error_and_the_next_image_still_goes_through(a
         r = c.post("/v1/ocr/batch", files=[("files", ("a.png", text_image(["X"]), "image/png"))],
                    data={"task": "layout"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        # the batch reads the query string too, as POST /v1/ocr does (it was ignored: this got the ocr result)
+        r = c.post("/v1/ocr/batch", files=[("files", ("a.png", text_image(["X"]), "image/png"))],
+                   params={"task": "layout"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("task 'layout' is not one")
+        r = c.post("/v1/ocr/batch", files=[("files", ("a.png", text_image(["X"]), "image/png"))],
+                   data={"request_id": "mine-1"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        assert r.json()["error"]["message"].startswith("request_id names one image")
         jpeg = text_image(["TRUNCATED"], fmt="JPEG")
         truncated = jpeg[: len(jpeg) // 2]  # header fine, data cut: found by the decoder
         r = c.post("/v1/ocr", content=truncated, headers={"Content-Type": "image/jpeg"})

@@ -220,3 +220,26 @@ def test_sniff_of_a_spooled_file_answers_as_sniff_of_the_bytes():
     for name, (data, px, pages, want) in cases.items():
         assert _sniff_both(data, px, pages) == [want] * 3, name
     assert cases["tiff pages"][3].frames == 3 and cases["pdf"][3].format == "PDF"
+
+
+def test_a_pixel_limit_above_pillows_own_is_honoured(monkeypatch):
+    """Pillow refuses more than 2 x MAX_IMAGE_PIXELS (~179 M) by itself; a deployment that allows
+    more (OCRSTREAM_LIMITS__MAX_PIXELS) must get its own limit, not Pillow's."""
+    import struct
+    import zlib
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # restored afterwards
+
+    def chunk(tag: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body))
+
+    header = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20_000, 20_000, 8, 0, 0, 0, 0))
+              + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))  # 400 M pixels
+    with pytest.raises(OcrError) as exc:
+        sniff(header, 100_000_000, 20)
+    assert exc.value.code is ErrorCode.IMAGE_TOO_LARGE
+    info = sniff(header, 500_000_000, 20)
+    assert (info.format, info.width, info.height) == ("PNG", 20_000, 20_000)
+    with pytest.raises(OcrError) as exc:
+        sniff(header, 399_999_999, 20)
+    assert exc.value.message == "20000x20000 = 400000000 pixels exceeds the limit of 399999999"

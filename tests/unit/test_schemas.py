@@ -32,6 +32,14 @@ def test_submit_needs_exactly_one_image():
     assert ev.image_bytes() == b"\x89PNG"
 
 
+def test_submit_refuses_dot_segments_in_the_image_key():
+    """MinIO refuses such keys (XMinioInvalidResourceName): retried, then internal_error, before."""
+    for uri in ("s3://ocrstream/../../etc/passwd", "s3://b/images/./x.png", "s3://b/a/.."):
+        with pytest.raises(ValidationError, match="'.' or '..' path segment"):
+            SubmitEvent(image_uri=uri)
+    assert SubmitEvent(image_uri="s3://b/a..b/c.v1.png").image_uri == "s3://b/a..b/c.v1.png"
+
+
 def test_submit_rejects_bad_request_id():
     with pytest.raises(ValidationError):
         SubmitEvent(request_id="has space", image_uri="s3://b/k")

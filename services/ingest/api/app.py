@@ -735,12 +735,15 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
               response_description="at least one item is pending: one item per file, in upload order",
               responses={200: {"model": BatchResponse, "description": "every item finished (cached or rejected)"},
                          **_errors(400, 401, 408, 413, 415, 429, 503)},
-              openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+              openapi_extra={"parameters": [p for p in _SUBMIT_PARAMS if p["name"] != "request_id"],
+                             "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
                   "type": "object", "required": ["files"],
                   "properties": {"files": {"type": "array", "items": {"type": "string", "format": "binary"}},
                                  **{k: {"type": "string"} for k in SubmitOptions.model_fields if k != "request_id"}}}}}}})
     async def submit_batch(request: Request) -> Response:
-        """Submit many images in one multipart body (every file part; shared option fields)."""
+        """Submit many images in one multipart body (every file part; options shared by all, from the
+        query string or form fields as for ``POST /v1/ocr``; a form field wins). A ``request_id``
+        is refused: each item gets its own."""
         principal = await door.guard.check(request)
         if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
             raise ApiError(415, "unsupported_format", "send multipart/form-data with one file part per image")
@@ -763,7 +766,10 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                     await up.staged.discard()
 
     async def _batch_submit(request: Request, principal: Principal, ups: list[Upload], fields: dict[str, str]) -> Response:
-        fields.pop("request_id", None)
+        fields = {**dict(request.query_params), **fields}  # as POST /v1/ocr: the query string, then the form
+        if "request_id" in fields:
+            raise ApiError(400, "invalid_request", "request_id names one image: each item of a batch gets its own "
+                                                   "(POST /v1/ocr to choose one)")
         opts = SubmitOptions.parse(fields, s)
         sem = asyncio.Semaphore(s.ingest_concurrency)
 
