@@ -101,7 +101,8 @@ def _generation_tasks() -> set[str]:
 
 async def test_dedup_refuses_an_unlisted_task_that_got_past_an_ingest_with_other_settings(pipeline):
     """In a rolling upgrade an ingest or door with other settings can still publish a request
-    naming a task this deployment does not list: dedup refuses it too, before any Redis call."""
+    naming a task this deployment does not list: dedup refuses it too, before any Redis call, and
+    the request still gets its row (a task longer than the column included)."""
     import hashlib
     import uuid
 
@@ -115,26 +116,33 @@ async def test_dedup_refuses_an_unlisted_task_that_got_past_an_ingest_with_other
     data = text_image(["PAST INGEST 43"])
     sha = hashlib.sha256(data).hexdigest()
     uri = ObjectStore(s.s3).uri(image_object_key(sha))  # never read: refused before anything looks at it
-    rid = f"past-ingest-{uuid.uuid4().hex[:8]}"
-    req = RequestEvent(request_id=rid, content_sha256=sha, image_uri=uri, size_bytes=len(data), format="png",
-                       task="layout")
+    tasks = {f"past-ingest-{uuid.uuid4().hex[:8]}": task for task in ("layout", "x" * 200)}
     calls = pipeline.engine_calls()
     watcher = CompletionWatcher(s)
     await watcher.start()
     producer = make_producer(s.kafka, "test-past-ingest")
     await producer.start()
+    docs = {}
     try:
-        await producer.send_and_wait(s.topics.requests, dumps(req), key=sha.encode())
-        async def first():
-            async for ev in watcher.completions({rid}):
-                return ev.result
-        doc = await asyncio.wait_for(first(), 120)
+        for rid, task in tasks.items():
+            req = RequestEvent(request_id=rid, content_sha256=sha, image_uri=uri, size_bytes=len(data),
+                               format="png", task=task)
+            await producer.send_and_wait(s.topics.requests, dumps(req), key=sha.encode())
+
+        async def collect():
+            async for ev in watcher.completions(set(tasks)):
+                docs[ev.request_id] = ev.result
+
+        await asyncio.wait_for(collect(), 120)
     finally:
         await producer.stop()
         await watcher.stop()
-    assert doc.status == "error" and doc.error.code is ErrorCode.INVALID_REQUEST
-    assert doc.error.message == "task 'layout' is not one of this deployment's tasks: ocr"
-    assert "dedup" in doc.timings_ms and pipeline.engine_calls() == calls
-    assert "layout" not in _generation_tasks()
-    [row] = db_rows("SELECT status, error_code FROM requests WHERE request_id = %s", rid)
-    assert row == {"status": "error", "error_code": "invalid_request"}
+    for rid, task in tasks.items():
+        doc = docs[rid]
+        assert doc.status == "error" and doc.error.code is ErrorCode.INVALID_REQUEST
+        assert doc.error.message == f"task {task[:64]!r} is not one of this deployment's tasks: ocr"
+        assert "dedup" in doc.timings_ms and doc.task == task
+        [row] = db_rows("SELECT status, error_code, task FROM requests WHERE request_id = %s", rid)
+        assert row == {"status": "error", "error_code": "invalid_request", "task": task[:64]}
+    assert pipeline.engine_calls() == calls
+    assert not {"layout", "x" * 200} & _generation_tasks()
