@@ -771,6 +771,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             raise ApiError(400, "invalid_request", "request_id names one image: each item of a batch gets its own "
                                                    "(POST /v1/ocr to choose one)")
         opts = SubmitOptions.parse(fields, s)
+        await door.guard.count_images(principal, len(ups))
         sem = asyncio.Semaphore(s.ingest_concurrency)
 
         async def one(i: int, up: Upload) -> BatchItem:

@@ -7,9 +7,9 @@ since limits are per key); the Helm values turn it on. Then a ``/v1/`` request m
 * no key, a malformed, unknown or revoked key: 401 ``unauthorized`` with a message saying which,
   and ``WWW-Authenticate: Bearer realm="ocrstream"`` (with ``error="invalid_token"`` when a key
   was sent, RFC 6750 §3);
-* an empty token bucket: 429 ``rate_limited``; a used-up daily quota (submissions, i.e. POSTs,
-  only: reads never use quota): 429 ``quota_exceeded``; both with ``Retry-After`` in whole
-  seconds (:mod:`.ratelimit`);
+* an empty token bucket: 429 ``rate_limited``; a used-up daily quota (submissions: each POST
+  counts one, a batch one per image; reads never use quota): 429 ``quota_exceeded``; both with
+  ``Retry-After`` in whole seconds (:mod:`.ratelimit`);
 * MariaDB unreachable for a key not in the lookup cache: 503 ``unavailable`` (fail closed:
   an unverifiable key is never let in);
 * Redis unreachable: the request passes unlimited (fail open, counted in
@@ -39,6 +39,7 @@ class Principal:
     """Who is calling: ``key_id`` None when keys are not required (local use)."""
 
     key_id: str | None = None
+    quota_per_day: int = 0  # the key's daily quota of submissions (0 = none): what a batch is charged against
 
 
 ANONYMOUS = Principal()
@@ -131,7 +132,26 @@ class Guard:
             raise _unauthorized(f"API key {key.key_id} has been revoked", True)
         self.auth_total.labels("ok").inc()
         await self._limit(key, counts_quota=request.method == "POST")
-        return Principal(key_id=key.key_id)
+        quota = self.s.quota_per_day if key.quota_per_day is None else key.quota_per_day
+        return Principal(key_id=key.key_id, quota_per_day=quota)
+
+    async def count_images(self, principal: Principal, images: int) -> None:
+        """Charge a batch of ``images`` to its key's daily quota: one submission per image (its
+        POST already counted one).
+
+        Raises:
+            ApiError: 429 ``quota_exceeded`` (with ``Retry-After``) when the quota cannot take
+                them all; then none is counted beyond the POST.
+        """
+        if self.limiter is None or principal.key_id is None or principal.quota_per_day <= 0:
+            return
+        d = await self.limiter.count_more(principal.key_id, images - 1, quota_per_day=principal.quota_per_day)
+        self.rate_total.labels(d.outcome).inc()
+        if not d.allowed:
+            raise ApiError(429, "quota_exceeded", f"a batch counts one submission per image: {images} images, but API "
+                           f"key {principal.key_id} has {int(d.tokens)} of its {principal.quota_per_day} submissions "
+                           f"of this UTC day left; retry after {d.retry_after_s} s",
+                           headers={"Retry-After": str(d.retry_after_s)})
 
     async def _limit(self, key, counts_quota: bool) -> None:
         if self.limiter is None:

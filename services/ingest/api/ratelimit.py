@@ -5,7 +5,8 @@ Keys (``<p>`` is ``redis.key_prefix``):
 * ``<p>:rl:<key_id>``           hash ``{tokens, ts}``: tokens left (float) at ``ts`` (Unix ms).
   Expires once the bucket would be full again (an absent bucket *is* a full one).
 * ``<p>:quota:<key_id>:<day>``  submissions counted on UTC day number ``day`` (Unix ms // 86,400,000);
-  expires after two days.
+  expires after two days. A POST counts one (:meth:`RateLimiter.hit`); a batch counts one more
+  per image after its first (:meth:`RateLimiter.count_more`).
 
 The bucket holds at most ``burst`` tokens and refills at ``rate_per_s`` tokens per second,
 continuously, by the time elapsed since ``ts``. Every request takes one token; with less than
@@ -79,6 +80,29 @@ return {1, 0, tostring(tokens)}
 """
 
 
+# KEYS: quota base   ARGV: n (> 0), quota (> 0), now_ms ('' = TIME)
+# Returns {code, wait_ms, left}: code 1 counted, 2 quota exceeded (nothing counted); left = the
+# day's submissions left before this charge.
+_MORE = """
+local n = tonumber(ARGV[1])
+local quota = tonumber(ARGV[2])
+local now = tonumber(ARGV[3])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local day = math.floor(now / 86400000)
+local qkey = KEYS[1] .. ':' .. string.format('%d', day)
+local used = tonumber(redis.call('GET', qkey) or '0')
+if used + n > quota then
+  return {2, math.ceil((day + 1) * 86400000 - now), quota - used}
+end
+redis.call('INCRBY', qkey, n)
+redis.call('PEXPIRE', qkey, 2 * 86400000)
+return {1, 0, quota - used}
+"""
+
+
 @dataclass(frozen=True)
 class Decision:
     """The outcome of one request against its key's limits.
@@ -111,6 +135,7 @@ class RateLimiter:
         self.client = cache.client
         self.prefix = cache.p
         self._hit = cache.client.register_script(_HIT)
+        self._more = cache.client.register_script(_MORE)
 
     async def hit(self, key_id: str, *, rate_per_s: float, burst: int, quota_per_day: int = 0,
                   now_ms: float | None = None) -> Decision:
@@ -139,3 +164,30 @@ class RateLimiter:
             return Decision(True, "ok", tokens=tokens)
         retry = max(1, math.ceil(int(wait_ms) / 1000))
         return Decision(False, "rate_limited" if code == 0 else "quota_exceeded", retry, tokens)
+
+    async def count_more(self, key_id: str, n: int, *, quota_per_day: int, now_ms: float | None = None) -> Decision:
+        """Count ``n`` more submissions against ``key_id``'s daily quota, all or none: a batch
+        of N images counts N (its POST counted one through :meth:`hit`). No token is taken.
+
+        Args:
+            key_id: The API key's id.
+            n: Submissions to add (<= 0: nothing to count).
+            quota_per_day: The key's quota; 0 = none.
+            now_ms: Clock, Unix ms; None = Redis ``TIME``.
+
+        Returns:
+            ``ok``; ``quota_exceeded`` (nothing counted; ``tokens`` holds the submissions left
+            today) with the seconds until the next UTC day; ``unlimited`` without a quota;
+            ``unavailable`` (allowed) when Redis errors or is too slow.
+        """
+        if n <= 0 or quota_per_day <= 0:
+            return Decision(True, "unlimited")
+        args = [int(n), int(quota_per_day), "" if now_ms is None else repr(float(now_ms))]
+        try:
+            code, wait_ms, left = await self.cache.call(
+                "ratelimit", self._more(keys=[f"{self.prefix}:quota:{key_id}"], args=args))
+        except CacheUnavailable:
+            return Decision(True, "unavailable")
+        if code == 1:
+            return Decision(True, "ok", tokens=float(left))
+        return Decision(False, "quota_exceeded", max(1, math.ceil(int(wait_ms) / 1000)), float(left))
