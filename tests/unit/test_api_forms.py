@@ -148,8 +148,9 @@ def test_a_body_cut_off_mid_file_ignores_that_file_and_aborts_its_upload():
     body = form_body(("file", "cut.png", b"c" * 3000), close=False)[:-200]
     with pytest.raises(ApiError) as err:
         read(body, 64, image_limit=5000, store=store, part_bytes=1000)
-    assert (err.value.status, err.value.code) == (400, "empty_input")
-    assert err.value.message == "the multipart body has no file part"
+    assert (err.value.status, err.value.code) == (400, "invalid_request")  # it has one: cut, not missing
+    assert err.value.message == ("multipart body rejected: its file part is cut off by the end of the body "
+                                 "(no closing boundary)")
     assert [u.state for u in store.uploads] == ["aborted"]
 
 

@@ -193,7 +193,7 @@ async def read_multipart(request: Request, image_limit: int, total_limit: int, m
     Raises:
         ApiError: 413 ``input_too_large`` (body or one file part over its limit, as soon as it
             passes it); 400 ``invalid_request`` (malformed multipart, no boundary, too many
-            files or fields); 400 ``empty_input`` (no file part, or an empty one); 408, 499, 503
+            files or fields, the only file part cut off by the end of the body); 400 ``empty_input`` (no file part, or an empty one); 408, 499, 503
             as :func:`limited_stream`; 503 ``unavailable`` when S3 fails during a streamed file.
     """
     _, params = parse_options_header(request.headers.get("content-type", ""))
@@ -223,8 +223,10 @@ async def read_multipart(request: Request, image_limit: int, total_limit: int, m
                 await f.staged.discard()
         raise
     uploads: list[Upload] = []
+    cut = 0
     for f in form.files:
         if not f.ended:  # cut off by the end of the body: ignored, as Starlette's parser does
+            cut += 1
             if f.staged is not None:
                 await f.staged.discard()
             continue
@@ -232,6 +234,8 @@ async def read_multipart(request: Request, image_limit: int, total_limit: int, m
             uploads.append(Upload(b"", f.hash.hexdigest(), f.filename, f.staged))
         else:
             uploads.append(Upload(bytes(f.parts.rest()), f.hash.hexdigest(), f.filename))
+    if not uploads and cut:
+        raise _rejected("its file part is cut off by the end of the body (no closing boundary)")
     if not uploads:
         raise ApiError(400, "empty_input", "the multipart body has no file part")
     return uploads, form.fields
