@@ -77,6 +77,7 @@ class S3Settings(BaseModel):
             u = urlsplit(v)
             if u.scheme not in ("http", "https") or not u.hostname:
                 raise ValueError("must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:9000")
+            u.port  # noqa: B018 - raises ValueError for a port outside 0-65535
         return v
 
 
@@ -95,6 +96,7 @@ class RedisSettings(BaseModel):
         if u.scheme not in ("redis", "rediss", "unix") or (u.scheme != "unix" and not u.hostname) \
                 or (u.scheme == "unix" and not u.path):
             raise ValueError("must be a redis://, rediss:// or unix:// URL, e.g. redis://127.0.0.1:6379/0")
+        u.port  # noqa: B018 - raises ValueError for a port outside 0-65535
         return v
 
 
@@ -118,7 +120,7 @@ class TelemetrySettings(BaseModel):
     @classmethod
     def _upper(cls, v: object) -> object:
         return v.upper() if isinstance(v, str) else v
-    metrics_port: int | None = Field(default=None, ge=1, le=65535, description="port for /metrics, /healthz, /readyz; None = off")
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="port for /metrics, /healthz, /readyz; unset or 0 = off")
     traces_exporter: Literal["none", "console", "otlp", "file"] = Field(
         default="none",
         description="none (ids propagate, nothing recorded), console, otlp (extra `otlp`) or file (JSON lines)",
@@ -295,6 +297,7 @@ class CommonSettings(BaseSettings):
 S = TypeVar("S", bound=BaseSettings)
 
 _SECRET = re.compile(r"password|secret|token|key", re.I)
+_URL_CREDENTIALS = re.compile(r"[^/@\s'\"]+@")  # a URL's userinfo, however malformed the rest
 
 
 def load_settings(cls: type[S]) -> S:
@@ -356,6 +359,7 @@ def _unparsed(exc: SettingsError, prefix: str, delim: str) -> list[str]:
 
 def _shown(name: str, value: object) -> str:
     """``='value'`` for an error line, or nothing when the variable's name or its value (a JSON
-    section such as ``OCRSTREAM_MYSQL='{"password": ...}'``) mentions a password, secret, token or key."""
-    text = repr(value)
+    section such as ``OCRSTREAM_MYSQL='{"password": ...}'``) mentions a password, secret, token or key.
+    Credentials in a URL (``redis://user:pass@host``, RFC 3986 §3.2.1) are shown as ``***``."""
+    text = _URL_CREDENTIALS.sub("***@", repr(value))
     return "" if _SECRET.search(name) or _SECRET.search(text) else f"={text}"

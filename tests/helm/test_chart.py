@@ -395,6 +395,10 @@ def test_api_can_be_turned_off():
     (("api.config.http_host=127.0.0.1",), "api.config.http_host"),
     (("api.terminationGracePeriodSeconds=30",), "api.terminationGracePeriodSeconds"),
     (("api.service.port=0",), "/api/service/port"),  # the values schema
+    # what the stages refuse at start (a crash loop) is refused by the schema at install
+    (("sink.config.cache_ttl_s=0",), "/sink/config/cache_ttl_s"),
+    (("ingest.config.ingest_concurrency=0",), "/ingest/config/ingest_concurrency"),
+    (("config.tasks={receipt}",), "/config/tasks"),
 ])
 def test_api_values_that_cannot_work_fail_early(sets, message):
     cmd = [HELM, "template", "x", str(CHART), "-f", str(REQUIRED)]

@@ -193,20 +193,25 @@ def test_daily_quota_counts_submissions_not_reads(auth_api, make_key):
 
 
 def test_a_batch_counts_one_submission_per_image(auth_api, make_key):
-    """A quota of 4 takes one batch of 3 and then one image; a batch of 3 more is refused whole
-    (it used to count as one POST: two batches of 5 passed a quota of 2)."""
+    """A quota of 4 takes one batch of 3 and then one image; a batch of 3 more is refused whole and
+    counts nothing; one larger than the whole quota is told to split (it used to count as one POST:
+    two batches of 5 passed a quota of 2)."""
     key = make_key("batchquota", "--rate", "0", "--quota-per-day", "4")
     files = lambda n: [("files", (f"{i}.txt", b"not an image", "text/plain")) for i in range(n)]  # noqa: E731
+    auth = {"X-API-Key": key.token}
     with _client(auth_api) as c:
-        r = c.post("/v1/ocr/batch", files=files(3), headers={"X-API-Key": key.token})
+        r = c.post("/v1/ocr/batch", files=files(3), headers=auth)
         assert r.status_code == 200 and [it["error"]["code"] for it in r.json()["items"]] == ["unsupported_format"] * 3
-        r = c.post("/v1/ocr/batch", files=files(3), headers={"X-API-Key": key.token})
+        r = c.post("/v1/ocr/batch", files=files(3), headers=auth)
         err = r.json()["error"]
         assert r.status_code == 429 and err["code"] == "quota_exceeded" and 1 <= int(r.headers["retry-after"]) <= 86_401
-        # the refused batch's POST counted 1: 3 + 1 = 4 used
         assert err["message"].startswith(f"a batch counts one submission per image: 3 images, but API key {key.key_id} "
-                                         "has 0 of its 4 submissions of this UTC day left")
-        assert _not_an_image(c, {"X-API-Key": key.token}).status_code == 429
+                                         "has 1 of its 4 submissions of this UTC day left")
+        r = c.post("/v1/ocr/batch", files=files(5), headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request" and "retry-after" not in r.headers
+        assert "5 images exceed" in r.json()["error"]["message"]
+        assert _not_an_image(c, auth).status_code == 415  # the one left
+        assert _not_an_image(c, auth).status_code == 429
 
 
 def test_keys_list_shows_limits_and_revocation_never_secrets(auth_api, make_key):

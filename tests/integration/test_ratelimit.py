@@ -82,7 +82,7 @@ async def test_daily_quota_counts_allowed_requests_and_resets_at_utc_midnight(li
 
 async def test_count_more_is_all_or_nothing_against_the_day(limiter):
     day = int(T0 // DAY_MS)
-    assert (await limiter.hit("b", rate_per_s=0, burst=1, quota_per_day=5, now_ms=T0)).outcome == "ok"
+    assert (await limiter.hit("b", rate_per_s=0, burst=1, quota_per_day=5, now_ms=T0)).outcome == "ok"  # 1 used
     d = await limiter.count_more("b", 3, quota_per_day=5, now_ms=T0 + 1)
     assert d.outcome == "ok" and d.tokens == 4.0  # 4 left before it
     d = await limiter.count_more("b", 2, quota_per_day=5, now_ms=T0 + 2)

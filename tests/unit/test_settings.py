@@ -131,6 +131,11 @@ def test_a_ttl_for_a_task_no_request_can_carry_is_refused(monkeypatch):
     ("OCRSTREAM_SINK_MAX_BATCH", "0", "OCRSTREAM_SINK_MAX_BATCH='0': Input should be greater than or equal to 1"),
     ("OCRSTREAM_REDIS__URL", "notaurl", "OCRSTREAM_REDIS__URL='notaurl': Value error, must be a redis://, rediss:// "
                                         "or unix:// URL, e.g. redis://127.0.0.1:6379/0"),
+    ("OCRSTREAM_REDIS__URL", "redis//:hunter2@redis:6379/0",  # never echo the password of a URL
+     "OCRSTREAM_REDIS__URL='redis//***@redis:6379/0': Value error, must be a redis://, rediss:// or unix:// URL, "
+     "e.g. redis://127.0.0.1:6379/0"),
+    ("OCRSTREAM_REDIS__URL", "redis://h:99999", "OCRSTREAM_REDIS__URL='redis://h:99999': Value error, "
+                                                "Port out of range 0-65535"),
     ("OCRSTREAM_S3__ENDPOINT_URL", "ht!tp://", "OCRSTREAM_S3__ENDPOINT_URL='ht!tp://': Value error, must be an "
                                               "http:// or https:// URL with a host, e.g. http://127.0.0.1:9000"),
     ("OCRSTREAM_TELEMETRY__LOG_LEVEL", "LOUD",
@@ -148,11 +153,13 @@ def test_values_that_would_break_a_stage_later_are_refused_at_start(monkeypatch,
     assert str(exc.value).splitlines()[1:] == ["  " + line]
 
 
-def test_the_log_level_is_read_in_any_case(monkeypatch):
+def test_the_log_level_is_read_in_any_case_and_metrics_port_0_is_off(monkeypatch):
     from services.common.settings import CommonSettings
 
     monkeypatch.setenv("OCRSTREAM_TELEMETRY__LOG_LEVEL", "debug")
-    assert load_settings(CommonSettings).telemetry.log_level == "DEBUG"
+    monkeypatch.setenv("OCRSTREAM_TELEMETRY__METRICS_PORT", "0")  # how an image's 9090 is turned off
+    s = load_settings(CommonSettings)
+    assert (s.telemetry.log_level, s.telemetry.metrics_port) == ("DEBUG", 0)
 
 
 def test_the_door_refuses_a_task_the_deployment_does_not_list():

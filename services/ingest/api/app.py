@@ -767,7 +767,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     async def _batch_submit(request: Request, principal: Principal, ups: list[Upload], fields: dict[str, str]) -> Response:
         fields = {**dict(request.query_params), **fields}  # as POST /v1/ocr: the query string, then the form
-        if "request_id" in fields:
+        if fields.get("request_id"):  # empty = absent, as everywhere else
             raise ApiError(400, "invalid_request", "request_id names one image: each item of a batch gets its own "
                                                    "(POST /v1/ocr to choose one)")
         opts = SubmitOptions.parse(fields, s)

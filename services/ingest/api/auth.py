@@ -7,9 +7,10 @@ since limits are per key); the Helm values turn it on. Then a ``/v1/`` request m
 * no key, a malformed, unknown or revoked key: 401 ``unauthorized`` with a message saying which,
   and ``WWW-Authenticate: Bearer realm="ocrstream"`` (with ``error="invalid_token"`` when a key
   was sent, RFC 6750 §3);
-* an empty token bucket: 429 ``rate_limited``; a used-up daily quota (submissions: each POST
-  counts one, a batch one per image; reads never use quota): 429 ``quota_exceeded``; both with
-  ``Retry-After`` in whole seconds (:mod:`.ratelimit`);
+* an empty token bucket: 429 ``rate_limited``; a used-up daily quota (submissions: each
+  ``POST /v1/ocr`` let through counts one, a batch one per image, counted once its files are
+  read; reads never use quota): 429 ``quota_exceeded``; both with ``Retry-After`` in whole
+  seconds (:mod:`.ratelimit`);
 * MariaDB unreachable for a key not in the lookup cache: 503 ``unavailable`` (fail closed:
   an unverifiable key is never let in);
 * Redis unreachable: the request passes unlimited (fail open, counted in
@@ -43,6 +44,7 @@ class Principal:
 
 
 ANONYMOUS = Principal()
+BATCH_PATH = "/v1/ocr/batch"
 
 
 def _unauthorized(message: str, key_sent: bool) -> ApiError:
@@ -131,26 +133,33 @@ class Guard:
             self.auth_total.labels("revoked").inc()
             raise _unauthorized(f"API key {key.key_id} has been revoked", True)
         self.auth_total.labels("ok").inc()
-        await self._limit(key, counts_quota=request.method == "POST")
+        # a batch is counted once its images are known (count_images), all at once: counting its
+        # POST here too would let two concurrent batches each hold a share the other needs
+        await self._limit(key, counts_quota=request.method == "POST" and not request.url.path.endswith(BATCH_PATH))
         quota = self.s.quota_per_day if key.quota_per_day is None else key.quota_per_day
         return Principal(key_id=key.key_id, quota_per_day=quota)
 
     async def count_images(self, principal: Principal, images: int) -> None:
-        """Charge a batch of ``images`` to its key's daily quota: one submission per image (its
-        POST already counted one).
+        """Charge a batch of ``images`` to its key's daily quota, one submission per image, all
+        or none, in one Redis call (its POST took a rate-limit token but counted no submission).
 
         Raises:
-            ApiError: 429 ``quota_exceeded`` (with ``Retry-After``) when the quota cannot take
-                them all; then none is counted beyond the POST.
+            ApiError: 400 ``invalid_request`` when the batch is larger than the whole daily quota
+                (no day can take it: split it); 429 ``quota_exceeded`` (with ``Retry-After``)
+                when today's rest of the quota cannot take it; nothing is counted then.
         """
-        if self.limiter is None or principal.key_id is None or principal.quota_per_day <= 0:
+        quota = principal.quota_per_day
+        if self.limiter is None or principal.key_id is None or quota <= 0:
             return
-        d = await self.limiter.count_more(principal.key_id, images - 1, quota_per_day=principal.quota_per_day)
-        self.rate_total.labels(d.outcome).inc()
+        if images > quota:
+            raise ApiError(400, "invalid_request", f"a batch counts one submission per image: {images} images exceed "
+                           f"API key {principal.key_id}'s whole daily quota of {quota}; send fewer per batch")
+        d = await self.limiter.count_more(principal.key_id, images, quota_per_day=quota)
         if not d.allowed:
+            self.rate_total.labels(d.outcome).inc()
             raise ApiError(429, "quota_exceeded", f"a batch counts one submission per image: {images} images, but API "
-                           f"key {principal.key_id} has {int(d.tokens)} of its {principal.quota_per_day} submissions "
-                           f"of this UTC day left; retry after {d.retry_after_s} s",
+                           f"key {principal.key_id} has {max(0, int(d.tokens))} of its {quota} submissions of this "
+                           f"UTC day left; retry after {d.retry_after_s} s",
                            headers={"Retry-After": str(d.retry_after_s)})
 
     async def _limit(self, key, counts_quota: bool) -> None:

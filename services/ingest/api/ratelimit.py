@@ -5,8 +5,8 @@ Keys (``<p>`` is ``redis.key_prefix``):
 * ``<p>:rl:<key_id>``           hash ``{tokens, ts}``: tokens left (float) at ``ts`` (Unix ms).
   Expires once the bucket would be full again (an absent bucket *is* a full one).
 * ``<p>:quota:<key_id>:<day>``  submissions counted on UTC day number ``day`` (Unix ms // 86,400,000);
-  expires after two days. A POST counts one (:meth:`RateLimiter.hit`); a batch counts one more
-  per image after its first (:meth:`RateLimiter.count_more`).
+  expires after two days. A ``POST /v1/ocr`` counts one (:meth:`RateLimiter.hit`); a batch one
+  per image, all at once (:meth:`RateLimiter.count_more`).
 
 The bucket holds at most ``burst`` tokens and refills at ``rate_per_s`` tokens per second,
 continuously, by the time elapsed since ``ts``. Every request takes one token; with less than
@@ -166,8 +166,8 @@ class RateLimiter:
         return Decision(False, "rate_limited" if code == 0 else "quota_exceeded", retry, tokens)
 
     async def count_more(self, key_id: str, n: int, *, quota_per_day: int, now_ms: float | None = None) -> Decision:
-        """Count ``n`` more submissions against ``key_id``'s daily quota, all or none: a batch
-        of N images counts N (its POST counted one through :meth:`hit`). No token is taken.
+        """Count ``n`` submissions against ``key_id``'s daily quota, all or none (a batch of N
+        images counts N). No token is taken.
 
         Args:
             key_id: The API key's id.
