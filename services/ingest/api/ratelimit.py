@@ -32,18 +32,24 @@ from services.common.cache import CacheUnavailable, ResultCache
 
 DAY_MS = 86_400_000
 
+
+def _clock(argv: int) -> str:
+    """Lua that sets ``now`` (Unix ms) from ``ARGV[argv]``, or from Redis ``TIME`` when that is ''
+    (one clock for every replica of the door)."""
+    return f"""local now = tonumber(ARGV[{argv}])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
 # KEYS: bucket, quota base   ARGV: rate_per_s (0 = no bucket), burst, quota (0 = none), now_ms ('' = TIME)
 # Returns {code, wait_ms, tokens}: code 1 allowed, 0 rate limited, 2 quota exceeded.
 _HIT = """
 local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
 local quota = tonumber(ARGV[3])
-local now = tonumber(ARGV[4])
-if not now then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local qkey = nil
+""" + _clock(4) + """local qkey = nil
 if quota > 0 then
   local day = math.floor(now / 86400000)
   qkey = KEYS[2] .. ':' .. string.format('%d', day)
@@ -86,12 +92,7 @@ return {1, 0, tostring(tokens)}
 _MORE = """
 local n = tonumber(ARGV[1])
 local quota = tonumber(ARGV[2])
-local now = tonumber(ARGV[3])
-if not now then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local day = math.floor(now / 86400000)
+""" + _clock(3) + """local day = math.floor(now / 86400000)
 local qkey = KEYS[1] .. ':' .. string.format('%d', day)
 local used = tonumber(redis.call('GET', qkey) or '0')
 if used + n > quota then
