@@ -80,18 +80,18 @@ async def test_daily_quota_counts_allowed_requests_and_resets_at_utc_midnight(li
     assert (await hit(day_end)).outcome == "ok"  # a new UTC day
 
 
-async def test_count_more_is_all_or_nothing_against_the_day(limiter):
+async def test_count_quota_is_all_or_nothing_against_the_day(limiter):
     day = int(T0 // DAY_MS)
     assert (await limiter.hit("b", rate_per_s=0, burst=1, quota_per_day=5, now_ms=T0)).outcome == "ok"  # 1 used
-    d = await limiter.count_more("b", 3, quota_per_day=5, now_ms=T0 + 1)
+    d = await limiter.count_quota("b", 3, quota_per_day=5, now_ms=T0 + 1)
     assert d.outcome == "ok" and d.tokens == 4.0  # 4 left before it
-    d = await limiter.count_more("b", 2, quota_per_day=5, now_ms=T0 + 2)
+    d = await limiter.count_quota("b", 2, quota_per_day=5, now_ms=T0 + 2)
     assert d.outcome == "quota_exceeded" and d.tokens == 1.0 and not d.allowed
     assert d.retry_after_s == int(((day + 1) * DAY_MS - T0 - 2 + 999) // 1000)
     assert int(await limiter.client.get(f"{limiter.prefix}:quota:b:{day}")) == 4  # nothing counted
-    assert (await limiter.count_more("b", 1, quota_per_day=5, now_ms=T0 + 3)).outcome == "ok"
-    assert (await limiter.count_more("b", 0, quota_per_day=5, now_ms=T0 + 4)).outcome == "unlimited"
-    assert (await limiter.count_more("b", 9, quota_per_day=0, now_ms=T0 + 5)).outcome == "unlimited"
+    assert (await limiter.count_quota("b", 1, quota_per_day=5, now_ms=T0 + 3)).outcome == "ok"
+    assert (await limiter.count_quota("b", 0, quota_per_day=5, now_ms=T0 + 4)).outcome == "unlimited"
+    assert (await limiter.count_quota("b", 9, quota_per_day=0, now_ms=T0 + 5)).outcome == "unlimited"
 
 
 async def test_no_limit_does_not_touch_redis_and_redis_down_fails_open():

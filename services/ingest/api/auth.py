@@ -154,7 +154,7 @@ class Guard:
         if images > quota:
             raise ApiError(400, "invalid_request", f"a batch counts one submission per image: {images} images exceed "
                            f"API key {principal.key_id}'s whole daily quota of {quota}; send fewer per batch")
-        d = await self.limiter.count_more(principal.key_id, images, quota_per_day=quota)
+        d = await self.limiter.count_quota(principal.key_id, images, quota_per_day=quota)
         if not d.allowed:
             self.rate_total.labels(d.outcome).inc()
             raise ApiError(429, "quota_exceeded", f"a batch counts one submission per image: {images} images, but API "

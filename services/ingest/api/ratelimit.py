@@ -6,7 +6,7 @@ Keys (``<p>`` is ``redis.key_prefix``):
   Expires once the bucket would be full again (an absent bucket *is* a full one).
 * ``<p>:quota:<key_id>:<day>``  submissions counted on UTC day number ``day`` (Unix ms // 86,400,000);
   expires after two days. A ``POST /v1/ocr`` counts one (:meth:`RateLimiter.hit`); a batch one
-  per image, all at once (:meth:`RateLimiter.count_more`).
+  per image, all at once (:meth:`RateLimiter.count_quota`).
 
 The bucket holds at most ``burst`` tokens and refills at ``rate_per_s`` tokens per second,
 continuously, by the time elapsed since ``ts``. Every request takes one token; with less than
@@ -89,7 +89,7 @@ return {1, 0, tostring(tokens)}
 # KEYS: quota base   ARGV: n (> 0), quota (> 0), now_ms ('' = TIME)
 # Returns {code, wait_ms, left}: code 1 counted, 2 quota exceeded (nothing counted); left = the
 # day's submissions left before this charge.
-_MORE = """
+_COUNT = """
 local n = tonumber(ARGV[1])
 local quota = tonumber(ARGV[2])
 """ + _clock(3) + """local day = math.floor(now / 86400000)
@@ -136,7 +136,7 @@ class RateLimiter:
         self.client = cache.client
         self.prefix = cache.p
         self._hit = cache.client.register_script(_HIT)
-        self._more = cache.client.register_script(_MORE)
+        self._count = cache.client.register_script(_COUNT)
 
     async def hit(self, key_id: str, *, rate_per_s: float, burst: int, quota_per_day: int = 0,
                   now_ms: float | None = None) -> Decision:
@@ -166,7 +166,7 @@ class RateLimiter:
         retry = max(1, math.ceil(int(wait_ms) / 1000))
         return Decision(False, "rate_limited" if code == 0 else "quota_exceeded", retry, tokens)
 
-    async def count_more(self, key_id: str, n: int, *, quota_per_day: int, now_ms: float | None = None) -> Decision:
+    async def count_quota(self, key_id: str, n: int, *, quota_per_day: int, now_ms: float | None = None) -> Decision:
         """Count ``n`` submissions against ``key_id``'s daily quota, all or none (a batch of N
         images counts N). No token is taken.
 
@@ -186,7 +186,7 @@ class RateLimiter:
         args = [int(n), int(quota_per_day), "" if now_ms is None else repr(float(now_ms))]
         try:
             code, wait_ms, left = await self.cache.call(
-                "ratelimit", self._more(keys=[f"{self.prefix}:quota:{key_id}"], args=args))
+                "ratelimit", self._count(keys=[f"{self.prefix}:quota:{key_id}"], args=args))
         except CacheUnavailable:
             return Decision(True, "unavailable")
         if code == 1:
