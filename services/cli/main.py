@@ -259,7 +259,7 @@ def cache_purge(
         err.print("error: give --model REV or --generation ID")
         raise typer.Exit(2)
 
-    async def _run() -> int:
+    async def _run() -> tuple[int, int]:
         # an operator's command scanning the whole keyspace: the stages' 100 ms per-call budget would
         # make a loaded Redis (or a loaded machine) fail it half way, so it waits up to 30 s per call
         cfg = load_settings(CommonSettings).redis
@@ -269,7 +269,18 @@ def cache_purge(
         finally:
             await cache.close()
 
-    console.print(f"deleted {asyncio.run(_run())} cache entries")
+    from redis.exceptions import RedisError
+
+    try:
+        matched, deleted = asyncio.run(_run())
+    except (RedisError, OSError) as exc:
+        err.print(f"error: Redis (OCRSTREAM_REDIS__URL) did not answer the purge: {exc}")
+        raise typer.Exit(1) from None
+    if not matched:
+        err.print(f"error: no cache generation has {'model revision ' + repr(model) if model else 'id ' + repr(generation)}"
+                  " (generations are registered by dedup; see `ocrstream cache purge --help`)")
+        raise typer.Exit(1)
+    console.print(f"deleted {deleted} cache entries of {matched} generation{'s' if matched != 1 else ''}")
 
 
 def _key_store():

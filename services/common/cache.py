@@ -4,8 +4,8 @@ Keys (prefix ``ocr`` by default; ``<key>`` is a cache key ``<gen_id>:<sha256>``)
 
 * ``ocr:c:<key>``      the cache entry: a small JSON pointer to the S3 result document plus a
                        summary (never the document itself), with a TTL per task/source.
-* ``ocr:lease:<key>``  the in-flight lease: value = request id of the holder, expiry = lease ms.
-* ``ocr:wait:<key>``   list of waiting requests (RequestEvent JSON), completed with the holder.
+* ``ocr:lease:<key>``  the in-flight lease: value = request id of the holder (expiry a backstop only).
+* ``ocr:wait:<key>``   list of waiting requests (RequestEvent JSON), completed with the holder; no expiry.
 * ``ocr:inflight``     sorted set of keys with a lease, scored by lease deadline (ms), for the reaper.
 * ``ocr:gens``         hash gen_id -> generation JSON, so ``cache purge --model REV`` finds entries.
 * ``ocr:nd:<gen_id>:*`` near-duplicate index (LSH buckets, ``services/common/neardup_index.py``).
@@ -29,21 +29,28 @@ from schemas.keys import CacheGeneration
 from services.common.settings import RedisSettings
 from services.common.telemetry import Telemetry
 
+LEASE_KEY_FACTOR = 4
+"""The lease key itself expires after this many lease periods, as a backstop only: dedup's reaper
+decides when a holder is replaced (by the deadline in ``<prefix>:inflight`` and the backlog of the
+stages after it) and pushes this expiry out whenever it extends a holder's deadline."""
+
 # KEYS: entry, lease, waiters, inflight   ARGV: request_id, lease_ms, waiter_json, now_ms, cache_key
+# The waiter list has no expiry: waiting requests exist only here (their Kafka offsets are
+# committed), so they stay until a completion or a promotion takes them.
 _CLAIM = """
 local hit = redis.call('GET', KEYS[1])
 if hit then return {'hit', hit, redis.call('PTTL', KEYS[1])} end
 local deadline = tonumber(ARGV[4]) + tonumber(ARGV[2])
-if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', tonumber(ARGV[2]) * %d) then
   redis.call('ZADD', KEYS[4], deadline, ARGV[5])
   return {'lead', ''}
 end
 local holder = redis.call('GET', KEYS[2])
 if holder == ARGV[1] then return {'lead', ''} end
 redis.call('RPUSH', KEYS[3], ARGV[3])
-redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[2]) * 4)
+redis.call('PERSIST', KEYS[3])
 return {'wait', holder or ''}
-"""
+""" % LEASE_KEY_FACTOR
 
 # KEYS: entry, lease, waiters, inflight   ARGV: entry_json ('' = do not cache), ttl_ms, holder
 # Without an entry (an error, or a result of another generation) the waiters are handed over only
@@ -72,19 +79,32 @@ return 1
 """
 
 # Promote the first waiter to lease holder. KEYS: entry, lease, waiters, inflight
-# ARGV: lease_ms, now_ms, cache_key, expected_holder ('' = only if no lease)
+# ARGV: lease_ms, now_ms, cache_key, expected_holder, unheld_only ('1' or '')
+# expected_holder given (the sink, after the holder's retryable error): only if the lease is that
+# holder's or nobody's. Else (dedup's reaper): with unheld_only, only if nobody holds the lease
+# ('held' otherwise); without, only if the key's deadline has passed, read here, so of two
+# reapers that found the same expired key only the first promotes.
 # With a result cached the lease is stale (its holder stored the entry, then could not release
 # it): it is dropped with its in-flight mark, so the reaper does not meet it again. The waiters
-# stay: complete_begin gave them to the sink with the entry, and a replay needs them.
+# stay: complete_begin gave them to the sink with the entry, and a replay needs them (they expire
+# after a few lease periods, as nothing else will take them).
 _PROMOTE = """
 local hit = redis.call('GET', KEYS[1])
 if hit then
   redis.call('DEL', KEYS[2])
   redis.call('ZREM', KEYS[4], ARGV[3])
+  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[1]) * %d)
   return {'hit', hit}
 end
 local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= ARGV[4] then return {'busy', ''} end
+if ARGV[4] ~= '' then
+  if holder and holder ~= ARGV[4] then return {'busy', ''} end
+elseif ARGV[5] == '1' then
+  if holder then return {'held', ''} end
+else
+  local due = redis.call('ZSCORE', KEYS[4], ARGV[3])
+  if due and tonumber(due) > tonumber(ARGV[2]) then return {'busy', ''} end
+end
 local w = redis.call('LPOP', KEYS[3])
 if not w then
   redis.call('DEL', KEYS[2])
@@ -92,10 +112,21 @@ if not w then
   return {'none', ''}
 end
 local rid = cjson.decode(w)['request_id']
-redis.call('SET', KEYS[2], rid, 'PX', ARGV[1])
+redis.call('SET', KEYS[2], rid, 'PX', tonumber(ARGV[1]) * %d)
 redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
 return {'promoted', w}
-"""
+""" % (LEASE_KEY_FACTOR, LEASE_KEY_FACTOR)
+
+# Give a holder that is still on its way a new deadline. KEYS: lease, inflight
+# ARGV: lease_ms, now_ms, cache_key. Only a key whose deadline has passed (not one a promotion or
+# another reaper just renewed); returns 1 if extended.
+_EXTEND = """
+local due = redis.call('ZSCORE', KEYS[2], ARGV[3])
+if (not due) or tonumber(due) > tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[2], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) * %d)
+return 1
+""" % LEASE_KEY_FACTOR
 
 
 # KEYS: entry, accepted-marker   ARGV: marker value, marker ttl s
@@ -198,6 +229,7 @@ class ResultCache:
         self._begin = self.client.register_script(_COMPLETE_BEGIN)
         self._end = self.client.register_script(_COMPLETE_END)
         self._promote = self.client.register_script(_PROMOTE)
+        self._extend = self.client.register_script(_EXTEND)
         self._get_and_mark = self.client.register_script(_GET_AND_MARK)
 
     def _keys(self, key: str) -> list[str]:
@@ -307,22 +339,59 @@ class ResultCache:
             "complete_end", self._end(keys=[k[1], k[2], k[3]], args=[n_done, key, int(time.time() * 1000)])
         )
 
-    async def promote(self, key: str, lease_ms: int, expected_holder: str = "") -> tuple[str, bytes | None]:
-        """Make the first waiter the new lease holder.
+    async def promote(self, key: str, lease_ms: int, expected_holder: str = "",
+                      unheld_only: bool = False) -> tuple[str, bytes | None]:
+        """Make the first waiter the new lease holder (deadline ``lease_ms`` from now).
+
+        Args:
+            key: The cache key.
+            lease_ms: The new holder's lease, ms.
+            expected_holder: The request id whose lease this replaces (the sink, after that
+                holder's retryable error). Empty (dedup's reaper): only if the key's deadline
+                has passed.
+            unheld_only: (The reaper, without ``expected_holder``.) Only if nobody holds the
+                lease: waiters left behind by a released lease, or a lease whose backstop expiry
+                ran out. Returns ``("held", None)`` when somebody does.
 
         Returns:
             ``("promoted", waiter_json)``, ``("hit", entry_json)`` if a result appeared (the
-            stale lease and its in-flight mark are removed, the waiters kept), ``("none", None)`` if nobody waits, or ``("busy", None)`` if another holder has the lease.
+            stale lease and its in-flight mark are removed, the waiters kept), ``("none", None)``
+            if nobody waits (the lease is released), ``("busy", None)`` if another holder has
+            the lease or the deadline is not (or no longer) past, or ``("held", None)`` (see
+            ``unheld_only``).
+
+        Raises:
+            CacheUnavailable: Redis down or slow.
         """
         res = await self._call(
             "promote",
-            self._promote(keys=self._keys(key), args=[lease_ms, int(time.time() * 1000), key, expected_holder]),
+            self._promote(keys=self._keys(key), args=[lease_ms, int(time.time() * 1000), key, expected_holder,
+                                                    "1" if unheld_only else ""]),
         )
         outcome = res[0].decode() if isinstance(res[0], bytes) else res[0]
         return outcome, (res[1] or None)
 
+    async def extend(self, key: str, lease_ms: int) -> bool:
+        """Give the holder of ``key`` a new deadline ``lease_ms`` from now, if its deadline has passed
+        (dedup's reaper, for a holder that is still queued or being computed).
+
+        Returns:
+            True if extended; False if the key is no longer in flight or another process
+            renewed it first.
+
+        Raises:
+            CacheUnavailable: Redis down or slow.
+        """
+        k = self._keys(key)
+        return bool(await self._call(
+            "extend", self._extend(keys=[k[1], k[3]], args=[lease_ms, int(time.time() * 1000), key])))
+
     async def expired_leases(self, limit: int = 100) -> list[str]:
-        """Cache keys whose lease deadline has passed (candidates for promotion)."""
+        """Cache keys whose lease deadline has passed (candidates for promotion), at most ``limit``.
+
+        Raises:
+            CacheUnavailable: Redis down or slow.
+        """
         now = int(time.time() * 1000)
         keys = await self._call(
             "expired", self.client.zrangebyscore(f"{self.p}:inflight", "-inf", now, start=0, num=limit)
@@ -333,13 +402,24 @@ class ResultCache:
         """Record a generation so ``purge`` can find its entries by model revision."""
         await self._call("hset", self.client.hset(f"{self.p}:gens", gen.gen_id, gen.model_dump_json()))
 
-    async def purge(self, *, model_revision: str | None = None, gen_id: str | None = None) -> int:
+    async def purge(self, *, model_revision: str | None = None, gen_id: str | None = None) -> tuple[int, int]:
         """Delete every cache entry (and near-duplicate index) of the matching generations.
-        Returns entries deleted.
 
         The generations' records in ``ocr:gens`` stay (one small hash field each): processes still
         running a purged generation go on making entries, and a later purge must find them too.
-        Not bound by the per-call time budget: an operator's command, not the hot path.
+        Not bound by the per-call time budget: an operator's command, not the hot path (the
+        client's socket timeout still applies to each call). Keys are removed with ``UNLINK``,
+        500 per round trip.
+
+        Args:
+            model_revision: Purge the generations of this model revision.
+            gen_id: Purge this generation id.
+
+        Returns:
+            ``(generations matched, entries deleted)``.
+
+        Raises:
+            RedisError: Redis down, refusing, or slower than the client's socket timeout.
         """
         gens = await self.client.hgetall(f"{self.p}:gens")
         targets = []
@@ -350,11 +430,18 @@ class ResultCache:
                 targets.append(gid)
         deleted = 0
         for gid in targets:
-            async for k in self.client.scan_iter(match=f"{self.p}:c:{gid}:*", count=1000):
-                deleted += await self.client.delete(k)
-            async for k in self.client.scan_iter(match=f"{self.p}:nd:{gid}:*", count=1000):
-                await self.client.delete(k)  # the generation's near-duplicate index (not counted)
-        return deleted
+            for pattern, counted in ((f"{self.p}:c:{gid}:*", True), (f"{self.p}:nd:{gid}:*", False)):
+                batch: list[bytes] = []
+                async for k in self.client.scan_iter(match=pattern, count=1000):
+                    batch.append(k)
+                    if len(batch) >= 500:
+                        n = await self.client.unlink(*batch)
+                        deleted += n if counted else 0
+                        batch = []
+                if batch:
+                    n = await self.client.unlink(*batch)
+                    deleted += n if counted else 0
+        return len(targets), deleted
 
     # -- requests accepted over HTTP, not yet completed ----------------------------------------
     async def mark_accepted(self, request_id: str, value: bytes, ttl_s: int) -> None:

@@ -94,6 +94,11 @@ def make_consumer(
     return consumer
 
 
+def make_admin(cfg: KafkaSettings, client_id: str) -> AIOKafkaAdminClient:
+    """An admin client (``await start()`` before use, ``await close()`` after)."""
+    return AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers, client_id=client_id, **_security_kwargs(cfg))
+
+
 async def create_topics(cfg: KafkaSettings, names: list[str]) -> list[str]:
     """Create the topics that do not exist yet, with ``cfg.partitions`` partitions each.
 

@@ -263,7 +263,9 @@ class CommonSettings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1, description="attempts before a message goes to ocr.dlq")
     lease_ms: int = Field(
         default=600_000, ge=1,
-        description="in-flight lease, ms: a holder silent this long is replaced (dedup claims and reaps; the sink promotes a waiter with it)")
+        description="in-flight lease, ms: when it has passed, dedup's reaper replaces the holder by a waiting copy only "
+                    "if the holder is no longer queued in ocr.infer or ocr.results (else it extends the lease by "
+                    "this much); the sink gives a promoted waiter this lease")
     shutdown_timeout_s: float = Field(default=20.0, gt=0, description="SIGTERM drain bound; below k8s grace period")
     retry_max_backoff_s: float = Field(default=10.0, gt=0, description="cap of the backoff while a store is down")
 

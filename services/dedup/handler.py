@@ -16,6 +16,7 @@ from services.common.events import dumps, loads, queue_wait_ms
 from services.common.kafka import Outgoing
 from services.common.runner import Handler
 from services.common.telemetry import SpanKind, Telemetry, record_attrs
+from services.dedup.backlog import BacklogUnknown, DownstreamBacklog
 from services.dedup.lru import EntryLru
 from services.dedup.near import NearDupLookup, NearHit
 from services.dedup.settings import DedupSettings
@@ -43,11 +44,21 @@ class DedupHandler(Handler):
     """
 
     def __init__(self, settings: DedupSettings, cache: ResultCache, telemetry: Telemetry,
-                 near: NearDupLookup | None = None):
+                 near: NearDupLookup | None = None, backlog: DownstreamBacklog | None = None):
+        """
+        Args:
+            settings: The dedup settings.
+            cache: The Redis cache (claims, leases, the reaper's promotions).
+            telemetry: Spans and the ``ocrstream_cache_total`` counters.
+            near: The near-duplicate lookup, or None (off).
+            backlog: What the reaper asks before it replaces a holder whose deadline passed;
+                None replaces such a holder at once (unit tests; the stage always passes one).
+        """
         self.s = settings
         self.cache = cache
         self.telemetry = telemetry
         self.near = near
+        self.backlog = backlog
         self.lru = EntryLru(settings.lru_entries, settings.lru_bytes, settings.lru_ttl_s)
         self._known_gens: dict[str, float] = {}  # gen_id -> when registered (monotonic s)
 
@@ -147,31 +158,67 @@ class DedupHandler(Handler):
         return found
 
     async def on_idle(self) -> list[Outgoing]:
-        """Reaper: for each expired lease, promote the first waiter (re-sent to inference). If a
-        result is cached by then, its holder stored it and the sink completed the waiters with it;
-        only the stale lease and its in-flight mark are removed (:meth:`ResultCache.promote`)."""
+        """Reaper (about once a second): settle each key whose lease deadline has passed.
+
+        * Nobody holds the lease (it was released with waiters left, or its backstop expiry ran
+          out): the first waiter is promoted and re-sent to inference.
+        * The holder may still be on its way (``backlog`` finds uncommitted messages on the
+          partitions of ``ocr.infer`` or ``ocr.results`` its key maps to, or cannot tell): the
+          deadline moves ``lease_ms`` on, so a backlog or a stopped infer never turns copies of
+          one image into several inferences.
+        * Otherwise the holder's result was handled but the key never completed (a lost
+          completion): the first waiter is promoted and re-sent.
+
+        If a result is cached by then, its holder stored it and the sink completed the waiters
+        with it; only the stale lease and its in-flight mark are removed (:meth:`ResultCache.promote`).
+        """
         if not self.s.cache_enabled:
             return []
         out: list[Outgoing] = []
         try:
+            held: list[str] = []
             for key in await self.cache.expired_leases():
-                outcome, raw = await self.cache.promote(key, self.s.lease_ms)
-                if outcome != "promoted" or raw is None:
+                outcome, raw = await self.cache.promote(key, self.s.lease_ms, unheld_only=True)
+                if outcome == "held":
+                    held.append(key)
+                elif outcome == "promoted" and raw is not None:
+                    out.append(self._promoted(key, raw, "its lease was released with waiters left"))
+            if not held:
+                return out
+            busy = None
+            if self.backlog is not None:
+                try:
+                    busy = await self.backlog.busy_partitions()
+                except BacklogUnknown as exc:
+                    log.warning("dedup: cannot read the backlog after dedup (%s); %d expired leases kept", exc, len(held))
+            for key in held:
+                sha = key.rsplit(":", 1)[-1].encode()
+                if self.backlog is not None and (busy is None or self.backlog.holder_may_be_queued(busy, sha)):
+                    if await self.cache.extend(key, self.s.lease_ms):
+                        self.telemetry.cache.labels("dedup", "extended", "redis").inc()
                     continue
-                req = RequestEvent.model_validate_json(raw)
-                self.telemetry.cache.labels("dedup", "promoted", "redis").inc()
-                with self.telemetry.span("dedup.promote", traceparent=req.traceparent, root=True):  # the waiter's trace
-                    log.warning("dedup: lease on %s expired; promoting waiting request %s", key, req.request_id)
-                    ev = InferEvent(request=req, cache_key=key, attempt=2)
-                    out.append(Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev), self.telemetry.inject()))
+                outcome, raw = await self.cache.promote(key, self.s.lease_ms)
+                if outcome == "promoted" and raw is not None:
+                    out.append(self._promoted(key, raw, "its holder is not queued and never completed"))
         except CacheUnavailable:
             pass
         return out
+
+    def _promoted(self, key: str, raw: bytes, why: str) -> Outgoing:
+        """The ``ocr.infer`` event that re-sends promoted waiter ``raw`` (RequestEvent JSON)."""
+        req = RequestEvent.model_validate_json(raw)
+        self.telemetry.cache.labels("dedup", "promoted", "redis").inc()
+        with self.telemetry.span("dedup.promote", traceparent=req.traceparent, root=True):  # the waiter's trace
+            log.warning("dedup: lease on %s expired and %s; promoting waiting request %s", key, why, req.request_id)
+            ev = InferEvent(request=req, cache_key=key, attempt=2)
+            return Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev), self.telemetry.inject())
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the record and fail its request."""
         return poison_messages(stage="dedup", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
 
     async def close(self) -> None:
-        """Close the Redis pool."""
+        """Close the Redis pool and the backlog's Kafka clients."""
         await self.cache.close()
+        if self.backlog is not None:
+            await self.backlog.close()

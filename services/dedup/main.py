@@ -6,6 +6,7 @@ from services.common.app import StageContext, run_stage
 from services.common.cache import ResultCache
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
+from services.dedup.backlog import DownstreamBacklog
 from services.dedup.handler import DedupHandler
 from services.dedup.near import NearDupLookup
 from services.dedup.settings import DedupSettings
@@ -25,7 +26,8 @@ async def main(settings: DedupSettings | None = None) -> None:
             store = ObjectStore(s.s3, ctx.telemetry)
             ctx.telemetry.add_probe("s3", store.ping)
             near = NearDupLookup(s.near_dup, s.limits, store, cache)
-        return DedupHandler(s, cache, ctx.telemetry, near)
+        backlog = DownstreamBacklog(s.kafka, [(s.topics.infer, s.infer_group_id), (s.topics.results, s.sink_group_id)])
+        return DedupHandler(s, cache, ctx.telemetry, near, backlog)
 
     await run_stage(
         stage="dedup", settings=s, topic=s.topics.requests, group_id=s.dedup_group_id,

@@ -38,6 +38,14 @@ class DedupSettings(CommonSettings):
     """Settings of the dedup stage."""
 
     dedup_group_id: str = Field(default="ocrstream-dedup", description="consumer group of the dedup stage")
+    infer_group_id: str = Field(
+        default="ocrstream-infer",
+        description="consumer group of the infer stage: dedup's reaper keeps a lease whose holder may still be queued "
+                    "in ocr.infer for this group (same variable as infer's)")
+    sink_group_id: str = Field(
+        default="ocrstream-sink",
+        description="consumer group of the sink: dedup's reaper keeps a lease whose holder's result may still be "
+                    "queued in ocr.results for this group (same variable as the sink's)")
     dedup_max_batch: int = Field(default=64, ge=1, description="records per batch")
     dedup_max_wait_ms: int = Field(
         default=0, ge=0,

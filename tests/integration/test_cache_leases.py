@@ -110,3 +110,41 @@ def test_an_uncached_result_hands_over_waiters_only_when_the_lease_is_its_holder
             await cache.close()
 
     asyncio.run(go())
+
+
+def test_the_reaper_decides_when_a_holder_is_replaced_and_waiters_never_expire(stack_env):
+    """The lease key expires only as a backstop (4 lease periods); the deadline in the in-flight set
+    is what the reaper acts on: ``extend`` renews a passed deadline only, the deadline-based
+    ``promote`` refuses a key whose deadline is ahead, ``unheld_only`` refuses a held lease, and
+    the waiter list has no expiry at all."""
+
+    async def go():
+        cache = ResultCache(RedisSettings(key_prefix=f"reaper-test-{os.getpid()}-{time.time_ns()}"))
+        key = "r" * 64
+        entry_key, lease_key, waiters_key, inflight_key = cache._keys(key)
+        try:
+            assert (await cache.claim(key, "holder", b'{"request_id": "holder"}', lease_ms=300)).outcome == "lead"
+            assert (await cache.claim(key, "copy", b'{"request_id": "copy"}', lease_ms=300)).outcome == "wait"
+            assert 900 < await cache.client.pttl(lease_key) <= 1200  # 4 x 300 ms backstop
+            assert await cache.client.pttl(waiters_key) == -1
+            assert await cache.extend(key, 300) is False  # deadline not passed yet
+            assert await cache.promote(key, 300) == ("busy", None)
+            await asyncio.sleep(0.4)  # deadline passed, lease key still there
+            assert await cache.expired_leases() == [key]
+            assert await cache.promote(key, 300, unheld_only=True) == ("held", None)
+            assert await cache.extend(key, 60_000) is True
+            assert await cache.extend(key, 60_000) is False  # a second reaper: already renewed
+            assert await cache.expired_leases() == []
+            assert 239_000 < await cache.client.pttl(lease_key) <= 240_000  # backstop pushed out too
+            assert await cache.client.get(lease_key) == b"holder"
+            # the deadline passes again and the holder is judged gone: the copy takes the lease
+            await cache.client.zadd(inflight_key, {key: 0})
+            outcome, raw = await cache.promote(key, 60_000)
+            assert outcome == "promoted" and raw == b'{"request_id": "copy"}'
+            assert await cache.client.get(lease_key) == b"copy"
+            assert await cache.client.llen(waiters_key) == 0
+        finally:
+            await cache.client.delete(entry_key, lease_key, waiters_key, inflight_key)
+            await cache.close()
+
+    asyncio.run(go())

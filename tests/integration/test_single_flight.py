@@ -55,14 +55,21 @@ async def test_waiters_complete_when_the_lease_holder_is_killed(sf_pipeline):
         assert time.time() < deadline, "infer never received the request"
         await asyncio.sleep(0.05)
     sf_pipeline.stop(infer, sig=9)  # the lease holder dies mid-inference; its offset is not committed
+    joined = metric_value(sf_pipeline.metrics("dedup"), "ocrstream_cache_total", outcome="joined")
     waiters = asyncio.create_task(sf_pipeline.run([(data, f"copy-{i}.jpg") for i in range(5)], timeout=300))
-    await asyncio.sleep(3)
+    deadline = time.time() + 60
+    while metric_value(sf_pipeline.metrics("dedup"), "ocrstream_cache_total", outcome="joined") < joined + 5:
+        assert time.time() < deadline, "the copies never joined the dead holder's lease"
+        await asyncio.sleep(0.05)
     sf_pipeline.start("infer")  # the holder's event is redelivered; its result completes the waiters
     [holder] = await task
     copies = await waiters
     texts = {d.text for d in [holder, *copies]}
     assert holder.status == "ok" and all(c.status == "ok" for c in copies)
     assert len(texts) == 1 and "WATSONS" in holder.text.upper()
+    assert not holder.cache_hit and all(c.cache_hit for c in copies)  # completed with the holder's result
+    # the restarted infer computed the redelivered holder only: no copy was sent to inference
+    assert metric_value(sf_pipeline.metrics("infer"), "ocrstream_messages_in_total") == 1
 
 
 async def test_model_revision_change_is_a_miss_and_purge_removes_a_generation(sf_pipeline):
@@ -86,7 +93,10 @@ async def test_model_revision_change_is_a_miss_and_purge_removes_a_generation(sf
     assert cached.cache_hit
     out = subprocess.run([sys.executable, "-m", "services.cli", "cache", "purge", "--model", "rev-2"], cwd=REPO,
                          capture_output=True, text=True, check=True)
-    assert "deleted 1 cache entries" in out.stdout
+    assert "deleted 1 cache entries of 1 generation" in out.stdout
+    unknown = subprocess.run([sys.executable, "-m", "services.cli", "cache", "purge", "--model", "no-such-rev"], cwd=REPO,
+                             capture_output=True, text=True)
+    assert unknown.returncode == 1 and "no cache generation has model revision 'no-such-rev'" in unknown.stderr, unknown
     # the dedup LRU still holds the entry: restart dedup so only Redis decides
     for st in sf_pipeline.stages["dedup"]:
         sf_pipeline.stop(st)

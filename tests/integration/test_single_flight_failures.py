@@ -5,7 +5,9 @@ The policy (``services/sink/handler.py``, ``schemas/errors.py`` ``RETRYABLE_CODE
 
 * holder ends with ``engine_error`` (retryable): one waiter is promoted and re-sent to inference;
 * holder ends with an input error or ``timeout`` (same bytes, same outcome): every waiter shares it;
-* holder goes silent (lease expired): dedup's reaper promotes one waiter.
+* holder still queued when its lease deadline passes (a backlog, a stopped infer): the reaper
+  extends the lease, and the image is computed once;
+* holder's completion lost (nothing of it queued, key never completed): the reaper promotes one waiter.
 
 The engine that fails on demand is real HTTP: infer runs its ``openai`` engine against a small
 OpenAI-compatible OCR server on loopback (stdlib, a thread of this process) that answers as
@@ -21,6 +23,7 @@ metrics show.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import threading
@@ -31,6 +34,8 @@ import pytest
 import redis
 
 from schemas.errors import ErrorCode
+from services.common.cache import ResultCache
+from services.common.settings import RedisSettings
 from tests.conftest import CASES, text_image
 from tests.stack import Pipeline, Stage, free_port, metric_value, namespaced_pipeline
 
@@ -233,42 +238,74 @@ async def test_input_error_or_timeout_of_the_holder_is_shared_by_every_waiter(sf
     await assert_no_flight_left(holder.cache_key)
 
 
-async def test_expired_lease_promotes_a_waiter_and_everyone_completes(sfp, ocr_server):
+async def test_a_holder_queued_past_its_lease_keeps_it_and_computes_once(sfp, ocr_server):
+    """A backlog (here: infer stopped) longer than the lease must not make copies into several
+    inferences: dedup's reaper sees the holder's event still uncommitted in ``ocr.infer`` and
+    extends the lease, lease period after lease period, instead of promoting a waiter; and the
+    waiters, which exist only in Redis, never expire while they wait."""
     p = sfp
-    data = text_image(["SILENT HOLDER 7303"])
+    data = text_image(["QUEUED HOLDER 7303"])
     p.stop(live(p, "dedup"))
-    # short enough to wait for, long enough for the copies to join before it runs out
-    p.start("dedup", {"OCRSTREAM_LEASE_MS": "10000"})
-    p.stop(live(p, "infer"))  # the holder's inference never starts: its lease runs out
+    p.start("dedup", {"OCRSTREAM_LEASE_MS": "1500"})
+    p.stop(live(p, "infer"))  # the holder waits in ocr.infer, many lease periods long
     try:
         holder_run, copies_run = await holder_then_copies(p, data)
-        infer_topic = p.env["OCRSTREAM_TOPICS__INFER"]
-
-        def promoted_and_sent() -> bool:
-            text = p.metrics("dedup")
-            return (metric_value(text, "ocrstream_cache_total", outcome="promoted") == 1
-                    and metric_value(text, "ocrstream_messages_out_total", topic=infer_topic) == 2)
-
-        await until(promoted_and_sent, "the reaper to promote a waiter and send it to ocr.infer")
-        p.stop(live(p, "dedup"))  # no further promotions: exactly two inferences are due
+        extended = dedup_count(p, "extended")
+        await until(lambda: dedup_count(p, "extended") >= extended + 4, "four extensions of the holder's lease")
         r, prefix = redis_client()
         try:
-            key = r.zrange(f"{prefix}:inflight", 0, -1)
-            waiting = [r.llen(f"{prefix}:wait:{k.decode()}") for k in key]
+            [key] = [k.decode() for k in r.zrange(f"{prefix}:inflight", 0, -1)]
+            waiting, waiters_ttl = r.llen(f"{prefix}:wait:{key}"), r.pttl(f"{prefix}:wait:{key}")
         finally:
             r.close()
-        assert waiting == [COPIES - 1], waiting  # one copy left the waiters: it holds the lease now
-        posts = ocr_server.script("SILENT HOLDER 7303")
-        p.start("infer")  # the holder's and the promoted copy's inference run now
+        assert waiting == COPIES and waiters_ttl == -1, (waiting, waiters_ttl)  # all still there, no expiry
+        text = p.metrics("dedup")
+        assert metric_value(text, "ocrstream_cache_total", outcome="promoted") == 0
+        assert metric_value(text, "ocrstream_messages_out_total", topic=p.env["OCRSTREAM_TOPICS__INFER"]) == 1
+        posts = ocr_server.script("QUEUED HOLDER 7303")
+        p.start("infer")
         [holder] = await holder_run
         copies = await copies_run
     finally:
-        for name, extra in (("dedup", None), ("infer", None)):
+        for name in ("dedup", "infer"):
             if not [s for s in p.stages[name] if s.proc.poll() is None]:
-                p.start(name, extra)
+                p.start(name)
     for d in [holder, *copies]:
-        assert d.status == "ok" and d.text == "SILENT HOLDER 7303", (d.status, d.error, d.text)
-    assert not holder.cache_hit and sorted(c.cache_hit for c in copies) == [False, True, True, True]
-    # a fresh infer process: its counter holds exactly these two; the server also saw its warm-up
-    assert p.engine_calls() == 2 and infer_events(p) == 2 and ocr_server.posts - posts == 1 + 2
+        assert d.status == "ok" and d.text == "QUEUED HOLDER 7303", (d.status, d.error, d.text)
+    assert not holder.cache_hit and all(c.cache_hit for c in copies)
+    # a fresh infer process: exactly one inference (plus the server's warm-up request)
+    assert p.engine_calls() == 1 and infer_events(p) == 1 and ocr_server.posts - posts == 1 + 1
     await assert_no_flight_left(holder.cache_key)
+
+
+async def test_a_holder_that_never_completes_is_replaced_by_a_waiter(sfp, ocr_server):
+    """A holder whose completion was lost (nothing of it is queued any more, yet its key was never
+    completed: e.g. a sink that deferred the completion while Redis was down, then died) must
+    not leave its waiters hanging: once the deadline has passed and neither ``ocr.infer`` nor
+    ``ocr.results`` holds anything uncommitted on the key's partitions, the reaper promotes the
+    first waiter, whose inference completes the others."""
+    p = sfp
+    # the namespace's generation id, from a request that went through (the key is <gen_id>:<sha256>)
+    posts = ocr_server.script("WARM 7404")
+    [warm] = await p.run([(text_image(["WARM 7404"]), "warm.png")], timeout=300)
+    assert warm.status == "ok", warm.error
+    gen_id = warm.cache_key.rsplit(":", 1)[0]
+    data = text_image(["LOST HOLDER 7404"])
+    key = f"{gen_id}:{hashlib.sha256(data).hexdigest()}"
+    cache = ResultCache(RedisSettings(key_prefix=os.environ["OCRSTREAM_REDIS__KEY_PREFIX"]))
+    try:  # a holder nobody will ever complete: its lease is in Redis, its events are nowhere
+        claim = await cache.claim(key, "lost-holder", b'{"request_id": "lost-holder"}', lease_ms=5000)
+        assert claim.outcome == "lead"
+    finally:
+        await cache.close()
+    promoted, joined, calls = dedup_count(p, "promoted"), dedup_count(p, "joined"), p.engine_calls()
+    posts = ocr_server.script("LOST HOLDER 7404")
+    copies = await p.run([(data, f"copy-{i}.png") for i in range(COPIES)], timeout=300)
+    for c in copies:
+        assert c.status == "ok" and c.text == "LOST HOLDER 7404", (c.status, c.error, c.text)
+        assert c.cache_key == key
+    assert dedup_count(p, "joined") - joined == COPIES  # every copy waited on the lost holder
+    assert dedup_count(p, "promoted") - promoted == 1
+    assert sorted(c.cache_hit for c in copies) == [False, True, True, True]
+    assert p.engine_calls() - calls == 1 and ocr_server.posts - posts == 1
+    await assert_no_flight_left(key)
