@@ -204,15 +204,20 @@ async def test_long_batch_keeps_polling_with_partitions_paused():
     while the handler runs, with the partitions paused once the carry buffer is full."""
     consumer = FakeConsumer(n=10, partitions=(P0,))
 
+    held: list[list[tuple[int, int, bytes]]] = []  # records fetched meanwhile, at the end of the first batch
+
     async def long_batch(records):
         # the handler only finishes once the runner has polled 5 times with everything paused
         await until(lambda: consumer.paused_polls >= 5, "getmany called while paused")
+        held.append(list(handler.prefetched))
 
     handler = Recorder({0: long_batch})
     runner = make_runner(consumer, handler, max_batch=2)
     await run_until(runner, lambda: consumer.committed == {P0: 10}, "every offset committed")
 
-    assert handler.prefetched[:2] == [(0, 2, b"g1"), (0, 3, b"g1")]  # carry bounded by max_batch while paused
+    # the runner's bound: while a batch runs it holds at most one more batch (max_batch records)
+    # beyond it, then pauses; 8 more records were there to fetch
+    assert held == [[(0, 2, b"g1"), (0, 3, b"g1")]]
     assert consumer.pos[P0] == 10
     handled = [k for b in handler.batches for k in b]
     assert handled == [(0, i, b"g1") for i in range(10)]  # each record once, in order
