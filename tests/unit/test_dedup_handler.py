@@ -1,0 +1,151 @@
+"""Dedup's tiers and its reaper's decisions, with an in-memory cache and backlog (pure logic).
+
+The same rules run against real Redis and Kafka in ``tests/integration/test_cache_leases.py`` and
+``tests/integration/test_single_flight_failures.py``; here each branch is pinned on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from aiokafka import ConsumerRecord
+
+from schemas.events import RequestEvent
+from services.common.cache import CacheEntry, CacheUnavailable, Claim
+from services.common.events import dumps
+from services.common.settings import TelemetrySettings
+from services.common.telemetry import Telemetry
+from services.dedup.backlog import BacklogUnknown
+from services.dedup.handler import DedupHandler
+from services.dedup.settings import DedupSettings
+
+S = DedupSettings()
+SHA = "ab" * 32
+
+
+class CountingCache:
+    """Counts Redis calls; claims hit when ``entry`` is set; the reaper's view is scripted."""
+
+    def __init__(self, entry: CacheEntry | None = None):
+        self.entry = entry
+        self.calls: list[str] = []
+        self.expired: list[str] = []
+        self.holders: dict[str, str] = {}  # key -> holder request id (lease held)
+        self.waiters: dict[str, list[bytes]] = {}
+
+    async def register_generation(self, gen) -> None:
+        self.calls.append("register_generation")
+
+    async def claim(self, key, request_id, waiter_json, lease_ms) -> Claim:
+        self.calls.append("claim")
+        return Claim("hit", self.entry, 30_000) if self.entry else Claim("lead")
+
+    async def expired_leases(self, limit: int = 100) -> list[str]:
+        self.calls.append("expired_leases")
+        return list(self.expired)
+
+    async def promote(self, key, lease_ms, expected_holder="", unheld_only=False):
+        self.calls.append("promote_unheld" if unheld_only else "promote")
+        if unheld_only and key in self.holders:
+            return "held", None
+        w = self.waiters.get(key) or []
+        if not w:
+            return "none", None
+        return "promoted", w.pop(0)
+
+    async def extend(self, key, lease_ms) -> bool:
+        self.calls.append("extend")
+        return True
+
+
+class ScriptedBacklog:
+    """``busy``: topic -> busy partitions, or an exception to raise; every key maps to partition 0."""
+
+    def __init__(self, busy):
+        self.busy = busy
+        self.asked = 0
+
+    async def busy_partitions(self):
+        self.asked += 1
+        if isinstance(self.busy, Exception):
+            raise self.busy
+        return self.busy
+
+    def holder_may_be_queued(self, busy, key: bytes) -> bool:
+        return any(0 in parts for parts in busy.values())
+
+    async def close(self) -> None:
+        pass
+
+
+def handler(cache, backlog=None) -> DedupHandler:
+    return DedupHandler(S, cache, Telemetry("dedup", TelemetrySettings()), backlog=backlog)
+
+
+def request(rid: str) -> RequestEvent:
+    return RequestEvent(request_id=rid, content_sha256=SHA, image_uri=f"s3://b/images/{SHA}", size_bytes=10)
+
+
+def handle(h: DedupHandler, req: RequestEvent):
+    rec = ConsumerRecord("ocr.requests", 0, 0, 0, 0, None, dumps(req), None, 0, 0, [])
+    [out] = asyncio.run(h.handle([rec]))
+    return out.topic, orjson.loads(out.value)
+
+
+def test_a_repeat_within_the_lru_ttl_is_answered_without_any_redis_call():
+    cache = CountingCache(CacheEntry("s3://b/results/x.json", 2, 10, 1))
+    h = handler(cache)
+    topic, ev = handle(h, request("first"))
+    assert topic == S.topics.results and ev["cache_hit"] and ev["result_uri"] == "s3://b/results/x.json"
+    assert cache.calls == ["register_generation", "claim"]
+    topic, ev = handle(h, request("second"))
+    assert topic == S.topics.results and ev["cache_hit"] and ev["request"]["request_id"] == "second"
+    assert cache.calls == ["register_generation", "claim"]  # the LRU answered: Redis was not called
+    assert h.telemetry.cache.labels("dedup", "hit", "lru")._value.get() == 1
+
+
+def test_the_reaper_extends_a_holder_that_may_still_be_queued():
+    cache = CountingCache()
+    key = f"gen:{SHA}"
+    cache.expired, cache.holders[key], cache.waiters[key] = [key], "holder", [b'{"request_id": "w1"}']
+    backlog = ScriptedBacklog({S.topics.infer: {0}, S.topics.results: set()})
+    out = asyncio.run(handler(cache, backlog).on_idle())
+    assert out == [] and cache.calls == ["expired_leases", "promote_unheld", "extend"] and backlog.asked == 1
+
+
+def test_the_reaper_keeps_the_holder_when_kafka_cannot_tell():
+    cache = CountingCache()
+    key = f"gen:{SHA}"
+    cache.expired, cache.holders[key], cache.waiters[key] = [key], "holder", [b'{"request_id": "w1"}']
+    out = asyncio.run(handler(cache, ScriptedBacklog(BacklogUnknown("kafka down"))).on_idle())
+    assert out == [] and cache.calls[-1] == "extend"
+
+
+def test_the_reaper_replaces_a_holder_that_is_not_queued_anywhere():
+    cache = CountingCache()
+    key = f"gen:{SHA}"
+    waiter = dumps(request("w1"))
+    cache.expired, cache.holders[key], cache.waiters[key] = [key], "holder", [waiter]
+    backlog = ScriptedBacklog({S.topics.infer: set(), S.topics.results: set()})
+    [msg] = asyncio.run(handler(cache, backlog).on_idle())
+    ev = orjson.loads(msg.value)
+    assert msg.topic == S.topics.infer and ev["request"]["request_id"] == "w1" and ev["cache_key"] == key
+    assert cache.calls == ["expired_leases", "promote_unheld", "promote"]
+
+
+def test_waiters_of_a_released_lease_are_promoted_without_asking_kafka():
+    cache = CountingCache()
+    key = f"gen:{SHA}"
+    cache.expired, cache.waiters[key] = [key], [dumps(request("w1"))]  # nobody holds the lease
+    backlog = ScriptedBacklog({S.topics.infer: {0}})
+    [msg] = asyncio.run(handler(cache, backlog).on_idle())
+    assert orjson.loads(msg.value)["request"]["request_id"] == "w1" and backlog.asked == 0
+
+
+def test_the_reaper_does_nothing_while_redis_is_down():
+    class Down(CountingCache):
+        async def expired_leases(self, limit: int = 100):
+            raise CacheUnavailable("down")
+
+    assert asyncio.run(handler(Down(), ScriptedBacklog({})).on_idle()) == []
