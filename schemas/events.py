@@ -33,9 +33,13 @@ def now_ms() -> int:
 #: cut are kept; what the page held after it is missing.
 WARNING_TRUNCATED_REPETITION = "truncated_repetition"
 WARNING_TRUNCATED_MAX_TOKENS = "truncated_max_tokens"
+#: The VLM answered text with no readable ``text(box)`` entry: the answer's text is kept as one
+#: line whose box is the whole page (or tile), confidence 0.
+WARNING_UNPARSED_OUTPUT = "unparsed_output"
 _WARNINGS_DOC = ("why an ok result may be incomplete: 'truncated_repetition' (generation stopped by the "
-                 "runaway-repetition guard) or 'truncated_max_tokens' (generation hit its token cap); "
-                 "empty when complete")
+                 "runaway-repetition guard), 'truncated_max_tokens' (generation hit its token cap) or "
+                 "'unparsed_output' (the model's answer had no text-with-box entry: its text is one line "
+                 "boxing the whole page, confidence 0); empty when complete")
 
 
 class _Frozen(BaseModel):

@@ -38,14 +38,23 @@ def build_engine(s: InferSettings) -> OcrEngine:
 
 
 async def main(settings: InferSettings | None = None) -> None:
-    """Run infer until SIGTERM: consume ``ocr.infer``, produce ``ocr.results``."""
+    """Run infer until SIGTERM: consume ``ocr.infer``, produce ``ocr.results``.
+
+    ``/readyz`` answers 200 while the engine is ready: its ``health()`` is polled every
+    ``telemetry.probe_interval_s`` (``engine`` in the not-ready list), and ``engine.ready``
+    turns False as soon as a batch finds the engine unavailable (then the runner retries that
+    batch with backoff and commits nothing until it goes through).
+    """
     s = settings or load_settings(InferSettings)
 
     async def build(ctx: StageContext) -> InferHandler:
         engine = build_engine(s)
         log.info("infer: loading engine %s (%s @ %s)", engine.name, s.engine.model, s.engine.model_revision)
         await engine.start()
+        # ready flips at once when a call finds the engine gone (EngineUnavailable); the probe
+        # also notices it between batches and notices its return (engine.health sets ready)
         ctx.telemetry.ready_checks.append(lambda: engine.ready)
+        ctx.telemetry.add_probe("engine", engine.health)
         store = ObjectStore(s.s3, ctx.telemetry)
         ctx.telemetry.add_probe("s3", store.ping)
         return InferHandler(s, store, engine, ctx.telemetry)

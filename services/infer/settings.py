@@ -27,29 +27,31 @@ class InferSettings(CommonSettings):
     # vLLM (in-process, GPU) engine; model default HunyuanOCR. Keep engine.model equal to vllm_model.
     vllm_model: str = Field(default="tencent/HunyuanOCR", description="HF id or local path vLLM loads (no download if cached/local)")
     vllm_revision: str | None = Field(default=None, description="HF revision of vllm_model")
-    vllm_dtype: str = "auto"
-    vllm_gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1)
+    vllm_dtype: str = Field(default="auto", description="weights/activations dtype as vLLM names it (auto = the model's own, e.g. bfloat16)")
+    vllm_gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1, description="fraction (0..1] of the GPU's memory vLLM may take (weights + KV cache)")
     vllm_max_num_seqs: int = Field(default=64, ge=1, description="requests decoded together")
     vllm_max_model_len: int = Field(default=16384, ge=1, description="prompt (a 2K page is ~4,100 image tokens) + output")
     vllm_max_num_batched_tokens: int = Field(default=32768, ge=1, description="well above one page's tokens, so pages overlap")
     vllm_max_tokens: int = Field(default=4096, ge=1, description="generation cap per image")
     vllm_repetition_penalty: float = Field(default=1.0, gt=0, description="1.0 = off, as vLLM's HunyuanOCR recipe (greedy, top_k 1)")
     vllm_repeat_stop: bool = Field(default=True, description="abort a request whose output ends in a loop (result flagged truncated_repetition)")
-    vllm_trust_remote_code: bool = True
+    vllm_trust_remote_code: bool = Field(default=True, description="let vLLM/transformers run the model repository's own Python code")
     vllm_enforce_eager: bool = Field(default=False, description="no CUDA graphs (faster start, slower decode)")
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM AsyncEngineArgs (JSON)")
     vllm_sampling_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM SamplingParams (JSON)")
-    vllm_warmup_timeout_s: float = 600.0
+    vllm_warmup_timeout_s: float = Field(default=600.0, gt=0, description="seconds the warm-up image may take at start-up")
     # OpenAI-compatible server engine (e.g. `vllm serve tencent/HunyuanOCR --no-enable-prefix-caching --mm-processor-cache-gb 0`)
-    openai_base_url: str = "http://127.0.0.1:8000/v1"
-    openai_api_key: SecretStr | None = None
-    openai_model: str = "tencent/HunyuanOCR"
-    openai_max_tokens: int = Field(default=4096, ge=1)
-    openai_timeout_s: float = Field(default=300.0, gt=0, description="socket timeout of one HTTP attempt")
-    openai_retries: int = Field(default=3, ge=1, description="attempts on 5xx/429/connection errors")
-    openai_backoff_s: float = Field(default=0.5, ge=0, description="first retry backoff, doubling")
-    openai_max_concurrency: int = Field(default=32, ge=1, description="requests in flight per process")
-    openai_ready_timeout_s: float = Field(default=900.0, gt=0, description="wait for the server at start-up")
-    openai_image_format: Literal["png", "jpeg"] = "png"
+    openai_base_url: str = Field(default="http://127.0.0.1:8000/v1", description="API root of the server (http or https, ending in /v1; no proxy, no redirects)")
+    openai_api_key: SecretStr | None = Field(default=None, description="bearer token sent to the server; unset = none")
+    openai_model: str = Field(default="tencent/HunyuanOCR", description="model name sent in each request (keep engine.model equal)")
+    openai_max_tokens: int = Field(default=4096, ge=1, description="generation cap per image, in tokens")
+    openai_timeout_s: float = Field(default=300.0, gt=0, description="seconds one HTTP attempt may wait for its answer (capped by what is left of infer_timeout_s); fires as a timeout result, not retried")
+    openai_connect_timeout_s: float = Field(default=10.0, gt=0, description="seconds to open a connection; past it the server counts as unreachable")
+    openai_retries: int = Field(default=3, ge=1, description="attempts per image, the first included (1 = no retry), on 5xx, 429, unreachable server, dropped connection")
+    openai_backoff_s: float = Field(default=0.5, ge=0, description="seconds before the first retry, doubling (at most 8 s), each wait drawn from half to all of it")
+    openai_retry_after_max_s: float = Field(default=30.0, ge=0, description="cap in seconds on a 429/503's Retry-After, which replaces the backoff")
+    openai_max_concurrency: int = Field(default=32, ge=1, description="cap on requests in flight per engine call (one per image of the batch, all at once up to this)")
+    openai_ready_timeout_s: float = Field(default=900.0, gt=0, description="seconds to wait for the server at start-up")
+    openai_image_format: Literal["png", "jpeg"] = Field(default="png", description="encoding of the inline image (png lossless, jpeg quality 95)")
     openai_repetition_penalty: float = Field(default=1.0, gt=0, description="1.0 = off, as vLLM's HunyuanOCR recipe")
     openai_extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields (JSON)")

@@ -227,3 +227,27 @@ def test_pad_for_vlm_keeps_pixels_in_place():
     assert hunyuan.pad_for_vlm(very_long).shape == (60, 9000, 3)
     normal = np.zeros((100, 200, 3), dtype=np.uint8)
     assert hunyuan.pad_for_vlm(normal) is normal
+
+
+def test_an_answer_without_entries_is_one_whole_page_line_flagged():
+    """Non-empty answer, nothing parses: status stays ok, the text is kept as one line boxing
+    the whole (unpadded) image, confidence 0, warning ``unparsed_output``."""
+    out = hunyuan.answer_to_output("<answer>```\nHello there,\n  world!\n```</answer>", (300, 64), (300, 40),
+                                   ("truncated_max_tokens",), 0.0)
+    assert out.warnings == ("truncated_max_tokens", "unparsed_output")
+    assert [(s.text, s.box, s.confidence) for s in out.segments] == [
+        ("Hello there, world!", [[0.0, 0.0], [300.0, 0.0], [300.0, 40.0], [0.0, 40.0]], 0.0)]
+    # a box the parser drops (zero width) leaves its text: kept the same way
+    out = hunyuan.answer_to_output("abc(5,5),(5,9)", (100, 100), (100, 100), (), 0.0)
+    assert [s.text for s in out.segments] == ["abc(5,5),(5,9)"] and out.warnings == ("unparsed_output",)
+    out = hunyuan.answer_to_output("<ref>x</ref><quad>(1,2)</quad>", (100, 100), (100, 100), (), 0.0)
+    assert [s.text for s in out.segments] == ["x (1,2)"]
+
+
+def test_empty_or_parsed_answers_get_no_unparsed_warning():
+    assert hunyuan.answer_to_output("", (100, 100), (100, 100), (), 0.0).segments == []
+    blank = hunyuan.answer_to_output(" \n ", (100, 100), (100, 100), (), 0.0)
+    assert blank.segments == [] and blank.warnings == ()
+    ok = hunyuan.answer_to_output("A(100,100),(500,500)", (100, 100), (100, 100), (), 0.0)
+    assert [s.text for s in ok.segments] == ["A"] and ok.warnings == ()
+    assert hunyuan.unparsed_text("<quad><pos_1><pos_2></quad>  ") == ""

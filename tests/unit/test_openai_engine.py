@@ -16,22 +16,29 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from services.infer.engines.base import EngineOutput, EngineTimeout
+from services.common.errors import is_transient
+from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable
 from services.infer.engines.hunyuan import SPOTTING_PROMPT
-from services.infer.engines.openai_engine import OpenAiEngine, ServerError
+from services.infer.engines.openai_engine import AttemptTimeout, OpenAiEngine, ServerError, parse_retry_after
 
 # A recorded-style HunyuanOCR text-spotting answer (0..1000 coordinates).
 ANSWER = "INVOICE(100,50),(400,90)\n发票号码(600,52),(800,88)\nTOTAL 97.50(100,900),(500,950)"
 
-OK, SLOW, FLAKY, BROKEN, BAD_REQ, LENGTH, LOOP = 10, 20, 30, 40, 50, 60, 70
+OK, SLOW, FLAKY, BROKEN, BAD_REQ, LENGTH, LOOP, PROSE, BUSY, GATED = 10, 20, 30, 40, 50, 60, 70, 80, 90, 100
+PROSE_ANSWER = "I can see a receipt.\nThe total is 97.50 EUR."
 # cut at max_tokens mid entry; and a runaway loop of one entry
 CUT = "INVOICE(100,50),(400,90)\nTOTAL 97.50(100,9"
 LOOPING = "Signature: ________(100,50),(400,90)\n" + "重复(10,40),(90,60)" * 40
 
 
 class FakeServer:
-    def __init__(self, healthy_after: int = 0):
+    def __init__(self, healthy_after: int = 0, port: int = 0):
         self.requests: list[dict] = []
+        self.inflight = 0  # GATED requests being answered now
+        self.max_inflight = 0
+        self.arrived = 0
+        self.gate_at = 1  # GATED requests are answered in waves of this many (each waits at most 5 s)
+        self.cond = threading.Condition()
         self.health_calls = 0
         self.healthy_after = healthy_after
         self.flaky_failures = 0
@@ -84,14 +91,31 @@ class FakeServer:
                     return self._send(500, {"error": "always broken"})
                 elif kind == BAD_REQ:
                     return self._send(400, {"error": "bad image"})
-                content, finish = {LENGTH: (CUT, "length"), LOOP: (LOOPING, "stop")}.get(kind, (ANSWER, "stop"))
+                elif kind == BUSY:
+                    data = b'{"error": "slow down"}'
+                    self.send_response(429)
+                    self.send_header("Retry-After", "7")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    return self.wfile.write(data)
+                elif kind == GATED:
+                    with fake.cond:
+                        fake.inflight += 1
+                        fake.arrived += 1
+                        fake.max_inflight = max(fake.max_inflight, fake.inflight)
+                        wave_end = ((fake.arrived - 1) // fake.gate_at + 1) * fake.gate_at
+                        fake.cond.notify_all()
+                        fake.cond.wait_for(lambda: fake.arrived >= wave_end, timeout=5)
+                        fake.inflight -= 1
+                content, finish = {LENGTH: (CUT, "length"), LOOP: (LOOPING, "stop"),
+                                   PROSE: (PROSE_ANSWER, "stop")}.get(kind, (ANSWER, "stop"))
                 self._send(200, {
                     "id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
                     "choices": [{"index": 0, "finish_reason": finish,
                                  "message": {"role": "assistant", "content": content}}],
                 })
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -168,7 +192,7 @@ async def test_per_image_timeout_does_not_fail_the_batch(server):
     t0 = time.monotonic()
     out = await eng.ocr([page(SLOW), page(OK)], timeout_s=0.5)
     assert time.monotonic() - t0 < 1.4
-    assert isinstance(out[0], EngineTimeout)
+    assert type(out[0]) is EngineTimeout and str(out[0]) == "inference took longer than 0.5 s"
     assert isinstance(out[1], EngineOutput) and len(out[1].segments) == 3
     await eng.close()
 
@@ -192,10 +216,115 @@ async def test_failing_images_do_not_fail_the_others(server):
     await eng.close()
 
 
-async def test_connection_refused_is_an_error_entry():
+async def test_connection_refused_raises_a_retriable_error():
+    """A server that is down is no image's fault: the call raises (nothing is committed, the
+    infer runner backs off and retries the batch) instead of returning engine errors."""
     eng = engine("http://127.0.0.1:9/v1", retries=2)
-    (out,) = await eng.ocr([page(OK)], timeout_s=5)
-    assert isinstance(out, Exception) and not isinstance(out, EngineTimeout)
+    with pytest.raises(EngineUnavailable, match="unreachable") as err:
+        await eng.ocr([page(OK), page(OK)], timeout_s=5)
+    assert is_transient(err.value)
+    await eng.close()
+
+
+async def test_dns_failure_raises_a_retriable_error():
+    eng = engine("http://ocr-server.invalid:8000/v1", retries=1)
+    with pytest.raises(EngineUnavailable):
+        await eng.ocr([page(OK)], timeout_s=5)
+    await eng.close()
+
+
+async def test_server_stopped_then_started_again():
+    """A real loopback server goes away after start-up: calls raise EngineUnavailable and the
+    engine is not ready (also by its health check); once the server listens again on the same
+    port, ready comes back and the same image ends ok with the right text."""
+    with FakeServer() as srv:
+        port = srv.httpd.server_address[1]
+        eng = engine(srv.url, retries=2)
+        await eng.start()
+        assert eng.ready
+    # stopped: nothing listens on the port any more
+    with pytest.raises(EngineUnavailable):
+        await eng.ocr([page(OK), page(OK)], timeout_s=5)
+    assert not eng.ready
+    assert await eng.health() is False and not eng.ready
+    with FakeServer(port=port) as again:
+        assert await eng.health() is True and eng.ready
+        out = await eng.ocr([page(OK, 2000, 1000)], timeout_s=10)
+        assert [s.text for s in out[0].segments] == ["INVOICE", "发票号码", "TOTAL 97.50"]
+        assert len(again.requests) == 1
+    with pytest.raises(EngineUnavailable):  # down again: a successful call is what brings it back
+        await eng.ocr([page(OK)], timeout_s=5)
+    assert not eng.ready
+    with FakeServer(port=port):
+        (ok,) = await eng.ocr([page(OK)], timeout_s=10)
+        assert isinstance(ok, EngineOutput) and len(ok.segments) == 3 and eng.ready
+    await eng.close()
+
+
+async def test_a_500_answer_stays_that_images_error(server):
+    """Up but failing one image (HTTP 5xx answer) is that image's engine_error, not an outage."""
+    eng = engine(server.url, retries=1)
+    await eng.start()
+    broken, ok = await eng.ocr([page(BROKEN), page(OK)], timeout_s=10)
+    assert isinstance(broken, ServerError) and broken.status == 500 and not is_transient(broken)
+    assert isinstance(ok, EngineOutput) and eng.ready
+    await eng.close()
+
+
+async def test_per_attempt_socket_timeout_is_reported_as_such(server):
+    eng = engine(server.url, request_timeout_s=0.3, retries=3)
+    (out,) = await eng.ocr([page(SLOW)], timeout_s=10)
+    assert type(out) is AttemptTimeout and isinstance(out, EngineTimeout)
+    assert "within the 0.3 s socket timeout of one attempt" in str(out)
+    assert len(server.requests) == 1  # a timeout is not retried
+    await eng.close()
+
+
+async def test_requests_in_flight_equal_the_batch_up_to_the_cap(server):
+    server.gate_at = 4
+    eng = engine(server.url)  # cap 32
+    out = await eng.ocr([page(GATED) for _ in range(4)], timeout_s=20)
+    assert all(isinstance(o, EngineOutput) for o in out)
+    assert server.max_inflight == 4
+    await eng.close()
+    server.max_inflight, server.arrived, server.gate_at = 0, 0, 3
+    eng = engine(server.url, max_concurrency=3)
+    out = await eng.ocr([page(GATED) for _ in range(6)], timeout_s=20)
+    assert all(isinstance(o, EngineOutput) for o in out)
+    assert server.max_inflight == 3
+    await eng.close()
+
+
+async def test_retry_after_is_read_from_the_answer(server):
+    eng = engine(server.url, retries=1)
+    (out,) = await eng.ocr([page(BUSY)], timeout_s=10)
+    assert isinstance(out, ServerError) and out.status == 429 and out.retry_after == 7.0
+    await eng.close()
+
+
+def test_retry_waits_honour_retry_after_capped_and_backoff_is_jittered():
+    eng = OpenAiEngine(backoff_s=1.0, backoff_max_s=8.0, retry_after_max_s=5.0)
+    assert eng._delay(1, ServerError(429, "", retry_after=3.0)) == 3.0
+    assert eng._delay(1, ServerError(503, "", retry_after=120.0)) == 5.0
+    waits = {attempt: [eng._delay(attempt, ServerError(502, "", retry_after=3.0)) for _ in range(200)]
+             for attempt in (1, 2, 3, 4, 5)}
+    for attempt, base in ((1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (5, 8.0)):
+        assert all(base / 2 <= w <= base for w in waits[attempt]), attempt  # 502: Retry-After not used
+        assert len(set(waits[attempt])) > 1  # jittered
+    assert parse_retry_after("7") == 7.0 and parse_retry_after(" 0 ") == 0.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0) == 10.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412490.0) == 0.0
+    assert parse_retry_after("soon") is None and parse_retry_after(None) is None
+    eng._pool.shutdown()
+    eng._probe_pool.shutdown()
+
+
+async def test_an_answer_without_entries_is_kept_and_flagged(server):
+    eng = engine(server.url)
+    (out,) = await eng.ocr([page(PROSE, 300, 100)], timeout_s=10)
+    assert out.warnings == ("unparsed_output",)
+    assert [(s.text, s.box, s.confidence) for s in out.segments] == [
+        ("I can see a receipt. The total is 97.50 EUR.", [[0.0, 0.0], [300.0, 0.0], [300.0, 100.0], [0.0, 100.0]], 0.0)]
     await eng.close()
 
 

@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 from services.infer.engines import hunyuan
-from services.infer.engines.base import EngineOutput, EngineTimeout
+from services.common.errors import is_transient
+from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable
 from services.infer.engines.vllm_engine import VllmEngine, _supported_args, select_device
 
-OK, LENGTH, LOOP, FORM, SLOW, RAISE, NESTED = 10, 20, 30, 40, 50, 60, 70
+OK, LENGTH, LOOP, FORM, SLOW, RAISE, NESTED, DIE = 10, 20, 30, 40, 50, 60, 70, 80
 ANSWER = "INVOICE(100,50),(400,90)\n发票号码(600,52),(800,88)\nTOTAL 97.50(100,900),(500,950)"
 CUT = "INVOICE(100,50),(400,90)\nTOTAL 97.50(100,9"
 LOOP_ITEM = "重复(10,40),(90,60)"
@@ -73,6 +74,10 @@ class Tokenizer:
         return f"<chat>{messages[1]['content'][1]['text']}</chat>"
 
 
+class EngineDeadError(Exception):
+    """Named as ``vllm.v1.engine.exceptions.EngineDeadError``."""
+
+
 class FakeAsyncLLM:
     """The parts of ``vllm.v1.engine.async_llm.AsyncLLM`` that VllmEngine uses."""
 
@@ -85,6 +90,7 @@ class FakeAsyncLLM:
         self.aborted: list[str] = []
         self.chunks_sent: dict[str, int] = {}
         self.shut = False
+        self.errored = False
         self.tok = Tokenizer(self.tokenizer_template)
 
     @classmethod
@@ -100,6 +106,10 @@ class FakeAsyncLLM:
 
     def shutdown(self):
         self.shut = True
+
+    async def check_health(self):
+        if self.errored:
+            raise EngineDeadError("engine dead")
 
     @staticmethod
     def _out(text, finish=None):
@@ -141,6 +151,10 @@ class FakeAsyncLLM:
                 yield o
         elif kind == RAISE:
             raise RuntimeError("engine core died")
+            yield  # pragma: no cover
+        elif kind == DIE:  # as vLLM v1 when the engine core process is gone
+            self.errored = True
+            raise EngineDeadError("EngineCore encountered an issue")
             yield  # pragma: no cover
         else:
             async for o in stream(ANSWER, "stop"):
@@ -302,7 +316,8 @@ async def test_an_answer_of_nested_brackets_fails_no_other_image(fake_vllm):
     eng = await started()
     ok, nested, ok2 = await eng.ocr([page(OK), page(NESTED), page(OK)], timeout_s=10)
     assert [s.text for s in ok.segments] == [s.text for s in ok2.segments] == ["INVOICE", "发票号码", "TOTAL 97.50"]
-    assert isinstance(nested, EngineOutput) and nested.segments == [] and "truncated_max_tokens" in nested.warnings
+    assert isinstance(nested, EngineOutput) and nested.warnings == ("truncated_max_tokens", "unparsed_output")
+    assert [(s.text, s.confidence) for s in nested.segments] == [("[" * 5000, 0.0)]  # kept, flagged
 
 
 async def test_a_parse_failure_is_that_images_error(fake_vllm, monkeypatch):
@@ -388,3 +403,19 @@ def test_select_device_one_process_per_gpu():
     assert select_device("cpu", {}) is None
     env = {"CUDA_VISIBLE_DEVICES": ""}
     assert select_device("CUDA:0", env) == "0"
+
+
+async def test_a_dead_engine_core_is_not_ready_and_commits_nothing(fake_vllm):
+    eng = await started()
+    assert eng.ready and await eng.health()
+    with pytest.raises(EngineUnavailable, match="engine core dead") as err:
+        await eng.ocr([page(OK), page(DIE)], timeout_s=10)
+    assert is_transient(err.value) and not eng.ready and await eng.health() is False
+    with pytest.raises(EngineUnavailable):  # a failing image on a dead engine: still not its fault
+        await eng.ocr([page(RAISE)], timeout_s=10)
+
+
+async def test_health_notices_a_core_that_died_between_batches(fake_vllm):
+    eng = await started()
+    fake_vllm.last.errored = True
+    assert await eng.health() is False and not eng.ready

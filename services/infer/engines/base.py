@@ -11,7 +11,20 @@ from services.common.textlines import Segment
 
 
 class EngineTimeout(Exception):
-    """One image took longer than the per-image inference timeout."""
+    """One image took longer than the per-image inference timeout (or, for the ``openai``
+    engine, than one HTTP attempt's own socket timeout: the message says which)."""
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot take work at all right now (its model server is unreachable, its
+    engine core died): no image of the call has a result.
+
+    ``OcrEngine.ocr`` *raises* it instead of returning it per image, so nothing is committed:
+    ``retriable`` makes the runner back off and run the whole batch again, for as long as it
+    lasts (see :func:`services.common.errors.is_transient` and README "Delivery: the runner").
+    """
+
+    retriable = True
 
 
 @dataclass(frozen=True)
@@ -59,10 +72,14 @@ class OcrEngine(ABC):
             One entry per image, in order: its output (boxes in pixels of that image), or the
             exception that image raised (:class:`EngineTimeout` on timeout). One image failing
             never fails the others.
+
+        Raises:
+            EngineUnavailable: the engine cannot answer any image now (retriable: the batch is
+                run again later, nothing is committed).
         """
 
     async def health(self) -> bool:
-        """True when the engine can take work."""
+        """True when the engine can take work (polled in the background for ``/readyz``)."""
         return self.ready
 
     async def close(self) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from schemas.events import WARNING_TRUNCATED_REPETITION
+from schemas.events import WARNING_TRUNCATED_REPETITION, WARNING_UNPARSED_OUTPUT
 from services.common.settings import VLM_MAX_SIDE as COMMON_VLM_MAX_SIDE
 from services.common.textlines import Segment
 from services.infer.engines.base import EngineOutput
@@ -560,8 +560,15 @@ def answer_to_output(text: str, sent: tuple[int, int], image: tuple[int, int], w
 
     Returns:
         An :class:`EngineOutput`, flagged ``truncated_repetition`` when the parser cut a loop,
-        or a ``RuntimeError`` when the answer cannot be parsed at all: that image's engine error,
-        never the whole batch's.
+        or a ``RuntimeError`` when the parser itself fails: that image's engine error, never
+        the whole batch's.
+
+        A non-empty answer from which no entry parses (prose, a bare transcription, boxes the
+        parser cannot read) is not dropped: the image stays ``ok``, carries the warning
+        ``unparsed_output``, and has one segment holding the answer's text (see
+        :func:`unparsed_text`) whose box is the whole image (``image``, in pixels) and whose
+        confidence is 0.0, since nothing says where the text is. An empty (or blank) answer is
+        ``ok`` with no segment and no warning: the page has no text.
     """
     stats = ParseStats()
     try:
@@ -570,4 +577,27 @@ def answer_to_output(text: str, sent: tuple[int, int], image: tuple[int, int], w
         return RuntimeError(f"model output of {len(text)} characters could not be parsed: {exc!r}")
     if (stats.tail_trimmed or stats.runaway) and WARNING_TRUNCATED_REPETITION not in warnings:
         warnings = (*warnings, WARNING_TRUNCATED_REPETITION)
+    if not segs:
+        raw = unparsed_text(text)
+        if raw and image[0] > 0 and image[1] > 0:
+            w, h = float(image[0]), float(image[1])
+            log.info("hunyuan: answer of %d characters has no text(box) entry; kept as one line", len(text))
+            segs = [Segment(box=[[0.0, 0.0], [w, 0.0], [w, h], [0.0, h]], text=raw, confidence=0.0)]
+            if WARNING_UNPARSED_OUTPUT not in warnings:
+                warnings = (*warnings, WARNING_UNPARSED_OUTPUT)
     return EngineOutput(segs, (time.perf_counter() - started) * 1000, warnings)
+
+
+def unparsed_text(text: str) -> str:
+    """The text of an answer :func:`parse_spotting` found no entry in, as one line: the
+    ``<answer>`` wrapper, Markdown fences, the tags of the tagged forms and a runaway tail loop
+    removed, whitespace runs (newlines included) joined into single spaces. Empty when nothing
+    is left."""
+    body = text or ""
+    m = re.search(r"<answer>(.*?)(?:</answer>|$)", body, re.S)
+    if m:
+        body = m.group(1)
+    body, _ = trim_repeated_tail(body)
+    body = _FENCE.sub("", body.strip())
+    body = re.sub(r"</?(?:ref|quad|answer)>|<pos_[^>]*>", " ", body)
+    return " ".join(body.split())

@@ -1,74 +1,125 @@
 """An OCR VLM behind an OpenAI-compatible server (``vllm serve tencent/HunyuanOCR ...``).
 
-HTTP goes through the standard library (``urllib.request``) in a thread pool: the project has
+HTTP goes through the standard library (``http.client``) in a thread pool: the project has
 no async HTTP client dependency, and one request per image with the image inline makes the
 connection set-up negligible next to the generation. Each image is one chat-completions call;
-all images of a batch are in flight at once (up to ``max_concurrency``), so the server's
-continuous batching sees the whole micro-batch.
+the images of one ``ocr`` call are all in flight at once, up to ``max_concurrency``, so the
+server's continuous batching sees the whole micro-batch. Requests go straight to the URL: no
+proxy, no redirects.
+
+Failures, after the attempts (``retries``, jittered exponential backoff, ``Retry-After``
+honoured on 429/503):
+
+* the server cannot be reached (connection refused, DNS failure, connect or TLS timeout):
+  :class:`~services.infer.engines.base.EngineUnavailable` is *raised* by :meth:`OpenAiEngine.ocr`
+  (retriable: the infer runner backs off and runs the batch again, nothing is committed) and
+  :attr:`OpenAiEngine.ready` is False until the server answers again;
+* the server answered with an error status: that image's :class:`ServerError` (an
+  ``engine_error`` result), the other images are unaffected;
+* no answer within one attempt's socket timeout: that image's :class:`AttemptTimeout`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
+import http.client
 import json
 import logging
+import random
 import socket
+import ssl
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from schemas.events import WARNING_TRUNCATED_MAX_TOKENS
 from services.infer.engines import hunyuan
-from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
+from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
 
 log = logging.getLogger(__name__)
 
 
 class ServerError(Exception):
-    """The server answered with an error status (``status`` holds it)."""
+    """The server answered with an error status (``status`` holds it; ``retry_after`` the
+    seconds its ``Retry-After`` header asked for, or None)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: float | None = None):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.retry_after = retry_after
+
+
+class Unreachable(ConnectionError):
+    """No connection to the server could be made (refused, DNS failure, connect/TLS timeout)."""
+
+
+class AttemptTimeout(EngineTimeout):
+    """One HTTP attempt got no answer within its socket timeout (``openai_timeout_s``, or what
+    was left of the image's inference timeout when that was shorter)."""
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: delay-seconds or an HTTP-date (RFC 9110
+    section 10.2.3); None when absent or unreadable; never negative."""
+    if not value or not value.strip():
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def _retryable(exc: BaseException) -> bool:
-    """5xx, 429 and connection failures are retried; 4xx, bad answers and timeouts are not."""
+    """5xx, 429, unreachable and dropped connections are retried; 4xx, bad answers and
+    timeouts are not."""
     if isinstance(exc, ServerError):
         return exc.status >= 500 or exc.status == 429
-    if isinstance(exc, (socket.timeout, TimeoutError)):
+    if isinstance(exc, (AttemptTimeout, socket.timeout, TimeoutError)):
         return False
-    if isinstance(exc, urllib.error.URLError):
-        return not isinstance(exc.reason, (socket.timeout, TimeoutError))
-    return isinstance(exc, (ConnectionError, http_client_errors()))
-
-
-def http_client_errors() -> tuple[type[BaseException], ...]:
-    import http.client
-
-    return (http.client.RemoteDisconnected, http.client.IncompleteRead, http.client.BadStatusLine)
+    return isinstance(exc, (ConnectionError, http.client.HTTPException))
 
 
 class OpenAiEngine(OcrEngine):
     """Chat-completions client for an OCR VLM server.
 
     Args:
-        base_url: API root, e.g. ``http://127.0.0.1:8000/v1``.
+        base_url: API root, e.g. ``http://127.0.0.1:8000/v1`` (``http`` or ``https``).
         model: Model name the server serves.
         api_key: Bearer token, if the server wants one.
         prompt: The instruction (default: HunyuanOCR's text-spotting prompt).
-        max_tokens: Generation cap per image.
-        request_timeout_s: Socket timeout of one HTTP attempt (also capped by what is left of
-            the image's own timeout).
-        retries: Attempts per image on 5xx/429/connection errors, with exponential backoff.
-        backoff_s: First backoff; doubles per attempt, at most ``backoff_max_s``.
-        max_concurrency: Requests in flight per process.
-        ready_timeout_s: How long :meth:`start` waits for the server to answer.
+        max_tokens: Generation cap per image, in tokens.
+        request_timeout_s: Socket timeout in seconds of one HTTP attempt, from sending the
+            request to the end of the answer (also capped by what is left of the image's own
+            timeout). When it fires the image gets :class:`AttemptTimeout`; it is not retried.
+        connect_timeout_s: Time limit in seconds to open the connection (TCP and TLS); when it
+            fires the server counts as unreachable.
+        retries: Attempts per image (1 = no retry; the name is the setting's,
+            ``openai_retries``). 5xx, 429, unreachable server and dropped connections are
+            retried.
+        backoff_s: First backoff in seconds; doubles per attempt, at most ``backoff_max_s``;
+            each wait is drawn uniformly from half to all of that (jitter).
+        retry_after_max_s: Cap in seconds on a 429/503 answer's ``Retry-After``, which
+            replaces the backoff for that wait. No attempt starts that could not end before the
+            image's timeout.
+        max_concurrency: Cap on the requests in flight per ``ocr`` call (each call sends its
+            images at once, one request each, up to this many); also the HTTP thread count.
+        ready_timeout_s: How long :meth:`start` waits for the server to answer, in seconds.
+        ready_poll_s: Seconds between those checks.
+        probe_timeout_s: Socket timeout in seconds of one readiness check (``/health``, then
+            ``/v1/models``).
+        warmup_timeout_s: Time limit in seconds of the warm-up image in :meth:`start`.
         image_format: ``png`` (lossless) or ``jpeg`` for the inline image.
         repetition_penalty: Sent as vLLM's ``repetition_penalty`` extra (1.0 = off, as vLLM's
             HunyuanOCR recipe, which also sends ``top_k`` 1 with temperature 0).
@@ -79,7 +130,13 @@ class OpenAiEngine(OcrEngine):
 
     An answer cut at ``max_tokens`` (``finish_reason`` "length") carries the warning
     ``truncated_max_tokens``; one whose text ends in a runaway loop (trimmed by the parser)
-    carries ``truncated_repetition``.
+    carries ``truncated_repetition``; a non-empty one with no readable entry carries
+    ``unparsed_output`` (see :func:`~services.infer.engines.hunyuan.answer_to_output`).
+
+    Readiness: :attr:`ready` is True once :meth:`start` succeeded and while the server is
+    reachable. It turns False when a call finds the server unreachable, or when
+    :meth:`health` (polled by the infer stage for ``/readyz``) gets no answer, and True again
+    at the next answer of either.
     """
 
     name = "openai"
@@ -94,12 +151,15 @@ class OpenAiEngine(OcrEngine):
         prompt: str = hunyuan.SPOTTING_PROMPT,
         max_tokens: int = 4096,
         request_timeout_s: float = 300.0,
+        connect_timeout_s: float = 10.0,
         retries: int = 3,
         backoff_s: float = 0.5,
         backoff_max_s: float = 8.0,
+        retry_after_max_s: float = 30.0,
         max_concurrency: int = 32,
         ready_timeout_s: float = 900.0,
         ready_poll_s: float = 2.0,
+        probe_timeout_s: float = 2.0,
         warmup_timeout_s: float = 300.0,
         image_format: str = "png",
         repetition_penalty: float = hunyuan.DEFAULT_REPETITION_PENALTY,
@@ -112,20 +172,35 @@ class OpenAiEngine(OcrEngine):
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.retries = max(1, retries)
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
-        self.max_concurrency = max_concurrency
+        self.retry_after_max_s = retry_after_max_s
+        self.max_concurrency = max(1, max_concurrency)
         self.ready_timeout_s = ready_timeout_s
         self.ready_poll_s = ready_poll_s
+        self.probe_timeout_s = probe_timeout_s
         self.warmup_timeout_s = warmup_timeout_s
         self.image_format = image_format
         self.repetition_penalty = repetition_penalty
         if max_side:
             self.max_side = max_side
         self.extra_body = dict(extra_body or {})
-        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="openai-ocr")
-        self._slots = asyncio.Semaphore(max_concurrency)
+        self._started = False
+        self._reachable = True
+        self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-ocr")
+        # readiness checks never queue behind long generations
+        self._probe_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai-probe")
+
+    @property
+    def ready(self) -> bool:  # type: ignore[override]
+        """Started, and the server answered the last call or check."""
+        return self._started and self._reachable
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._started = bool(value)
 
     @classmethod
     def from_settings(cls, s) -> OpenAiEngine:
@@ -136,9 +211,11 @@ class OpenAiEngine(OcrEngine):
         key = s.openai_api_key.get_secret_value() if s.openai_api_key is not None else None
         return cls(
             s.openai_base_url, s.openai_model, api_key=key, prompt=s.openai_prompt,
-            max_tokens=s.openai_max_tokens, request_timeout_s=s.openai_timeout_s, retries=s.openai_retries,
-            backoff_s=s.openai_backoff_s, max_concurrency=s.openai_max_concurrency,
-            ready_timeout_s=s.openai_ready_timeout_s, image_format=s.openai_image_format,
+            max_tokens=s.openai_max_tokens, request_timeout_s=s.openai_timeout_s,
+            connect_timeout_s=s.openai_connect_timeout_s, retries=s.openai_retries,
+            backoff_s=s.openai_backoff_s, retry_after_max_s=s.openai_retry_after_max_s,
+            max_concurrency=s.openai_max_concurrency, ready_timeout_s=s.openai_ready_timeout_s,
+            image_format=s.openai_image_format,
             repetition_penalty=s.openai_repetition_penalty, max_side=s.engine_max_side, extra_body=s.openai_extra_body,
         )
 
@@ -151,13 +228,42 @@ class OpenAiEngine(OcrEngine):
         return h
 
     def _request(self, method: str, url: str, body: bytes | None, timeout: float) -> Any:
-        req = urllib.request.Request(url, data=body, method=method, headers=self._headers())
+        """One HTTP exchange; the answer's JSON (or text, or None when empty).
+
+        Raises:
+            Unreachable: no connection within ``min(connect_timeout_s, timeout)`` s.
+            AttemptTimeout: no (complete) answer within ``timeout`` s.
+            ServerError: an answer with status >= 400.
+            ConnectionError, http.client.HTTPException: the connection broke mid-exchange.
+        """
+        u = urllib.parse.urlsplit(url)
+        connect_timeout = max(0.05, min(self.connect_timeout_s, timeout))
+        if u.scheme == "https":
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                u.hostname, u.port, timeout=connect_timeout, context=ssl.create_default_context())
+        else:
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=connect_timeout)
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            try:
+                conn.connect()
+            except OSError as exc:  # refused, DNS (socket.gaierror), connect/TLS timeout
+                raise Unreachable(f"cannot connect to {u.scheme}://{u.netloc}: {exc or type(exc).__name__}") from exc
+            conn.sock.settimeout(timeout)
+            try:
+                conn.request(method, path, body=body, headers=self._headers())
+                resp = conn.getresponse()
                 data = resp.read()
-        except urllib.error.HTTPError as err:
-            detail = err.read()[:300].decode("utf-8", "replace") if err.fp else ""
-            raise ServerError(err.code, detail or str(err.reason)) from None
+            except (socket.timeout, TimeoutError) as exc:
+                raise AttemptTimeout(
+                    f"no answer from {u.scheme}://{u.netloc} within the {timeout:g} s socket timeout of one attempt"
+                ) from exc
+        finally:
+            conn.close()
+        if resp.status >= 400:
+            detail = data[:300].decode("utf-8", "replace")
+            raise ServerError(resp.status, detail or (resp.reason or ""),
+                              retry_after=parse_retry_after(resp.getheader("Retry-After")))
         if not data:
             return None
         try:
@@ -173,20 +279,33 @@ class OpenAiEngine(OcrEngine):
         """The first readiness URL that answers 2xx, else None."""
         for url in self._health_urls():
             try:
-                self._request("GET", url, None, timeout=5.0)
+                self._request("GET", url, None, timeout=self.probe_timeout_s)
                 return url
             except Exception:
                 continue
         return None
 
+    def _mark(self, reachable: bool, why: object = None) -> None:
+        if reachable != self._reachable and self._started:
+            if reachable:
+                log.info("openai: %s answers again: ready", self.base_url)
+            else:
+                log.warning("openai: %s unreachable (%s): not ready", self.base_url, why)
+        self._reachable = reachable
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Wait until the server answers ``/health`` or ``/v1/models``, then a warm-up image."""
+        """Wait until the server answers ``/health`` or ``/v1/models``, then a warm-up image.
+
+        Raises:
+            RuntimeError: the server did not answer within ``ready_timeout_s``, or the warm-up
+                image failed (its error chained).
+        """
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
-            url = await loop.run_in_executor(self._pool, self._probe)
+            url = await loop.run_in_executor(self._probe_pool, self._probe)
             if url:
                 log.info("openai: %s answers", url)
                 break
@@ -195,21 +314,29 @@ class OpenAiEngine(OcrEngine):
             await asyncio.sleep(self.ready_poll_s)
         warm = np.full((96, 384, 3), 255, dtype=np.uint8)
         warm[40:56, 24:340] = 0
-        (res,) = await self.ocr([warm], timeout_s=self.warmup_timeout_s)
+        try:
+            (res,) = await self.ocr([warm], timeout_s=self.warmup_timeout_s)
+        except EngineUnavailable as exc:
+            raise RuntimeError(f"openai warm-up failed: {exc!r}") from exc
         if isinstance(res, BaseException):
             raise RuntimeError(f"openai warm-up failed: {res!r}") from res
-        self.ready = True
+        self._reachable = True
+        self._started = True
 
     async def health(self) -> bool:
-        """True when started and the server still answers."""
-        if not self.ready:
+        """True when started and the server answers ``/health`` or ``/v1/models`` now; also
+        sets :attr:`ready` (False while it does not answer)."""
+        if not self._started:
             return False
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._probe) is not None
+        url = await asyncio.get_running_loop().run_in_executor(self._probe_pool, self._probe)
+        self._mark(url is not None, "no answer to " + " or ".join(self._health_urls()))
+        return url is not None
 
     async def close(self) -> None:
         """Stop the HTTP threads (requests in flight finish in the background)."""
-        self.ready = False
+        self._started = False
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ inference
 
@@ -229,21 +356,43 @@ class OpenAiEngine(OcrEngine):
         body.update(self.extra_body)
         return body
 
+    def _delay(self, attempt: int, exc: BaseException) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (1-based): a 429/503's
+        ``Retry-After`` (at most ``retry_after_max_s``), else the jittered exponential backoff."""
+        if isinstance(exc, ServerError) and exc.status in (429, 503) and exc.retry_after is not None:
+            return min(self.retry_after_max_s, exc.retry_after)
+        base = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
+        return base * random.uniform(0.5, 1.0)
+
     async def _call(self, image: np.ndarray, deadline: float) -> tuple[str, tuple[str, ...]]:
-        """One chat-completions call (retried on 5xx/429/connection errors); returns the answer
-        text and its warnings (``truncated_max_tokens`` when ``finish_reason`` is "length")."""
+        """One chat-completions call, attempted up to ``retries`` times (see :func:`_retryable`);
+        returns the answer text and its warnings (``truncated_max_tokens`` when
+        ``finish_reason`` is "length"). Raises the last attempt's error."""
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(self._pool, lambda: json.dumps(self.payload(image)).encode())
         url = f"{self.base_url}/chat/completions"
-        async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(self.retries),
-            wait=wait_exponential(multiplier=self.backoff_s, max=self.backoff_max_s),
-            retry=retry_if_exception(_retryable),
-            reraise=True,
-        ):
-            with attempt:
-                timeout = max(0.1, min(self.request_timeout_s, deadline - time.monotonic()))
+        attempt = 0
+        while True:
+            attempt += 1
+            timeout = max(0.1, min(self.request_timeout_s, deadline - time.monotonic()))
+            try:
                 answer = await loop.run_in_executor(self._pool, self._request, "POST", url, body, timeout)
+                break
+            except AttemptTimeout:
+                if timeout < self.request_timeout_s:  # the socket timeout was what was left of the image's
+                    raise asyncio.TimeoutError() from None
+                raise
+            except Exception as exc:
+                if not isinstance(exc, Unreachable):
+                    self._mark(True)  # it answered (or accepted the connection): it is up
+                if attempt >= self.retries or not _retryable(exc):
+                    raise
+                delay = self._delay(attempt, exc)
+                if time.monotonic() + delay >= deadline:
+                    raise  # no time left for another attempt
+                log.debug("openai: attempt %d/%d failed (%r); again in %.2f s", attempt, self.retries, exc, delay)
+                await asyncio.sleep(delay)
+        self._mark(True)
         try:
             choice = answer["choices"][0]
             text = choice["message"]["content"] or ""
@@ -254,25 +403,35 @@ class OpenAiEngine(OcrEngine):
             return text, (WARNING_TRUNCATED_MAX_TOKENS,)
         return text, ()
 
-    async def _one(self, image: np.ndarray, timeout_s: float) -> EngineOutput | BaseException:
+    async def _one(self, image: np.ndarray, timeout_s: float, slots: asyncio.Semaphore) -> EngineOutput | BaseException:
         h, w = image.shape[:2]
         padded = hunyuan.pad_for_vlm(image)
         ph, pw = padded.shape[:2]
-        async with self._slots:
+        async with slots:
             started = time.perf_counter()
             try:
                 text, warnings = await asyncio.wait_for(self._call(padded, time.monotonic() + timeout_s), timeout_s)
-            except (asyncio.TimeoutError, socket.timeout):
+            except asyncio.TimeoutError:
                 return EngineTimeout(f"inference took longer than {timeout_s:g} s")
-            except urllib.error.URLError as exc:
-                if isinstance(exc.reason, (socket.timeout, TimeoutError)):
-                    return EngineTimeout(f"inference took longer than {timeout_s:g} s")
-                return exc
-            except Exception as exc:
+            except Exception as exc:  # AttemptTimeout included: it says which timeout fired
                 return exc
         return hunyuan.answer_to_output(text, (pw, ph), (w, h), warnings, started)
 
     async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
-        """See :meth:`OcrEngine.ocr`. A timed-out image's HTTP thread ends at its socket timeout
-        (at most what was left of ``timeout_s``) and its answer is discarded."""
-        return list(await asyncio.gather(*(self._one(img, timeout_s) for img in images)))
+        """See :meth:`OcrEngine.ocr`. The call's images are all in flight at once, up to
+        ``max_concurrency``. A timed-out image's HTTP thread ends at its socket timeout (at most
+        what was left of ``timeout_s``) and its answer is discarded.
+
+        Raises:
+            EngineUnavailable: an image found the server unreachable after its attempts (the
+                whole call is then retried by the infer runner; :attr:`ready` is False).
+        """
+        if not images:
+            return []
+        slots = asyncio.Semaphore(min(len(images), self.max_concurrency))
+        out = list(await asyncio.gather(*(self._one(img, timeout_s, slots) for img in images)))
+        down = next((o for o in out if isinstance(o, Unreachable)), None)
+        if down is not None:
+            self._mark(False, down)
+            raise EngineUnavailable(f"OCR server at {self.base_url} unreachable: {down}") from down
+        return out

@@ -19,7 +19,7 @@ import numpy as np
 
 from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
 from services.infer.engines import hunyuan
-from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
+from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +33,18 @@ def select_device(device: str, environ: dict | None = None) -> str | None:
 
     Returns:
         The value of ``CUDA_VISIBLE_DEVICES`` afterwards (None when unset).
+
+    Raises:
+        ValueError: ``N`` is not an integer, or ``CUDA_VISIBLE_DEVICES`` lists ``N`` or fewer GPUs.
     """
     env = os.environ if environ is None else environ
     dev = (device or "").strip().lower()
     if not dev.startswith("cuda:"):
         return env.get("CUDA_VISIBLE_DEVICES")
-    index = int(dev.split(":", 1)[1])
+    try:
+        index = int(dev.split(":", 1)[1])
+    except ValueError:
+        raise ValueError(f"device {device!r}: expected cuda:N with N a GPU index") from None
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is None or not visible.strip():
         env["CUDA_VISIBLE_DEVICES"] = str(index)
@@ -207,7 +213,14 @@ class VllmEngine(OcrEngine):
         return kw
 
     async def start(self) -> None:
-        """Pick the GPU, load the model (minutes the first time), answer a warm-up image."""
+        """Pick the GPU, load the model (minutes the first time), answer a warm-up image.
+
+        Raises:
+            ValueError: a bad ``device`` (see :func:`select_device`).
+            RuntimeError: vLLM is not installed (the ``gpu`` extra), the model has no chat
+                template in ``chat`` mode, or the warm-up image failed (its error chained).
+            Exception: whatever vLLM raises while loading (model not found, out of GPU memory).
+        """
         select_device(self.device)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         try:
@@ -234,7 +247,10 @@ class VllmEngine(OcrEngine):
 
         warm = np.full((96, 384, 3), 255, dtype=np.uint8)
         warm[40:56, 24:340] = 0
-        (res,) = await self.ocr([warm], timeout_s=self.warmup_timeout_s)
+        try:
+            (res,) = await self.ocr([warm], timeout_s=self.warmup_timeout_s)
+        except EngineUnavailable as exc:
+            raise RuntimeError(f"vllm warm-up failed: {exc!r}") from exc
         if isinstance(res, BaseException):
             raise RuntimeError(f"vllm warm-up failed: {res!r}") from res
         log.info("vllm: warm-up answered in %.0f ms (%d segments)", res.inference_ms, len(res.segments))
@@ -276,6 +292,37 @@ class VllmEngine(OcrEngine):
                 f"model {self.model!r} has no chat template; set vllm_prompt_template to a string with {{prompt}}"
             )
         return tok.apply_chat_template(hunyuan.template_messages(self.prompt), tokenize=False, add_generation_prompt=True)
+
+    def dead(self, exc: BaseException | None = None) -> bool:
+        """True when vLLM's engine core is gone: the engine says ``errored``, or ``exc`` is
+        vLLM's ``EngineDeadError`` (v1) / ``AsyncEngineDeadError`` (older). It does not come
+        back in this process."""
+        if exc is not None and any(c.__name__ in ("EngineDeadError", "AsyncEngineDeadError")
+                                   for c in type(exc).__mro__):
+            return True
+        try:
+            return bool(getattr(self._engine, "errored", False))
+        except Exception:  # pragma: no cover - a property of a broken engine
+            return True
+
+    async def health(self) -> bool:
+        """True when started and vLLM's engine core is alive (``errored`` False and
+        ``check_health()`` passes); a dead core makes :attr:`ready` False for good."""
+        if not self.ready or self._engine is None:
+            return False
+        try:
+            if self.dead():
+                raise RuntimeError("vLLM engine errored")
+            check = getattr(self._engine, "check_health", None)
+            if check is not None:
+                res = check()
+                if inspect.isawaitable(res):
+                    await res
+        except Exception as exc:
+            log.error("vllm: engine core dead (%r): not ready", exc)
+            self.ready = False
+            return False
+        return True
 
     async def close(self) -> None:
         """Shut the engine (and its core process) down."""
@@ -338,7 +385,24 @@ class VllmEngine(OcrEngine):
 
     async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
         """See :meth:`OcrEngine.ocr`. All images are in flight at once (vLLM batches them);
-        each image's timeout starts at submission."""
+        each image's timeout starts at submission.
+
+        Raises:
+            RuntimeError: called before :meth:`start`.
+            EngineUnavailable: vLLM's engine core died (see :meth:`dead`); :attr:`ready`
+                turns False and stays so (the process must be restarted). Nothing of the call
+                is committed: the runner retries the batch until then.
+        """
         if self._engine is None:
             raise RuntimeError("vllm engine not started")
-        return list(await asyncio.gather(*(self._one(np.ascontiguousarray(img), timeout_s) for img in images)))
+        out = list(await asyncio.gather(*(self._one(np.ascontiguousarray(img), timeout_s) for img in images)))
+        failed = [o for o in out if isinstance(o, BaseException) and not isinstance(o, EngineTimeout)]
+        dead = next((o for o in failed if self.dead(o)), None)
+        if dead is None and failed and self.dead():
+            dead = failed[0]
+        if dead is not None:
+            if self.ready:
+                log.error("vllm: engine core dead (%r): not ready; restart this process", dead)
+            self.ready = False
+            raise EngineUnavailable(f"vLLM engine core dead: {dead!r}") from dead
+        return out
