@@ -12,7 +12,11 @@ Keys (prefix ``ocr`` by default; ``<key>`` is a cache key ``<gen_id>:<sha256>``)
 
 Every call has a time budget (``redis.timeout_ms``). A failed or slow call is counted and
 reported to the caller as :class:`CacheUnavailable`; the stages then carry on without the
-cache (a miss), and the next call tries Redis again: no restart needed when Redis returns.
+cache (a miss). After ``redis.breaker_failures`` failures in a row a circuit breaker opens for
+``redis.breaker_open_ms``: calls fail at once instead of each waiting out the budget (a hung
+Redis would otherwise cost every request 100 ms), then one call tries Redis again, and a
+success closes it: no restart needed when Redis returns (the pattern of M. Nygard, "Release
+It!", ch. 5, "Circuit Breaker").
 """
 
 from __future__ import annotations
@@ -217,6 +221,8 @@ class ResultCache:
         self.telemetry = telemetry
         self.stage = stage
         self.timeout = cfg.timeout_ms / 1000
+        self._failures = 0  # consecutive failed calls
+        self._open_until = 0.0  # monotonic s; calls before it fail at once (breaker open)
         self.client = aioredis.Redis.from_url(
             cfg.url,
             password=cfg.password.get_secret_value() if cfg.password else None,
@@ -242,13 +248,25 @@ class ResultCache:
             return await self._call_raw(op, coro)
 
     async def _call_raw(self, op: str, coro):
+        now = time.monotonic()
+        if now < self._open_until:
+            if hasattr(coro, "close"):
+                coro.close()  # never sent
+            if self.telemetry:
+                self.telemetry.cache.labels(self.stage, "skipped", "breaker").inc()
+            raise CacheUnavailable(f"redis {op}: circuit breaker open after {self._failures} failed calls")
         try:
             async with asyncio.timeout(self.timeout):  # no extra task per call, unlike wait_for
-                return await coro
+                result = await coro
         except (RedisError, OSError, TimeoutError) as exc:
+            self._failures += 1
+            if self._failures >= self.cfg.breaker_failures:
+                self._open_until = time.monotonic() + self.cfg.breaker_open_ms / 1000
             if self.telemetry:
                 self.telemetry.cache.labels(self.stage, "error", "redis").inc()
             raise CacheUnavailable(f"redis {op}: {exc!r}") from exc
+        self._failures = 0
+        return result
 
     async def call(self, op: str, coro):
         """Await one Redis command (or ``pipeline.execute()``) under the time budget, timed as ``op``.

@@ -86,7 +86,14 @@ class RedisSettings(BaseModel):
 
     url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL (rediss:// for TLS)")
     password: SecretStr | None = Field(default=None, description="Redis password")
-    timeout_ms: int = Field(default=100, ge=1, description="time budget of every Redis call")
+    timeout_ms: int = Field(default=100, ge=1, description="time budget of every Redis call, ms")
+    breaker_failures: int = Field(
+        default=3, ge=1,
+        description="consecutive failed or slow Redis calls that open the circuit breaker: calls then fail at once "
+                    "(a cache miss) instead of each waiting out timeout_ms")
+    breaker_open_ms: int = Field(
+        default=1000, ge=1,
+        description="how long the breaker stays open, ms; then one call tries Redis again (success closes it)")
     key_prefix: str = Field(default="ocr", description="prefix of every key ocrstream writes")
 
     @field_validator("url")

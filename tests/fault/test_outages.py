@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
 
 from tests.fault.conftest import reads_as, db_count, distinct_images, stack
-from tests.stack import metric_value
+from tests.stack import REPO, metric_value
 
 
 @pytest.mark.parametrize("service", ["redis", "s3", "mariadb", "kafka"])
@@ -30,12 +32,15 @@ async def test_outage_mid_run_loses_nothing(fault_pipeline, service):
         while metric_value(p.metrics("dedup"), "ocrstream_cache_total", outcome="miss", tier="no-redis") == no_redis:
             assert time.time() < deadline, "no request reached dedup while Redis was down"
             await asyncio.sleep(0.1)
+        # and they complete while Redis is still down (the sink defers only the cache entry)
+        during_docs = await run_during
+        assert [d.status for d in during_docs] == ["ok"] * len(during), [d.error for d in during_docs]
     else:
         await asyncio.sleep(4)
     await asyncio.to_thread(stack, "up", service)
     docs = await run
     if service == "redis":
-        docs += await run_during
+        docs += during_docs
     for (_, name), doc in zip(expected, docs, strict=True):
         assert doc.status == "ok", (service, name, doc.error)
         assert reads_as(name, doc.text), (service, name, doc.text)
@@ -55,5 +60,33 @@ async def test_outage_mid_run_loses_nothing(fault_pipeline, service):
         assert p.engine_calls() == calls + 1
         assert metric_value(p.metrics("dedup"), "ocrstream_cache_total", outcome="hit", tier="redis") == hits + 1
     # every stage process survived the outage (no crash loop)
+    for sts in p.stages.values():
+        assert sum(st.proc.poll() is None for st in sts) == 1
+
+
+async def test_a_frozen_redis_costs_no_request_and_opens_the_breaker(fault_pipeline):
+    """Redis hung (SIGSTOP: connections accepted, nothing answered), not refused: every call would
+    wait out its budget, so the breaker opens and calls fail at once. Requests submitted while it
+    is frozen complete before it thaws, and caching resumes after, without a restart."""
+    p = fault_pipeline
+    pid = int((REPO / ".state" / "pids" / "redis.pid").read_text().split()[0])
+    skipped = metric_value(p.metrics("dedup"), "ocrstream_cache_total", outcome="skipped", tier="breaker")
+    items = distinct_images(12, "FROZEN REDIS")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        docs = await p.run(items, timeout=300)
+        for (_, name), doc in zip(items, docs, strict=True):
+            assert doc.status == "ok" and reads_as(name, doc.text), (name, doc.error, doc.text)
+        assert metric_value(p.metrics("dedup"), "ocrstream_cache_total", outcome="skipped", tier="breaker") > skipped
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    data, name = distinct_images(1, "FROZEN REDIS BACK")[0]
+    deadline = time.time() + 60
+    while True:  # the next trial call after the open period closes the breaker
+        [first] = await p.run([(data, name)], timeout=300)
+        [again] = await p.run([(data, name)], timeout=300)
+        if again.cache_hit or time.time() > deadline:
+            break
+    assert first.status == again.status == "ok" and again.cache_hit and again.text == first.text
     for sts in p.stages.values():
         assert sum(st.proc.poll() is None for st in sts) == 1

@@ -6,7 +6,9 @@ import asyncio
 import os
 import time
 
-from services.common.cache import CacheEntry, ResultCache
+import pytest
+
+from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
 from services.common.settings import RedisSettings
 
 
@@ -145,6 +147,25 @@ def test_the_reaper_decides_when_a_holder_is_replaced_and_waiters_never_expire(s
             assert await cache.client.llen(waiters_key) == 0
         finally:
             await cache.client.delete(entry_key, lease_key, waiters_key, inflight_key)
+            await cache.close()
+
+    asyncio.run(go())
+
+
+def test_a_success_closes_the_redis_circuit_breaker(stack_env):
+    """After the open period one call reaches the real Redis; its success closes the breaker."""
+
+    async def go():
+        cache = ResultCache(RedisSettings(breaker_failures=1, breaker_open_ms=300))
+        try:
+            cache._failures, cache._open_until = 1, time.monotonic() + 0.3  # as after one failure
+            with pytest.raises(CacheUnavailable, match="circuit breaker open"):
+                await cache.get("k")
+            await asyncio.sleep(0.35)
+            assert await cache.get("nothing-here") is None  # the trial call reached the real Redis
+            assert cache._failures == 0
+            assert await cache.get("nothing-here") is None
+        finally:
             await cache.close()
 
     asyncio.run(go())
