@@ -251,3 +251,12 @@ def test_empty_or_parsed_answers_get_no_unparsed_warning():
     ok = hunyuan.answer_to_output("A(100,100),(500,500)", (100, 100), (100, 100), (), 0.0)
     assert [s.text for s in ok.segments] == ["A"] and ok.warnings == ()
     assert hunyuan.unparsed_text("<quad><pos_1><pos_2></quad>  ") == ""
+
+
+def test_an_answer_that_says_there_is_no_text_is_an_empty_page():
+    for answer in ("图片中没有文字。", "<answer>图中没有文字</answer>", "No text in the image.", "There is no text."):
+        out = hunyuan.answer_to_output(answer, (100, 100), (100, 100), (), 0.0)
+        assert out.segments == [] and out.warnings == (), answer
+    # a real line that merely contains the words is still text
+    out = hunyuan.answer_to_output("No text messages after 9 pm", (100, 100), (100, 100), (), 0.0)
+    assert [s.text for s in out.segments] == ["No text messages after 9 pm"]

@@ -567,8 +567,9 @@ def answer_to_output(text: str, sent: tuple[int, int], image: tuple[int, int], w
         parser cannot read) is not dropped: the image stays ``ok``, carries the warning
         ``unparsed_output``, and has one segment holding the answer's text (see
         :func:`unparsed_text`) whose box is the whole image (``image``, in pixels) and whose
-        confidence is 0.0, since nothing says where the text is. An empty (or blank) answer is
-        ``ok`` with no segment and no warning: the page has no text.
+        confidence is 0.0, since nothing says where the text is. An empty (or blank) answer, or
+        one that only says there is no text (:data:`NO_TEXT_ANSWER`), is ``ok`` with no segment
+        and no warning: the page has no text.
     """
     stats = ParseStats()
     try:
@@ -579,6 +580,8 @@ def answer_to_output(text: str, sent: tuple[int, int], image: tuple[int, int], w
         warnings = (*warnings, WARNING_TRUNCATED_REPETITION)
     if not segs:
         raw = unparsed_text(text)
+        if raw and NO_TEXT_ANSWER.match(raw):
+            raw = ""
         if raw and image[0] > 0 and image[1] > 0:
             w, h = float(image[0]), float(image[1])
             log.info("hunyuan: answer of %d characters has no text(box) entry; kept as one line", len(text))
@@ -586,6 +589,13 @@ def answer_to_output(text: str, sent: tuple[int, int], image: tuple[int, int], w
             if WARNING_UNPARSED_OUTPUT not in warnings:
                 warnings = (*warnings, WARNING_UNPARSED_OUTPUT)
     return EngineOutput(segs, (time.perf_counter() - started) * 1000, warnings)
+
+
+NO_TEXT_ANSWER = re.compile(
+    r"^\s*(?:图片中?没有(?:任何)?文字|图中没有文字|没有(?:识别到|检测到)?文字|(?:there is )?no text(?: (?:found|detected))?"
+    r"(?: in (?:the|this) image)?)\s*[。.!！]?\s*$", re.I)
+"""A whole answer that only says the page has no text (the forms VLMs such as HunyuanOCR give,
+in Chinese or English): the page is ``ok`` with no line, like an empty answer."""
 
 
 def unparsed_text(text: str) -> str:
