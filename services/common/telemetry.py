@@ -76,6 +76,7 @@ class Telemetry:
         self.consumer_lag = Gauge("ocrstream_consumer_lag", "Records behind the partition end (highwater - position)", ["stage", "topic", "partition"], registry=r)
         self.probe_up = Gauge("ocrstream_dependency_up", "1 when the last readiness check of a dependency passed", ["stage", "dependency"], registry=r)
         self.ready_checks: list[Callable[[], bool]] = []
+        self.live_checks: dict[str, Callable[[], bool]] = {}  # name -> False once the process cannot recover
         self._probes: dict[str, bool | None] = {}
         self._probe_tasks: list[asyncio.Task] = []
         self._lag_tps: set[TopicPartition] = set()
@@ -338,8 +339,10 @@ class Telemetry:
 
     # -- HTTP: /metrics /healthz /readyz --------------------------------------------------
     async def serve(self, port: int, host: str = "0.0.0.0") -> asyncio.AbstractServer:
-        """Serve ``/metrics`` (Prometheus text), ``/healthz`` (liveness) and ``/readyz``
-        (200 once every registered readiness check passes, else 503)."""
+        """Serve ``/metrics`` (Prometheus text), ``/healthz`` (liveness: 200 unless a
+        ``live_checks`` entry says the process cannot recover, e.g. a dead vLLM engine core,
+        then 503 naming it, so Kubernetes restarts the pod) and ``/readyz`` (200 once every
+        registered readiness check passes, else 503)."""
 
         async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
@@ -350,7 +353,9 @@ class Telemetry:
                 if path.startswith("/metrics"):
                     status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
                 elif path.startswith("/healthz"):
-                    status, ctype, body = 200, "text/plain", b"ok\n"
+                    dead = [n for n, check in self.live_checks.items() if not check()]
+                    status, ctype = (503 if dead else 200), "text/plain"
+                    body = f"not live: {', '.join(dead)}\n".encode() if dead else b"ok\n"
                 elif path.startswith("/readyz"):
                     ok = all(check() for check in self.ready_checks)
                     down = ", ".join(self.not_ready())

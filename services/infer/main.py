@@ -55,6 +55,8 @@ async def main(settings: InferSettings | None = None) -> None:
         # also notices it between batches and notices its return (engine.health sets ready)
         ctx.telemetry.ready_checks.append(lambda: engine.ready)
         ctx.telemetry.add_probe("engine", engine.health)
+        if callable(getattr(engine, "dead", None)):  # vLLM: a dead engine core never comes back in-process
+            ctx.telemetry.live_checks["engine"] = lambda: not engine.dead()
         store = ObjectStore(s.s3, ctx.telemetry)
         ctx.telemetry.add_probe("s3", store.ping)
         return InferHandler(s, store, engine, ctx.telemetry)
