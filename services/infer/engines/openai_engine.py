@@ -1,8 +1,8 @@
 """An OCR VLM behind an OpenAI-compatible server (``vllm serve tencent/HunyuanOCR ...``).
 
-HTTP goes through the standard library (``http.client``) in a thread pool: the project has
-no async HTTP client dependency, and one request per image with the image inline makes the
-connection set-up negligible next to the generation. Each image is one chat-completions call;
+HTTP goes through the standard library (``http.client``) in a thread pool (the project has no
+async HTTP client dependency, and one request per image with the image inline makes the
+connection set-up negligible next to the generation); attempts are driven by tenacity. Each image is one chat-completions call;
 the images of one ``ocr`` call are all in flight at once, up to ``max_concurrency``, so the
 server's continuous batching sees the whole micro-batch. Requests go straight to the URL: no
 proxy, no redirects.
@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from schemas.events import WARNING_TRUNCATED_MAX_TOKENS
 from services.infer.engines import hunyuan
@@ -371,13 +372,11 @@ class OpenAiEngine(OcrEngine):
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(self._pool, lambda: json.dumps(self.payload(image)).encode())
         url = f"{self.base_url}/chat/completions"
-        attempt = 0
-        while True:
-            attempt += 1
+
+        async def attempt() -> Any:
             timeout = max(0.1, min(self.request_timeout_s, deadline - time.monotonic()))
             try:
-                answer = await loop.run_in_executor(self._pool, self._request, "POST", url, body, timeout)
-                break
+                return await loop.run_in_executor(self._pool, self._request, "POST", url, body, timeout)
             except AttemptTimeout:
                 if timeout < self.request_timeout_s:  # the socket timeout was what was left of the image's
                     raise asyncio.TimeoutError() from None
@@ -385,13 +384,21 @@ class OpenAiEngine(OcrEngine):
             except Exception as exc:
                 if not isinstance(exc, Unreachable):
                     self._mark(True)  # it answered (or accepted the connection): it is up
-                if attempt >= self.retries or not _retryable(exc):
-                    raise
-                delay = self._delay(attempt, exc)
-                if time.monotonic() + delay >= deadline:
-                    raise  # no time left for another attempt
-                log.debug("openai: attempt %d/%d failed (%r); again in %.2f s", attempt, self.retries, exc, delay)
-                await asyncio.sleep(delay)
+                raise
+
+        def out_of_attempts(state: RetryCallState) -> bool:  # or no time left for another one
+            return state.attempt_number >= self.retries or time.monotonic() + (state.upcoming_sleep or 0.0) >= deadline
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(_retryable),
+            wait=lambda state: self._delay(state.attempt_number, state.outcome.exception()),
+            stop=out_of_attempts,
+            before_sleep=lambda state: log.debug("openai: attempt %d/%d failed (%r); again in %.2f s",
+                                                 state.attempt_number, self.retries, state.outcome.exception(),
+                                                 state.upcoming_sleep),
+            reraise=True,
+        )
+        answer = await retrying(attempt)
         self._mark(True)
         try:
             choice = answer["choices"][0]
