@@ -223,7 +223,7 @@ class Limits(BaseModel):
     max_image_bytes: int = Field(default=50 * 1024 * 1024, ge=1, description="bytes per upload (ingest)")
     max_pixels: int = Field(default=100_000_000, ge=1, description="width x height per page, from the header")
     max_pages: int = Field(default=20, ge=1, description="pages/frames per multi-page input")
-    infer_timeout_s: float = Field(default=300.0, gt=0, description="per-image inference time")
+    infer_timeout_s: float = Field(default=300.0, gt=0, description="seconds of inference per request (image), all its pages and tiles together")
     inline_max_bytes: int = Field(default=700 * 1024, ge=0, description="largest image sent inline on ocr.submit")
 
 

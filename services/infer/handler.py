@@ -1,4 +1,15 @@
-"""Infer logic: a micro-batch of ``ocr.infer`` events -> fetch, decode, tile, engine -> ``ocr.results``."""
+"""Infer logic: a micro-batch of ``ocr.infer`` events -> fetch, decode, tile, engine -> ``ocr.results``.
+
+Memory bound of prefetching (:meth:`InferHandler.prefetch`): while a batch is on the engine the
+runner fetches at most one more batch and pauses its partitions, so at most ``2 x max_batch``
+records are decoded at once (the batch in flight and the next). Each record holds at most
+``TOTAL_PIXELS_FACTOR x max_pixels`` pixels over all its pages (:mod:`services.common.imaging`),
+3 bytes each (RGB ``uint8``). With the defaults (``max_batch`` 8, ``max_pixels`` 100 M, factor
+2) the worst case is 16 records x 200 Mpx x 3 B = 9.6 GB (8.9 GiB) of decoded pages, plus the
+raw bytes (at most 16 x ``max_image_bytes`` = 800 MiB) and the decoder's transient copies of
+the pages being decoded. Typical inputs are far below it (an A4 page at 200 dpi is 3.7 Mpx,
+11 MB); a deployment that must fit less memory lowers ``max_batch`` or ``limits.max_pixels``.
+"""
 
 from __future__ import annotations
 
@@ -24,9 +35,9 @@ from services.common.runner import Handler
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Span, SpanKind, StatusCode, Telemetry, record_attrs
 from services.common.textlines import group_lines
-from services.infer.engines.base import EngineTimeout, OcrEngine
+from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
 from services.infer.settings import InferSettings
-from services.infer.tiles import make_tiles, map_back
+from services.infer.tiles import Tile, make_tiles, map_back
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +83,20 @@ def _load_span(fn):
 
 
 class InferHandler(Handler):
-    """Runs one micro-batch: S3 gets in parallel, decoding in threads, one engine call for all
-    tiles of all pages in the batch, then one result per request.
+    """Runs one micro-batch: S3 gets in parallel, decoding in threads, every tile of every page
+    of the batch submitted to the engine at once, then one result per request.
 
     A failing image (bad data, timeout, engine error) gets an error result; the rest of the
     batch goes on. A store outage raises (the runner retries the batch with backoff).
+
+    Time limit: ``limits.infer_timeout_s`` is one deadline per request, over all its tiles and
+    pages together (see :meth:`_engine_request`), not per tile or page: a 20-page TIFF gets the
+    same time as a one-page PNG. A request past its deadline gets a ``timeout`` result and its
+    unfinished pieces are cancelled; the others in the batch go on.
+
+    Memory: at most ``2 x max_batch`` decoded records at once (this batch and the prefetched
+    next), each up to ``2 x limits.max_pixels`` pixels of 3 bytes: 9.6 GB with the defaults
+    (module docstring).
 
     Generation check (rolling upgrades): dedup put its own generation in the event's cache key;
     when this process's generation (:meth:`CommonSettings.generation`: engine, model, revision,
@@ -90,6 +110,20 @@ class InferHandler(Handler):
     """
 
     def __init__(self, settings: InferSettings, store: ObjectStore, engine: OcrEngine, telemetry: Telemetry):
+        """Keep the collaborators; nothing is started or fetched until the runner calls in.
+
+        Args:
+            settings: The infer settings: ``limits`` (``max_image_bytes`` in bytes,
+                ``max_pixels`` in pixels per page, ``max_pages``, ``infer_timeout_s`` in
+                seconds per request), ``fetch_concurrency`` (S3 gets in flight),
+                ``tile_max_aspect``, ``topics`` and the generation fields.
+            store: Where the images are read (``get_uri``).
+            engine: A started :class:`OcrEngine`; closed by :meth:`close`.
+            telemetry: Spans and counters of this process.
+
+        Raises:
+            Nothing: the settings were validated when they were built.
+        """
         self.s = settings
         self.store = store
         self.engine = engine
@@ -100,7 +134,12 @@ class InferHandler(Handler):
         self._gens: dict[str, CacheGeneration] = {}  # task -> this process's generation
 
     def prefetch(self, records: list[ConsumerRecord]) -> None:
-        """Start fetching and decoding the next batch's images (bounded by the runner's buffer)."""
+        """Start fetching and decoding the next batch's images (bounded by the runner's buffer).
+
+        The runner hands over at most one batch ahead (``max_batch`` records), so with the batch
+        in flight at most ``2 x max_batch`` records are decoded at once: 9.6 GB worst case with
+        the defaults (module docstring).
+        """
         for rec in records:
             try:
                 ev = loads(InferEvent, rec.value)
@@ -165,7 +204,7 @@ class InferHandler(Handler):
                                          attributes=record_attrs(rec))
 
     async def _infer(self, items: list[_Item]) -> None:
-        """One engine call for every tile of every page of ``items``.
+        """Every tile of every page of ``items`` through the engine at once (:meth:`_engine_batch`).
 
         Timings per item: ``preprocess`` and ``postprocess`` are equal shares of the batch's
         tiling and line grouping; ``inference`` is the item's share of the engine call's wall
@@ -186,14 +225,14 @@ class InferHandler(Handler):
             sp.set_attribute("ocrstream.tiles", len(jobs))
             t_engine = time.perf_counter()
             prep_ms = (t_engine - t0) * 1000
-            outputs = await self.engine.ocr([t.image for _, _, t in jobs], self.s.limits.infer_timeout_s)
+            outputs = await self._engine_batch(jobs)
             t1 = time.perf_counter()
             engine_ms = (t1 - t_engine) * 1000
             self.telemetry.engine_batch(self.engine.name, len(items), t1 - t_engine)
             per_page: dict[tuple[int, int], list] = {}
             weight: dict[int, float] = {}
             for (it, p, tile), res in zip(jobs, outputs):
-                if it.error is not None:
+                if it.error is not None or res is None:
                     continue
                 if isinstance(res, BaseException):
                     code = (ErrorCode.TIMEOUT if isinstance(res, EngineTimeout)
@@ -220,6 +259,93 @@ class InferHandler(Handler):
                 it.timings["preprocess"] = prep_ms / len(items)
                 it.timings["inference"] = engine_ms * share
                 it.timings["postprocess"] = post_ms / len(items)
+
+    async def _engine_batch(self, jobs: list[tuple[_Item, int, Tile]]) -> list[EngineOutput | BaseException | None]:
+        """Run every job's tile on the engine, all submitted at once, each request under its own deadline.
+
+        Each tile is its own ``engine.ocr`` call (the engines run concurrent calls as they run
+        the images of one call: vLLM batches them, RapidOCR queues them for its workers in
+        submission order), so one request's pieces can be cancelled without touching the others.
+
+        Returns:
+            One entry per job, in order: the tile's :class:`EngineOutput`, the exception it
+            ended with (:class:`EngineTimeout` when its request ran past its deadline), or None
+            when it was cancelled because another piece of its request had already failed.
+
+        Raises:
+            Whatever ``engine.ocr`` raises (an engine that is down): the runner retries the batch.
+        """
+        timeout = self.s.limits.infer_timeout_s
+        tasks = [asyncio.ensure_future(self._engine_piece(tile.image, timeout)) for _, _, tile in jobs]
+        by_item: dict[int, list[int]] = {}
+        for j, (it, _, _) in enumerate(jobs):
+            by_item.setdefault(id(it), []).append(j)
+        try:
+            per_item = await asyncio.gather(*(self._engine_request([tasks[j] for j in js], timeout)
+                                               for js in by_item.values()))
+        finally:
+            for t in tasks:  # no "exception never retrieved" for pieces no request waited for
+                t.cancel()
+                t.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        outputs: list[EngineOutput | BaseException | None] = [None] * len(jobs)
+        for js, results in zip(by_item.values(), per_item):
+            for j, res in zip(js, results):
+                outputs[j] = res
+        return outputs
+
+    async def _engine_piece(self, image: np.ndarray, timeout_s: float) -> tuple[EngineOutput | BaseException, float]:
+        """One tile through the engine: its output (or exception) and when it came back (``time.monotonic``, s)."""
+        [res] = await self.engine.ocr([image], timeout_s)
+        return res, time.monotonic()
+
+    @staticmethod
+    async def _engine_request(tasks: list[asyncio.Task], timeout_s: float) -> list[EngineOutput | BaseException | None]:
+        """Wait for one request's pieces (tiles of all its pages) under one deadline.
+
+        The deadline is ``timeout_s`` after the request's work started on the engine: the
+        earliest start (return time minus ``inference_ms``) of its pieces that have come back,
+        so time spent queued behind other requests for an engine worker does not count, time
+        spent on its own earlier pieces does. Until its first piece comes back, the engine's
+        own per-piece limit (the same ``timeout_s``) bounds it. When the deadline passes, the
+        unfinished pieces are cancelled and answered with :class:`EngineTimeout`; when a piece
+        fails (an exception result), the rest are cancelled (None).
+
+        Args:
+            tasks: :meth:`_engine_piece` tasks of one request, in page and tile order.
+            timeout_s: The request's time limit in seconds (``limits.infer_timeout_s``).
+
+        Returns:
+            One entry per task, in order (see :meth:`_engine_batch`).
+        """
+        results: dict[asyncio.Task, EngineOutput | BaseException | None] = {}
+        pending = set(tasks)
+        started: float | None = None  # time.monotonic() when the request's first piece started
+        expired = failed = False
+        while pending and not (expired or failed):
+            wait = None if started is None else started + timeout_s - time.monotonic()
+            done: set[asyncio.Task] = set()
+            if wait is None or wait > 0:
+                done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                expired = True
+                break
+            for t in done:
+                res, ended = t.result()
+                results[t] = res
+                if isinstance(res, BaseException):
+                    failed = True
+                else:
+                    began = ended - res.inference_ms / 1000
+                    started = began if started is None else min(started, began)
+                    if ended - started > timeout_s:
+                        expired = True
+        for t in pending:
+            t.cancel()
+            t.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)  # no "never retrieved"
+        if expired:
+            late = EngineTimeout(f"the request's tiles and pages took longer than {timeout_s:g} s in all")
+            return [late if not isinstance(results.get(t), BaseException) else results[t] for t in tasks]
+        return [results.get(t) for t in tasks]
 
     def _result(self, it: _Item) -> Outgoing:
         ev, req = it.event, it.event.request

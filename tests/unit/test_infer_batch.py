@@ -14,7 +14,7 @@ from schemas.errors import ErrorCode
 from schemas.events import InferEvent, RequestEvent, ResultEvent
 from services.common.errors import OcrError
 from services.common.events import dumps
-from services.common.settings import TelemetrySettings
+from services.common.settings import Limits, TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.common.textlines import Segment
 from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
@@ -134,3 +134,48 @@ def test_forget_cancels_the_prefetches_of_revoked_records():
         await handler.close()
 
     asyncio.run(main())
+
+
+class OneAtATimeEngine(OcrEngine):
+    """One image at a time (like RapidOCR with one worker), each taking ``seconds``; an empty result."""
+
+    name = "one-at-a-time"
+    max_side = 1000
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.started: list[tuple[int, int]] = []
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self.ready = True
+
+    async def ocr(self, images, timeout_s):
+        out = []
+        for img in images:
+            async with self._lock:
+                began = asyncio.get_running_loop().time()
+                self.started.append(img.shape[:2])
+                await asyncio.sleep(self.seconds)
+                out.append(EngineOutput([], (asyncio.get_running_loop().time() - began) * 1000))
+        return out
+
+
+def test_the_time_limit_is_one_deadline_per_request_over_all_its_pages():
+    # 3 pages of 0.6 x the limit each: 1.8 x the limit in all -> timeout, although each page
+    # alone is well within it; the one-page image queued behind it still gets its full time.
+    frames = [Image.new("RGB", (300, 100 + i), "white") for i in range(3)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "TIFF", save_all=True, append_images=frames[1:])
+    objs = {"s3://b/pages": buf.getvalue(), "s3://b/one": png(300, 50)}
+    engine = OneAtATimeEngine(0.6)
+    settings = InferSettings(limits=Limits(infer_timeout_s=1.0))
+    handler = InferHandler(settings, MemoryStore(objs), engine, Telemetry("infer", TelemetrySettings()))
+    out = asyncio.run(handler.handle([record(0, "s3://b/pages"), record(1, "s3://b/one")]))
+    results = [ResultEvent.model_validate(orjson.loads(o.value)) for o in out]
+    assert [r.status for r in results] == ["error", "ok"]
+    assert results[0].error.code is ErrorCode.TIMEOUT
+    assert results[0].error.message == "the request's tiles and pages took longer than 1 s in all"
+    assert results[1].pages[0].height == 50
+    # page 3 never started: the request's deadline passed during page 2, which was cancelled
+    assert engine.started == [(100, 300), (101, 300), (50, 300)]
