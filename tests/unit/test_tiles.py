@@ -43,3 +43,12 @@ def test_wide_page_is_sliced_left_to_right():
 def test_a_single_long_text_line_that_fits_is_not_cut():
     [t] = make_tiles(np.zeros((25, 323, 3), np.uint8), max_aspect=3, max_side=2000)
     assert t.image.shape == (25, 323, 3) and t.scale == 1.0
+
+
+def test_boxes_map_back_with_each_axis_own_scale():
+    # 1000 x 301 at max_side 500: scale 0.5, width 500 but height round(150.5) = 150, so
+    # y scale is 150/301, not 0.5 (one scale for both axes put the page bottom at 300)
+    [t] = make_tiles(np.zeros((301, 1000, 3), np.uint8), max_aspect=10, max_side=500)
+    assert t.image.shape[:2] == (150, 500) and (t.scale_x, t.scale_y) == (0.5, 150 / 301)
+    [s] = map_back(t, [Segment([[0, 75], [500, 75], [500, 150], [0, 150]], "x", 0.9)], 1000, 301)
+    assert s.box == [[0, 150.5], [1000, 150.5], [1000, 301], [0, 301]]
