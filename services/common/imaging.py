@@ -142,13 +142,29 @@ def _sniff_pdf(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> Image
             raise OcrError(ErrorCode.CORRUPT_IMAGE, "PDF has no pages")
         if n > max_pages:
             raise OcrError(ErrorCode.TOO_MANY_PAGES, f"PDF has {n} pages, limit {max_pages}")
-        w_pt, h_pt = doc[0].get_size()
-        w, h = round(w_pt * PDF_RENDER_DPI / 72), round(h_pt * PDF_RENDER_DPI / 72)
+        # Every page's size from the page tree (no page is loaded or rendered): a tiny page 1
+        # must not vouch for the rest. _render_pdf checks the same again while rendering.
+        sizes = []
+        for i in range(n):
+            try:
+                sizes.append(_pdf_pixels(*doc.get_page_size(i)))
+            except Exception as exc:  # pdfium: the page tree names a page it cannot find
+                raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF page {i + 1} could not be read: {exc}") from exc
     finally:
         doc.close()
-    _check_pixels(w, h, max_pixels)
-    _check_total(w * h * n, max_pixels)
+    total = 0
+    for w, h in sizes:
+        _check_pixels(w, h, max_pixels)
+        total += w * h
+        _check_total(total, max_pixels)
+    w, h = sizes[0]
     return ImageInfo("PDF", w, h, n)
+
+
+def _pdf_pixels(w_pt: float, h_pt: float) -> tuple[int, int]:
+    """Width and height in pixels of a PDF page of ``w_pt`` x ``h_pt`` points rendered at
+    :data:`PDF_RENDER_DPI` (72 points per inch, ISO 32000-1:2008 section 8.3.2.3)."""
+    return round(w_pt * PDF_RENDER_DPI / 72), round(h_pt * PDF_RENDER_DPI / 72)
 
 
 def _check_total(total: int, max_pixels: int) -> None:
@@ -232,12 +248,22 @@ def decode(data: bytes, max_pixels: int, max_pages: int) -> list[np.ndarray]:
 
 
 def _render_pdf(data: bytes, max_pixels: int) -> list[np.ndarray]:
+    """Render every page at :data:`PDF_RENDER_DPI` to RGB arrays.
+
+    Each page's size is checked before it is rendered: alone against ``max_pixels``, and the
+    running total of all pages so far against :data:`TOTAL_PIXELS_FACTOR` x ``max_pixels``
+    (``image_too_large``), so a PDF whose later pages are huge is refused before they cost
+    memory, whatever page 1 says.
+    """
     doc = _pdf_document(data)
     try:
         pages = []
+        total = 0
         for page in doc:
-            w_pt, h_pt = page.get_size()
-            _check_pixels(round(w_pt * PDF_RENDER_DPI / 72), round(h_pt * PDF_RENDER_DPI / 72), max_pixels)
+            w, h = _pdf_pixels(*page.get_size())
+            _check_pixels(w, h, max_pixels)
+            total += w * h
+            _check_total(total, max_pixels)
             bitmap = page.render(scale=PDF_RENDER_DPI / 72, fill_color=(255, 255, 255, 255))
             pages.append(np.asarray(bitmap.to_pil().convert("RGB"), dtype=np.uint8).copy())
         return pages

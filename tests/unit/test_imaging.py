@@ -9,7 +9,7 @@ from PIL import Image
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
-from services.common.imaging import decode, sniff
+from services.common.imaging import _render_pdf, decode, sniff
 
 BIG = 100_000_000
 
@@ -243,3 +243,33 @@ def test_a_pixel_limit_above_pillows_own_is_honoured(monkeypatch):
     with pytest.raises(OcrError) as exc:
         sniff(header, 399_999_999, 20)
     assert exc.value.message == "20000x20000 = 400000000 pixels exceeds the limit of 399999999"
+
+
+
+def small_first_page_pdf() -> bytes:
+    """A 4-page PDF of blank pages (913 bytes): page 1 is 10 x 10 pt (28 x 28 px at 200 dpi),
+    pages 2-4 are 1000 x 1000 pt (2778 x 2778 = 7,717,284 px each)."""
+    import pypdfium2 as pdfium
+
+    pdf = pdfium.PdfDocument.new()
+    for side in (10, 1000, 1000, 1000):
+        pdf.new_page(side, side)
+    buf = io.BytesIO()
+    pdf.save(buf)
+    return buf.getvalue()
+
+
+def test_pdf_pages_after_a_tiny_first_page_count_towards_the_total():
+    data = small_first_page_pdf()
+    # each page fits 8 Mpx; all four (784 + 3 x 7,717,284 = 23,152,636 px) do not fit 2 x 8 Mpx.
+    # Page 1 x 4 pages (3,136 px) would pass: every page must be counted, in sniff (ingest,
+    # before any decode) and again in _render_pdf (infer) before each page is rendered.
+    for check in (lambda: sniff(data, 8_000_000, 20), lambda: decode(data, 8_000_000, 20),
+                  lambda: _render_pdf(data, 8_000_000)):
+        with pytest.raises(OcrError) as e:
+            check()
+        assert e.value.code is ErrorCode.IMAGE_TOO_LARGE
+        assert e.value.message == "all pages hold 23152636 pixels, limit 16000000"
+    info = sniff(data, 12_000_000, 20)  # limit 24 Mpx: the same file passes
+    assert (info.format, info.width, info.height, info.frames) == ("PDF", 28, 28, 4)
+    assert [p.shape for p in decode(data, 12_000_000, 20)] == [(28, 28, 3)] + [(2778, 2778, 3)] * 3
