@@ -236,9 +236,10 @@ class StageRunner:
                 log.warning("%s: forgetting prefetches failed: %r", self.stage, exc)
         self.telemetry.revoked(self.stage, len(in_flight), len(dropped))
         if in_flight or dropped:
-            log.warning("%s: partitions %s revoked: %d records of the batch in flight will not be committed, "
+            held = ", ".join(sorted({f"{r.topic}[{r.partition}]" for r in in_flight}))
+            log.warning("%s: partitions %s revoked: %d records of the batch in flight (%s) will not be committed, "
                         "%d carried records dropped; the new owner redoes them",
-                        self.stage, sorted(revoked), len(in_flight), len(dropped))
+                        self.stage, sorted(revoked), len(in_flight), held, len(dropped))
         else:
             log.info("%s: partitions %s revoked (no records held)", self.stage, sorted(revoked))
 
