@@ -191,6 +191,7 @@ class OpenAiEngine(OcrEngine):
         self._started = False
         self._reachable = True
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-ocr")
+        self._slots = asyncio.Semaphore(self.max_concurrency)  # HTTP requests in flight, all calls together
         # readiness checks never queue behind long generations
         self._probe_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai-probe")
 
@@ -426,7 +427,8 @@ class OpenAiEngine(OcrEngine):
 
     async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
         """See :meth:`OcrEngine.ocr`. The call's images are all in flight at once, up to
-        ``max_concurrency``. A timed-out image's HTTP thread ends at its socket timeout (at most
+        ``max_concurrency`` requests over all concurrent calls (the infer handler sends each tile
+        as its own call); an image's ``timeout_s`` starts when it gets one of those slots. A timed-out image's HTTP thread ends at its socket timeout (at most
         what was left of ``timeout_s``) and its answer is discarded.
 
         Raises:
@@ -435,8 +437,7 @@ class OpenAiEngine(OcrEngine):
         """
         if not images:
             return []
-        slots = asyncio.Semaphore(min(len(images), self.max_concurrency))
-        out = list(await asyncio.gather(*(self._one(img, timeout_s, slots) for img in images)))
+        out = list(await asyncio.gather(*(self._one(img, timeout_s, self._slots) for img in images)))
         down = next((o for o in out if isinstance(o, Unreachable)), None)
         if down is not None:
             self._mark(False, down)
