@@ -7,12 +7,16 @@ as JSON lines to one file, so one trace can be followed across the four processe
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import orjson
@@ -21,7 +25,7 @@ from PIL import Image
 
 from services.cli.report import STAGES as REPORT_STAGES
 from tests.conftest import REPO, SAMPLES
-from tests.stack import Pipeline, metric_value, namespaced_pipeline
+from tests.stack import Pipeline, free_port, metric_value, namespaced_pipeline
 
 SOURCE = f"tel-{uuid.uuid4().hex[:8]}"  # unique: the report filters on it
 N_SAMPLES = 4
@@ -201,6 +205,106 @@ def test_readyz_names_what_it_checks(tel_pipeline):
         for st in sts:
             with urllib.request.urlopen(f"http://127.0.0.1:{st.port}/readyz", timeout=5) as r:
                 assert r.status == 200 and r.read() == b"ready\n", stage
+
+
+class LoadingOcrServer:
+    """An OpenAI-compatible OCR server on loopback that is still starting, as ``vllm serve`` is
+    while it loads a model: ``/health`` and ``/v1/models`` answer 503 until ``loaded`` is set;
+    then chat completions (the engine's warm-up) are held until ``warm`` is set."""
+
+    def __init__(self):
+        self.loaded, self.warm = threading.Event(), threading.Event()
+        self.health_calls = self.posts = 0
+        srv = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code: int, obj: dict) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                srv.health_calls += 1
+                if not srv.loaded.is_set():
+                    return self._send(503, {"error": "loading"})
+                self._send(200, {"data": [{"id": "tencent/HunyuanOCR"}]})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                srv.posts += 1
+                srv.warm.wait(120)
+                self._send(200, {"choices": [{"index": 0, "finish_reason": "stop",
+                                              "message": {"role": "assistant", "content": "WARM UP"}}]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.loaded.set()
+        self.warm.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _readyz(port: int) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _wait(cond, what: str, bound_s: float = 60) -> None:
+    """Poll ``cond()``; fail naming ``what`` after ``bound_s`` (a liveness bound)."""
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        assert time.monotonic() < deadline, f"never happened in {bound_s}s: {what}"
+        time.sleep(0.1)
+
+
+def test_infer_readyz_is_503_until_its_engine_is_loaded_and_warm(tel_pipeline):
+    """One more infer process whose engine is an OCR server still starting: its ``/readyz``
+    answers 503 while the server loads the model and while the warm-up image is being read,
+    and 200 only once the warm-up answered. It consumes a topic and group of its own, so it
+    takes no partitions from the pipeline's infer."""
+    srv = LoadingOcrServer()
+    env = {**tel_pipeline.env, "OCRSTREAM_ENGINE_KIND": "openai", "OCRSTREAM_OPENAI_BASE_URL": srv.url,
+           "OCRSTREAM_OPENAI_READY_TIMEOUT_S": "120",
+           "OCRSTREAM_TOPICS__INFER": tel_pipeline.env["OCRSTREAM_TOPICS__INFER"] + "-readyz",
+           "OCRSTREAM_INFER_GROUP_ID": tel_pipeline.env["OCRSTREAM_INFER_GROUP_ID"] + "-readyz"}
+    # its topic exists (the broker does not create topics on demand): `init` creates the missing ones
+    subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, env=dict(os.environ, **env), check=True,
+                   capture_output=True, timeout=120)
+    (tel_pipeline.logdir / "readyz").mkdir(exist_ok=True)
+    probe = Pipeline(env=env, logdir=tel_pipeline.logdir / "readyz")
+    st = probe.start("infer", wait_ready=False)
+    try:
+        # loading: the engine has asked the server twice (it polls every 2 s) and been told 503
+        _wait(lambda: srv.health_calls >= 2, "the engine polling the loading server")
+        status, body = _readyz(st.port)
+        assert status == 503 and body.startswith(b"not ready"), (status, body)
+        # warming up: the server is up, the warm-up image is being read
+        srv.loaded.set()
+        _wait(lambda: srv.posts >= 1, "the engine's warm-up request")
+        for _ in range(5):
+            status, body = _readyz(st.port)
+            assert status == 503 and body.startswith(b"not ready"), (status, body)
+            time.sleep(0.2)
+        assert st.proc.poll() is None
+        srv.warm.set()
+        probe.wait_ready(st, timeout=60)
+        assert _readyz(st.port) == (200, b"ready\n")
+    finally:
+        srv.close()
+        probe.stop_all()
 
 
 def test_report_prints_the_table_and_writes_a_png(tel_pipeline, run, tmp_path):
