@@ -12,7 +12,7 @@ from pydantic import SecretStr
 from services.ingest.api.callbacks import CallbackRefused, address_refusal, check_callback, parse_callback_url
 from services.ingest.api.errors import ApiError
 from services.ingest.api.settings import ApiSettings
-from services.ingest.api.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify_signature
+from services.ingest.api.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify_signature
 from services.ingest.api.webhooks import backoff_s, delivery_id, validate_callback_url
 
 ALLOW = ["hooks.example.com", "*.partner.example", "127.0.0.1", "localhost", "169.254.169.254", "[::1]", "::1"]
@@ -117,23 +117,42 @@ async def test_submit_check_maps_refusals_to_400_and_needs_a_secret():
 
 
 # -- signatures -------------------------------------------------------------------------------
-def test_signature_is_hmac_sha256_of_timestamp_dot_body():
+def test_signature_is_hmac_sha256_of_delivery_id_timestamp_and_body():
     body = b'{"request_id":"r1","text":"h\xc3\xa9llo"}'
-    h = sign("s3cret", body, timestamp=1_767_225_600)
-    want = hmac.new(b"s3cret", b"1767225600." + body, hashlib.sha256).hexdigest()
-    assert h == {TIMESTAMP_HEADER: "1767225600", SIGNATURE_HEADER: f"v1={want}"}
+    did = delivery_id("g1", "e" * 32)
+    secret = "whsec_Zm9vYmFy-_x"  # the key is this whole string as UTF-8, whsec_ included
+    h = sign(secret, did, body, timestamp=1_767_225_600)
+    want = hmac.new(secret.encode(), f"{did}.1767225600.".encode() + body, hashlib.sha256).hexdigest()
+    assert h == {DELIVERY_HEADER: did, TIMESTAMP_HEADER: "1767225600", SIGNATURE_HEADER: f"v1={want}"}
     ts, sig = h[TIMESTAMP_HEADER], h[SIGNATURE_HEADER]
-    assert verify_signature("s3cret", ts, body, sig, now=1_767_225_600 + 299)
-    assert not verify_signature("s3cret", ts, body, sig, now=1_767_225_600 + 301)  # replay window
-    assert not verify_signature("other", ts, body, sig, now=1_767_225_600)
-    assert not verify_signature("s3cret", ts, body + b" ", sig, now=1_767_225_600)
-    assert not verify_signature("s3cret", "1767225601", body, sig, now=1_767_225_600)  # timestamp is signed
-    assert not verify_signature("s3cret", "soon", body, sig)
-    assert not verify_signature("s3cret", ts, body, "v0=" + want, now=1_767_225_600)
-    assert not verify_signature("s3cret", ts, body, "v1=ünïcode", now=1_767_225_600)
+    assert verify_signature(secret, did, ts, body, sig, now=1_767_225_600 + 299)
+    assert not verify_signature(secret, did, ts, body, sig, now=1_767_225_600 + 301)  # replay window
+    assert not verify_signature("other", did, ts, body, sig, now=1_767_225_600)
+    assert not verify_signature(secret.removeprefix("whsec_"), did, ts, body, sig, now=1_767_225_600)
+    assert not verify_signature(secret, did, ts, body + b" ", sig, now=1_767_225_600)
+    assert not verify_signature(secret, did, "1767225601", body, sig, now=1_767_225_600)  # timestamp is signed
+    assert not verify_signature(secret, did, "soon", body, sig)
+    assert not verify_signature(secret, did, ts, body, "v0=" + want, now=1_767_225_600)
+    assert not verify_signature(secret, did, ts, body, "v1=ünïcode", now=1_767_225_600)
     rotated = f"v1={'0' * 64} {sig}"  # two secrets during a rotation: one match suffices
-    assert verify_signature("s3cret", ts, body, rotated, now=1_767_225_600)
-    assert verify_signature("s3cret", ts, body, sig, tolerance_s=0)  # check disabled
+    assert verify_signature(secret, did, ts, body, rotated, now=1_767_225_600)
+    assert verify_signature(secret, did, ts, body, sig, tolerance_s=0)  # check disabled
+
+
+def test_a_replay_under_another_delivery_id_fails_verification():
+    """A captured delivery re-sent with a fresh X-Ocrstream-Delivery (to get past the receiver's
+    deduplication) does not verify: the id is part of the signed bytes."""
+    body = b'{"request_id":"r1"}'
+    did = delivery_id("g1", "e" * 32)
+    h = sign("s3cret", did, body, timestamp=1_767_225_600)
+    ts, sig = h[TIMESTAMP_HEADER], h[SIGNATURE_HEADER]
+    assert verify_signature("s3cret", did, ts, body, sig, now=1_767_225_600)
+    assert not verify_signature("s3cret", delivery_id("g1", "f" * 32), ts, body, sig, now=1_767_225_600)
+    assert not verify_signature("s3cret", did + "x", ts, body, sig, now=1_767_225_600)
+    assert not verify_signature("s3cret", "whd_é", ts, body, sig, now=1_767_225_600)  # non-ASCII id: False, no crash
+    # the old Stripe-style payload (timestamp and body only) is not accepted either
+    stripe = hmac.new(b"s3cret", b"1767225600." + body, hashlib.sha256).hexdigest()
+    assert not verify_signature("s3cret", did, ts, body, f"v1={stripe}", now=1_767_225_600)
 
 
 def test_delivery_ids_are_deterministic_per_group():

@@ -14,9 +14,10 @@ How a completion reaches its callback (never blocking the pipeline):
    2xx marks the delivery ``delivered``; anything else (3xx included) schedules a retry after
    an exponential backoff with jitter, until ``webhook_retry_for_s`` after intake, then
    ``failed``. A URL refused by the guard fails at once (a failed DNS lookup is retried).
-3. **Signature.** Each attempt is signed with HMAC-SHA256 over ``f"{timestamp}.{body}"``
-   (:mod:`.signing`, the Stripe ``v1`` scheme) using the submitting API key's webhook secret,
-   or ``webhook_secret`` for requests made without a key. A request without a key is refused
+3. **Signature.** Each attempt is signed with HMAC-SHA256 over
+   ``f"{delivery_id}.{timestamp}.{body}"`` (:mod:`.signing`, scheme ``v1``; the delivery id is
+   signed so a replay cannot change it) keyed with the submitting API key's webhook secret,
+   or ``webhook_secret`` for requests made without a key (the whole string as UTF-8). A request without a key is refused
    at submit time when ``webhook_secret`` is not set: callbacks are never sent unsigned.
 
 Delivery is at least once: a replica that dies after sending but before recording lets the row
@@ -51,7 +52,7 @@ from services.common.telemetry import Telemetry
 from services.ingest.api.callbacks import RESOLVE_TIMEOUT_S, CallbackRefused, check_callback
 from services.ingest.api.errors import ApiError
 from services.ingest.api.keys import KeyStore
-from services.ingest.api.signing import ATTEMPT_HEADER, DELIVERY_HEADER, sign, verify_signature
+from services.ingest.api.signing import ATTEMPT_HEADER, sign, verify_signature
 from services.ingest.api.webhook_store import Claimed, NewDelivery, WebhookStore
 
 __all__ = ["WebhookDispatcher", "delivery_id", "validate_callback_url", "verify_signature"]
@@ -307,8 +308,8 @@ class WebhookDispatcher:
         target = await check_callback(c.url, s.webhook_allowed_hosts, s.webhook_allow_private)
         body = c.body.encode()
         headers = {"Content-Type": "application/json", "User-Agent": "ocrstream-webhooks/1",
-                   "Host": target.host_header, DELIVERY_HEADER: c.delivery_id, ATTEMPT_HEADER: str(c.attempt),
-                   **sign(secret, body)}
+                   "Host": target.host_header, ATTEMPT_HEADER: str(c.attempt),
+                   **sign(secret, c.delivery_id, body)}  # X-Ocrstream-Delivery, -Timestamp, -Signature
         ext = {"sni_hostname": target.host} if target.url.scheme == "https" else {}
         async with asyncio.timeout(s.webhook_timeout_s):
             for i, addr in enumerate(target.addresses):
