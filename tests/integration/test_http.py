@@ -148,7 +148,8 @@ def test_bad_input_gets_a_specific_error_and_the_next_image_still_goes_through(a
 
 
 def _raw_http(port: int, head: bytes, body_chunks: list[bytes]) -> tuple[bytes, int]:
-    """Send ``head`` then body chunks until the server answers; returns (status line, body bytes sent)."""
+    """Send ``head`` then body chunks until the server answers (then wait up to 10 s for its answer,
+    the body left incomplete when the chunks do not finish it); returns (status line, body bytes sent)."""
     sent = 0
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(head)
@@ -170,20 +171,23 @@ def _raw_http(port: int, head: bytes, body_chunks: list[bytes]) -> tuple[bytes, 
 
 
 def test_oversize_upload_is_refused_before_the_body_is_read(api):
+    """The 413 comes while the body is still incomplete, so the server cannot have waited for it (it
+    would answer 408 after ``OCRSTREAM_HTTP_BODY_TIMEOUT_S``, or keep reading, instead)."""
     port = api.port
-    chunk = b"\0" * 65536
-    # declared too large: 413 before a byte of the body is sent
+    # declared too large: the head alone, not one byte of the body, gets the 413
     head = (f"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
             f"Content-Length: {API_MAX_BYTES * 50}\r\n\r\n").encode()
-    status, sent = _raw_http(port, head, [chunk] * 800)
-    assert b" 413 " in status + b" ", status
-    assert sent < API_MAX_BYTES * 50 // 4, sent
-    # chunked, no length: refused as soon as the limit is passed, not after the whole body
+    status, sent = _raw_http(port, head, [])
+    assert status.split(b" ")[1] == b"413", status
+    assert sent == 0
+    # chunked, no length: the limit plus one chunk (never the end of the body) gets the 413
+    chunk = b"\0" * 65536
     head = b"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nTransfer-Encoding: chunked\r\n\r\n"
     framed = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
-    status, sent = _raw_http(port, head, [framed] * 800)
-    assert b" 413 " in status + b" ", status
-    assert sent < 800 * len(framed) // 2, sent
+    n = API_MAX_BYTES // len(chunk) + 1  # the first chunk count past the limit
+    status, sent = _raw_http(port, head, [framed] * n)
+    assert status.split(b" ")[1] == b"413", status
+    assert sent <= (API_MAX_BYTES // len(chunk) + 1) * len(framed) < API_MAX_BYTES + 2 * len(framed), sent
 
 
 def _rest_of_response(s: socket.socket, got: bytes) -> bytes:
@@ -290,6 +294,35 @@ def test_concurrent_twins_with_one_new_request_id_are_sent_once(api):
     with _client(api) as c:
         got = c.get(f"/v1/ocr/{rid}", params={"wait": 60}).json()
     assert got["status"] == "ok" and got["result"]["text"] == "TWIN 5151"
+    assert _requests_with_id(rid) == 1
+
+
+def test_a_request_id_reused_for_a_different_image_is_refused_with_409(api):
+    """A client-chosen ``request_id`` already used for another image (another content SHA-256) is
+    409 ``request_id_conflict``, while pending (Redis's marker) and once finished (MariaDB's row),
+    instead of the first image's result; the same image is an idempotent retry."""
+    rid = f"reuse-{time.time_ns()}"
+    first, other = text_image(["FIRST 7373"], size=40), text_image(["OTHER 8484"], size=40)
+    png = {"Content-Type": "image/png"}
+    with _client(api) as c:
+        r = c.post("/v1/ocr", content=first, headers=png, params={"request_id": rid})
+        assert r.status_code == 202, r.text
+        clash = c.post("/v1/ocr", content=other, headers=png, params={"request_id": rid})
+        assert clash.status_code == 409, clash.text
+        err = clash.json()["error"]
+        assert err["code"] == "request_id_conflict"
+        assert err["message"].startswith(f"request_id {rid!r} is already used for a different image")
+        got = c.get(f"/v1/ocr/{rid}", params={"wait": 60}).json()
+        assert got["status"] == "ok" and got["result"]["text"] == "FIRST 7373"
+        for _ in range(100):  # the sink's row (the completion may arrive first)
+            if c.post("/v1/ocr", content=first, headers=png, params={"request_id": rid}).status_code == 200:
+                break
+            time.sleep(0.1)
+        files = {"file": ("other.png", other, "image/png")}
+        late = c.post("/v1/ocr", files=files, data={"request_id": rid})
+        assert late.status_code == 409 and late.json()["error"]["code"] == "request_id_conflict", late.text
+        same = c.post("/v1/ocr", content=first, headers=png, params={"request_id": rid})
+        assert same.status_code == 200 and same.json()["result"]["text"] == "FIRST 7373", same.text
     assert _requests_with_id(rid) == 1
 
 

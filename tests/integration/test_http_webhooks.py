@@ -3,6 +3,8 @@ attempt in MariaDB, callbacks refused by the SSRF guard, redirects never followe
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import re
 import subprocess
@@ -113,9 +115,10 @@ def test_completion_is_delivered_signed_and_retried_after_a_500(api):
             assert hit["path"] == "/hooks/ocr?tenant=t1"
             assert h["Host"] == f"127.0.0.1:{rcv.port}" and h["Content-Type"] == "application/json"
             assert h["X-Ocrstream-Delivery"] == row["delivery_id"] and h["X-Ocrstream-Attempt"] == str(n)
-            assert verify_signature(WEBHOOK_SECRET, h["X-Ocrstream-Timestamp"], hit["body"], h["X-Ocrstream-Signature"])
-            assert not verify_signature("another-secret", h["X-Ocrstream-Timestamp"], hit["body"],
-                                        h["X-Ocrstream-Signature"])
+            d, ts, sig = h["X-Ocrstream-Delivery"], h["X-Ocrstream-Timestamp"], h["X-Ocrstream-Signature"]
+            assert verify_signature(WEBHOOK_SECRET, d, ts, hit["body"], sig)
+            assert not verify_signature("another-secret", d, ts, hit["body"], sig)
+            assert not verify_signature(WEBHOOK_SECRET, "whd_" + "0" * 40, ts, hit["body"], sig)  # id is signed
             ev = orjson.loads(hit["body"])
             assert ev["schema"] == "ocr.completed.v1" and ev["request_id"] == rid
             assert ev["result"]["status"] == "ok" and ev["result"]["text"] == "HOOK DELIVERED"
@@ -191,8 +194,12 @@ def test_callback_of_a_keyed_request_is_signed_with_the_keys_secret(keyed_api):
         assert row["state"] == "delivered" and row["key_id"] == key_id and row["attempts"] == 1
         [hit] = rcv.hits
         h = hit["headers"]
-        assert verify_signature(key_secret, h["X-Ocrstream-Timestamp"], hit["body"], h["X-Ocrstream-Signature"])
-        assert not verify_signature(WEBHOOK_SECRET, h["X-Ocrstream-Timestamp"], hit["body"], h["X-Ocrstream-Signature"])
+        d, ts, sig = h["X-Ocrstream-Delivery"], h["X-Ocrstream-Timestamp"], h["X-Ocrstream-Signature"]
+        assert d == row["delivery_id"] and key_secret.startswith("whsec_")
+        assert verify_signature(key_secret, d, ts, hit["body"], sig)
+        # the key is the whole whsec_... string as UTF-8 bytes, nothing decoded
+        assert sig == "v1=" + hmac.new(key_secret.encode(), f"{d}.{ts}.".encode() + hit["body"], hashlib.sha256).hexdigest()
+        assert not verify_signature(WEBHOOK_SECRET, d, ts, hit["body"], sig)
         ev = orjson.loads(hit["body"])
         assert ev["request_id"] == rid and ev["result"]["api_key_id"] == key_id
         assert ev["result"]["text"] == "HOOK DELIVERED"
@@ -245,7 +252,8 @@ def public_only_api(pipeline):
     (the refusal is at submit; the session's door keeps delivering for the namespace)."""
     st = pipeline.start(API, extra_env={
         **API_ENV, "OCRSTREAM_WEBHOOK_ALLOW_PRIVATE": "false", "OCRSTREAM_WEBHOOK_ENABLED": "false",
-        "OCRSTREAM_WEBHOOK_ALLOWED_HOSTS": '["127.0.0.1", "localhost", "::1", "10.*", "169.254.169.254"]'})
+        "OCRSTREAM_WEBHOOK_ALLOWED_HOSTS":
+            '["127.0.0.1", "localhost", "::1", "10.*", "169.254.169.254", "93.184.215.14"]'})
     st.url = f"http://127.0.0.1:{st.port}"
     yield st
     pipeline.stop(st)
@@ -297,3 +305,18 @@ def test_callbacks_to_private_addresses_are_refused_at_submit_by_a_door_as_deplo
     marks = ", ".join(["%s"] * len(refused))
     assert db_rows(f"SELECT request_id FROM webhook_deliveries WHERE request_id IN ({marks})", *refused) == []
     assert db_rows(f"SELECT request_id FROM requests WHERE request_id IN ({marks})", *refused) == []
+
+
+def test_a_callback_is_refused_by_a_door_whose_webhooks_are_disabled(public_only_api):
+    """A callback URL the guard lets through (a public address on the allow-list) is still refused,
+    400 ``invalid_request`` naming the setting, by a door with ``OCRSTREAM_WEBHOOK_ENABLED=false``:
+    nothing there would ever send it. Nothing is stored and no connection is made."""
+    rid = f"wh-off-{time.time_ns()}"
+    with httpx.Client(base_url=public_only_api.url, timeout=30) as door:
+        r = _submit(door, ["HOOKS OFF 3131"], "https://93.184.215.14/hook", rid)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"code": "invalid_request", "message": "callback_url is refused: webhooks are "
+                                     "disabled on this server (OCRSTREAM_WEBHOOK_ENABLED=false)"}
+        assert door.get(f"/v1/ocr/{rid}").status_code == 404
+        ok = door.post("/v1/ocr", content=text_image(["HOOKS OFF 3131"], size=40), headers={"Content-Type": "image/png"})
+        assert ok.status_code in (200, 202), ok.text  # without a callback the image goes through

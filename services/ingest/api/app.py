@@ -64,7 +64,7 @@ from services.common.telemetry import SpanKind, Telemetry
 from services.ingest.accept import accept_image, accept_staged
 from services.ingest.api.auth import Guard, Principal
 from services.ingest.api.errors import (
-    STATUS_OF_CODE, ApiError, api_error_handler, http_error_handler, validation_error_handler,
+    STATUS_OF_CODE, ApiError, api_error_handler, http_error_handler, internal_error_handler, validation_error_handler,
 )
 from services.ingest.api.events import ID_PATTERN, MEDIA_TYPE, EventStream, Watch, progress
 from services.ingest.api.hub import CompletionHub
@@ -85,7 +85,8 @@ STATIC = Path(__file__).parent / "static"
 _PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 _ERROR_TEXT = {
-    409: "the `request_id` is already used by another API key (`request_id_conflict`)",
+    409: "the `request_id` is already used by another API key, or for a different image (another content "
+         "SHA-256) (`request_id_conflict`); resending the same image with it is an idempotent retry",
     400: "bad request: an invalid option or parameter (`invalid_request`), an empty body (`empty_input`), "
          "a malformed multipart body, a callback URL that is not allowed (`callback_not_allowed`)",
     401: "missing, unknown or revoked API key (`unauthorized`)",
@@ -134,8 +135,10 @@ _SUBMIT_PARAMS = [
                    "(`OCRSTREAM_TASKS`), else 400 `invalid_request`; default `ocr`", 64),
     _query("source", "where the image comes from (picks the cache TTL); default `http`", 64),
     _query("filename", "the image's file name, kept with the result", 512),
-    _query("callback_url", "webhook URL for the completion (its host must be on the allow-list)", 2048),
-    _query("request_id", "your own id for the request: resubmitting it answers its state instead of sending it again", 64),
+    _query("callback_url", "webhook URL for the completion (its host must be on the allow-list; refused, 400 "
+                           "`invalid_request`, when the server's webhooks are disabled)", 2048),
+    _query("request_id", "your own id for the request: resubmitting it with the same image answers its state "
+                         "instead of sending it again; with a different image, 409 `request_id_conflict`", 64),
     _query("metadata", "JSON object of strings, kept with the result (16 KiB at most)"),
 ]
 
@@ -324,14 +327,20 @@ class FrontDoor:
         """One image: 200 + result when cached, 202 + request id when queued.
 
         Raises:
-            ApiError: 4xx for bad input or options (nothing is stored or sent then), 409
-                ``request_id_conflict`` for a ``request_id`` another API key submitted;
-                503 ``unavailable`` when Kafka or S3 does not take the request.
+            ApiError: 4xx for bad input or options (nothing is stored or sent then): 400
+                ``callback_not_allowed`` for a callback URL the guard refuses, then 400
+                ``invalid_request`` for any ``callback_url`` while ``webhook_enabled`` is off; 409
+                ``request_id_conflict`` for a ``request_id`` another API key submitted or one
+                already used for a different image (another content SHA-256); 503
+                ``unavailable`` when Kafka or S3 does not take the request.
         """
         started = time.perf_counter()
         submitted = now_ms()
         if opts.callback_url:
             await validate_callback_url(opts.callback_url, self.s, principal.key_id)
+            if self.webhooks is None:  # nothing here would ever send it: refuse rather than drop it silently
+                raise ApiError(400, "invalid_request", "callback_url is refused: webhooks are disabled on this "
+                                                       "server (OCRSTREAM_WEBHOOK_ENABLED=false)")
         rid = opts.request_id or new_id()
         claimed = False
         if opts.request_id:  # idempotent: a known id is answered with its state, not sent again
@@ -342,6 +351,10 @@ class FrontDoor:
                 return 202, OcrResponse(request_id=rid, status="pending", links=self.links(rid))
             if known is None:  # sending it would take the id (and its result) away from its owner
                 raise ApiError(409, "request_id_conflict", f"request_id {rid!r} is already used by another API key")
+            if known == "conflict":  # answering it would hand back another image's result
+                raise ApiError(409, "request_id_conflict",
+                               f"request_id {rid!r} is already used for a different image (content SHA-256 "
+                               f"differs from this upload's {up.sha256[:12]}...); choose a new request_id")
             claimed = known == "claimed"
         try:
             return await self._submit(up, opts, principal, traceparent, rid, claimed, started, submitted)
@@ -355,14 +368,18 @@ class FrontDoor:
 
     async def _claim_id(self, rid: str, principal: Principal, sha: str) -> ResultDocument | bool | str | None:
         """For a client-chosen id: its finished document; True if pending (a retry, or a twin
-        sent at the same moment); None if another key's; ``"claimed"`` if this call took it in
+        sent at the same moment); None if another key's; ``"conflict"`` if this key already used
+        it for another image (the stored content SHA-256, in MariaDB's row or Redis's
+        ``{"key", "sha"}`` marker, differs from ``sha``); ``"claimed"`` if this call took it in
         Redis; False if it is new but Redis is down (sent unclaimed; the sink stores one result)."""
         try:
             doc = await self.db.get_request(rid)
         except Exception:  # noqa: BLE001 - MariaDB down: Redis still tells retries apart
             doc = None
         if doc is not None:
-            return doc if self._owns(principal, doc.api_key_id) else None
+            if not self._owns(principal, doc.api_key_id):
+                return None
+            return "conflict" if doc.content_sha256 not in (None, sha) else doc
         value = orjson.dumps({"key": principal.key_id, "sha": sha})
         try:
             if await self.cache.claim_accepted(rid, value, self.s.http_accepted_ttl_s):
@@ -372,8 +389,10 @@ class FrontDoor:
             return False
         if raw is None:  # released by a failed twin in between: treat as new, unclaimed
             return False
-        owner = orjson.loads(raw).get("key")
-        return True if self._owns(principal, owner) else None
+        marker = orjson.loads(raw)
+        if not self._owns(principal, marker.get("key")):
+            return None
+        return "conflict" if marker.get("sha") not in (None, sha) else True
 
     async def _submit(self, up: Upload, opts: SubmitOptions, principal: Principal, traceparent: str | None,
                       rid: str, claimed: bool, started: float, submitted: int) -> tuple[int, OcrResponse]:
@@ -584,7 +603,8 @@ class SubmitFastPath:
     solving, the exception and exit-stack middlewares. On the cached path those took about 5–10 %
     of the door's CPU per request (py-spy during ``python -m bench.http_bench``).
     :class:`~services.ingest.api.errors.ApiError` is answered here in the one error shape; any
-    other exception goes on to Starlette's server-error middleware (500), as it would from the route.
+    other exception goes on to Starlette's server-error middleware (500 ``internal_error``,
+    :func:`~services.ingest.api.errors.internal_error_handler`), as it would from the route.
 
     Args:
         app: The rest of the stack.
@@ -667,6 +687,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     # FastAPI's parameter checks and Starlette's 404/405 answer in the one error shape too
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)  # anything else: 500 internal_error, logged
     app.openapi = lambda: _openapi(app)
 
     @app.post("/v1/ocr", response_model=OcrResponse, status_code=202, tags=["ocr"], summary="Submit one image",

@@ -5,16 +5,21 @@ those of :class:`schemas.errors.ErrorCode` for bad images (``input_too_large``,
 ``unsupported_format``, ...) plus the HTTP door's own: ``unauthorized``, ``rate_limited``,
 ``quota_exceeded``, ``not_found``, ``request_timeout`` (408), ``request_id_conflict`` (409), ``callback_not_allowed``, ``overloaded``, ``unavailable``,
 ``method_not_allowed``, ``client_closed`` (499, nginx's status for a client that left
-mid-body: only counted and logged, nobody reads it); FastAPI's parameter checks answer 400 ``invalid_request``.
+mid-body: only counted and logged, nobody reads it); FastAPI's parameter checks answer 400 ``invalid_request``;
+any other exception (a bug) answers 500 ``internal_error`` and its traceback goes to the log.
 """
 
 from __future__ import annotations
+
+import logging
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from schemas.errors import ErrorCode
+
+log = logging.getLogger(__name__)
 
 #: HTTP status for each image error code raised by :func:`services.ingest.accept.accept_image`.
 STATUS_OF_CODE: dict[str, int] = {
@@ -81,3 +86,14 @@ async def http_error_handler(_: Request, exc: Exception) -> Response:
     detail = getattr(exc, "detail", None) or "error"
     headers = dict(getattr(exc, "headers", None) or {})
     return ApiError(status, _HTTP_CODES.get(status, "http_error"), str(detail), headers).response()
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> Response:
+    """Any exception no other handler took (a bug) as 500 ``internal_error`` in the one error shape,
+    instead of Starlette's plain-text ``Internal Server Error``. The traceback is logged here with
+    the method and path; the answer names no exception detail (it may hold internal data).
+    Registered for ``Exception``, so Starlette calls it from ``ServerErrorMiddleware``, outside
+    every other middleware (the ``POST /v1/ocr`` fast path included); that middleware then
+    re-raises, so the server logs the exception once more."""
+    log.error("api: unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
+    return ApiError(500, "internal_error", "internal server error (see the server log)").response()

@@ -1,0 +1,41 @@
+"""The door's catch-all error handler: an unexpected exception answers 500 in the one error shape."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+
+from services.ingest.api.app import create_app
+from services.ingest.api.settings import ApiSettings
+
+INTERNAL = {"error": {"code": "internal_error", "message": "internal server error (see the server log)"}}
+
+
+class BrokenGuard:
+    """A guard with a bug: every check raises (passed in as the door's collaborator)."""
+
+    async def check(self, request):
+        raise RuntimeError("secret detail that must not reach the client")
+
+
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v1/ocr"),  # the fast path (SubmitFastPath middleware)
+    ("POST", "/v1/ocr/batch"),  # routed
+    ("GET", "/v1/ocr/some-id"),
+])
+async def test_an_unexpected_exception_is_a_json_500_and_its_traceback_is_logged(method, path, caplog):
+    app = create_app(ApiSettings(webhook_enabled=False))
+    app.state.door.guard = BrokenGuard()
+    caplog.set_level(logging.ERROR, logger="services.ingest.api.errors")
+    # the ASGI app without its lifespan: nothing connects; the exception is still raised past the answer
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://door") as c:
+        r = await c.request(method, path, content=b"\x89PNG", headers={"Content-Type": "image/png"})
+    assert r.status_code == 500, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.json() == INTERNAL
+    [rec] = [rec for rec in caplog.records if rec.name == "services.ingest.api.errors"]
+    assert rec.getMessage() == f"api: unhandled RuntimeError on {method} {path}"
+    assert rec.exc_info[0] is RuntimeError and "secret detail" in str(rec.exc_info[1])
