@@ -399,6 +399,16 @@ def test_api_can_be_turned_off():
     (("sink.config.cache_ttl_s=0",), "/sink/config/cache_ttl_s"),
     (("ingest.config.ingest_concurrency=0",), "/ingest/config/ingest_concurrency"),
     (("config.tasks={receipt}",), "/config/tasks"),
+    # the door's own settings are typed: a wrong type fails at install, not as a pod crash loop
+    (("api.config.auth_required=maybe",), "/api/config/auth_required"),
+    (("api.config.rate_limit_per_s=-1",), "/api/config/rate_limit_per_s"),
+    (("api.config.rate_limit_burst=0",), "/api/config/rate_limit_burst"),
+    (("api.config.quota_per_day=-5",), "/api/config/quota_per_day"),
+    (("api.config.http_cors_origins=https://app.example.com",), "/api/config/http_cors_origins"),  # not a list
+    (("api.config.http_cors_origins={app.example.com}",), "/api/config/http_cors_origins/0"),  # no scheme
+    (("api.config.webhook_allowed_hosts=hooks.example.com",), "/api/config/webhook_allowed_hosts"),  # not a list
+    (("api.config.webhook_allow_private=yes",), "/api/config/webhook_allow_private"),
+    (("api.config.webhook_secret=whsec_x",), "api.config.webhook_secret: not a value"),
 ])
 def test_api_values_that_cannot_work_fail_early(sets, message):
     cmd = [HELM, "template", "x", str(CHART), "-f", str(REQUIRED)]
@@ -446,3 +456,52 @@ def test_tasks_reach_every_stage_as_one_json_list():
         assert _stage_env(docs, w)["OCRSTREAM_TASKS"] == '["ocr","receipt"]', component(w)
     (w,) = [d for d in workloads(render(REQUIRED)) if component(d) == "ingest"]
     assert _stage_env(render(REQUIRED), w)["OCRSTREAM_TASKS"] == '["ocr"]'
+
+
+def test_webhook_hosts_cors_origins_and_the_webhook_secret_reach_the_door(monkeypatch):
+    """The README's recipe: allowed callback hosts and CORS origins as lists, the webhook secret from
+    a Secret through extraEnvVars; ApiSettings reads them as set."""
+    docs = render(REQUIRED, sets=(
+        "api.config.webhook_allowed_hosts={hooks.example.com,*.partner.example}",
+        "api.config.http_cors_origins={https://app.example.com}",
+        "api.extraEnvVars[0].name=OCRSTREAM_WEBHOOK_SECRET",
+        "api.extraEnvVars[0].valueFrom.secretKeyRef.name=ocrstream-webhook",
+        "api.extraEnvVars[0].valueFrom.secretKeyRef.key=secret"))
+    (w,) = _api(docs, "Deployment")
+    env = _stage_env(docs, w)
+    assert env["OCRSTREAM_WEBHOOK_SECRET"] == {"secretKeyRef": {"name": "ocrstream-webhook", "key": "secret"}}
+    for k in list(os.environ):
+        if k.startswith("OCRSTREAM_"):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v if isinstance(v, str) else "whsec_from_the_secret")
+    s = ApiSettings()
+    assert s.webhook_allowed_hosts == ["hooks.example.com", "*.partner.example"]
+    assert s.http_cors_origins == ["https://app.example.com"]
+    assert s.webhook_secret.get_secret_value() == "whsec_from_the_secret"
+
+
+def _notes(tmp_path: Path, *sets: str) -> str:
+    """NOTES.txt rendered by `helm template` (which skips NOTES.txt itself, and `helm install --dry-run`
+    needs a cluster): a copy of the chart holds it as a YAML block scalar in another template."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    body = (CHART / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "notes-check.yaml").write_text(
+        "notes: |\n" + "".join("  " + line for line in body.splitlines(keepends=True)))
+    cmd = [HELM, "template", "ocrstream", str(chart), "-n", "ocr", "-f", str(REQUIRED),
+           "--show-only", "templates/notes-check.yaml"]
+    for x in sets:
+        cmd += ["--set", x]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)["notes"]
+
+
+def test_notes_say_how_to_create_the_first_api_key_and_turn_webhooks_on(tmp_path):
+    text = _notes(tmp_path)
+    assert "kubectl -n ocr exec deploy/ocrstream-api -- ocrstream keys create --name my-app" in text
+    assert "Webhooks are off: set api.config.webhook_allowed_hosts" in text
+    text = _notes(tmp_path / "b", "api.config.auth_required=false", "api.config.webhook_allowed_hosts={hooks.example.com}")
+    assert "keys create" not in text
+    assert "Webhooks may go to: hooks.example.com (public addresses only" in text

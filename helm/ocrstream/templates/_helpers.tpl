@@ -378,6 +378,9 @@ spec:
 {{- if not $v.config.telemetry.metrics_port -}}
 {{- $msgs = append $msgs "config.telemetry.metrics_port: required (the probes use /healthz and /readyz on it)" -}}
 {{- end -}}
+{{- if hasKey $v.api.config "webhook_secret" -}}
+{{- $msgs = append $msgs "api.config.webhook_secret: not a value; put it in a Secret and pass OCRSTREAM_WEBHOOK_SECRET with api.extraEnvVars valueFrom.secretKeyRef (see the README, 'HTTP door')" -}}
+{{- end -}}
 {{- if hasKey $v.infer.config "openai_api_key" -}}
 {{- $msgs = append $msgs "infer.config.openai_api_key: not a value; it comes from auth.existingSecret (auth.secretKeys.openaiApiKey)" -}}
 {{- end -}}
