@@ -3,10 +3,12 @@ uploads through the real door and pipeline, text shown, JSON download, boxes fou
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import re
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 import pytest
@@ -287,3 +289,82 @@ def test_a_file_over_the_byte_limit_shows_input_too_large(tab, tmp_path):
     expect(card).to_have_attribute("data-state", "error", timeout=DONE_MS)
     expect(card.locator(".error .code")).to_have_text("input_too_large")
     assert card.locator(".body").is_hidden()
+
+
+def _submits(url: str) -> bool:
+    """Whether ``url`` is the page's ``POST v1/ocr`` (its polls are ``v1/ocr/{id}?wait=``)."""
+    return "/v1/ocr?" in url
+
+
+def test_a_lost_upload_answer_is_retried_with_the_same_request_id_and_the_image_is_sent_once(tab, tmp_path):
+    """The first POST reaches the real door, which accepts it, but its answer is cut off on the way
+    back (as a dropped connection would): the page retries with the same client-chosen
+    ``request_id``, the door answers that request's state, and the image is on ``ocr.requests`` once."""
+    from tests.integration.test_http import _requests_with_id
+
+    posts: list[str] = []
+
+    def drop_first_answer(route):
+        posts.append(route.request.url)
+        if len(posts) == 1:
+            assert route.fetch().status == 202  # the door took the upload ...
+            route.abort("connectionreset")  # ... and the page never hears of it
+        else:
+            route.continue_()
+
+    tab.page.route(_submits, drop_first_answer)
+    img = tmp_path / "lost-answer.png"
+    img.write_bytes(text_image(["LOST ANSWER 4242"], size=40))
+    card = tab.upload(img)
+    expect(card).to_have_attribute("data-state", "done", timeout=DONE_MS)
+    assert card.locator(".lines li").all_inner_texts() == ["LOST ANSWER 4242"]
+    ids = [parse_qs(urlparse(u).query)["request_id"] for u in posts]
+    assert len(posts) == 2 and ids[0] == ids[1] and len(ids[0]) == 1, posts
+    rid = ids[0][0]
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", rid), rid  # randomUUID
+    assert card.get_attribute("data-request-id") == rid
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # Playwright's sync API holds this thread's loop
+        assert pool.submit(_requests_with_id, rid).result() == 1
+    assert [e for e in tab.errors if "ERR_CONNECTION_RESET" not in e] == []
+
+
+def test_without_random_uuid_the_page_still_sends_a_random_request_id(tab, tmp_path):
+    """crypto.randomUUID exists in secure contexts only (https, localhost); elsewhere the page makes
+    its id from crypto.getRandomValues."""
+    tab.page.add_init_script("delete Crypto.prototype.randomUUID")
+    tab.page.reload()
+    assert tab.page.evaluate("typeof crypto.randomUUID") == "undefined"
+    img = tmp_path / "no-uuid.png"
+    img.write_bytes(text_image(["NO UUID 1717"], size=40))
+    with tab.page.expect_request(lambda r: r.method == "POST" and _submits(r.url)) as req:
+        card = tab.upload(img)
+    [rid] = parse_qs(urlparse(req.value.url).query)["request_id"]
+    assert re.fullmatch(r"web-[0-9a-f]{32}", rid), rid
+    expect(card).to_have_attribute("data-state", "done", timeout=DONE_MS)
+    assert card.get_attribute("data-request-id") == rid
+    assert tab.errors == []
+
+
+@pytest.mark.parametrize("code, retry_after, message", [
+    ("quota_exceeded", "30", "the key's daily quota is used up"),  # never retried: waiting does not refill it soon
+    ("rate_limited", "3600", "the key's rate limit is used up (retry after 3600 s)"),  # over the 60 s cap
+])
+def test_a_429_that_waiting_will_not_fix_soon_is_shown_at_once(tab, tmp_path, code, retry_after, message):
+    """The page does not sleep out an hour's Retry-After nor retry a used-up quota: the card shows
+    the error after the one POST. (The 429 answer is made up by the browser's router: a real one
+    needs a day's quota used up.)"""
+    posts: list[str] = []
+
+    def refuse(route):
+        posts.append(route.request.url)
+        route.fulfill(status=429, headers={"Retry-After": retry_after}, content_type="application/json",
+                      body=json.dumps({"error": {"code": code, "message": message.split(" (")[0]}}))
+
+    tab.page.route(_submits, refuse)
+    img = tmp_path / f"{code}.png"
+    img.write_bytes(text_image(["NOT SENT"], size=40))
+    card = tab.upload(img)
+    expect(card).to_have_attribute("data-state", "error", timeout=10_000)
+    expect(card.locator(".error .code")).to_have_text(code)
+    expect(card.locator(".error .message")).to_have_text(message)
+    assert len(posts) == 1

@@ -78,8 +78,21 @@ async function errorOf(res) {
 }
 
 const RETRIABLE = new Set([429, 502, 503, 504]);
+const MAX_RETRY_WAIT_S = 60;    // a Retry-After longer than this is shown as the error, not waited out
 
-/** fetch + JSON, retrying transient failures (network, 429, 5xx) a few times with back-off. */
+/** A new id for one upload, sent as request_id and reused by its retries, so a retry after a lost
+ *  answer gets the first attempt's state instead of sending the image twice. crypto.randomUUID
+ *  needs a secure context (https or localhost); elsewhere 16 random bytes from getRandomValues. */
+function newRequestId() {
+  if (window.crypto && typeof crypto.randomUUID === "function") return crypto.randomUUID();
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return "web-" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+/** fetch + JSON, retrying transient failures (network, 429 rate_limited, 5xx) a few times with
+ *  back-off. Not retried: quota_exceeded (the day's quota is gone) and a Retry-After over
+ *  MAX_RETRY_WAIT_S; their error is thrown for the card to show. A POST is only retried safely
+ *  when its URL carries a request_id (follow() sets one). */
 async function call(url, init, onRetry) {
   for (let attempt = 1; ; attempt++) {
     let res;
@@ -97,7 +110,11 @@ async function call(url, init, onRetry) {
     if (res.ok) return { status: res.status, body: await res.json() };
     const err = await errorOf(res);
     if (res.status === 401) askForKey();
-    if (!RETRIABLE.has(res.status) || attempt >= 5) throw err;
+    if (!RETRIABLE.has(res.status) || attempt >= 5 || err.code === "quota_exceeded") throw err;
+    if (err.retryAfterS != null && err.retryAfterS > MAX_RETRY_WAIT_S) {
+      err.message += ` (retry after ${err.retryAfterS} s)`;
+      throw err;
+    }
     onRetry(`${err.code}, retry ${attempt}`);
     await sleep(1000 * (err.retryAfterS ?? Math.min(8, 2 ** (attempt - 1))));
   }
@@ -131,7 +148,7 @@ async function follow(file) {
   const note = (label) => { card.querySelector(".state").textContent = label; };
   try {
     const type = file.type.startsWith("image/") || file.type === "application/pdf" ? file.type : "application/octet-stream";
-    const query = new URLSearchParams({ source: "web" });
+    const query = new URLSearchParams({ source: "web", request_id: newRequestId() });  // the same on every retry
     if (file.name) query.set("filename", file.name);
     let { body } = await uploads.run(() => {
       setState(card, "uploading");
