@@ -748,8 +748,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     # the hot route skips the routing layers (added first: CORS, when on, wraps it)
     app.add_middleware(SubmitFastPath, endpoint=submit)
     if s.http_cors_origins:
+        # Retry-After exposed: a page on another origin reads it off a 429/503 (Fetch: not a safelisted header)
         app.add_middleware(CORSMiddleware, allow_origins=s.http_cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Content-Type", "X-API-Key", "Authorization"])
+                           allow_headers=["Content-Type", "X-API-Key", "Authorization"], expose_headers=["Retry-After"])
 
     @app.post("/v1/ocr/batch", response_model=BatchResponse, status_code=202, tags=["ocr"],
               summary="Submit many images in one multipart body",
