@@ -130,6 +130,29 @@ def test_completion_is_delivered_signed_and_retried_after_a_500(api):
         assert metric_value(metrics, "ocrstream_webhook_deliveries_total", outcome="delivered") >= 1
 
 
+def test_a_cache_hit_answered_at_once_still_gets_its_webhook(api):
+    """The door answers a cached image in the upload call (200); the completion it publishes
+    carries the callback, and the answer waits for Kafka's acknowledgement of it, so the webhook
+    is as durable as any other."""
+    first, again = f"wh-miss-{time.time_ns()}", f"wh-hit-{time.time_ns()}"
+    with Receiver([200]) as rcv, httpx.Client(base_url=api.url, timeout=90) as c:
+        image = text_image(["HOOK CACHED"], size=40)
+        r = c.post("/v1/ocr", content=image, headers={"Content-Type": "image/png"}, params={"request_id": first})
+        assert r.status_code == 202, r.text
+        assert c.get(f"/v1/ocr/{first}", params={"wait": 60}).json()["status"] == "ok"
+        r = c.post("/v1/ocr", content=image, headers={"Content-Type": "image/png"},
+                   params={"request_id": again, "callback_url": f"{rcv.url}/hooks/hit"})
+        assert r.status_code == 200 and r.json()["cache_hit"] is True, r.text
+        row = _delivery(again, ("delivered", "failed"))
+        assert row["state"] == "delivered" and row["attempts"] == 1
+        [hit] = rcv.hits
+        h = hit["headers"]
+        assert verify_signature(WEBHOOK_SECRET, h["X-Ocrstream-Delivery"], h["X-Ocrstream-Timestamp"], hit["body"],
+                                h["X-Ocrstream-Signature"])
+        ev = orjson.loads(hit["body"])
+        assert ev["request_id"] == again and ev["result"]["cache_hit"] is True and ev["result"]["text"] == "HOOK CACHED"
+
+
 @pytest.mark.parametrize("callback_url, message", [
     ("http://example.com/hook", "callback host 'example.com' is not on the allow-list"),
     ("https://127.0.0.1.example.net/hook", "callback host '127.0.0.1.example.net' is not on the allow-list"),

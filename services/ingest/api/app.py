@@ -411,7 +411,12 @@ class FrontDoor:
             marker = b"" if claimed else orjson.dumps({"key": principal.key_id, "sha": up.sha256})
             hit = await self._cached(key, rid, marker) if self.s.cache_enabled else None
             if hit is not None:
-                return 200, self._answer_from_cache(base, key, gen, *hit, started)
+                answer = self._answer_from_cache(base, key, gen, *hit, started)
+                if base.callback_url:
+                    # its webhook rides on this publish: answered only once Kafka has it (at least
+                    # once, like every other completion), not fire-and-forget as plain hits
+                    await self._hit_published(base.request_id)
+                return 200, answer
             try:
                 if up.staged is not None:  # streamed: checked from its spool file, then made the content object
                     acc = await accept_staged(up.staged.spool, up.staged.size, up.sha256, up.staged.upload,
@@ -467,6 +472,7 @@ class FrontDoor:
                          engine=gen.engine, model=gen.model, model_revision=gen.model_revision)
         fut = asyncio.ensure_future(self.hit_producer.send(self.s.topics.results, dumps(ev), key=req.content_sha256.encode(),
                                                        headers=self.telemetry.inject()))
+        fut._ocr_request_id = req.request_id  # found again by _hit_published when there is a callback
         self._sends.add(fut)  # referenced until done (the loop keeps only weak references to tasks)
         fut.add_done_callback(self._sends.discard)
         fut.add_done_callback(self._count_send)
@@ -482,6 +488,21 @@ class FrontDoor:
         )
         return OcrResponse(request_id=req.request_id, status="ok", cache_hit=True, result=doc,
                            links=self.links(req.request_id))
+
+    async def _hit_published(self, request_id: str) -> None:
+        """Wait until the cache hit of ``request_id`` just sent is acknowledged by Kafka.
+
+        Raises:
+            ApiError: 503 ``unavailable`` when the publish failed (the client retries; its
+                ``request_id`` makes the retry idempotent).
+        """
+        fut = next((f for f in self._sends if getattr(f, "_ocr_request_id", None) == request_id), None)
+        if fut is None:
+            return
+        try:
+            await (await fut)
+        except Exception as exc:  # noqa: BLE001 - any failure: the completion is not durable
+            raise ApiError(503, "unavailable", f"the completion could not be published: {exc!r}") from exc
 
     def _count_send(self, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception():

@@ -55,7 +55,8 @@ class ApiSettings(IngestSettings):
         default=5.0, ge=0, description="how long a key lookup is reused in-process, s (a revoked key works at most this long); 0 = none"
     )
 
-    webhook_enabled: bool = Field(default=True, description="deliver completions to callback URLs from this process")
+    webhook_enabled: bool = Field(default=True, description="accept callback_url and deliver completions to callback URLs from this process "
+                                                                 "(false: a callback_url is refused with 400, as nothing here would deliver it)")
     webhook_group_id: str = Field(default="ocrstream-webhooks", description="consumer group of the webhook dispatcher")
     webhook_allowed_hosts: list[str] = Field(
         default_factory=list, description="host names (fnmatch patterns) callbacks may go to; empty = none"
