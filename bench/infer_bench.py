@@ -10,7 +10,8 @@ Configurations (``--configs``, comma-separated):
 - ``engine:PxT[wW][bB]``: the raw engine, without Kafka or stores. P processes, each building
   its engine with the infer stage's own ``build_engine(InferSettings())``, with
   ``OCRSTREAM_RAPIDOCR_THREADS=T`` and ``OCRSTREAM_RAPIDOCR_WORKERS=W``. Each process calls
-  ``engine.ocr`` the way the infer stage does: one call per batch of B pages (default 8), on
+  ``engine.ocr`` with a batch of B pages at a time (default 8; the infer stage hands the same
+  pages over as one call each, all at once, to the same ``workers`` slots), on
   the tiles of ``make_tiles``. Decoding happens before the clock starts. Process i gets
   the images of the partitions that infer process i would own.
 - ``pipe:PxT[wW][bB]``: the whole pipeline. Submit -> ingest -> dedup -> infer -> sink ->

@@ -11,13 +11,19 @@ from bench.gpu import throughput
 
 
 async def test_fake_engine_run_goes_through_the_infer_handler(capsys, monkeypatch, caplog):
-    calls = []
+    calls = []  # per engine call: (images' shapes, calls in flight when it started, itself included)
+    in_flight = 0
     real = throughput.fake_engine_class()
 
     class Counting(real):
         async def ocr(self, images, timeout_s):
-            calls.append([img.shape for img in images])
-            return await super().ocr(images, timeout_s)
+            nonlocal in_flight
+            in_flight += 1
+            calls.append(([img.shape for img in images], in_flight))
+            try:
+                return await super().ocr(images, timeout_s)
+            finally:
+                in_flight -= 1
 
     monkeypatch.setattr(throughput, "fake_engine_class", lambda: Counting)
     args = SimpleNamespace(fake_engine=True, batches=[1, 4], min_images=4, timeout=30.0, model=None)
@@ -26,10 +32,12 @@ async def test_fake_engine_run_goes_through_the_infer_handler(capsys, monkeypatc
     result = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
     assert result["engine"] == "fake" and set(result["images_per_s"]) == {"b1", "b4"}
     assert set(result["ratios"]) == {"b4/b1"}
-    # one engine call per micro-batch, each page decoded from PNG at full size (896x1152)
-    sizes = [len(c) for c in calls]
-    assert sizes == [1] * 5 + [4] * 3  # b1: warm-up + 4 timed; b4: warm-up + 8 images (at least 2 batches)
-    assert all(shape == (1152, 896, 3) for c in calls for shape in c)
+    # every page is its own engine call, decoded from PNG at full size (896x1152), and a
+    # micro-batch's pages are all in flight at once: b1 one at a time, b4 four together
+    assert [len(shapes) for shapes, _ in calls] == [1] * (5 + 12)  # b1: warm-up + 4; b4: warm-up (4) + 8
+    assert all(shape == (1152, 896, 3) for shapes, _ in calls for shape in shapes)
+    peaks = [peak for _, peak in calls]
+    assert max(peaks[:5]) == 1 and max(peaks[5:]) == 4, peaks
     assert "max_batch   4: 8 requests through InferHandler.handle" in out and "errors 0" in out
     # records are keyed as dedup keys them for this engine: no generation-mismatch warnings
     assert not [r for r in caplog.records if "not cached under that key" in r.getMessage()]

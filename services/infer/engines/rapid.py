@@ -33,8 +33,14 @@ class RapidOcrEngine(OcrEngine):
             samples' mean CER went 0.1175 -> 0.1294 (receipts under 736 px wide lose the upscale).
 
     RapidOCR has no cross-image batch API for detection (recognition batches the crops of one
-    image, ``rec_batch_num``); batching here means one engine call per micro-batch with
-    ``workers`` images in flight, which keeps every core busy.
+    image, ``rec_batch_num``); batching here means the whole micro-batch is handed over at once
+    (the infer handler submits each tile as its own call) and ``workers`` images run in flight,
+    which keeps every core busy.
+
+    Thread safety: the ``workers`` threads share one ``RapidOCR`` object. ONNX Runtime sessions
+    may be run from several threads at once; RapidOCR 1.4.4's only per-call state is the
+    detector's resize op, which it rebuilds from the image on every call with ``limit_type``
+    ``min`` and this engine's fixed limits, so concurrent calls rebuild it the same way.
     """
 
     name = "rapidocr"
