@@ -166,3 +166,20 @@ def test_backoff_doubles_with_jitter_and_is_capped():
         got = [backoff_s(attempt, 1.0, 60.0) for _ in range(50)]
         assert all(full / 2 <= g <= full for g in got), (attempt, min(got), max(got))
         assert len(set(got)) > 1  # jittered
+
+
+@pytest.mark.parametrize("url", [
+    "http://2130706433/hook",          # 127.0.0.1 as one decimal number
+    "http://0x7f.0.0.1/hook",          # hexadecimal octet
+    "http://127.1/hook",               # short form
+    "http://0/hook",                   # 0.0.0.0
+    "http://[::ffff:127.0.0.1]/hook",  # IPv4-mapped IPv6
+    "http://[::127.0.0.1]/hook",       # IPv4-compatible IPv6
+    "http://[64:ff9b::a9fe:a9fe]/hook",  # NAT64 of 169.254.169.254
+    "http://[fe80::1%25eth0]/hook",    # link-local with a zone id
+    "http://0177.0.0.1/hook",          # octal octet
+])
+async def test_other_spellings_of_internal_addresses_are_refused(url):
+    """The forms URL parsers and resolvers disagree on: each ends refused, whatever the reason."""
+    with pytest.raises(CallbackRefused):
+        await check_callback(url, ["*"], allow_private=False)
