@@ -28,7 +28,8 @@ Then, in one run:
 The seed's figures recorded elsewhere (1.6 ms p50 cached; polling at 0.2 s ~30 % of a 2-core
 machine) are printed as context only.
 
-Usage: python -m bench.http_bench [--n 2000] [--rounds 2] [--clients 50] [--seconds 10] [--uploads 200] [--concurrency 4]
+Usage: python -m bench.http_bench [--n 2000] [--rounds 2] [--clients 50] [--seconds 10] [--uploads 200] [--concurrency 4] [--keyed]
+(``--keyed``: (a) also measures a second door with API keys required and a per-key rate limit, as the Helm values run it.)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import http.client
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -138,8 +140,9 @@ def multipart(img: bytes, filename: str = "bench.png") -> bytes:
     return head + img + f"\r\n--{BOUNDARY}--\r\n".encode()
 
 
-def post(conn: http.client.HTTPConnection, body: bytes, path: str = "/v1/ocr", ctype: str = RAW) -> tuple[int, bytes]:
-    conn.request("POST", path, body=body, headers={"Content-Type": ctype})
+def post(conn: http.client.HTTPConnection, body: bytes, path: str = "/v1/ocr", ctype: str = RAW,
+         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    conn.request("POST", path, body=body, headers={"Content-Type": ctype, **(headers or {})})
     r = conn.getresponse()
     return r.status, r.read()
 
@@ -221,6 +224,7 @@ class Variant:
     body: bytes
     ctype: str
     is_hit: Callable[[int, bytes], bool]
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. X-API-Key for a door requiring keys
     lat: list[float] = field(default_factory=list)
     cpu_s: float = 0.0
     wall_s: float = 0.0
@@ -238,17 +242,23 @@ def cached_latency(variants: list[Variant], n: int, rounds: int) -> None:
     for v in variants:
         v.conn = http.client.HTTPConnection("127.0.0.1", v.port, timeout=30)
         for _ in range(min(200, n)):  # warm-up: connection, caches, code paths
-            status, body = post(v.conn, v.body, v.path, v.ctype)
+            status, body = post(v.conn, v.body, v.path, v.ctype, v.headers)
             assert v.is_hit(status, body), (v.label, status, body[:300])
         v.resp_bytes = len(body)
     per_round = n // rounds
     for _ in range(rounds):
         for v in variants:
+            # a fresh keep-alive connection per turn (uvicorn drops one idle for 5 s, as it is while
+            # the other variants run), warmed by 20 untimed requests
+            v.conn.close()
+            v.conn = http.client.HTTPConnection("127.0.0.1", v.port, timeout=30)
+            for _ in range(20):
+                post(v.conn, v.body, v.path, v.ctype, v.headers)
             meter = CpuMeter({"server": [v.pid]})
             meter.start()
             for _ in range(per_round):
                 s = time.perf_counter()
-                status, body = post(v.conn, v.body, v.path, v.ctype)
+                status, body = post(v.conn, v.body, v.path, v.ctype, v.headers)
                 v.lat.append((time.perf_counter() - s) * 1000)
                 if not v.is_hit(status, body):
                     raise AssertionError(f"{v.label}: not a cache hit: {status} {body[:300]!r}")
@@ -373,6 +383,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0, help="measuring window of each waiting design")
     ap.add_argument("--uploads", type=int, default=200, help="distinct new images uploaded per row of (b)")
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent upload clients")
+    ap.add_argument("--keyed", action="store_true",
+                    help="also a door with keys required and a per-key rate limit (the Helm configuration) in (a)")
     args = ap.parse_args()
 
     print(machine())
@@ -403,6 +415,16 @@ def main() -> None:
                   Variant("ocrstream POST /v1/ocr, multipart", api.port, api_pid, "/v1/ocr", form, MULTIPART, door_hit),
                   Variant("seed POST /ocr, multipart (this run)", seed.port, seed.proc.pid, "/ocr", form, MULTIPART,
                           lambda status, body: status == 200 and b'"status": "SUCCESS"' in body)]
+            if args.keyed:
+                # the door as the Helm values run it: keys required, a per-key token bucket in Redis
+                # (rate high enough never to refuse: the cost of the check, not of a 429, is measured)
+                key = subprocess.run([sys.executable, "-m", "services.cli", "keys", "create", "--name", f"bench-{tag}",
+                                      "--rate", "100000", "--burst", "100000"], cwd=REPO, env=dict(os.environ, **p.env),
+                                     capture_output=True, text=True, check=True).stdout
+                api_key = re.search(r"api_key:\s+(\S+)", key).group(1)
+                keyed = p.start(API, {"OCRSTREAM_AUTH_REQUIRED": "true"})
+                va.insert(1, Variant("ocrstream POST /v1/ocr, raw, API key + rate limit", keyed.port, keyed.proc.pid,
+                                     "/v1/ocr", cached_img, RAW, door_hit, headers={"X-API-Key": api_key}))
             cached_latency(va, args.n, args.rounds)
 
             p.stop(p.stages["infer"][0])  # from here on requests stay pending, and no OCR competes for the CPU
@@ -423,7 +445,8 @@ def main() -> None:
         finally:
             deleted = seed.stop()
 
-    raw, form_v, sd = va
+    raw, form_v, sd = va[0], va[-2], va[-1]
+    keyed_v = va[1] if args.keyed else None
     print()
     print(f"(a) cached image over loopback, {len(cached_img)} B PNG ({len(form)} B as multipart), {args.n} sequential "
           f"POSTs per row on one keep-alive connection, rows interleaved in {args.rounds} rounds")
@@ -436,7 +459,9 @@ def main() -> None:
           f"p99 {form_v.p(99) / sd.p(99):.2f}, server CPU {form_v.cpu_s / sd.cpu_s:.2f}")
     print(f"    ocrstream raw body/seed multipart, this run: p50 {raw.p(50) / sd.p(50):.2f}, "
           f"p99 {raw.p(99) / sd.p(99):.2f}, server CPU {raw.cpu_s / sd.cpu_s:.2f}")
-    print(f"    target p50 <= 2 ms: ocrstream raw {raw.p(50):.2f} ms, multipart {form_v.p(50):.2f} ms")
+    print(f"    target p50 <= 2 ms: ocrstream raw {raw.p(50):.2f} ms, multipart {form_v.p(50):.2f} ms"
+          + (f", raw with an API key and a rate limit {keyed_v.p(50):.2f} ms (keyed/open p50 {keyed_v.p(50) / raw.p(50):.2f}, "
+             f"server CPU {keyed_v.cpu_s / raw.cpu_s:.2f})" if keyed_v else ""))
     print()
     print(f"(c) {args.clients} clients waiting on pending requests for {args.seconds:.0f} s each "
           f"(CPU % of one core, from /proc; server = the door or the seed process)")
