@@ -123,10 +123,12 @@ return {'promoted', w}
 
 # Give a holder that is still on its way a new deadline. KEYS: lease, inflight
 # ARGV: lease_ms, now_ms, cache_key. Only a key whose deadline has passed (not one a promotion or
-# another reaper just renewed); returns 1 if extended.
+# another reaper just renewed) and that somebody still holds (waiters a released lease left behind
+# are due at once and must stay so); returns 1 if extended.
 _EXTEND = """
 local due = redis.call('ZSCORE', KEYS[2], ARGV[3])
 if (not due) or tonumber(due) > tonumber(ARGV[2]) then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('ZADD', KEYS[2], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) * %d)
 return 1
@@ -249,7 +251,10 @@ class ResultCache:
 
     async def _call_raw(self, op: str, coro):
         now = time.monotonic()
-        if now < self._open_until:
+        if self._failures >= self.cfg.breaker_failures and now >= self._open_until:
+            # half-open: this call is the one trial; the others keep failing fast until it ends
+            self._open_until = now + self.cfg.breaker_open_ms / 1000
+        elif now < self._open_until:
             if hasattr(coro, "close"):
                 coro.close()  # never sent
             if self.telemetry:
@@ -266,6 +271,7 @@ class ResultCache:
                 self.telemetry.cache.labels(self.stage, "error", "redis").inc()
             raise CacheUnavailable(f"redis {op}: {exc!r}") from exc
         self._failures = 0
+        self._open_until = 0.0
         return result
 
     async def call(self, op: str, coro):

@@ -7,12 +7,16 @@ completed, the holder's message sits in ``ocr.infer`` or ``ocr.results`` at or a
 consuming group's committed offset. If the group that reads a topic has committed everything on
 the partition the holder's key maps to, the holder is not queued there.
 
-Dedup's reaper asks this before it replaces a holder whose lease deadline has passed: a holder
-that is merely queued behind a backlog (or waiting for a stopped infer) keeps its lease, so a
-backlog longer than ``OCRSTREAM_LEASE_MS`` never makes copies of one image into several
-inferences. A holder is replaced only when neither partition it could be on has anything
-uncommitted, i.e. its result was handled but the key was never completed (a sink that lost a
-completion it had deferred while Redis was down, or Redis data lost).
+Dedup's reaper uses this before it replaces a holder whose lease deadline has passed. It does not
+wait for a partition to be empty (under steady traffic it never is); it takes marks: when the
+deadline first passes, the end offset of the key's ``ocr.infer`` partition (the holder's event is
+before it); once the infer group has committed past that mark, the end offset of the key's
+``ocr.results`` partition (the holder's result is before it); once the sink group has committed
+past that, the holder's result has been handled, and if the key is still not completed its
+completion was lost (a sink that died holding a completion it deferred while Redis was down, or
+Redis data lost): only then is a waiter promoted. Until then the lease is extended, so a backlog
+longer than ``OCRSTREAM_LEASE_MS`` (or a stopped infer) never makes copies of one image into
+several inferences.
 """
 
 from __future__ import annotations
@@ -37,13 +41,13 @@ class BacklogUnknown(Exception):
 
 
 class DownstreamBacklog:
-    """Which partitions of the watched topics hold messages their consumer group has not committed.
+    """End and committed offsets of the watched topics' partitions, and which partition a key maps to.
 
     Args:
         cfg: Kafka connection settings.
         watched: ``(topic, consumer group)`` pairs, e.g. ``[("ocr.infer", "ocrstream-infer"),
             ("ocr.results", "ocrstream-sink")]``.
-        timeout_s: Time budget of one :meth:`busy_partitions` call, s.
+        timeout_s: Time budget of one :meth:`offsets` call, s.
 
     Keys map to partitions as the producers' default partitioner does (murmur2 of the key bytes
     modulo the topic's partition count, the Java client's and aiokafka's default), because every
@@ -74,21 +78,21 @@ class DownstreamBacklog:
                 await self._consumer.topics()  # refreshes the metadata of every topic
                 self._partitions[topic] = sorted(self._consumer.partitions_for_topic(topic) or [])
 
-    async def busy_partitions(self) -> dict[str, set[int]]:
-        """For each watched topic, the partitions where the end offset is past the group's
-        committed offset (a partition the group never committed counts from its first offset).
+    async def offsets(self) -> dict[str, tuple[dict[int, int], dict[int, int]]]:
+        """For each watched topic, every partition's end offset and its group's committed offset
+        (a partition the group never committed counts as committed up to its first offset).
 
         Returns:
-            Topic -> partition numbers with uncommitted messages (empty set: none).
+            Topic -> ``(end offsets, committed offsets)``, each partition -> offset.
 
         Raises:
             BacklogUnknown: Kafka errored or did not answer within ``timeout_s``; the caller
-                must then assume every partition is busy.
+                must then assume the holder may still be on its way.
         """
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._start()
-                busy: dict[str, set[int]] = {}
+                out: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
                 for topic, group in self.watched:
                     tps = [TopicPartition(topic, p) for p in self._partitions[topic]]
                     if not tps:
@@ -96,26 +100,21 @@ class DownstreamBacklog:
                     committed = await self._admin.list_consumer_group_offsets(group, partitions=tps)
                     ends = await self._consumer.end_offsets(tps)
                     starts = await self._consumer.beginning_offsets(tps)
-                    busy[topic] = set()
+                    done = {}
                     for tp in tps:
                         meta = committed.get(tp)
-                        done = meta.offset if meta is not None and meta.offset >= 0 else starts[tp]
-                        if ends[tp] > done:
-                            busy[topic].add(tp.partition)
-                return busy
+                        done[tp.partition] = meta.offset if meta is not None and meta.offset >= 0 else starts[tp]
+                    out[topic] = ({tp.partition: ends[tp] for tp in tps}, done)
+                return out
         except BacklogUnknown:
             raise
         except Exception as exc:  # noqa: BLE001 - any Kafka trouble: the answer is unknown
-            raise BacklogUnknown(f"kafka lag query: {exc!r}") from exc
+            raise BacklogUnknown(f"kafka offsets query: {exc!r}") from exc
 
     def partition(self, topic: str, key: bytes) -> int:
-        """The partition the default partitioner sends ``key`` to on ``topic`` (after a
-        :meth:`busy_partitions` call has read the topic's partition count)."""
+        """The partition the default partitioner sends ``key`` to on ``topic`` (after an
+        :meth:`offsets` call has read the topic's partition count)."""
         return DefaultPartitioner()(key, self._partitions[topic], self._partitions[topic])
-
-    def holder_may_be_queued(self, busy: dict[str, set[int]], key: bytes) -> bool:
-        """True if a message keyed ``key`` could still be uncommitted in a watched topic."""
-        return any(self.partition(topic, key) in busy.get(topic, set()) for topic, _ in self.watched)
 
     async def close(self) -> None:
         """Stop the Kafka clients (if started)."""

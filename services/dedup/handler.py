@@ -59,6 +59,7 @@ class DedupHandler(Handler):
         self.telemetry = telemetry
         self.near = near
         self.backlog = backlog
+        self._marks: dict[str, list] = {}  # expired held key -> [topic, partition, offset the group must commit past]
         self.lru = EntryLru(settings.lru_entries, settings.lru_bytes, settings.lru_ttl_s)
         self._known_gens: dict[str, float] = {}  # gen_id -> when registered (monotonic s)
 
@@ -162,10 +163,12 @@ class DedupHandler(Handler):
 
         * Nobody holds the lease (it was released with waiters left, or its backstop expiry ran
           out): the first waiter is promoted and re-sent to inference.
-        * The holder may still be on its way (``backlog`` finds uncommitted messages on the
-          partitions of ``ocr.infer`` or ``ocr.results`` its key maps to, or cannot tell): the
-          deadline moves ``lease_ms`` on, so a backlog or a stopped infer never turns copies of
-          one image into several inferences.
+        * The holder may still be on its way: the infer group has not yet committed past the end
+          offset its key's ``ocr.infer`` partition had when the deadline first passed, or the
+          sink group past the end offset of its ``ocr.results`` partition taken after that (see
+          :mod:`services.dedup.backlog`), or Kafka cannot tell. The deadline moves ``lease_ms``
+          on, so a backlog or a stopped infer never turns copies of one image into several
+          inferences, and steady traffic does not hold a lost holder's waiters back.
         * Otherwise the holder's result was handled but the key never completed (a lost
           completion): the first waiter is promoted and re-sent.
 
@@ -183,26 +186,42 @@ class DedupHandler(Handler):
                     held.append(key)
                 elif outcome == "promoted" and raw is not None:
                     out.append(self._promoted(key, raw, "its lease was released with waiters left"))
+            for gone in set(self._marks) - set(held):
+                del self._marks[gone]  # completed, promoted or renewed elsewhere meanwhile
             if not held:
                 return out
-            busy = None
+            offsets = None
             if self.backlog is not None:
                 try:
-                    busy = await self.backlog.busy_partitions()
+                    offsets = await self.backlog.offsets()
                 except BacklogUnknown as exc:
                     log.warning("dedup: cannot read the backlog after dedup (%s); %d expired leases kept", exc, len(held))
             for key in held:
-                sha = key.rsplit(":", 1)[-1].encode()
-                if self.backlog is not None and (busy is None or self.backlog.holder_may_be_queued(busy, sha)):
+                if self.backlog is not None and (offsets is None or self._maybe_on_its_way(key, offsets)):
                     if await self.cache.extend(key, self.s.lease_ms):
                         self.telemetry.cache.labels("dedup", "extended", "redis").inc()
                     continue
+                self._marks.pop(key, None)
                 outcome, raw = await self.cache.promote(key, self.s.lease_ms)
                 if outcome == "promoted" and raw is not None:
-                    out.append(self._promoted(key, raw, "its holder is not queued and never completed"))
+                    out.append(self._promoted(key, raw, "its holder's result was handled but never completed the key"))
         except CacheUnavailable:
             pass
         return out
+
+    def _maybe_on_its_way(self, key: str, offsets: dict[str, tuple[dict[int, int], dict[int, int]]]) -> bool:
+        """Advance ``key``'s mark (see :mod:`services.dedup.backlog`); True while the holder's event
+        or result may still be uncommitted in ``ocr.infer`` or ``ocr.results``."""
+        sha = key.rsplit(":", 1)[-1].encode()
+        infer_t, results_t = self.s.topics.infer, self.s.topics.results
+        mark = self._marks.get(key)
+        if mark is None:
+            p = self.backlog.partition(infer_t, sha)
+            mark = self._marks[key] = [infer_t, p, offsets[infer_t][0][p]]
+        if mark[0] == infer_t and offsets[infer_t][1][mark[1]] >= mark[2]:
+            p = self.backlog.partition(results_t, sha)
+            mark[:] = [results_t, p, offsets[results_t][0][p]]
+        return not (mark[0] == results_t and offsets[results_t][1][mark[1]] >= mark[2])
 
     def _promoted(self, key: str, raw: bytes, why: str) -> Outgoing:
         """The ``ocr.infer`` event that re-sends promoted waiter ``raw`` (RequestEvent JSON)."""

@@ -50,7 +50,7 @@ class InferSettings(CommonSettings):
     openai_retries: int = Field(default=3, ge=1, description="attempts per image, the first included (1 = no retry), on 5xx, 429, unreachable server, dropped connection")
     openai_backoff_s: float = Field(default=0.5, ge=0, description="seconds before the first retry, doubling (at most 8 s), each wait drawn from half to all of it")
     openai_retry_after_max_s: float = Field(default=30.0, ge=0, description="cap in seconds on a 429/503's Retry-After, which replaces the backoff")
-    openai_max_concurrency: int = Field(default=32, ge=1, description="cap on requests in flight per engine call (one per image of the batch, all at once up to this)")
+    openai_max_concurrency: int = Field(default=32, ge=1, description="cap on HTTP requests in flight over all engine calls together (one per image or tile of the batch, all at once up to this)")
     openai_ready_timeout_s: float = Field(default=900.0, gt=0, description="seconds to wait for the server at start-up")
     openai_image_format: Literal["png", "jpeg"] = Field(default="png", description="encoding of the inline image (png lossless, jpeg quality 95)")
     openai_repetition_penalty: float = Field(default=1.0, gt=0, description="1.0 = off, as vLLM's HunyuanOCR recipe")

@@ -505,3 +505,14 @@ def test_notes_say_how_to_create_the_first_api_key_and_turn_webhooks_on(tmp_path
     text = _notes(tmp_path / "b", "api.config.auth_required=false", "api.config.webhook_allowed_hosts={hooks.example.com}")
     assert "keys create" not in text
     assert "Webhooks may go to: hooks.example.com (public addresses only" in text
+
+
+def test_dedup_reads_the_infer_and_sink_group_ids_the_chart_gives_those_stages():
+    """Dedup's lease reaper compares the infer and sink groups' committed offsets: overriding a
+    group id for its stage must reach dedup too, or the reaper would watch a group nobody uses."""
+    docs = render(REQUIRED, sets=("infer.config.infer_group_id=gpu-infer", "sink.config.sink_group_id=sink-b"))
+    [dedup] = [w for w in workloads(docs) if component(w) == "dedup"]
+    env = _stage_env(docs, dedup)
+    assert env["OCRSTREAM_INFER_GROUP_ID"] == "gpu-infer" and env["OCRSTREAM_SINK_GROUP_ID"] == "sink-b"
+    [infer] = [w for w in workloads(docs) if component(w) == "infer"]
+    assert _stage_env(docs, infer)["OCRSTREAM_INFER_GROUP_ID"] == "gpu-infer"

@@ -60,20 +60,23 @@ class CountingCache:
 
 
 class ScriptedBacklog:
-    """``busy``: topic -> busy partitions, or an exception to raise; every key maps to partition 0."""
+    """Every key maps to partition 0; ``ends``/``committed``: topic -> offset of partition 0, or
+    ``error`` to raise. Change them between reaper passes to move Kafka on."""
 
-    def __init__(self, busy):
-        self.busy = busy
+    def __init__(self, ends=None, committed=None, error: Exception | None = None):
+        self.ends = ends or {S.topics.infer: 0, S.topics.results: 0}
+        self.committed = committed or {S.topics.infer: 0, S.topics.results: 0}
+        self.error = error
         self.asked = 0
 
-    async def busy_partitions(self):
+    async def offsets(self):
         self.asked += 1
-        if isinstance(self.busy, Exception):
-            raise self.busy
-        return self.busy
+        if self.error:
+            raise self.error
+        return {t: ({0: self.ends[t]}, {0: self.committed[t]}) for t in self.ends}
 
-    def holder_may_be_queued(self, busy, key: bytes) -> bool:
-        return any(0 in parts for parts in busy.values())
+    def partition(self, topic: str, key: bytes) -> int:
+        return 0
 
     async def close(self) -> None:
         pass
@@ -105,29 +108,45 @@ def test_a_repeat_within_the_lru_ttl_is_answered_without_any_redis_call():
     assert h.telemetry.cache.labels("dedup", "hit", "lru")._value.get() == 1
 
 
-def test_the_reaper_extends_a_holder_that_may_still_be_queued():
-    cache = CountingCache()
+def _held(cache: CountingCache, waiter: bytes) -> str:
     key = f"gen:{SHA}"
-    cache.expired, cache.holders[key], cache.waiters[key] = [key], "holder", [b'{"request_id": "w1"}']
-    backlog = ScriptedBacklog({S.topics.infer: {0}, S.topics.results: set()})
-    out = asyncio.run(handler(cache, backlog).on_idle())
-    assert out == [] and cache.calls == ["expired_leases", "promote_unheld", "extend"] and backlog.asked == 1
+    cache.expired, cache.holders[key], cache.waiters[key] = [key], "holder", [waiter]
+    return key
+
+
+def test_a_queued_holder_is_extended_until_infer_and_then_the_sink_commit_past_their_marks():
+    """Under steady traffic the partitions are never empty: the reaper waits for the groups to
+    commit past the end offsets it noted, not for zero lag."""
+    cache = CountingCache()
+    key = _held(cache, dumps(request("w1")))
+    backlog = ScriptedBacklog(ends={S.topics.infer: 100, S.topics.results: 50},
+                              committed={S.topics.infer: 90, S.topics.results: 50})
+    h = handler(cache, backlog)
+    assert asyncio.run(h.on_idle()) == [] and cache.calls[-1] == "extend"  # mark: ocr.infer at 100
+    backlog.ends[S.topics.infer] = 130  # new traffic keeps arriving...
+    backlog.committed[S.topics.infer] = 120  # ...and infer commits past the mark: on to ocr.results at 70
+    backlog.ends[S.topics.results] = 70
+    assert asyncio.run(h.on_idle()) == [] and cache.calls[-1] == "extend"
+    backlog.ends[S.topics.results] = 90
+    backlog.committed[S.topics.results] = 69  # not yet past 70
+    assert asyncio.run(h.on_idle()) == [] and cache.calls[-1] == "extend"
+    backlog.committed[S.topics.results] = 80  # the sink handled the holder's result; the key is still held
+    [msg] = asyncio.run(h.on_idle())
+    assert orjson.loads(msg.value)["request"]["request_id"] == "w1" and orjson.loads(msg.value)["cache_key"] == key
+    assert cache.calls[-1] == "promote" and h._marks == {}
 
 
 def test_the_reaper_keeps_the_holder_when_kafka_cannot_tell():
     cache = CountingCache()
-    key = f"gen:{SHA}"
-    cache.expired, cache.holders[key], cache.waiters[key] = [key], "holder", [b'{"request_id": "w1"}']
-    out = asyncio.run(handler(cache, ScriptedBacklog(BacklogUnknown("kafka down"))).on_idle())
-    assert out == [] and cache.calls[-1] == "extend"
+    _held(cache, dumps(request("w1")))
+    out = asyncio.run(handler(cache, ScriptedBacklog(error=BacklogUnknown("kafka down"))).on_idle())
+    assert out == [] and cache.calls == ["expired_leases", "promote_unheld", "extend"]
 
 
 def test_the_reaper_replaces_a_holder_that_is_not_queued_anywhere():
     cache = CountingCache()
-    key = f"gen:{SHA}"
-    waiter = dumps(request("w1"))
-    cache.expired, cache.holders[key], cache.waiters[key] = [key], "holder", [waiter]
-    backlog = ScriptedBacklog({S.topics.infer: set(), S.topics.results: set()})
+    key = _held(cache, dumps(request("w1")))
+    backlog = ScriptedBacklog(ends={S.topics.infer: 7, S.topics.results: 7}, committed={S.topics.infer: 7, S.topics.results: 7})
     [msg] = asyncio.run(handler(cache, backlog).on_idle())
     ev = orjson.loads(msg.value)
     assert msg.topic == S.topics.infer and ev["request"]["request_id"] == "w1" and ev["cache_key"] == key
@@ -138,7 +157,7 @@ def test_waiters_of_a_released_lease_are_promoted_without_asking_kafka():
     cache = CountingCache()
     key = f"gen:{SHA}"
     cache.expired, cache.waiters[key] = [key], [dumps(request("w1"))]  # nobody holds the lease
-    backlog = ScriptedBacklog({S.topics.infer: {0}})
+    backlog = ScriptedBacklog()
     [msg] = asyncio.run(handler(cache, backlog).on_idle())
     assert orjson.loads(msg.value)["request"]["request_id"] == "w1" and backlog.asked == 0
 
@@ -148,4 +167,4 @@ def test_the_reaper_does_nothing_while_redis_is_down():
         async def expired_leases(self, limit: int = 100):
             raise CacheUnavailable("down")
 
-    assert asyncio.run(handler(Down(), ScriptedBacklog({})).on_idle()) == []
+    assert asyncio.run(handler(Down(), ScriptedBacklog()).on_idle()) == []
