@@ -336,11 +336,8 @@ class FrontDoor:
         """
         started = time.perf_counter()
         submitted = now_ms()
-        if opts.callback_url:
-            if self.webhooks is None:  # nothing here would ever send it: refuse rather than drop it silently
-                raise ApiError(400, "invalid_request", "callback_url is refused: webhooks are disabled on this "
-                                                       "server (OCRSTREAM_WEBHOOK_ENABLED=false)")
-            await validate_callback_url(opts.callback_url, self.s, principal.key_id)
+        if opts.callback_url:  # URL checks, then webhooks enabled here, then a secret to sign with
+            await validate_callback_url(opts.callback_url, self.s, principal.key_id, enabled=self.webhooks is not None)
         rid = opts.request_id or new_id()
         claimed = False
         if opts.request_id:  # idempotent: a known id is answered with its state, not sent again

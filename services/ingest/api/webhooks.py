@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 SecretLookup = Callable[[str], "Awaitable[str | None] | str | None"]
 
 
-async def validate_callback_url(url: str, settings, key_id: str | None = None) -> None:
+async def validate_callback_url(url: str, settings, key_id: str | None = None, enabled: bool = True) -> None:
     """Refuse, at submit time, a callback the dispatcher would never send.
 
     Checks the URL (:func:`.callbacks.check_callback`: scheme, no user info, host on
@@ -74,16 +74,23 @@ async def validate_callback_url(url: str, settings, key_id: str | None = None) -
         settings: :class:`~services.ingest.api.settings.ApiSettings`.
         key_id: The submitting API key, or None.
 
+        enabled: Whether this server delivers webhooks (``webhook_enabled``); checked after the
+            URL, before the signing secret.
+
     Raises:
-        ApiError: 400 ``callback_not_allowed`` with the specific reason.
+        ApiError: 400 ``callback_not_allowed`` with the specific reason; 400 ``invalid_request``
+            when the URL passes but webhooks are disabled here.
     """
-    if key_id is None and settings.webhook_secret is None:
-        raise ApiError(400, "callback_not_allowed",
-                       "callbacks of requests without an API key cannot be signed: the server has no webhook_secret")
     try:
         await check_callback(url, settings.webhook_allowed_hosts, settings.webhook_allow_private)
     except CallbackRefused as exc:
         raise ApiError(400, "callback_not_allowed", exc.reason) from None
+    if not enabled:  # nothing here would ever send it: refuse rather than drop it silently
+        raise ApiError(400, "invalid_request", "callback_url is refused: webhooks are disabled on this server "
+                                               "(OCRSTREAM_WEBHOOK_ENABLED=false)")
+    if key_id is None and settings.webhook_secret is None:
+        raise ApiError(400, "callback_not_allowed",
+                       "callbacks of requests without an API key cannot be signed: the server has no webhook_secret")
 
 
 def delivery_id(group_id: str, event_id: str) -> str:
