@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 from schemas.events import ResultDocument
@@ -255,3 +257,19 @@ def namespaced_pipeline(logdir: Path, extra_env: dict[str, str] | None = None, p
             yield p
         finally:
             p.stop_all()
+
+
+class JsonStubHandler(BaseHTTPRequestHandler):
+    """Base of the loopback stub servers the tests start (an OpenAI-compatible model server, ...):
+    quiet, and ``_send(code, obj)`` answers ``obj`` as JSON with a Content-Length."""
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)

@@ -12,17 +12,16 @@ processes) is the real stack.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
 from tests.conftest import text_image
-from tests.stack import Pipeline, free_port, metric_value, namespaced_pipeline
+from tests.stack import JsonStubHandler, Pipeline, free_port, metric_value, namespaced_pipeline
 
 
 class OcrServer:
@@ -41,18 +40,7 @@ class OcrServer:
     def start(self) -> None:
         srv = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code: int, obj) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonStubHandler):
             def do_GET(self):
                 self._send(200, {"data": [{"id": "tencent/HunyuanOCR"}]})
 

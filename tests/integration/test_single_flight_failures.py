@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import redis
@@ -37,7 +36,7 @@ from schemas.errors import ErrorCode
 from services.common.cache import ResultCache
 from services.common.settings import RedisSettings
 from tests.conftest import CASES, text_image
-from tests.stack import Pipeline, Stage, free_port, metric_value, namespaced_pipeline
+from tests.stack import JsonStubHandler, Pipeline, Stage, free_port, metric_value, namespaced_pipeline
 
 COPIES = 4
 INFER_TIMEOUT_S = 8  # the stub stalls longer than this to make a ``timeout``
@@ -62,18 +61,7 @@ class OcrServer:
         self.answer = "NOTHING SCRIPTED"
         srv = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code: int, obj) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonStubHandler):
             def do_GET(self):
                 if self.path == "/health":
                     self._send(200, {})

@@ -7,7 +7,6 @@ as JSON lines to one file, so one trace can be followed across the four processe
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import orjson
@@ -25,7 +24,7 @@ from PIL import Image
 
 from services.cli.report import STAGES as REPORT_STAGES
 from tests.conftest import REPO, SAMPLES
-from tests.stack import Pipeline, free_port, metric_value, namespaced_pipeline
+from tests.stack import JsonStubHandler, Pipeline, free_port, metric_value, namespaced_pipeline
 
 SOURCE = f"tel-{uuid.uuid4().hex[:8]}"  # unique: the report filters on it
 N_SAMPLES = 4
@@ -217,18 +216,7 @@ class LoadingOcrServer:
         self.health_calls = self.posts = 0
         srv = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code: int, obj: dict) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonStubHandler):
             def do_GET(self):
                 srv.health_calls += 1
                 if not srv.loaded.is_set():
