@@ -7,6 +7,10 @@ Keys (prefix ``ocr`` by default; ``<key>`` is a cache key ``<gen_id>:<sha256>``)
 * ``ocr:lease:<key>``  the in-flight lease: value = request id of the holder (expiry a backstop only).
 * ``ocr:wait:<key>``   list of waiting requests (RequestEvent JSON), completed with the holder; no expiry.
 * ``ocr:inflight``     sorted set of keys with a lease, scored by lease deadline (ms), for the reaper.
+* ``ocr:held:<key>``   hash (``w``: RequestEvent JSON, ``n``: times sent) of a waiter promoted to
+                       holder, kept as long as its lease: if the promotion's reply was lost or its
+                       sender died before producing it, its event was never sent, and the reaper
+                       sends it again instead of forgetting it (:meth:`ResultCache.promote`).
 * ``ocr:gens``         hash gen_id -> generation JSON, so ``cache purge --model REV`` finds entries.
 * ``ocr:nd:<gen_id>:*`` near-duplicate index (LSH buckets, ``services/common/neardup_index.py``).
 
@@ -33,20 +37,26 @@ from schemas.keys import CacheGeneration
 from services.common.settings import RedisSettings
 from services.common.telemetry import Telemetry
 
+PROMOTED_MAX_SENDS = 3
+"""How many times in all the reaper sends a promoted waiter whose result never came (its first
+send may have been lost with the promotion's reply) before putting it back among the waiters."""
+
 LEASE_KEY_FACTOR = 4
 """The lease key itself expires after this many lease periods, as a backstop only: dedup's reaper
 decides when a holder is replaced (by the deadline in ``<prefix>:inflight`` and the backlog of the
 stages after it) and pushes this expiry out whenever it extends a holder's deadline."""
 
-# KEYS: entry, lease, waiters, inflight   ARGV: request_id, lease_ms, waiter_json, now_ms, cache_key
+# KEYS: entry, lease, waiters, inflight, held   ARGV: request_id, lease_ms, waiter_json, now_ms, cache_key
 # The waiter list has no expiry: waiting requests exist only here (their Kafka offsets are
-# committed), so they stay until a completion or a promotion takes them.
+# committed), so they stay until a completion or a promotion takes them. A new lead's own event
+# is sent by its caller, so any promoted-holder record left from a lapsed lease goes.
 _CLAIM = """
 local hit = redis.call('GET', KEYS[1])
 if hit then return {'hit', hit, redis.call('PTTL', KEYS[1])} end
 local deadline = tonumber(ARGV[4]) + tonumber(ARGV[2])
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', tonumber(ARGV[2]) * %d) then
   redis.call('ZADD', KEYS[4], deadline, ARGV[5])
+  redis.call('DEL', KEYS[5])
   return {'lead', ''}
 end
 local holder = redis.call('GET', KEYS[2])
@@ -56,24 +66,31 @@ redis.call('PERSIST', KEYS[3])
 return {'wait', holder or ''}
 """ % LEASE_KEY_FACTOR
 
-# KEYS: entry, lease, waiters, inflight   ARGV: entry_json ('' = do not cache), ttl_ms, holder
+# KEYS: entry, lease, waiters, inflight, held   ARGV: entry_json ('' = do not cache), ttl_ms, holder
 # Without an entry (an error, or a result of another generation) the waiters are handed over only
 # when the lease is the holder's or nobody's: a late or replayed result must not take the waiters
 # (and then the lease) of a newer holder, which will complete them itself.
+# With an entry, a promoted waiter that holds the lease (not this result's own request) joins the
+# waiters it hands over: its own event may never have been sent, and this result is right for it.
 _COMPLETE_BEGIN = """
+local holder = redis.call('GET', KEYS[2])
 if ARGV[1] ~= '' then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  local held = redis.call('HGET', KEYS[5], 'w')
+  if held and holder and holder ~= ARGV[3] and cjson.decode(held)['request_id'] == holder then
+    redis.call('LPUSH', KEYS[3], held)
+    redis.call('DEL', KEYS[5])
+  end
 elseif ARGV[3] ~= '' then
-  local holder = redis.call('GET', KEYS[2])
   if holder and holder ~= ARGV[3] then return false end
 end
 return redis.call('LRANGE', KEYS[3], 0, -1)
 """
 
-# KEYS: lease, waiters, inflight   ARGV: n_done, cache_key, now_ms
+# KEYS: lease, waiters, inflight, held   ARGV: n_done, cache_key, now_ms
 _COMPLETE_END = """
 redis.call('LTRIM', KEYS[2], tonumber(ARGV[1]), -1)
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[4])
 if redis.call('LLEN', KEYS[2]) == 0 then
   redis.call('ZREM', KEYS[3], ARGV[2])
 else
@@ -82,25 +99,37 @@ end
 return 1
 """
 
-# Promote the first waiter to lease holder. KEYS: entry, lease, waiters, inflight
-# ARGV: lease_ms, now_ms, cache_key, expected_holder, unheld_only ('1' or '')
+# Promote the first waiter to lease holder. KEYS: entry, lease, waiters, inflight, held
+# ARGV: lease_ms, now_ms, cache_key, expected_holder, unheld_only ('1' or ''), max_sends
 # expected_holder given (the sink, after the holder's retryable error): only if the lease is that
 # holder's or nobody's. Else (dedup's reaper): with unheld_only, only if nobody holds the lease
 # ('held' otherwise); without, only if the key's deadline has passed, read here, so of two
 # reapers that found the same expired key only the first promotes.
+# The promoted waiter is also kept in `held` (as long as its lease). When the reaper finds that
+# holder due (its lease lapsed, or its deadline passed with nothing of it left in Kafka), it may
+# never have been sent (the promotion's reply was lost, or its sender died before producing it):
+# it is sent again ('resent', keeping the lease) up to max_sends times in all, then put back at
+# the end of the waiters and the next one promoted. The sink's promotion after that holder's
+# own error result drops the record: that request has its final state.
 # With a result cached the lease is stale (its holder stored the entry, then could not release
 # it): it is dropped with its in-flight mark, so the reaper does not meet it again. The waiters
 # stay: complete_begin gave them to the sink with the entry, and a replay needs them (they expire
-# after a few lease periods, as nothing else will take them).
+# after a few lease periods, as nothing else will take them); a promoted holder is among them
+# (complete_begin put it there).
 _PROMOTE = """
 local hit = redis.call('GET', KEYS[1])
 if hit then
-  redis.call('DEL', KEYS[2])
+  redis.call('DEL', KEYS[2], KEYS[5])
   redis.call('ZREM', KEYS[4], ARGV[3])
   redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[1]) * %d)
   return {'hit', hit}
 end
 local holder = redis.call('GET', KEYS[2])
+local held = redis.call('HGET', KEYS[5], 'w')
+local mine = false
+if held and ARGV[4] == '' then
+  mine = (not holder) or holder == cjson.decode(held)['request_id']
+end
 if ARGV[4] ~= '' then
   if holder and holder ~= ARGV[4] then return {'busy', ''} end
 elseif ARGV[5] == '1' then
@@ -109,6 +138,17 @@ else
   local due = redis.call('ZSCORE', KEYS[4], ARGV[3])
   if due and tonumber(due) > tonumber(ARGV[2]) then return {'busy', ''} end
 end
+if mine then
+  local n = redis.call('HINCRBY', KEYS[5], 'n', 1)
+  if n <= tonumber(ARGV[6]) then
+    redis.call('SET', KEYS[2], cjson.decode(held)['request_id'], 'PX', tonumber(ARGV[1]) * %d)
+    redis.call('PEXPIRE', KEYS[5], tonumber(ARGV[1]) * %d)
+    redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
+    return {'resent', held}
+  end
+  redis.call('RPUSH', KEYS[3], held)
+end
+redis.call('DEL', KEYS[5])
 local w = redis.call('LPOP', KEYS[3])
 if not w then
   redis.call('DEL', KEYS[2])
@@ -117,11 +157,13 @@ if not w then
 end
 local rid = cjson.decode(w)['request_id']
 redis.call('SET', KEYS[2], rid, 'PX', tonumber(ARGV[1]) * %d)
+redis.call('HSET', KEYS[5], 'w', w, 'n', 1)
+redis.call('PEXPIRE', KEYS[5], tonumber(ARGV[1]) * %d)
 redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
 return {'promoted', w}
-""" % (LEASE_KEY_FACTOR, LEASE_KEY_FACTOR)
+""" % ((LEASE_KEY_FACTOR,) * 5)
 
-# Give a holder that is still on its way a new deadline. KEYS: lease, inflight
+# Give a holder that is still on its way a new deadline. KEYS: lease, inflight, held
 # ARGV: lease_ms, now_ms, cache_key. Only a key whose deadline has passed (not one a promotion or
 # another reaper just renewed) and that somebody still holds (waiters a released lease left behind
 # are due at once and must stay so); returns 1 if extended.
@@ -131,8 +173,9 @@ if (not due) or tonumber(due) > tonumber(ARGV[2]) then return 0 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('ZADD', KEYS[2], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) * %d)
+redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[1]) * %d)
 return 1
-""" % LEASE_KEY_FACTOR
+""" % (LEASE_KEY_FACTOR, LEASE_KEY_FACTOR)
 
 
 # KEYS: entry, accepted-marker   ARGV: marker value, marker ttl s
@@ -243,6 +286,10 @@ class ResultCache:
     def _keys(self, key: str) -> list[str]:
         return [f"{self.p}:c:{key}", f"{self.p}:lease:{key}", f"{self.p}:wait:{key}", f"{self.p}:inflight"]
 
+    def _held_key(self, key: str) -> str:
+        """The promoted holder's record for ``key`` (see the module docstring)."""
+        return f"{self.p}:held:{key}"
+
     async def _call(self, op: str, coro):
         if self.telemetry is None:
             return await self._call_raw(op, coro)
@@ -323,7 +370,7 @@ class ResultCache:
         """
         res = await self._call(
             "claim",
-            self._claim(keys=self._keys(key), args=[request_id, lease_ms, waiter_json, int(time.time() * 1000), key]),
+            self._claim(keys=[*self._keys(key), self._held_key(key)], args=[request_id, lease_ms, waiter_json, int(time.time() * 1000), key]),
         )
         outcome = res[0].decode() if isinstance(res[0], bytes) else res[0]
         if outcome == "hit":
@@ -343,24 +390,26 @@ class ResultCache:
             entry: The entry to store, or None for a result that is not cached (an error, or
                 output of another generation).
             ttl_s: The entry's TTL, s.
-            holder: Without an entry: the request id whose result this is. If another request
+            holder: The request id whose result this is. Without an entry: if another request
                 holds the lease (the reaper promoted a waiter, or this is a replay after a newer
-                request took the key), the waiters are its to complete.
+                request took the key), the waiters are its to complete. With an entry: if a
+                promoted waiter other than ``holder`` holds the lease, it is handed over first
+                among the waiters (its own event may never have been sent).
 
         Returns:
             The waiters (JSON, oldest first), or None when they belong to another lease holder:
             then call nothing else for this key (its lease is not ours to release).
         """
         entry_json = entry.to_json() if entry else b""
-        args = [entry_json, ttl_s * 1000, "" if entry else holder]
-        raw = await self._call("complete_begin", self._begin(keys=self._keys(key), args=args))
+        args = [entry_json, ttl_s * 1000, holder]
+        raw = await self._call("complete_begin", self._begin(keys=[*self._keys(key), self._held_key(key)], args=args))
         return None if raw is None else list(raw)
 
     async def complete_end(self, key: str, n_done: int) -> None:
         """Remove the first ``n_done`` waiters and release the lease."""
         k = self._keys(key)
         await self._call(
-            "complete_end", self._end(keys=[k[1], k[2], k[3]], args=[n_done, key, int(time.time() * 1000)])
+            "complete_end", self._end(keys=[k[1], k[2], k[3], self._held_key(key)], args=[n_done, key, int(time.time() * 1000)])
         )
 
     async def promote(self, key: str, lease_ms: int, expected_holder: str = "",
@@ -378,19 +427,24 @@ class ResultCache:
                 ran out. Returns ``("held", None)`` when somebody does.
 
         Returns:
-            ``("promoted", waiter_json)``, ``("hit", entry_json)`` if a result appeared (the
-            stale lease and its in-flight mark are removed, the waiters kept), ``("none", None)``
-            if nobody waits (the lease is released), ``("busy", None)`` if another holder has
-            the lease or the deadline is not (or no longer) past, or ``("held", None)`` (see
-            ``unheld_only``).
+            ``("promoted", waiter_json)``: send it to inference. ``("resent", waiter_json)``
+            (the reaper only): the holder due is itself a promoted waiter, which may never have
+            been sent (the promotion's reply was lost, or its sender died before producing it):
+            send it again; it keeps the lease, at most :data:`PROMOTED_MAX_SENDS` sends in all,
+            after which it goes back to the end of the waiters and the next one is promoted.
+            ``("hit", entry_json)`` if a result appeared (the stale lease and its in-flight mark
+            are removed, the waiters kept). ``("none", None)`` if nobody waits (the lease is released), ``("busy", None)``
+            if another holder has the lease or the deadline is not (or no longer) past, or
+            ``("held", None)`` (see ``unheld_only``).
 
         Raises:
             CacheUnavailable: Redis down or slow.
         """
         res = await self._call(
             "promote",
-            self._promote(keys=self._keys(key), args=[lease_ms, int(time.time() * 1000), key, expected_holder,
-                                                    "1" if unheld_only else ""]),
+            self._promote(keys=[*self._keys(key), self._held_key(key)],
+                          args=[lease_ms, int(time.time() * 1000), key, expected_holder, "1" if unheld_only else "",
+                                PROMOTED_MAX_SENDS]),
         )
         outcome = res[0].decode() if isinstance(res[0], bytes) else res[0]
         return outcome, (res[1] or None)
@@ -408,7 +462,7 @@ class ResultCache:
         """
         k = self._keys(key)
         return bool(await self._call(
-            "extend", self._extend(keys=[k[1], k[3]], args=[lease_ms, int(time.time() * 1000), key])))
+            "extend", self._extend(keys=[k[1], k[3], self._held_key(key)], args=[lease_ms, int(time.time() * 1000), key])))
 
     async def expired_leases(self, limit: int = 100) -> list[str]:
         """Cache keys whose lease deadline has passed (candidates for promotion), at most ``limit``.

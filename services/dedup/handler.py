@@ -174,6 +174,12 @@ class DedupHandler(Handler):
 
         If a result is cached by then, its holder stored it and the sink completed the waiters
         with it; only the stale lease and its in-flight mark are removed (:meth:`ResultCache.promote`).
+
+        A holder that was itself a promoted waiter may never have been sent (the promotion's
+        Redis reply was lost, or the process that promoted it died before producing its event):
+        it is sent again rather than passed over (a result cached meanwhile completes it as a
+        waiter, :meth:`ResultCache.complete_begin`). A duplicate send costs at most one
+        inference; the sink keeps the first final state of a request and re-emits that.
         """
         if not self.s.cache_enabled:
             return []
@@ -184,8 +190,8 @@ class DedupHandler(Handler):
                 outcome, raw = await self.cache.promote(key, self.s.lease_ms, unheld_only=True)
                 if outcome == "held":
                     held.append(key)
-                elif outcome == "promoted" and raw is not None:
-                    out.append(self._promoted(key, raw, "its lease was released with waiters left"))
+                else:
+                    out.extend(self._settled(key, outcome, raw, "its lease was released with waiters left"))
             for gone in set(self._marks) - set(held):
                 del self._marks[gone]  # completed, promoted or renewed elsewhere meanwhile
             if not held:
@@ -203,8 +209,7 @@ class DedupHandler(Handler):
                     continue
                 self._marks.pop(key, None)
                 outcome, raw = await self.cache.promote(key, self.s.lease_ms)
-                if outcome == "promoted" and raw is not None:
-                    out.append(self._promoted(key, raw, "its holder's result was handled but never completed the key"))
+                out.extend(self._settled(key, outcome, raw, "its holder's result was handled but never completed the key"))
         except CacheUnavailable:
             pass
         return out
@@ -223,14 +228,20 @@ class DedupHandler(Handler):
             mark[:] = [results_t, p, offsets[results_t][0][p]]
         return not (mark[0] == results_t and offsets[results_t][1][mark[1]] >= mark[2])
 
-    def _promoted(self, key: str, raw: bytes, why: str) -> Outgoing:
-        """The ``ocr.infer`` event that re-sends promoted waiter ``raw`` (RequestEvent JSON)."""
+    def _settled(self, key: str, outcome: str, raw: bytes | None, why: str) -> list[Outgoing]:
+        """What to send for a :meth:`ResultCache.promote` outcome of the reaper's."""
+        if raw is None or outcome not in ("promoted", "resent"):
+            return []
         req = RequestEvent.model_validate_json(raw)
-        self.telemetry.cache.labels("dedup", "promoted", "redis").inc()
+        self.telemetry.cache.labels("dedup", outcome, "redis").inc()
         with self.telemetry.span("dedup.promote", traceparent=req.traceparent, root=True):  # the waiter's trace
-            log.warning("dedup: lease on %s expired and %s; promoting waiting request %s", key, why, req.request_id)
+            if outcome == "resent":
+                log.warning("dedup: request %s was promoted on %s but never finished; sending it again",
+                            req.request_id, key)
+            else:
+                log.warning("dedup: lease on %s expired and %s; promoting waiting request %s", key, why, req.request_id)
             ev = InferEvent(request=req, cache_key=key, attempt=2)
-            return Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev), self.telemetry.inject())
+            return [Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev), self.telemetry.inject())]
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the record and fail its request."""

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
+from services.common.cache import PROMOTED_MAX_SENDS, CacheEntry, CacheUnavailable, ResultCache
 from services.common.settings import RedisSettings
 
 
@@ -166,6 +166,68 @@ def test_a_success_closes_the_redis_circuit_breaker(stack_env):
             assert cache._failures == 0
             assert await cache.get("nothing-here") is None
         finally:
+            await cache.close()
+
+    asyncio.run(go())
+
+
+def test_a_promoted_waiter_is_never_forgotten(stack_env):
+    """A promotion pops a waiter and makes it the holder; if the reply is lost (Redis slow past
+    the budget) or its sender dies before producing its event, that request was never sent. The
+    promoted waiter is kept with its lease: the reaper finding it due sends it again (at most
+    PROMOTED_MAX_SENDS in all, then it goes back behind the other waiters), a result cached by
+    another request completes it as a waiter, and the sink's promotion after its own error drops it."""
+
+    async def go():
+        cache = ResultCache(RedisSettings(key_prefix=f"held-test-{os.getpid()}-{time.time_ns()}"))
+        key = "p" * 64
+        entry_key, lease_key, waiters_key, inflight_key = cache._keys(key)
+        held_key = cache._held_key(key)
+        a, b, c = (b'{"request_id": "%s"}' % r for r in (b"A", b"B", b"C"))
+        try:
+            assert (await cache.claim(key, "A", a, lease_ms=60_000)).outcome == "lead"
+            for rid, w in (("B", b), ("C", c)):
+                assert (await cache.claim(key, rid, w, lease_ms=60_000)).outcome == "wait"
+            # the sink, after A's retryable error, promotes B; suppose the reply never arrived
+            assert await cache.promote(key, 60_000, expected_holder="A") == ("promoted", b)
+            assert await cache.client.hgetall(held_key) == {b"w": b, b"n": b"1"}
+            assert 239_000 < await cache.client.pttl(held_key) <= 240_000  # lives as long as the lease
+            # the reaper finds B due (deadline passed, nothing of it in Kafka): B is sent again
+            for sends in (2, 3):
+                await cache.client.zadd(inflight_key, {key: 0})
+                assert await cache.promote(key, 60_000) == ("resent", b)
+                assert await cache.client.get(lease_key) == b"B"
+                assert await cache.client.hget(held_key, "n") == str(sends).encode()
+            assert await cache.client.lrange(waiters_key, 0, -1) == [c]
+            # sent PROMOTED_MAX_SENDS times and never finished: behind C, and C gets its turn
+            assert PROMOTED_MAX_SENDS == 3
+            await cache.client.zadd(inflight_key, {key: 0})
+            assert await cache.promote(key, 60_000) == ("promoted", c)
+            assert await cache.client.lrange(waiters_key, 0, -1) == [b]
+            assert await cache.client.hgetall(held_key) == {b"w": c, b"n": b"1"}
+            # an extension of C's deadline pushes its record's expiry out with the lease's
+            await cache.client.pexpire(held_key, 1000)
+            await cache.client.zadd(inflight_key, {key: 0})
+            assert await cache.extend(key, 60_000) is True
+            assert await cache.client.pttl(held_key) > 200_000
+            # a result cached by another request (a late replay of A's): C joins the waiters it completes
+            got = await cache.complete_begin(key, CacheEntry("s3://b/results/p.json", 1, 1, 1), 60, holder="A")
+            assert got == [c, b] and await cache.client.exists(held_key) == 0
+            await cache.complete_end(key, len(got))
+            assert await cache.client.exists(lease_key, waiters_key, held_key) == 0
+            # C's own error result, promoting the next waiter, drops C's record
+            await cache.client.delete(entry_key)
+            assert (await cache.claim(key, "D", b'{"request_id": "D"}', lease_ms=60_000)).outcome == "lead"
+            assert (await cache.claim(key, "E", b'{"request_id": "E"}', lease_ms=60_000)).outcome == "wait"
+            assert (await cache.claim(key, "F", b'{"request_id": "F"}', lease_ms=60_000)).outcome == "wait"
+            assert await cache.promote(key, 60_000, expected_holder="D") == ("promoted", b'{"request_id": "E"}')
+            assert await cache.promote(key, 60_000, expected_holder="E") == ("promoted", b'{"request_id": "F"}')
+            assert await cache.client.hget(held_key, "w") == b'{"request_id": "F"}'
+            await cache.complete_begin(key, None, 0, holder="F")
+            await cache.complete_end(key, 0)
+            assert await cache.client.exists(lease_key, waiters_key, held_key) == 0
+        finally:
+            await cache.client.delete(entry_key, lease_key, waiters_key, inflight_key, held_key)
             await cache.close()
 
     asyncio.run(go())

@@ -299,3 +299,39 @@ async def test_a_holder_that_never_completes_is_replaced_by_a_waiter(sfp, ocr_se
     assert sorted(c.cache_hit for c in copies) == [False, True, True, True]
     assert p.engine_calls() - calls == 1 and ocr_server.posts - posts == 1
     await assert_no_flight_left(key)
+
+
+async def test_a_promoted_waiter_whose_event_was_never_sent_is_sent_again(sfp, ocr_server):
+    """A promotion pops a waiter from Redis and makes it the holder; the event that sends it to
+    inference is produced only after the reply. If the reply is lost (Redis slow past its budget)
+    or the promoting process dies first, that request is in no topic and in no waiter list. The
+    reaper must find it (its deadline passes with nothing of it uncommitted in Kafka) and send it
+    again, not pass it over for the next waiter: every copy completes, with one inference."""
+    p = sfp
+    posts = ocr_server.script("WARM 7505")
+    [warm] = await p.run([(text_image(["WARM 7505"]), "warm.png")], timeout=300)
+    assert warm.status == "ok", warm.error
+    data = text_image(["NEVER SENT 7505"])
+    key = f"{warm.cache_key.rsplit(':', 1)[0]}:{hashlib.sha256(data).hexdigest()}"
+    cache = ResultCache(RedisSettings(key_prefix=os.environ["OCRSTREAM_REDIS__KEY_PREFIX"]))
+    try:
+        # a holder whose inference failed retryably: nothing of it is left in Kafka
+        assert (await cache.claim(key, "failed-holder", b'{"request_id": "failed-holder"}', lease_ms=5000)).outcome == "lead"
+        resent, promoted, joined, calls = (dedup_count(p, "resent"), dedup_count(p, "promoted"),
+                                           dedup_count(p, "joined"), p.engine_calls())
+        posts = ocr_server.script("NEVER SENT 7505")
+        run = asyncio.create_task(p.run([(data, f"copy-{i}.png") for i in range(COPIES)], timeout=300))
+        await until(lambda: dedup_count(p, "joined") == joined + COPIES, "the copies to join the lease")
+        # the sink's promotion after that error: it took the first copy, and its reply was lost
+        outcome, first = await cache.promote(key, 5000, expected_holder="failed-holder")
+        assert outcome == "promoted"
+    finally:
+        await cache.close()
+    copies = await run
+    for c in copies:
+        assert c.status == "ok" and c.text == "NEVER SENT 7505" and c.cache_key == key, (c.status, c.error, c.text)
+    [sent_again] = [c for c in copies if not c.cache_hit]
+    assert first.decode().count(sent_again.request_id) == 1  # the promoted copy is the one computed
+    assert dedup_count(p, "resent") - resent == 1 and dedup_count(p, "promoted") - promoted == 0
+    assert p.engine_calls() - calls == 1 and ocr_server.posts - posts == 1
+    await assert_no_flight_left(key)
