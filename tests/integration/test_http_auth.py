@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+import redis
 
 from services.common.db import Database
 from services.common.settings import CommonSettings
@@ -178,6 +179,45 @@ def test_burst_plus_one_rapid_requests_the_last_gets_429_with_retry_after(auth_a
         # reads take tokens too; another key has its own bucket
         assert c.get("/v1/ocr/nope", headers={"X-API-Key": key.token}).status_code == 429
         assert _not_an_image(c, {"X-API-Key": other.token}).status_code == 415
+
+
+def test_a_small_keyed_upload_takes_its_limit_and_cache_lookup_in_one_redis_call(auth_api, make_key):
+    """The Helm configuration's cached path: a small raw body is read first, then one Lua call takes
+    the token, counts the submission and looks the image up (no second round trip for the limit).
+    The limit still holds: the bucket's last token goes to a cached answer, the next is a 429 that
+    stores nothing; and a bad request read first still takes its token."""
+    key = make_key("one-call", "--rate", "0.01", "--burst", "4", "--quota-per-day", "100")
+    auth = {"X-API-Key": key.token, "Content-Type": "image/png"}
+    img = text_image(["KEYED HIT 8801"])
+
+    def calls(c: httpx.Client) -> tuple[float, float]:
+        text = c.get("/metrics").text
+        return tuple(metric_value(text, "ocrstream_store_call_seconds_count", store="redis", op=op)
+                     for op in ("ratelimit_lookup", "ratelimit"))
+
+    with _client(auth_api) as c:
+        before = calls(c)
+        first = c.post("/v1/ocr", content=img, headers=auth)  # token 1: a miss, sent to the pipeline
+        assert first.status_code == 202, first.text
+        done = c.get(f"/v1/ocr/{first.json()['request_id']}?wait=60", headers={"X-API-Key": key.token})  # token 2
+        assert done.status_code == 200 and done.json()["result"]["text"] == "KEYED HIT 8801", done.text
+        hit = c.post("/v1/ocr", content=img, headers=auth)  # token 3: answered from the cache
+        assert hit.status_code == 200 and hit.json()["cache_hit"] is True and hit.json()["result"]["text"] == "KEYED HIT 8801"
+        after = calls(c)
+        assert (after[0] - before[0], after[1] - before[1]) == (2, 1)  # the GET's limit alone is a call of its own
+        assert c.post("/v1/ocr", content=b"not an image", headers=auth).status_code == 415  # token 4
+        refused = c.post("/v1/ocr", content=img, headers=auth)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited", refused.text
+        assert 90 <= int(refused.headers["retry-after"]) <= 100
+        assert c.post("/v1/ocr", content=b"not an image", headers=auth).status_code == 429
+    # three submissions counted against the quota (the refused ones count nothing)
+    r = redis.Redis.from_url(os.environ.get("OCRSTREAM_REDIS__URL", "redis://127.0.0.1:6379/0"))
+    try:
+        prefix = os.environ["OCRSTREAM_REDIS__KEY_PREFIX"]
+        day = int(time.time() * 1000) // 86_400_000
+        assert int(r.get(f"{prefix}:quota:{key.key_id}:{day}")) == 3
+    finally:
+        r.close()
 
 
 def test_daily_quota_counts_submissions_not_reads(auth_api, make_key):

@@ -177,11 +177,13 @@ def test_a_body_that_stalls_mid_upload_gets_408_and_leaves_no_parts(door, s3):
     assert staged(s3, door.prefix) == ([], [])
 
 
-def test_a_full_budget_refuses_the_new_upload_not_the_one_in_progress(door, s3):
+@pytest.mark.parametrize("second_length", ["content-length", "chunked"])
+def test_a_full_budget_refuses_the_new_upload_not_the_one_in_progress(door, s3, second_length):
     """The 12 MiB budget holds one streamed upload (two 5 MiB parts set aside at admission): a
     second big upload arriving while the first is half sent gets 503 ``overloaded``, and the first
-    one, which no longer competes chunk by chunk with it, completes."""
-    text = "ADMITTED UPLOAD 9034"  # read exactly by the engine; the bytes are new (random padding)
+    one, which no longer competes chunk by chunk with it, completes. A second sent chunked (no
+    length) is set aside the most a streamed body can hold, so it is refused the same way."""
+    text = "ADMITTED UPLOAD 9034"  # read exactly by the engine; the bytes are new each time (random padding)
     first = padded_png([text], 20 * MiB)
     head = (f"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
             f"Content-Length: {len(first)}\r\n\r\n").encode()
@@ -193,7 +195,9 @@ def test_a_full_budget_refuses_the_new_upload_not_the_one_in_progress(door, s3):
         # the second announces 20 MiB: refused from its headers, before a byte of its body is read
         # (without admission it would be let in and wait for its body, and no answer would come)
         with socket.create_connection(("127.0.0.1", door.port), timeout=10) as other:
-            other.sendall(head)
+            other.sendall(head if second_length == "content-length" else
+                          b"POST /v1/ocr HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                          b"Transfer-Encoding: chunked\r\n\r\n")
             second = b""
             while not second.endswith(b"}}") and (chunk := other.recv(4096)):
                 second += chunk

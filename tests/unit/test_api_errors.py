@@ -19,6 +19,8 @@ class BrokenGuard:
     async def check(self, request):
         raise RuntimeError("secret detail that must not reach the client")
 
+    admit = check  # the submit route's first step
+
 
 @pytest.mark.parametrize("method, path", [
     ("POST", "/v1/ocr"),  # the fast path (SubmitFastPath middleware)

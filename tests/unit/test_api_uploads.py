@@ -73,7 +73,8 @@ def test_admission_refuses_new_uploads_before_cutting_off_admitted_ones():
 
 
 @pytest.mark.parametrize("length, part, want", [
-    (None, 0, 0), ("abc", 0, 0), ("-5", 0, 0), ("1001", 0, 0),  # unknown, malformed, over the limit
+    (None, 0, 0), ("abc", 0, 0), ("-5", 0, 0), ("1001", 0, 0),  # unknown (a batch), malformed, over the limit
+    (None, 400, 1000),  # chunked, streamed: the most it can hold (here the limit)
     ("1000", 0, 1000), ("10", 0, 10),  # held whole
     ("399", 400, 399),  # under one part: held whole
     ("400", 400, 400), ("1000", 400, 1000),  # streamed: min(body, two parts + STREAM_SLACK)
@@ -94,6 +95,8 @@ def test_expected_hold_of_a_streamed_body_is_two_parts():
                        "headers": [(b"content-length", str(40 * mib).encode())]})
     assert expected_hold(request, 50 * mib, 8 * mib) == 16 * mib + STREAM_SLACK
     assert expected_hold(request, 50 * mib) == 40 * mib  # not streamed (multipart): all of it
+    chunked = Request({"type": "http", "method": "POST", "path": "/v1/ocr", "headers": []})
+    assert expected_hold(chunked, 50 * mib, 8 * mib) == 16 * mib + STREAM_SLACK  # whatever its length turns out
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 10, 64])

@@ -62,7 +62,7 @@ from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings, load_settings
 from services.common.telemetry import SpanKind, Telemetry
 from services.ingest.accept import accept_image, accept_staged
-from services.ingest.api.auth import Guard, Principal
+from services.ingest.api.auth import Guard, Limit, Principal
 from services.ingest.api.errors import (
     STATUS_OF_CODE, ApiError, api_error_handler, http_error_handler, internal_error_handler, validation_error_handler,
 )
@@ -323,8 +323,12 @@ class FrontDoor:
 
     # -- submit -------------------------------------------------------------------------------
     async def submit(self, up: Upload, opts: SubmitOptions, principal: Principal,
-                     traceparent: str | None) -> tuple[int, OcrResponse]:
+                     traceparent: str | None, limit: Limit | None = None) -> tuple[int, OcrResponse]:
         """One image: 200 + result when cached, 202 + request id when queued.
+
+        ``limit``: the caller's rate limit and quota, when not yet taken (a small body read
+        first): taken in the same Redis call as the cache lookup; 429 ``rate_limited`` /
+        ``quota_exceeded`` before anything is stored or sent.
 
         Raises:
             ApiError: 4xx for bad input or options (nothing is stored or sent then): 400
@@ -336,6 +340,9 @@ class FrontDoor:
         """
         started = time.perf_counter()
         submitted = now_ms()
+        if limit is not None and (opts.callback_url or opts.request_id or not self.s.cache_enabled):
+            await self.guard.take(limit)  # their checks come first; no lookup to share the call with
+            limit = None
         if opts.callback_url:  # URL checks, then webhooks enabled here, then a secret to sign with
             await validate_callback_url(opts.callback_url, self.s, principal.key_id, enabled=self.webhooks is not None)
         rid = opts.request_id or new_id()
@@ -354,7 +361,7 @@ class FrontDoor:
                                f"differs from this upload's {up.sha256[:12]}...); choose a new request_id")
             claimed = known == "claimed"
         try:
-            return await self._submit(up, opts, principal, traceparent, rid, claimed, started, submitted)
+            return await self._submit(up, opts, principal, traceparent, rid, claimed, started, submitted, limit)
         except BaseException:
             if claimed:  # not accepted after all: free the id so the client's retry is sent
                 try:
@@ -392,7 +399,8 @@ class FrontDoor:
         return "conflict" if marker.get("sha") not in (None, sha) else True
 
     async def _submit(self, up: Upload, opts: SubmitOptions, principal: Principal, traceparent: str | None,
-                      rid: str, claimed: bool, started: float, submitted: int) -> tuple[int, OcrResponse]:
+                      rid: str, claimed: bool, started: float, submitted: int,
+                      limit: Limit | None) -> tuple[int, OcrResponse]:
         gen = self.s.generation(opts.task)
         key = cache_key(up.sha256, gen)
         parent = [("traceparent", traceparent.encode())] if traceparent else None
@@ -406,7 +414,7 @@ class FrontDoor:
             )
             # on a hit the id is remembered in the same round trip, so GET knows it until the sink stores its row
             marker = b"" if claimed else orjson.dumps({"key": principal.key_id, "sha": up.sha256})
-            hit = await self._cached(key, rid, marker) if self.s.cache_enabled else None
+            hit = await self._cached(key, rid, marker, limit) if self.s.cache_enabled else None
             if hit is not None:
                 answer = self._answer_from_cache(base, key, gen, *hit, started)
                 if base.callback_url:
@@ -447,13 +455,24 @@ class FrontDoor:
         except CacheUnavailable:
             pass  # GET then treats the id as pending-or-unknown and still waits for it
 
-    async def _cached(self, key: str, rid: str, marker: bytes) -> tuple[str, OcrOutput] | None:
+    async def _cached(self, key: str, rid: str, marker: bytes, limit: Limit | None) -> tuple[str, OcrOutput] | None:
         """(result_uri, output) of a cached result, or None (miss, Redis down, document gone).
-        On a hit ``rid`` is marked accepted with ``marker`` (unless empty) in the same Redis call."""
-        try:
-            entry = await self.cache.get_and_mark(key, rid, marker, self.s.http_accepted_ttl_s)
-        except CacheUnavailable:
-            return None
+        On a hit ``rid`` is marked accepted with ``marker`` (unless empty) in the same Redis call,
+        which also takes ``limit`` when given.
+
+        Raises:
+            ApiError: 429 when ``limit`` refuses the request.
+        """
+        if limit is not None and self.guard.limiter is not None:
+            decision, entry = await self.guard.limiter.hit_and_lookup(
+                limit.key_id, key, rid, marker, self.s.http_accepted_ttl_s, rate_per_s=limit.rate_per_s,
+                burst=limit.burst, quota_per_day=limit.quota_per_day)
+            self.guard.enforce(limit, decision)
+        else:
+            try:
+                entry = await self.cache.get_and_mark(key, rid, marker, self.s.http_accepted_ttl_s)
+            except CacheUnavailable:
+                return None
         if entry is None:
             return None
         try:
@@ -729,10 +748,15 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         outcome = "error"
         held = door.budget.reservation()
         up = None
+        deferred = None
         try:
-            principal = await door.guard.check(request)
+            principal, limit = await door.guard.admit(request)
             ctype = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110 §8.3.1)
             query = dict(request.query_params)
+            if limit is not None and not _read_first(request, ctype, query):
+                await door.guard.take(limit)  # before a byte is read: a refused client sends nothing more
+                limit = None
+            deferred = limit  # not yet taken: taken below if the request fails before the door takes it
             if ctype.startswith("multipart/form-data"):
                 held.admit(expected_hold(request, s.limits.max_image_bytes + MULTIPART_OVERHEAD,
                                          s.http_stream_part_bytes))
@@ -750,11 +774,19 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                                     part_bytes=s.http_stream_part_bytes, on_staged_end=door.count_staged)
             else:
                 raise ApiError(415, "unsupported_format", f"Content-Type {ctype!r}: send image bytes or multipart/form-data")
-            status, body = await door.submit(up, opts, principal, request.headers.get("traceparent"))
+            deferred = None  # the door takes it (with the cache lookup, or first)
+            status, body = await door.submit(up, opts, principal, request.headers.get("traceparent"), limit)
             outcome = "cached" if status == 200 else "accepted"
             return _json(body, status)
         except ApiError as err:
             outcome = err.code
+            if deferred is not None:  # a bad request still takes its token: 429 wins, as when taken first
+                lim, deferred = deferred, None
+                try:
+                    await door.guard.take(lim)
+                except ApiError as refused:
+                    outcome = refused.code
+                    raise refused from None
             raise
         finally:
             if up is not None and up.staged is not None:  # aborts the multipart upload unless it became the image
@@ -762,6 +794,16 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             held.release()
             door.http_requests.labels("submit", outcome).inc()
             door.http_seconds.labels("submit", outcome).observe(time.perf_counter() - started)
+
+    def _read_first(request: Request, ctype: str, query: dict[str, str]) -> bool:
+        """Whether this submit's rate limit waits for its body: a small raw body (Content-Length
+        up to ``rate_limit_read_first_bytes``) whose limit and cache lookup then share one Redis
+        call (:meth:`Door._cached`). Not with a ``request_id`` or ``callback_url``, whose checks
+        come before the lookup, nor when the cache is off."""
+        size = request.headers.get("content-length", "")
+        return (s.cache_enabled and size.isdigit() and 0 < int(size) <= s.rate_limit_read_first_bytes
+                and (ctype.startswith(_RAW_TYPES) or not ctype) and not query.get("request_id")
+                and not query.get("callback_url"))
 
     # the hot route skips the routing layers (added first: CORS, when on, wraps it)
     app.add_middleware(SubmitFastPath, endpoint=submit)

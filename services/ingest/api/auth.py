@@ -30,7 +30,7 @@ from starlette.requests import Request
 
 from services.ingest.api.errors import ApiError
 from services.ingest.api.keys import KeyStore, MalformedKey, parse_key
-from services.ingest.api.ratelimit import RateLimiter
+from services.ingest.api.ratelimit import Decision, RateLimiter
 
 REALM = 'Bearer realm="ocrstream"'
 
@@ -44,6 +44,25 @@ class Principal:
 
 
 ANONYMOUS = Principal()
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A key's rate limit and quota for one request, not yet taken (:meth:`Guard.admit`).
+
+    Attributes:
+        key_id: The API key's id.
+        rate_per_s: Refill, tokens/s (0 = no rate limit).
+        burst: Bucket size, tokens.
+        quota_per_day: Submissions per UTC day this request counts against (0 = not counted).
+        quota: The key's daily quota, for the 429 message.
+    """
+
+    key_id: str
+    rate_per_s: float
+    burst: int
+    quota_per_day: int
+    quota: int
 BATCH_PATH = "/v1/ocr/batch"
 
 
@@ -106,8 +125,23 @@ class Guard:
                 429 ``rate_limited`` / ``quota_exceeded`` (with ``Retry-After``),
                 503 ``unavailable`` (the key store cannot be read).
         """
+        principal, limit = await self.admit(request)
+        await self.take(limit)
+        return principal
+
+    async def admit(self, request: Request) -> tuple[Principal, Limit | None]:
+        """The caller's principal and its key's limit for this request, not yet taken: the caller
+        takes it with :meth:`take` before reading the body, or, for a small body already read,
+        in the same Redis call as the cache lookup (:meth:`RateLimiter.hit_and_lookup`, then
+        :meth:`enforce`). The limit is None when no limit applies (keys not required, a key
+        without rate limit or quota, no Redis).
+
+        Raises:
+            ApiError: 401 ``unauthorized`` (missing, malformed, unknown or revoked key),
+                503 ``unavailable`` (the key store cannot be read).
+        """
         if not self.s.auth_required:
-            return ANONYMOUS
+            return ANONYMOUS, None
         try:
             presented = presented_key(request)
             parse_key(presented)
@@ -133,11 +167,43 @@ class Guard:
             self.auth_total.labels("revoked").inc()
             raise _unauthorized(f"API key {key.key_id} has been revoked", True)
         self.auth_total.labels("ok").inc()
+        rate = self.s.rate_limit_per_s if key.rate_per_s is None else key.rate_per_s
+        burst = self.s.rate_limit_burst if key.burst is None else key.burst
+        quota = self.s.quota_per_day if key.quota_per_day is None else key.quota_per_day
+        principal = Principal(key_id=key.key_id, quota_per_day=quota)
+        if self.limiter is None or (rate <= 0 and quota <= 0):
+            return principal, None
         # a batch is counted once its images are known (count_images), all at once: counting its
         # POST here too would let two concurrent batches each hold a share the other needs
-        await self._limit(key, counts_quota=request.method == "POST" and not request.url.path.endswith(BATCH_PATH))
-        quota = self.s.quota_per_day if key.quota_per_day is None else key.quota_per_day
-        return Principal(key_id=key.key_id, quota_per_day=quota)
+        counts = request.method == "POST" and not request.url.path.endswith(BATCH_PATH)
+        return principal, Limit(key.key_id, rate, burst, quota if counts else 0, quota)
+
+    async def take(self, limit: Limit | None) -> None:
+        """Take ``limit`` (one token, one submission) in Redis.
+
+        Raises:
+            ApiError: 429 ``rate_limited`` / ``quota_exceeded`` (with ``Retry-After``).
+        """
+        if limit is None or self.limiter is None:
+            return
+        self.enforce(limit, await self.limiter.hit(limit.key_id, rate_per_s=limit.rate_per_s, burst=limit.burst,
+                                                   quota_per_day=limit.quota_per_day))
+
+    def enforce(self, limit: Limit, d: Decision) -> None:
+        """Count decision ``d`` on ``limit`` and raise if it refuses.
+
+        Raises:
+            ApiError: 429 ``rate_limited`` / ``quota_exceeded`` (with ``Retry-After``).
+        """
+        self.rate_total.labels(d.outcome).inc()
+        if d.allowed:
+            return
+        headers = {"Retry-After": str(d.retry_after_s)}
+        if d.outcome == "quota_exceeded":
+            raise ApiError(429, "quota_exceeded", f"API key {limit.key_id} has used its {limit.quota} submissions of "
+                           f"this UTC day; retry after {d.retry_after_s} s", headers=headers)
+        raise ApiError(429, "rate_limited", f"API key {limit.key_id} is limited to {limit.rate_per_s:g} requests/s "
+                       f"(burst {limit.burst}); retry after {d.retry_after_s} s", headers=headers)
 
     async def count_images(self, principal: Principal, images: int) -> None:
         """Charge a batch of ``images`` to its key's daily quota, one submission per image, all
@@ -161,21 +227,3 @@ class Guard:
                            f"key {principal.key_id} has {max(0, int(d.tokens))} of its {quota} submissions of this "
                            f"UTC day left; retry after {d.retry_after_s} s",
                            headers={"Retry-After": str(d.retry_after_s)})
-
-    async def _limit(self, key, counts_quota: bool) -> None:
-        if self.limiter is None:
-            return
-        rate = self.s.rate_limit_per_s if key.rate_per_s is None else key.rate_per_s
-        burst = self.s.rate_limit_burst if key.burst is None else key.burst
-        quota = self.s.quota_per_day if key.quota_per_day is None else key.quota_per_day
-        d = await self.limiter.hit(key.key_id, rate_per_s=rate, burst=burst,
-                                   quota_per_day=quota if counts_quota else 0)
-        self.rate_total.labels(d.outcome).inc()
-        if d.allowed:
-            return
-        headers = {"Retry-After": str(d.retry_after_s)}
-        if d.outcome == "quota_exceeded":
-            raise ApiError(429, "quota_exceeded", f"API key {key.key_id} has used its {quota} submissions of this "
-                           f"UTC day; retry after {d.retry_after_s} s", headers=headers)
-        raise ApiError(429, "rate_limited", f"API key {key.key_id} is limited to {rate:g} requests/s (burst {burst}); "
-                       f"retry after {d.retry_after_s} s", headers=headers)

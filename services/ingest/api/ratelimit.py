@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.common.cache import CacheUnavailable, ResultCache
+from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
 
 DAY_MS = 86_400_000
 
@@ -44,8 +44,9 @@ end
 """
 
 # KEYS: bucket, quota base   ARGV: rate_per_s (0 = no bucket), burst, quota (0 = none), now_ms ('' = TIME)
-# Returns {code, wait_ms, tokens}: code 1 allowed, 0 rate limited, 2 quota exceeded.
-_HIT = """
+# Refuses with {code, wait_ms, tokens}: code 0 rate limited, 2 quota exceeded; else takes the token
+# and counts the submission, leaving `tokens` for the tail that follows.
+_TAKE = """
 local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
 local quota = tonumber(ARGV[3])
@@ -82,7 +83,19 @@ if qkey then
   redis.call('INCR', qkey)
   redis.call('PEXPIRE', qkey, 2 * 86400000)
 end
-return {1, 0, tostring(tokens)}
+"""
+
+# Returns {code, wait_ms, tokens}: code 1 allowed, 0 rate limited, 2 quota exceeded.
+_HIT = _TAKE + """return {1, 0, tostring(tokens)}
+"""
+
+# The HTTP door's cached path in one round trip: _TAKE, then, if allowed, the cache entry (and on a
+# hit the request's accepted marker, as ResultCache.get_and_mark).
+# KEYS: bucket, quota base, cache entry, accepted marker   ARGV: as _HIT, then marker value ('' = none), marker ttl s
+# Returns {code, wait_ms, tokens, entry ('' = miss)}.
+_HIT_LOOKUP = _TAKE + """local hit = redis.call('GET', KEYS[3])
+if hit and ARGV[5] ~= '' then redis.call('SET', KEYS[4], ARGV[5], 'EX', ARGV[6]) end
+return {1, 0, tostring(tokens), hit or ''}
 """
 
 
@@ -136,6 +149,7 @@ class RateLimiter:
         self.client = cache.client
         self.prefix = cache.p
         self._hit = cache.client.register_script(_HIT)
+        self._hit_lookup = cache.client.register_script(_HIT_LOOKUP)
         self._count = cache.client.register_script(_COUNT)
 
     async def hit(self, key_id: str, *, rate_per_s: float, burst: int, quota_per_day: int = 0,
@@ -165,6 +179,44 @@ class RateLimiter:
             return Decision(True, "ok", tokens=tokens)
         retry = max(1, math.ceil(int(wait_ms) / 1000))
         return Decision(False, "rate_limited" if code == 0 else "quota_exceeded", retry, tokens)
+
+    async def hit_and_lookup(self, key_id: str, cache_key: str, request_id: str, marker: bytes, marker_ttl_s: int, *,
+                             rate_per_s: float, burst: int, quota_per_day: int = 0,
+                             now_ms: float | None = None) -> tuple[Decision, CacheEntry | None]:
+        """:meth:`hit`, then, if allowed, :meth:`ResultCache.get_and_mark` of ``cache_key``, in one
+        Redis round trip (the HTTP door's path for a small body it has already read: the cached
+        answer then costs one call, not two).
+
+        Args:
+            key_id, rate_per_s, burst, quota_per_day, now_ms: As :meth:`hit`.
+            cache_key: The upload's cache key (``<gen_id>:<sha256>``).
+            request_id: The request's id; on a hit it is marked accepted with ``marker``
+                (empty: no marker) for ``marker_ttl_s`` seconds.
+
+        Returns:
+            The decision and, when allowed, the cache entry (None on a miss). Redis down or
+            slow: ``unavailable`` (allowed) and None (a miss), as :meth:`hit` and the cache do.
+        """
+        cache = self.cache
+        if rate_per_s <= 0 and quota_per_day <= 0:
+            try:
+                entry = await cache.get_and_mark(cache_key, request_id, marker, marker_ttl_s)
+            except CacheUnavailable:
+                entry = None
+            return Decision(True, "unlimited", tokens=float(burst)), entry
+        keys = [f"{self.prefix}:rl:{key_id}", f"{self.prefix}:quota:{key_id}",
+                cache._keys(cache_key)[0], f"{self.prefix}:req:{request_id}"]
+        args = [repr(float(rate_per_s)), int(burst), int(quota_per_day), "" if now_ms is None else repr(float(now_ms)),
+                marker, int(marker_ttl_s)]
+        try:
+            res = await cache.call("ratelimit_lookup", self._hit_lookup(keys=keys, args=args))
+        except CacheUnavailable:
+            return Decision(True, "unavailable"), None
+        code, wait_ms, tokens = res[0], res[1], float(res[2])
+        if code == 1:
+            return Decision(True, "ok", tokens=tokens), (CacheEntry.from_json(res[3]) if res[3] else None)
+        retry = max(1, math.ceil(int(wait_ms) / 1000))
+        return Decision(False, "rate_limited" if code == 0 else "quota_exceeded", retry, tokens), None
 
     async def count_quota(self, key_id: str, n: int, *, quota_per_day: int, now_ms: float | None = None) -> Decision:
         """Count ``n`` submissions against ``key_id``'s daily quota, all or none (a batch of N

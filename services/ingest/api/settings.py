@@ -54,6 +54,12 @@ class ApiSettings(IngestSettings):
     auth_cache_s: float = Field(
         default=5.0, ge=0, description="how long a key lookup is reused in-process, s (a revoked key works at most this long); 0 = none"
     )
+    rate_limit_read_first_bytes: int = Field(
+        default=1024 * 1024, ge=0,
+        description="a raw-body POST /v1/ocr with a Content-Length up to this many bytes (and no request_id or "
+                    "callback_url) is read before its key's rate limit is taken, so the limit and the cache lookup "
+                    "share one Redis call; larger or chunked bodies are limited before a byte is read; 0 = always first",
+    )
 
     webhook_enabled: bool = Field(default=True, description="accept callback_url and deliver completions to callback URLs from this process "
                                                                  "(false: a callback_url is refused with 400, as nothing here would deliver it)")

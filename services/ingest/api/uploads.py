@@ -134,16 +134,22 @@ def expected_hold(request: Request, limit: int, part_bytes: int = 0) -> int:
     """The most a request's body will hold in memory, from its ``Content-Length``: the whole
     body, or for a body that will stream to S3 (``part_bytes`` > 0 and the body at least one
     part: a raw body, or a multipart body with one file part) about two parts
-    (:class:`StagedBody`). 0 when the length is absent, malformed or over ``limit`` (the reading
-    refuses those, or charges as it goes).
+    (:class:`StagedBody`). Without a length (``Transfer-Encoding: chunked``) and ``part_bytes``
+    > 0, the most any such body can hold, ``min(limit, 2 * part_bytes + STREAM_SLACK)``: set
+    aside at admission, it is never the one refused half-way when the budget fills. 0 when the
+    length is malformed or over ``limit`` (the reading refuses those), or absent with
+    ``part_bytes`` 0 (a batch: charged as it goes, since its worst case is the whole batch).
 
     Args:
         limit: The byte limit of the body.
         part_bytes: The stream part size; 0 for bodies that may hold all their bytes (a batch:
             its file parts under one S3 part each stay in memory).
     """
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return min(limit, 2 * part_bytes + STREAM_SLACK) if part_bytes else 0
     try:
-        n = int(request.headers.get("content-length", ""))
+        n = int(declared)
     except ValueError:
         return 0
     if n < 0 or n > limit:
