@@ -7,8 +7,9 @@ Keys (prefix ``ocr`` by default; ``<key>`` is a cache key ``<gen_id>:<sha256>``)
 * ``ocr:lease:<key>``  the in-flight lease: value = request id of the holder (expiry a backstop only).
 * ``ocr:wait:<key>``   list of waiting requests (RequestEvent JSON), completed with the holder; no expiry.
 * ``ocr:inflight``     sorted set of keys with a lease, scored by lease deadline (ms), for the reaper.
-* ``ocr:held:<key>``   hash (``w``: RequestEvent JSON, ``n``: times sent) of a waiter promoted to
-                       holder, kept as long as its lease: if the promotion's reply was lost or its
+* ``ocr:held:<key>``   hash (``w``: RequestEvent JSON, ``n``: times sent, ``a``: its attempt) of a
+                       waiter promoted to holder, kept until its key completes (no expiry, like the
+                       waiters: it exists only here): if the promotion's reply was lost or its
                        sender died before producing it, its event was never sent, and the reaper
                        sends it again instead of forgetting it (:meth:`ResultCache.promote`).
 * ``ocr:gens``         hash gen_id -> generation JSON, so ``cache purge --model REV`` finds entries.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import orjson
 import redis.asyncio as aioredis
@@ -38,8 +40,8 @@ from services.common.settings import RedisSettings
 from services.common.telemetry import Telemetry
 
 PROMOTED_MAX_SENDS = 3
-"""How many times in all the reaper sends a promoted waiter whose result never came (its first
-send may have been lost with the promotion's reply) before putting it back among the waiters."""
+"""How many times in all a promoted waiter is sent to inference (its first send may have been lost
+with the promotion's reply) before the reaper gives it up, ending it with an error."""
 
 LEASE_KEY_FACTOR = 4
 """The lease key itself expires after this many lease periods, as a backstop only: dedup's reaper
@@ -48,15 +50,19 @@ stages after it) and pushes this expiry out whenever it extends a holder's deadl
 
 # KEYS: entry, lease, waiters, inflight, held   ARGV: request_id, lease_ms, waiter_json, now_ms, cache_key
 # The waiter list has no expiry: waiting requests exist only here (their Kafka offsets are
-# committed), so they stay until a completion or a promotion takes them. A new lead's own event
-# is sent by its caller, so any promoted-holder record left from a lapsed lease goes.
+# committed), so they stay until a completion or a promotion takes them. A promoted holder whose
+# lease lapsed (its record is still there) becomes the new lead's first waiter.
 _CLAIM = """
 local hit = redis.call('GET', KEYS[1])
 if hit then return {'hit', hit, redis.call('PTTL', KEYS[1])} end
 local deadline = tonumber(ARGV[4]) + tonumber(ARGV[2])
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', tonumber(ARGV[2]) * %d) then
   redis.call('ZADD', KEYS[4], deadline, ARGV[5])
-  redis.call('DEL', KEYS[5])
+  local held = redis.call('HGET', KEYS[5], 'w')
+  if held then
+    redis.call('LPUSH', KEYS[3], held)
+    redis.call('DEL', KEYS[5])
+  end
   return {'lead', ''}
 end
 local holder = redis.call('GET', KEYS[2])
@@ -70,19 +76,19 @@ return {'wait', holder or ''}
 # Without an entry (an error, or a result of another generation) the waiters are handed over only
 # when the lease is the holder's or nobody's: a late or replayed result must not take the waiters
 # (and then the lease) of a newer holder, which will complete them itself.
-# With an entry, a promoted waiter that holds the lease (not this result's own request) joins the
-# waiters it hands over: its own event may never have been sent, and this result is right for it.
+# A promoted waiter other than this result's own request (its own event may never have been sent)
+# joins the waiters handed over: this result is right for it too.
 _COMPLETE_BEGIN = """
 local holder = redis.call('GET', KEYS[2])
 if ARGV[1] ~= '' then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  local held = redis.call('HGET', KEYS[5], 'w')
-  if held and holder and holder ~= ARGV[3] and cjson.decode(held)['request_id'] == holder then
-    redis.call('LPUSH', KEYS[3], held)
-    redis.call('DEL', KEYS[5])
-  end
 elseif ARGV[3] ~= '' then
   if holder and holder ~= ARGV[3] then return false end
+end
+local held = redis.call('HGET', KEYS[5], 'w')
+if held and cjson.decode(held)['request_id'] ~= ARGV[3] then
+  redis.call('LPUSH', KEYS[3], held)
+  redis.call('DEL', KEYS[5])
 end
 return redis.call('LRANGE', KEYS[3], 0, -1)
 """
@@ -100,70 +106,72 @@ return 1
 """
 
 # Promote the first waiter to lease holder. KEYS: entry, lease, waiters, inflight, held
-# ARGV: lease_ms, now_ms, cache_key, expected_holder, unheld_only ('1' or ''), max_sends
+# ARGV: lease_ms, now_ms, cache_key, expected_holder, unheld_only ('1' or ''), max_sends, attempt
 # expected_holder given (the sink, after the holder's retryable error): only if the lease is that
 # holder's or nobody's. Else (dedup's reaper): with unheld_only, only if nobody holds the lease
 # ('held' otherwise); without, only if the key's deadline has passed, read here, so of two
 # reapers that found the same expired key only the first promotes.
-# The promoted waiter is also kept in `held` (as long as its lease). When the reaper finds that
-# holder due (its lease lapsed, or its deadline passed with nothing of it left in Kafka), it may
-# never have been sent (the promotion's reply was lost, or its sender died before producing it):
-# it is sent again ('resent', keeping the lease) up to max_sends times in all, then put back at
-# the end of the waiters and the next one promoted. The sink's promotion after that holder's
-# own error result drops the record: that request has its final state.
+# The promoted waiter is also kept in `held` (with `attempt`, the attempt its event carries) until
+# its key completes. When the reaper finds that holder due (its lease lapsed, or its deadline
+# passed with nothing of it left in Kafka), it may never have been sent (the promotion's reply was
+# lost, or its sender died before producing it): it is sent again ('resent', keeping the lease),
+# max_sends times in all; after that it is given up ('abandoned', third value: the caller ends it
+# with an error) and the next waiter promoted. The sink's promotion after a holder's own error
+# drops that holder's record (it has its final state); a record of another request goes back to
+# the head of the waiters.
 # With a result cached the lease is stale (its holder stored the entry, then could not release
 # it): it is dropped with its in-flight mark, so the reaper does not meet it again. The waiters
 # stay: complete_begin gave them to the sink with the entry, and a replay needs them (they expire
 # after a few lease periods, as nothing else will take them); a promoted holder is among them
-# (complete_begin put it there).
+# (complete_begin put it there) or completed by its own result.
+# Returns {outcome, waiter_json, abandoned_json, attempt}.
 _PROMOTE = """
 local hit = redis.call('GET', KEYS[1])
 if hit then
   redis.call('DEL', KEYS[2], KEYS[5])
   redis.call('ZREM', KEYS[4], ARGV[3])
   redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[1]) * %d)
-  return {'hit', hit}
+  return {'hit', hit, '', ''}
 end
 local holder = redis.call('GET', KEYS[2])
-local held = redis.call('HGET', KEYS[5], 'w')
-local mine = false
-if held and ARGV[4] == '' then
-  mine = (not holder) or holder == cjson.decode(held)['request_id']
-end
 if ARGV[4] ~= '' then
-  if holder and holder ~= ARGV[4] then return {'busy', ''} end
+  if holder and holder ~= ARGV[4] then return {'busy', '', '', ''} end
 elseif ARGV[5] == '1' then
-  if holder then return {'held', ''} end
+  if holder then return {'held', '', '', ''} end
 else
   local due = redis.call('ZSCORE', KEYS[4], ARGV[3])
-  if due and tonumber(due) > tonumber(ARGV[2]) then return {'busy', ''} end
+  if due and tonumber(due) > tonumber(ARGV[2]) then return {'busy', '', '', ''} end
 end
-if mine then
-  local n = redis.call('HINCRBY', KEYS[5], 'n', 1)
-  if n <= tonumber(ARGV[6]) then
-    redis.call('SET', KEYS[2], cjson.decode(held)['request_id'], 'PX', tonumber(ARGV[1]) * %d)
-    redis.call('PEXPIRE', KEYS[5], tonumber(ARGV[1]) * %d)
-    redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
-    return {'resent', held}
+local held = redis.call('HGET', KEYS[5], 'w')
+local abandoned = ''
+if held then
+  local rid = cjson.decode(held)['request_id']
+  if ARGV[4] == '' and ((not holder) or holder == rid) then
+    local n = redis.call('HINCRBY', KEYS[5], 'n', 1)
+    if n <= tonumber(ARGV[6]) then
+      redis.call('SET', KEYS[2], rid, 'PX', tonumber(ARGV[1]) * %d)
+      redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
+      return {'resent', held, '', redis.call('HGET', KEYS[5], 'a') or '2'}
+    end
+    abandoned = held
+  elseif ARGV[4] ~= '' and rid ~= ARGV[4] then
+    redis.call('LPUSH', KEYS[3], held)
   end
-  redis.call('RPUSH', KEYS[3], held)
+  redis.call('DEL', KEYS[5])
 end
-redis.call('DEL', KEYS[5])
 local w = redis.call('LPOP', KEYS[3])
 if not w then
   redis.call('DEL', KEYS[2])
   redis.call('ZREM', KEYS[4], ARGV[3])
-  return {'none', ''}
+  return {'none', '', abandoned, ''}
 end
-local rid = cjson.decode(w)['request_id']
-redis.call('SET', KEYS[2], rid, 'PX', tonumber(ARGV[1]) * %d)
-redis.call('HSET', KEYS[5], 'w', w, 'n', 1)
-redis.call('PEXPIRE', KEYS[5], tonumber(ARGV[1]) * %d)
+redis.call('SET', KEYS[2], cjson.decode(w)['request_id'], 'PX', tonumber(ARGV[1]) * %d)
+redis.call('HSET', KEYS[5], 'w', w, 'n', 1, 'a', ARGV[7])
 redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
-return {'promoted', w}
-""" % ((LEASE_KEY_FACTOR,) * 5)
+return {'promoted', w, abandoned, ARGV[7]}
+""" % ((LEASE_KEY_FACTOR,) * 3)
 
-# Give a holder that is still on its way a new deadline. KEYS: lease, inflight, held
+# Give a holder that is still on its way a new deadline. KEYS: lease, inflight
 # ARGV: lease_ms, now_ms, cache_key. Only a key whose deadline has passed (not one a promotion or
 # another reaper just renewed) and that somebody still holds (waiters a released lease left behind
 # are due at once and must stay so); returns 1 if extended.
@@ -173,9 +181,8 @@ if (not due) or tonumber(due) > tonumber(ARGV[2]) then return 0 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('ZADD', KEYS[2], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) * %d)
-redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[1]) * %d)
 return 1
-""" % (LEASE_KEY_FACTOR, LEASE_KEY_FACTOR)
+""" % LEASE_KEY_FACTOR
 
 
 # KEYS: entry, accepted-marker   ARGV: marker value, marker ttl s
@@ -249,6 +256,22 @@ class Claim:
     outcome: str
     entry: CacheEntry | None = None
     ttl_ms: int | None = None
+
+
+class Promotion(NamedTuple):
+    """Outcome of :meth:`ResultCache.promote` (see there).
+
+    Attributes:
+        outcome: ``promoted``, ``resent``, ``hit``, ``none``, ``busy`` or ``held``.
+        raw: The waiter to send (RequestEvent JSON), or on ``hit`` the entry; else None.
+        abandoned: A promoted waiter given up after :data:`PROMOTED_MAX_SENDS` sends, or None.
+        attempt: The attempt number ``raw``'s ``ocr.infer`` event carries.
+    """
+
+    outcome: str
+    raw: bytes | None = None
+    abandoned: bytes | None = None
+    attempt: int = 2
 
 
 class ResultCache:
@@ -392,9 +415,9 @@ class ResultCache:
             ttl_s: The entry's TTL, s.
             holder: The request id whose result this is. Without an entry: if another request
                 holds the lease (the reaper promoted a waiter, or this is a replay after a newer
-                request took the key), the waiters are its to complete. With an entry: if a
-                promoted waiter other than ``holder`` holds the lease, it is handed over first
-                among the waiters (its own event may never have been sent).
+                request took the key), the waiters are its to complete. A promoted waiter other
+                than ``holder`` (its own event may never have been sent) is handed over first
+                among the waiters.
 
         Returns:
             The waiters (JSON, oldest first), or None when they belong to another lease holder:
@@ -413,7 +436,7 @@ class ResultCache:
         )
 
     async def promote(self, key: str, lease_ms: int, expected_holder: str = "",
-                      unheld_only: bool = False) -> tuple[str, bytes | None]:
+                      unheld_only: bool = False, attempt: int = 2) -> "Promotion":
         """Make the first waiter the new lease holder (deadline ``lease_ms`` from now).
 
         Args:
@@ -424,18 +447,21 @@ class ResultCache:
                 has passed.
             unheld_only: (The reaper, without ``expected_holder``.) Only if nobody holds the
                 lease: waiters left behind by a released lease, or a lease whose backstop expiry
-                ran out. Returns ``("held", None)`` when somebody does.
+                ran out. Returns ``held`` when somebody does.
+            attempt: The attempt number the promoted waiter's ``ocr.infer`` event will carry
+                (kept with it, for a re-send).
 
         Returns:
-            ``("promoted", waiter_json)``: send it to inference. ``("resent", waiter_json)``
-            (the reaper only): the holder due is itself a promoted waiter, which may never have
-            been sent (the promotion's reply was lost, or its sender died before producing it):
-            send it again; it keeps the lease, at most :data:`PROMOTED_MAX_SENDS` sends in all,
-            after which it goes back to the end of the waiters and the next one is promoted.
-            ``("hit", entry_json)`` if a result appeared (the stale lease and its in-flight mark
-            are removed, the waiters kept). ``("none", None)`` if nobody waits (the lease is released), ``("busy", None)``
-            if another holder has the lease or the deadline is not (or no longer) past, or
-            ``("held", None)`` (see ``unheld_only``).
+            A :class:`Promotion`: ``promoted`` (send ``raw`` to inference); ``resent`` (the
+            reaper only: the holder due is itself a promoted waiter, which may never have been
+            sent, because the promotion's reply was lost or its sender died before producing
+            it; send ``raw`` again; it keeps the lease, at most :data:`PROMOTED_MAX_SENDS` sends
+            in all); ``hit`` (``raw`` is the entry: a result appeared; the stale lease and its
+            in-flight mark are removed, the waiters kept); ``none`` (nobody waits: the lease is
+            released); ``busy`` (another holder has the lease, or the deadline is not, or no
+            longer, past); ``held`` (see ``unheld_only``). With ``promoted`` or ``none``,
+            ``abandoned`` may hold a promoted waiter sent :data:`PROMOTED_MAX_SENDS` times
+            without a result: the caller ends it with an error.
 
         Raises:
             CacheUnavailable: Redis down or slow.
@@ -444,10 +470,10 @@ class ResultCache:
             "promote",
             self._promote(keys=[*self._keys(key), self._held_key(key)],
                           args=[lease_ms, int(time.time() * 1000), key, expected_holder, "1" if unheld_only else "",
-                                PROMOTED_MAX_SENDS]),
+                                PROMOTED_MAX_SENDS, attempt]),
         )
         outcome = res[0].decode() if isinstance(res[0], bytes) else res[0]
-        return outcome, (res[1] or None)
+        return Promotion(outcome, res[1] or None, res[2] or None, int(res[3]) if res[3] else attempt)
 
     async def extend(self, key: str, lease_ms: int) -> bool:
         """Give the holder of ``key`` a new deadline ``lease_ms`` from now, if its deadline has passed
@@ -462,7 +488,7 @@ class ResultCache:
         """
         k = self._keys(key)
         return bool(await self._call(
-            "extend", self._extend(keys=[k[1], k[3], self._held_key(key)], args=[lease_ms, int(time.time() * 1000), key])))
+            "extend", self._extend(keys=[k[1], k[3]], args=[lease_ms, int(time.time() * 1000), key])))
 
     async def expired_leases(self, limit: int = 100) -> list[str]:
         """Cache keys whose lease deadline has passed (candidates for promotion), at most ``limit``.

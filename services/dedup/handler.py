@@ -10,7 +10,7 @@ from aiokafka import ConsumerRecord
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, InferEvent, Page, RequestEvent, ResultEvent
 from schemas.keys import cache_key
-from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
+from services.common.cache import PROMOTED_MAX_SENDS, CacheEntry, CacheUnavailable, Promotion, ResultCache
 from services.common.dlq import poison_messages
 from services.common.events import dumps, loads, queue_wait_ms
 from services.common.kafka import Outgoing
@@ -187,11 +187,11 @@ class DedupHandler(Handler):
         try:
             held: list[str] = []
             for key in await self.cache.expired_leases():
-                outcome, raw = await self.cache.promote(key, self.s.lease_ms, unheld_only=True)
-                if outcome == "held":
+                p = await self.cache.promote(key, self.s.lease_ms, unheld_only=True)
+                if p.outcome == "held":
                     held.append(key)
                 else:
-                    out.extend(self._settled(key, outcome, raw, "its lease was released with waiters left"))
+                    out.extend(self._settled(key, p, "its lease was released with waiters left"))
             for gone in set(self._marks) - set(held):
                 del self._marks[gone]  # completed, promoted or renewed elsewhere meanwhile
             if not held:
@@ -208,8 +208,8 @@ class DedupHandler(Handler):
                         self.telemetry.cache.labels("dedup", "extended", "redis").inc()
                     continue
                 self._marks.pop(key, None)
-                outcome, raw = await self.cache.promote(key, self.s.lease_ms)
-                out.extend(self._settled(key, outcome, raw, "its holder's result was handled but never completed the key"))
+                p = await self.cache.promote(key, self.s.lease_ms)
+                out.extend(self._settled(key, p, "its holder's result was handled but never completed the key"))
         except CacheUnavailable:
             pass
         return out
@@ -228,20 +228,32 @@ class DedupHandler(Handler):
             mark[:] = [results_t, p, offsets[results_t][0][p]]
         return not (mark[0] == results_t and offsets[results_t][1][mark[1]] >= mark[2])
 
-    def _settled(self, key: str, outcome: str, raw: bytes | None, why: str) -> list[Outgoing]:
-        """What to send for a :meth:`ResultCache.promote` outcome of the reaper's."""
-        if raw is None or outcome not in ("promoted", "resent"):
-            return []
-        req = RequestEvent.model_validate_json(raw)
-        self.telemetry.cache.labels("dedup", outcome, "redis").inc()
+    def _settled(self, key: str, p: Promotion, why: str) -> list[Outgoing]:
+        """What to send for a :meth:`ResultCache.promote` outcome of the reaper's: the promoted or
+        re-sent waiter to ``ocr.infer``, and an ``internal_error`` result for a waiter given up."""
+        out: list[Outgoing] = []
+        if p.abandoned is not None:
+            req = RequestEvent.model_validate_json(p.abandoned)
+            self.telemetry.cache.labels("dedup", "abandoned", "redis").inc()
+            log.error("dedup: request %s was sent to inference %d times as the holder of %s and no result came "
+                      "back; ending it with internal_error", req.request_id, PROMOTED_MAX_SENDS, key)
+            ev = ResultEvent(request=req, status="error", error=ErrorInfo(
+                code=ErrorCode.INTERNAL_ERROR,
+                message=f"sent to inference {PROMOTED_MAX_SENDS} times and no result came back"))
+            out.append(Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), self.telemetry.inject()))
+        if p.raw is None or p.outcome not in ("promoted", "resent"):
+            return out
+        req = RequestEvent.model_validate_json(p.raw)
+        self.telemetry.cache.labels("dedup", p.outcome, "redis").inc()
         with self.telemetry.span("dedup.promote", traceparent=req.traceparent, root=True):  # the waiter's trace
-            if outcome == "resent":
+            if p.outcome == "resent":
                 log.warning("dedup: request %s was promoted on %s but never finished; sending it again",
                             req.request_id, key)
             else:
                 log.warning("dedup: lease on %s expired and %s; promoting waiting request %s", key, why, req.request_id)
-            ev = InferEvent(request=req, cache_key=key, attempt=2)
-            return [Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev), self.telemetry.inject())]
+            ev = InferEvent(request=req, cache_key=key, attempt=p.attempt)
+            out.append(Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev), self.telemetry.inject()))
+        return out
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the record and fail its request."""

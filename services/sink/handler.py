@@ -198,12 +198,13 @@ class SinkHandler(Handler):
             code = ev.error.code if ev.error else ErrorCode.INTERNAL_ERROR
             if code in RETRYABLE_CODES and ev.attempt < self.s.max_attempts:
                 try:
-                    outcome, raw = await self.cache.promote(key, self.s.lease_ms, expected_holder=req.request_id)
-                    if outcome == "promoted" and raw:
-                        promoted = RequestEvent.model_validate_json(raw)
+                    p = await self.cache.promote(key, self.s.lease_ms, expected_holder=req.request_id,
+                                                 attempt=ev.attempt + 1)
+                    if p.outcome == "promoted" and p.raw:
+                        promoted = RequestEvent.model_validate_json(p.raw)
                         log.warning("sink: %s failed (%s); promoting waiter %s", req.request_id, code.value, promoted.request_id)
                         extra.append(Outgoing(self.s.topics.infer, promoted.content_sha256,
-                                              dumps(InferEvent(request=promoted, cache_key=key, attempt=ev.attempt + 1)), headers))
+                                              dumps(InferEvent(request=promoted, cache_key=key, attempt=p.attempt)), headers))
                 except CacheUnavailable:
                     pass
             else:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.common.cache import PROMOTED_MAX_SENDS, CacheEntry, CacheUnavailable, ResultCache
+from services.common.cache import PROMOTED_MAX_SENDS, CacheEntry, CacheUnavailable, Promotion, ResultCache
 from services.common.settings import RedisSettings
 
 
@@ -29,7 +29,7 @@ def test_reaper_drops_a_stale_lease_once_the_result_is_cached(stack_env):
             await asyncio.sleep(0.1)  # the lease's deadline passes; complete_end never ran
             assert await cache.expired_leases() == [key]
 
-            outcome, raw = await cache.promote(key, lease_ms=600_000)
+            outcome, raw, *_ = await cache.promote(key, lease_ms=600_000)
             assert outcome == "hit" and b"results/x.json" in raw
             assert await cache.expired_leases() == []
             assert await cache.client.exists(lease_key) == 0
@@ -130,10 +130,10 @@ def test_the_reaper_decides_when_a_holder_is_replaced_and_waiters_never_expire(s
             assert 900 < await cache.client.pttl(lease_key) <= 1200  # 4 x 300 ms backstop
             assert await cache.client.pttl(waiters_key) == -1
             assert await cache.extend(key, 300) is False  # deadline not passed yet
-            assert await cache.promote(key, 300) == ("busy", None)
+            assert await cache.promote(key, 300) == Promotion("busy")
             await asyncio.sleep(0.4)  # deadline passed, lease key still there
             assert await cache.expired_leases() == [key]
-            assert await cache.promote(key, 300, unheld_only=True) == ("held", None)
+            assert await cache.promote(key, 300, unheld_only=True) == Promotion("held")
             assert await cache.extend(key, 60_000) is True
             assert await cache.extend(key, 60_000) is False  # a second reaper: already renewed
             assert await cache.expired_leases() == []
@@ -141,7 +141,7 @@ def test_the_reaper_decides_when_a_holder_is_replaced_and_waiters_never_expire(s
             assert await cache.client.get(lease_key) == b"holder"
             # the deadline passes again and the holder is judged gone: the copy takes the lease
             await cache.client.zadd(inflight_key, {key: 0})
-            outcome, raw = await cache.promote(key, 60_000)
+            outcome, raw, *_ = await cache.promote(key, 60_000)
             assert outcome == "promoted" and raw == b'{"request_id": "copy"}'
             assert await cache.client.get(lease_key) == b"copy"
             assert await cache.client.llen(waiters_key) == 0
@@ -174,56 +174,64 @@ def test_a_success_closes_the_redis_circuit_breaker(stack_env):
 def test_a_promoted_waiter_is_never_forgotten(stack_env):
     """A promotion pops a waiter and makes it the holder; if the reply is lost (Redis slow past
     the budget) or its sender dies before producing its event, that request was never sent. The
-    promoted waiter is kept with its lease: the reaper finding it due sends it again (at most
-    PROMOTED_MAX_SENDS in all, then it goes back behind the other waiters), a result cached by
-    another request completes it as a waiter, and the sink's promotion after its own error drops it."""
+    promoted waiter is kept (no expiry, like the waiters) until its key completes: the reaper
+    finding it due sends it again, PROMOTED_MAX_SENDS times in all, then gives it up (the caller
+    ends it with an error) and promotes the next; a lapsed lease's record becomes a new lead's
+    waiter; a result of another request completes it as a waiter; and the sink's promotion after
+    its own error drops it."""
 
     async def go():
         cache = ResultCache(RedisSettings(key_prefix=f"held-test-{os.getpid()}-{time.time_ns()}"))
         key = "p" * 64
         entry_key, lease_key, waiters_key, inflight_key = cache._keys(key)
         held_key = cache._held_key(key)
-        a, b, c = (b'{"request_id": "%s"}' % r for r in (b"A", b"B", b"C"))
+        w = {r: b'{"request_id": "%s"}' % r.encode() for r in "ABCDEFG"}
         try:
-            assert (await cache.claim(key, "A", a, lease_ms=60_000)).outcome == "lead"
-            for rid, w in (("B", b), ("C", c)):
-                assert (await cache.claim(key, rid, w, lease_ms=60_000)).outcome == "wait"
-            # the sink, after A's retryable error, promotes B; suppose the reply never arrived
-            assert await cache.promote(key, 60_000, expected_holder="A") == ("promoted", b)
-            assert await cache.client.hgetall(held_key) == {b"w": b, b"n": b"1"}
-            assert 239_000 < await cache.client.pttl(held_key) <= 240_000  # lives as long as the lease
-            # the reaper finds B due (deadline passed, nothing of it in Kafka): B is sent again
+            assert (await cache.claim(key, "A", w["A"], lease_ms=60_000)).outcome == "lead"
+            for rid in "BC":
+                assert (await cache.claim(key, rid, w[rid], lease_ms=60_000)).outcome == "wait"
+            # the sink, after A's retryable error, promotes B (attempt 2); suppose the reply never arrived
+            assert await cache.promote(key, 60_000, expected_holder="A", attempt=2) == Promotion("promoted", w["B"], None, 2)
+            assert await cache.client.hgetall(held_key) == {b"w": w["B"], b"n": b"1", b"a": b"2"}
+            assert await cache.client.pttl(held_key) == -1  # it exists only here: no expiry
+            # the reaper finds B due (deadline passed, nothing of it in Kafka): B is sent again, same attempt
             for sends in (2, 3):
                 await cache.client.zadd(inflight_key, {key: 0})
-                assert await cache.promote(key, 60_000) == ("resent", b)
+                assert await cache.promote(key, 60_000) == Promotion("resent", w["B"], None, 2)
                 assert await cache.client.get(lease_key) == b"B"
                 assert await cache.client.hget(held_key, "n") == str(sends).encode()
-            assert await cache.client.lrange(waiters_key, 0, -1) == [c]
-            # sent PROMOTED_MAX_SENDS times and never finished: behind C, and C gets its turn
+            # sent PROMOTED_MAX_SENDS times and never finished: given up, and C promoted
             assert PROMOTED_MAX_SENDS == 3
             await cache.client.zadd(inflight_key, {key: 0})
-            assert await cache.promote(key, 60_000) == ("promoted", c)
-            assert await cache.client.lrange(waiters_key, 0, -1) == [b]
-            assert await cache.client.hgetall(held_key) == {b"w": c, b"n": b"1"}
-            # an extension of C's deadline pushes its record's expiry out with the lease's
-            await cache.client.pexpire(held_key, 1000)
-            await cache.client.zadd(inflight_key, {key: 0})
-            assert await cache.extend(key, 60_000) is True
-            assert await cache.client.pttl(held_key) > 200_000
-            # a result cached by another request (a late replay of A's): C joins the waiters it completes
-            got = await cache.complete_begin(key, CacheEntry("s3://b/results/p.json", 1, 1, 1), 60, holder="A")
-            assert got == [c, b] and await cache.client.exists(held_key) == 0
+            assert await cache.promote(key, 60_000) == Promotion("promoted", w["C"], w["B"], 2)
+            assert await cache.client.llen(waiters_key) == 0
+            # C's lease lapses (its backstop expiry ran out) but its record stays: sent again
+            await cache.client.delete(lease_key)
+            assert await cache.promote(key, 60_000, unheld_only=True) == Promotion("resent", w["C"], None, 2)
+            # it lapses again and D arrives: D leads, and C becomes D's first waiter
+            await cache.client.delete(lease_key)
+            assert (await cache.claim(key, "D", w["D"], lease_ms=60_000)).outcome == "lead"
+            assert await cache.client.lrange(waiters_key, 0, -1) == [w["C"]]
+            assert await cache.client.exists(held_key) == 0
+            assert await cache.promote(key, 60_000, expected_holder="D", attempt=2) == Promotion("promoted", w["C"], None, 2)
+            # a result cached by another request (a late replay of D's): C joins the waiters it completes
+            got = await cache.complete_begin(key, CacheEntry("s3://b/results/p.json", 1, 1, 1), 60, holder="D")
+            assert got == [w["C"]] and await cache.client.exists(held_key) == 0
             await cache.complete_end(key, len(got))
             assert await cache.client.exists(lease_key, waiters_key, held_key) == 0
-            # C's own error result, promoting the next waiter, drops C's record
+            # the sink's promotion after a promoted holder's own error drops its record
             await cache.client.delete(entry_key)
-            assert (await cache.claim(key, "D", b'{"request_id": "D"}', lease_ms=60_000)).outcome == "lead"
-            assert (await cache.claim(key, "E", b'{"request_id": "E"}', lease_ms=60_000)).outcome == "wait"
-            assert (await cache.claim(key, "F", b'{"request_id": "F"}', lease_ms=60_000)).outcome == "wait"
-            assert await cache.promote(key, 60_000, expected_holder="D") == ("promoted", b'{"request_id": "E"}')
-            assert await cache.promote(key, 60_000, expected_holder="E") == ("promoted", b'{"request_id": "F"}')
-            assert await cache.client.hget(held_key, "w") == b'{"request_id": "F"}'
-            await cache.complete_begin(key, None, 0, holder="F")
+            assert (await cache.claim(key, "E", w["E"], lease_ms=60_000)).outcome == "lead"
+            for rid in "FG":
+                assert (await cache.claim(key, rid, w[rid], lease_ms=60_000)).outcome == "wait"
+            assert (await cache.promote(key, 60_000, expected_holder="E", attempt=2)).raw == w["F"]
+            assert await cache.promote(key, 60_000, expected_holder="F", attempt=3) == Promotion("promoted", w["G"], None, 3)
+            assert await cache.client.hget(held_key, "w") == w["G"]
+            # ... but a late error of another request puts a lapsed holder's record back at the head
+            await cache.client.delete(lease_key)
+            assert await cache.promote(key, 60_000, expected_holder="X", attempt=2) == Promotion("promoted", w["G"], None, 2)
+            # G's own result: its record goes with the lease
+            assert await cache.complete_begin(key, None, 0, holder="G") == []
             await cache.complete_end(key, 0)
             assert await cache.client.exists(lease_key, waiters_key, held_key) == 0
         finally:

@@ -12,7 +12,7 @@ import orjson
 from aiokafka import ConsumerRecord
 
 from schemas.events import RequestEvent
-from services.common.cache import CacheEntry, CacheUnavailable, Claim
+from services.common.cache import CacheEntry, CacheUnavailable, Claim, Promotion
 from services.common.events import dumps
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
@@ -45,14 +45,14 @@ class CountingCache:
         self.calls.append("expired_leases")
         return list(self.expired)
 
-    async def promote(self, key, lease_ms, expected_holder="", unheld_only=False):
+    async def promote(self, key, lease_ms, expected_holder="", unheld_only=False, attempt=2):
         self.calls.append("promote_unheld" if unheld_only else "promote")
         if unheld_only and key in self.holders:
-            return "held", None
+            return Promotion("held")
         w = self.waiters.get(key) or []
         if not w:
-            return "none", None
-        return "promoted", w.pop(0)
+            return Promotion("none")
+        return Promotion("promoted", w.pop(0), None, attempt)
 
     async def extend(self, key, lease_ms) -> bool:
         self.calls.append("extend")
