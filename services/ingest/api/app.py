@@ -748,15 +748,15 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         outcome = "error"
         held = door.budget.reservation()
         up = None
-        deferred = None
+        deferred = reading = None
         try:
             principal, limit = await door.guard.admit(request)
             ctype = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110 §8.3.1)
             query = dict(request.query_params)
-            if limit is not None and not _read_first(request, ctype, query):
+            if limit is not None and not (_read_first(request, ctype, query) and door.guard.read_first(limit)):
                 await door.guard.take(limit)  # before a byte is read: a refused client sends nothing more
                 limit = None
-            deferred = limit  # not yet taken: taken below if the request fails before the door takes it
+            deferred = reading = limit  # not yet taken: taken below if the request fails before the door takes it
             if ctype.startswith("multipart/form-data"):
                 held.admit(expected_hold(request, s.limits.max_image_bytes + MULTIPART_OVERHEAD,
                                          s.http_stream_part_bytes))
@@ -766,12 +766,14 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                                                    part_bytes=s.http_stream_part_bytes,
                                                    on_staged_end=door.count_staged)
                 up = ups[0]
+                held.admit(0)  # read: what it holds now is what is charged
                 opts = SubmitOptions.parse({**query, **fields}, s)
             elif ctype.startswith(_RAW_TYPES) or not ctype:
                 opts = SubmitOptions.parse(query, s)
                 held.admit(expected_hold(request, s.limits.max_image_bytes, s.http_stream_part_bytes))
                 up = await read_raw(request, s.limits.max_image_bytes, held, s.http_body_timeout_s, store=door.store,
                                     part_bytes=s.http_stream_part_bytes, on_staged_end=door.count_staged)
+                held.admit(0)  # read: what it holds now is what is charged
             else:
                 raise ApiError(415, "unsupported_format", f"Content-Type {ctype!r}: send image bytes or multipart/form-data")
             deferred = None  # the door takes it (with the cache lookup, or first)
@@ -789,6 +791,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                     raise refused from None
             raise
         finally:
+            if reading is not None:
+                door.guard.done_reading(reading)
             if up is not None and up.staged is not None:  # aborts the multipart upload unless it became the image
                 await up.staged.discard()
             held.release()

@@ -22,6 +22,7 @@ running door for at most that long after ``ocrstream keys revoke``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pymysql
@@ -33,6 +34,11 @@ from services.ingest.api.keys import KeyStore, MalformedKey, parse_key
 from services.ingest.api.ratelimit import Decision, RateLimiter
 
 REALM = 'Bearer realm="ocrstream"'
+READ_FIRST_PER_KEY = 8
+"""Requests of one key at most whose small bodies a door process reads before taking their limit
+(:meth:`Guard.read_first`); more at once are limited first, before their bodies are read."""
+REFUSED_MEMORY = 10_000
+"""Keys at most whose last refusal a door process remembers (:meth:`Guard.read_first`)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,8 @@ class Guard:
         self.keys = KeyStore(db, cache_ttl_s=settings.auth_cache_s) if db is not None else None
         self.limiter = RateLimiter(cache) if cache is not None else None
         registry = telemetry.registry if telemetry is not None else None  # None: counted, not exported
+        self._reading: dict[str, int] = {}  # key id -> its requests being read before their limit is taken
+        self._refused_until: dict[str, float] = {}  # key id -> monotonic s until which its limit refuses
         self.auth_total = Counter("ocrstream_auth", "API key checks on /v1/ routes by outcome",
                                   ["outcome"], registry=registry)
         self.rate_total = Counter("ocrstream_rate_limit", "Rate limit and quota decisions by outcome "
@@ -172,6 +180,8 @@ class Guard:
         quota = self.s.quota_per_day if key.quota_per_day is None else key.quota_per_day
         principal = Principal(key_id=key.key_id, quota_per_day=quota)
         if self.limiter is None or (rate <= 0 and quota <= 0):
+            if self.limiter is not None:
+                self.rate_total.labels("unlimited").inc()
             return principal, None
         # a batch is counted once its images are known (count_images), all at once: counting its
         # POST here too would let two concurrent batches each hold a share the other needs
@@ -189,6 +199,34 @@ class Guard:
         self.enforce(limit, await self.limiter.hit(limit.key_id, rate_per_s=limit.rate_per_s, burst=limit.burst,
                                                    quota_per_day=limit.quota_per_day))
 
+    def read_first(self, limit: Limit) -> bool:
+        """Whether a request under ``limit`` may have its body read before the limit is taken
+        (:meth:`RateLimiter.hit_and_lookup`); if True, call :meth:`done_reading` when it ends.
+
+        No while the key was refused within its last ``Retry-After`` (in this process): a client
+        over its limit gets its 429 before it sends a byte, as when the limit is taken first.
+        No when :data:`READ_FIRST_PER_KEY` of the key's requests are already being read first:
+        requests not yet charged must not hold the upload budget without bound.
+        """
+        until = self._refused_until.get(limit.key_id)
+        if until is not None:
+            if time.monotonic() < until:
+                return False
+            del self._refused_until[limit.key_id]
+        n = self._reading.get(limit.key_id, 0)
+        if n >= READ_FIRST_PER_KEY:
+            return False
+        self._reading[limit.key_id] = n + 1
+        return True
+
+    def done_reading(self, limit: Limit) -> None:
+        """The end of a request :meth:`read_first` let through."""
+        n = self._reading.get(limit.key_id, 0) - 1
+        if n > 0:
+            self._reading[limit.key_id] = n
+        else:
+            self._reading.pop(limit.key_id, None)
+
     def enforce(self, limit: Limit, d: Decision) -> None:
         """Count decision ``d`` on ``limit`` and raise if it refuses.
 
@@ -198,6 +236,9 @@ class Guard:
         self.rate_total.labels(d.outcome).inc()
         if d.allowed:
             return
+        if len(self._refused_until) >= REFUSED_MEMORY:
+            self._refused_until.clear()  # only a shortcut: forgetting costs one read-first request per key
+        self._refused_until[limit.key_id] = time.monotonic() + d.retry_after_s
         headers = {"Retry-After": str(d.retry_after_s)}
         if d.outcome == "quota_exceeded":
             raise ApiError(429, "quota_exceeded", f"API key {limit.key_id} has used its {limit.quota} submissions of "

@@ -89,11 +89,15 @@ class Reservation:
         self.held = need
 
     def admit(self, n: int) -> None:
-        """Set aside ``n`` bytes for this request's body before it is read.
+        """Set aside ``n`` bytes for this request's body before it is read (at most the whole
+        budget, so a request is never refused by an idle budget); ``admit(0)`` once the body is
+        read leaves charged only what it holds in memory.
 
         Raises:
             ApiError: 503 ``overloaded`` when they do not fit in the budget now.
         """
+        if self.budget.limit:
+            n = min(n, self.budget.limit)
         old, self.reserved = self.reserved, n
         try:
             self._settle()
