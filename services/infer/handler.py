@@ -17,6 +17,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,11 +36,14 @@ from services.common.runner import Handler
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Span, SpanKind, StatusCode, Telemetry, record_attrs
 from services.common.textlines import group_lines
-from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
+from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
 from services.infer.settings import InferSettings
 from services.infer.tiles import Tile, make_tiles, map_back
 
 log = logging.getLogger(__name__)
+
+CRASH_MEMORY = 10_000
+"""Content hashes :class:`InferHandler` remembers as having been on the engine when it went away."""
 
 
 def generation_matches(cache_key: str | None, own: CacheGeneration) -> bool:
@@ -132,6 +136,8 @@ class InferHandler(Handler):
         # next batch's images, fetched and decoded while the current batch is on the engine
         self._prefetched: dict[tuple[str, int, int], asyncio.Task] = {}
         self._gens: dict[str, CacheGeneration] = {}  # task -> this process's generation
+        # content SHA-256 -> lone reads during which the engine went away (see _infer); oldest first
+        self._crashes: OrderedDict[str, int] = OrderedDict()
 
     def prefetch(self, records: list[ConsumerRecord]) -> None:
         """Start fetching and decoding the next batch's images (bounded by the runner's buffer).
@@ -204,6 +210,58 @@ class InferHandler(Handler):
                                          attributes=record_attrs(rec))
 
     async def _infer(self, items: list[_Item]) -> None:
+        """``items`` through the engine, with an image that takes the engine down isolated.
+
+        When the engine goes away (:class:`EngineUnavailable`) while a batch is on it, having
+        been ready when the batch began, each of the batch's images becomes a suspect: from then
+        on, and before the rest of any batch, suspects are read one at a time, each only after
+        the engine answers a health check (an engine still down raises again, uncounted). A
+        suspect read without trouble is cleared; one during whose lone read the engine went away
+        ``engine_crash_limit`` times (a batch of one counts as a lone read) ends with
+        ``engine_crash`` instead of being retried for ever, so the next images go through.
+        Its content hash is remembered (at most :data:`CRASH_MEMORY` hashes, in this process),
+        so a later copy of the same bytes fails at once. Every other outage is retried by the
+        runner as before.
+
+        Raises:
+            EngineUnavailable: the engine is down or went away; the runner retries the batch.
+        """
+        limit = self.s.engine_crash_limit
+        suspects = [it for it in items if it.event.request.content_sha256 in self._crashes]
+        rest = [it for it in items if it.event.request.content_sha256 not in self._crashes]
+        for it in suspects:
+            sha = it.event.request.content_sha256
+            if limit and self._crashes[sha] >= limit:
+                it.error = OcrError(ErrorCode.ENGINE_CRASH, f"the OCR engine went away {self._crashes[sha]} times "
+                                    "while reading this image alone; not retried")
+                continue
+            if not await self.engine.health():
+                raise EngineUnavailable("the OCR engine does not answer its health check yet")
+            await self._guarded([it])
+        await self._guarded(rest)
+
+    async def _guarded(self, items: list[_Item]) -> None:
+        """:meth:`_infer_group`, noting which images were on the engine when it went away."""
+        if not items:
+            return
+        was_ready = self.engine.ready
+        try:
+            await self._infer_group(items)
+        except EngineUnavailable:
+            if was_ready:
+                for it in items:
+                    sha = it.event.request.content_sha256
+                    n = self._crashes.pop(sha, 0) + (1 if len(items) == 1 else 0)
+                    self._crashes[sha] = n
+                    log.warning("infer: the OCR engine went away while reading %s%s (%d lone reads so far)",
+                                it.event.request.request_id, "" if len(items) == 1 else f" in a batch of {len(items)}", n)
+                while len(self._crashes) > CRASH_MEMORY:
+                    self._crashes.popitem(last=False)
+            raise
+        for it in items:  # read through: no longer a suspect
+            self._crashes.pop(it.event.request.content_sha256, None)
+
+    async def _infer_group(self, items: list[_Item]) -> None:
         """Every tile of every page of ``items`` through the engine at once (:meth:`_engine_batch`).
 
         Timings per item: ``preprocess`` and ``postprocess`` are equal shares of the batch's

@@ -19,6 +19,10 @@ class InferSettings(CommonSettings):
     max_wait_ms: int = Field(default=20, ge=0, description="longest wait for a micro-batch to fill")
     infer_max_poll_interval_ms: int = Field(default=300_000, ge=1, description="partitions are paused while a batch runs")
     fetch_concurrency: int = Field(default=8, ge=1, description="S3 gets in flight per batch")
+    engine_crash_limit: int = Field(
+        default=2, ge=0,
+        description="times the engine (its server) may go away while reading one image alone, having answered a "
+                    "health check just before, until that image ends with engine_crash instead of being retried; 0 = retried forever")
     # RapidOCR (CPU) engine
     rapidocr_threads: int = Field(default=1, ge=1, description="ONNX Runtime intra-op threads per image (bench/engine_tuning.py)")
     rapidocr_workers: int = Field(default=2, ge=1, description="images in flight per process (2 per 2 cores: bench/infer_bench.py)")
