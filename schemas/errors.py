@@ -32,8 +32,9 @@ class ErrorCode(str, Enum):
     INTERNAL_ERROR = "internal_error"
     """A bug or an unexpected failure after bounded retries; the message says more."""
     ENGINE_CRASH = "engine_crash"
-    """The OCR engine (its server) went away every time it read this image alone, ``engine_crash_limit``
-    times, each after answering a health check: the image is not retried (the same bytes would take it down again)."""
+    """The OCR engine (its server) went away while it read this image alone, ``engine_crash_limit``
+    times (a connection carrying it dropped, the retry refused): the image is not retried (the same
+    bytes would take it down again)."""
 
 
 #: Errors that may not recur on another attempt: when a lease holder ends with one of these, one

@@ -43,7 +43,9 @@ from services.infer.tiles import Tile, make_tiles, map_back
 log = logging.getLogger(__name__)
 
 CRASH_MEMORY = 10_000
-"""Content hashes :class:`InferHandler` remembers as having been on the engine when it went away."""
+"""Content hashes :class:`InferHandler` remembers as suspects, and as convicted (each at most)."""
+CRASH_MEMORY_S = 3600.0
+"""Seconds a convicted image's copies fail at once with ``engine_crash`` (then it is read again)."""
 
 
 def generation_matches(cache_key: str | None, own: CacheGeneration) -> bool:
@@ -138,6 +140,7 @@ class InferHandler(Handler):
         self._gens: dict[str, CacheGeneration] = {}  # task -> this process's generation
         # content SHA-256 -> lone reads during which the engine went away (see _infer); oldest first
         self._crashes: OrderedDict[str, int] = OrderedDict()
+        self._convicted: dict[str, float] = {}  # content SHA-256 -> until when copies fail at once (monotonic s)
 
     def prefetch(self, records: list[ConsumerRecord]) -> None:
         """Start fetching and decoding the next batch's images (bounded by the runner's buffer).
@@ -212,28 +215,51 @@ class InferHandler(Handler):
     async def _infer(self, items: list[_Item]) -> None:
         """``items`` through the engine, with an image that takes the engine down isolated.
 
-        When the engine goes away (:class:`EngineUnavailable`) while a batch is on it, having
-        been ready when the batch began, each of the batch's images becomes a suspect: from then
-        on, and before the rest of any batch, suspects are read one at a time, each only after
-        the engine answers a health check (an engine still down raises again, uncounted). A
-        suspect read without trouble is cleared; one during whose lone read the engine went away
-        ``engine_crash_limit`` times (a batch of one counts as a lone read) ends with
-        ``engine_crash`` instead of being retried for ever, so the next images go through.
-        Its content hash is remembered (at most :data:`CRASH_MEMORY` hashes, in this process),
-        so a later copy of the same bytes fails at once. Every other outage is retried by the
-        runner as before.
+        The engine says when it went away *while it held* an image of the call
+        (:attr:`EngineUnavailable.took_down`: the ``openai`` engine's connection carrying the
+        image was dropped mid-exchange and the retry refused; a server that was already down
+        refuses the first connection and counts for nothing). Then each image of that batch
+        becomes a suspect: from then on, and before the rest of any batch, suspects are read one
+        at a time, each after the engine answers a health check. A suspect read without trouble
+        is cleared. One that took the engine down ``engine_crash_limit`` times while read alone
+        (a batch of one counts as a lone read) ends with ``engine_crash`` instead of being
+        retried for ever, so the next images go through; later copies of its bytes fail at once
+        for :data:`CRASH_MEMORY_S` seconds (in this process). Every other outage is retried by
+        the runner as before. Infer processes sharing one server count apart: an image read
+        alone here while another process's image takes the server down is counted too (see
+        README).
 
         Raises:
             EngineUnavailable: the engine is down or went away; the runner retries the batch.
         """
         limit = self.s.engine_crash_limit
-        suspects = [it for it in items if it.event.request.content_sha256 in self._crashes]
-        rest = [it for it in items if it.event.request.content_sha256 not in self._crashes]
+        now = time.monotonic()
+        rest: list[_Item] = []
+        suspects: list[_Item] = []
+        for it in items:
+            sha = it.event.request.content_sha256
+            until = self._convicted.get(sha)
+            if until is not None and now >= until:
+                del self._convicted[sha]
+                until = None
+            if until is not None:
+                it.error = OcrError(ErrorCode.ENGINE_CRASH, f"the OCR engine went away {limit} times while "
+                                    "reading this image alone; not retried")
+            elif sha in self._crashes:
+                suspects.append(it)
+            else:
+                rest.append(it)
         for it in suspects:
             sha = it.event.request.content_sha256
             if limit and self._crashes[sha] >= limit:
-                it.error = OcrError(ErrorCode.ENGINE_CRASH, f"the OCR engine went away {self._crashes[sha]} times "
-                                    "while reading this image alone; not retried")
+                del self._crashes[sha]
+                self._convicted[sha] = now + CRASH_MEMORY_S
+                while len(self._convicted) > CRASH_MEMORY:
+                    self._convicted.pop(next(iter(self._convicted)))
+                log.error("infer: %s took the OCR engine down %d times while read alone; ending it with engine_crash",
+                          it.event.request.request_id, limit)
+                it.error = OcrError(ErrorCode.ENGINE_CRASH, f"the OCR engine went away {limit} times while "
+                                    "reading this image alone; not retried")
                 continue
             if not await self.engine.health():
                 raise EngineUnavailable("the OCR engine does not answer its health check yet")
@@ -244,11 +270,10 @@ class InferHandler(Handler):
         """:meth:`_infer_group`, noting which images were on the engine when it went away."""
         if not items:
             return
-        was_ready = self.engine.ready
         try:
             await self._infer_group(items)
-        except EngineUnavailable:
-            if was_ready:
+        except EngineUnavailable as exc:
+            if exc.took_down:
                 for it in items:
                     sha = it.event.request.content_sha256
                     n = self._crashes.pop(sha, 0) + (1 if len(items) == 1 else 0)

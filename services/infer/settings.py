@@ -21,8 +21,8 @@ class InferSettings(CommonSettings):
     fetch_concurrency: int = Field(default=8, ge=1, description="S3 gets in flight per batch")
     engine_crash_limit: int = Field(
         default=2, ge=0,
-        description="times the engine (its server) may go away while reading one image alone, having answered a "
-                    "health check just before, until that image ends with engine_crash instead of being retried; 0 = retried forever")
+        description="times the engine's server may go away while reading one image alone (a connection carrying it "
+                    "dropped, the retry refused) until that image ends with engine_crash instead of being retried; 0 = retried forever")
     # RapidOCR (CPU) engine
     rapidocr_threads: int = Field(default=1, ge=1, description="ONNX Runtime intra-op threads per image (bench/engine_tuning.py)")
     rapidocr_workers: int = Field(default=2, ge=1, description="images in flight per process (2 per 2 cores: bench/infer_bench.py)")

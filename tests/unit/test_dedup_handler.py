@@ -168,3 +168,33 @@ def test_the_reaper_does_nothing_while_redis_is_down():
             raise CacheUnavailable("down")
 
     assert asyncio.run(handler(Down(), ScriptedBacklog()).on_idle()) == []
+
+
+def test_a_resent_holder_keeps_its_attempt_and_a_given_up_one_ends_with_an_error():
+    """``resent`` goes to ocr.infer with the attempt kept with it; an ``abandoned`` waiter (sent
+    PROMOTED_MAX_SENDS times without a result) gets an internal_error result with no cache key
+    (so the sink completes that request alone), next to the promotion of the following waiter."""
+    key = f"gen:{SHA}"
+
+    class Scripted(CountingCache):
+        def __init__(self, *answers):
+            super().__init__()
+            self.answers = list(answers)
+            self.expired = [key]
+
+        async def promote(self, key, lease_ms, expected_holder="", unheld_only=False, attempt=2):
+            return self.answers.pop(0)
+
+    cache = Scripted(Promotion("resent", dumps(request("w1")), None, 3))
+    [msg] = asyncio.run(handler(cache).on_idle())
+    ev = orjson.loads(msg.value)
+    assert msg.topic == S.topics.infer and ev["request"]["request_id"] == "w1" and ev["attempt"] == 3
+    cache = Scripted(Promotion("promoted", dumps(request("w2")), dumps(request("w1")), 2))
+    h = handler(cache)
+    gave_up, promoted = asyncio.run(h.on_idle())
+    ev = orjson.loads(gave_up.value)
+    assert gave_up.topic == S.topics.results and ev["request"]["request_id"] == "w1" and ev["cache_key"] is None
+    assert ev["status"] == "error" and ev["error"] == {
+        "code": "internal_error", "message": "sent to inference 3 times and no result came back"}
+    assert promoted.topic == S.topics.infer and orjson.loads(promoted.value)["request"]["request_id"] == "w2"
+    assert h.telemetry.cache.labels("dedup", "abandoned", "redis")._value.get() == 1

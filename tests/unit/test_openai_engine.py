@@ -222,7 +222,33 @@ async def test_connection_refused_raises_a_retriable_error():
     eng = engine("http://127.0.0.1:9/v1", retries=2)
     with pytest.raises(EngineUnavailable, match="unreachable") as err:
         await eng.ocr([page(OK), page(OK)], timeout_s=5)
-    assert is_transient(err.value)
+    assert is_transient(err.value) and err.value.took_down is False
+    await eng.close()
+
+
+async def test_a_server_that_dies_holding_the_image_is_told_apart_from_one_already_down():
+    """The infer handler counts an outage against an image only when the server went away while
+    it held that image: the connection carrying it dropped mid-exchange, then the retry was
+    refused (``took_down``). A server refusing the first connection was down already."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def die_on_first_request():
+        conn, _ = listener.accept()
+        conn.recv(65536)  # the request has arrived ...
+        listener.close()  # ... and the process dies: the port refuses from now on
+        conn.close()
+
+    threading.Thread(target=die_on_first_request, daemon=True).start()
+    eng = engine(f"http://127.0.0.1:{port}/v1", retries=2)
+    with pytest.raises(EngineUnavailable) as died:
+        await eng.ocr([page(OK)], timeout_s=5)
+    assert died.value.took_down is True
+    with pytest.raises(EngineUnavailable) as down:  # still down: refused at once, held nothing
+        await eng.ocr([page(OK)], timeout_s=5)
+    assert down.value.took_down is False
     await eng.close()
 
 

@@ -22,9 +22,20 @@ class EngineUnavailable(Exception):
     ``OcrEngine.ocr`` *raises* it instead of returning it per image, so nothing is committed:
     ``retriable`` makes the runner back off and run the whole batch again, for as long as it
     lasts (see :func:`services.common.errors.is_transient` and README "Delivery: the runner").
+
+    Args:
+        message: What happened.
+        took_down: True when the engine went away while it held one of the call's images (the
+            server dropped a connection carrying it, then refused the retry), False when it was
+            already gone or the engine cannot tell: the infer handler counts only the former
+            against an image (:meth:`services.infer.handler.InferHandler._infer`).
     """
 
     retriable = True
+
+    def __init__(self, message: str = "", took_down: bool = False):
+        super().__init__(message)
+        self.took_down = took_down
 
 
 @dataclass(frozen=True)

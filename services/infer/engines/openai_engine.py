@@ -55,7 +55,11 @@ class ServerError(Exception):
 
 
 class Unreachable(ConnectionError):
-    """No connection to the server could be made (refused, DNS failure, connect/TLS timeout)."""
+    """No connection to the server could be made (refused, DNS failure, connect/TLS timeout).
+    ``took_down`` is set when an earlier attempt for the same image reached the server and lost
+    its connection mid-exchange: the server went away while it held that image."""
+
+    took_down = False
 
 
 class AttemptTimeout(EngineTimeout):
@@ -374,7 +378,10 @@ class OpenAiEngine(OcrEngine):
         body = await loop.run_in_executor(self._pool, lambda: json.dumps(self.payload(image)).encode())
         url = f"{self.base_url}/chat/completions"
 
+        dropped = False  # a connection carrying this image broke mid-exchange (the server went away under it)
+
         async def attempt() -> Any:
+            nonlocal dropped
             timeout = max(0.1, min(self.request_timeout_s, deadline - time.monotonic()))
             try:
                 return await loop.run_in_executor(self._pool, self._request, "POST", url, body, timeout)
@@ -385,6 +392,10 @@ class OpenAiEngine(OcrEngine):
             except Exception as exc:
                 if not isinstance(exc, Unreachable):
                     self._mark(True)  # it answered (or accepted the connection): it is up
+                    if isinstance(exc, (ConnectionError, http.client.HTTPException)):
+                        dropped = True
+                elif dropped:
+                    exc.took_down = True  # it was reached, dropped this image, and is gone now
                 raise
 
         def out_of_attempts(state: RetryCallState) -> bool:  # or no time left for another one
@@ -441,5 +452,6 @@ class OpenAiEngine(OcrEngine):
         down = next((o for o in out if isinstance(o, Unreachable)), None)
         if down is not None:
             self._mark(False, down)
-            raise EngineUnavailable(f"OCR server at {self.base_url} unreachable: {down}") from down
+            took_down = any(getattr(o, "took_down", False) for o in out if isinstance(o, Unreachable))
+            raise EngineUnavailable(f"OCR server at {self.base_url} unreachable: {down}", took_down=took_down) from down
         return out

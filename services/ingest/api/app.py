@@ -793,9 +793,11 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         finally:
             if reading is not None:
                 door.guard.done_reading(reading)
-            if up is not None and up.staged is not None:  # aborts the multipart upload unless it became the image
-                await up.staged.discard()
-            held.release()
+            try:
+                if up is not None and up.staged is not None:  # aborts the multipart upload unless it became the image
+                    await up.staged.discard()
+            finally:
+                held.release()  # also when the request is cancelled during the discard
             door.http_requests.labels("submit", outcome).inc()
             door.http_seconds.labels("submit", outcome).observe(time.perf_counter() - started)
 
