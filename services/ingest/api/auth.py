@@ -69,6 +69,8 @@ class Limit:
     burst: int
     quota_per_day: int
     quota: int
+
+
 BATCH_PATH = "/v1/ocr/batch"
 
 
