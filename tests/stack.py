@@ -19,7 +19,9 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from schemas.events import ResultDocument
@@ -273,3 +275,66 @@ class JsonStubHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+class LoopbackOcrServer:
+    """An OpenAI-compatible OCR server on 127.0.0.1:``port`` (a thread of this process) that answers
+    every chat completion with ``answer`` as one text-spotting line, and every GET (``/health``,
+    ``/v1/models``) with the model list. :meth:`stop` closes the port, :meth:`start` opens it again.
+
+    ``dies_on(body)``: for a chat-completion body it returns True on, the server dies as a model
+    server process would: the connection is dropped unanswered and the port closed at once, and
+    it starts again on the same port ``down_s`` seconds later. ``posts`` counts the chat
+    completions answered (the warm-up included), ``crashes`` the deaths.
+    """
+
+    def __init__(self, answer: str, dies_on: Callable[[bytes], bool] | None = None, down_s: float = 1.5):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.answer = answer
+        self.dies_on = dies_on
+        self.down_s = down_s
+        self.posts = 0
+        self.crashes = 0
+        self.lock = threading.Lock()
+        self.httpd: ThreadingHTTPServer | None = None
+
+    def start(self) -> None:
+        srv = self
+
+        class Handler(JsonStubHandler):
+            def do_GET(self):
+                self._send(200, {"data": [{"id": "tencent/HunyuanOCR"}]})
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if srv.dies_on is not None and srv.dies_on(body):
+                    srv._die()
+                    self.close_connection = True
+                    self.connection.close()  # no answer: the process died under it
+                    return
+                with srv.lock:
+                    srv.posts += 1
+                self._send(200, {"choices": [{"message": {"content": f"{srv.answer}(100,100),(900,400)"},
+                                              "finish_reason": "stop"}]})
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        httpd.daemon_threads = True
+        self.httpd = httpd
+        threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def _die(self) -> None:
+        with self.lock:
+            self.crashes += 1
+            httpd, self.httpd = self.httpd, None
+        if httpd is None:
+            return
+        httpd.socket.close()  # refused from now on
+        threading.Thread(target=httpd.shutdown, daemon=True).start()
+        threading.Timer(self.down_s, self.start).start()
+
+    def stop(self) -> None:
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.httpd = None

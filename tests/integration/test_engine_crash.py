@@ -14,15 +14,13 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 import time
-from http.server import ThreadingHTTPServer
 
 import pytest
 from PIL import Image
 
 from schemas.errors import ErrorCode
-from tests.stack import JsonStubHandler, free_port, metric_value, namespaced_pipeline
+from tests.stack import LoopbackOcrServer, metric_value, namespaced_pipeline
 
 pytestmark = pytest.mark.stack
 
@@ -44,62 +42,10 @@ def is_poison(body: bytes) -> bool:
     return r > 200 and g < 60 and b < 60
 
 
-class CrashingServer:
-    """Answers every image with :data:`ANSWER`, except a red one: then it dies (the connection
-    dropped unanswered, the port closed) and restarts on the same port after :data:`DOWN_S`."""
-
-    def __init__(self):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.crashes = 0
-        self.answered = 0
-        self.lock = threading.Lock()
-        self.httpd: ThreadingHTTPServer | None = None
-        self.start()
-
-    def start(self) -> None:
-        srv = self
-
-        class Handler(JsonStubHandler):
-            def do_GET(self):
-                self._send(200, {} if self.path == "/health" else {"data": [{"id": "tencent/HunyuanOCR"}]})
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if is_poison(body):
-                    srv.crash()
-                    self.close_connection = True
-                    self.connection.close()  # no answer: the process died under it
-                    return
-                with srv.lock:
-                    srv.answered += 1
-                self._send(200, {"choices": [{"message": {"content": f"{ANSWER}(100,100),(900,400)"},
-                                              "finish_reason": "stop"}]})
-
-        httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        httpd.daemon_threads = True
-        self.httpd = httpd
-        threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def crash(self) -> None:
-        with self.lock:
-            self.crashes += 1
-            httpd, self.httpd = self.httpd, None
-        if httpd is None:
-            return
-        httpd.socket.close()  # refused from now on
-        threading.Thread(target=httpd.shutdown, daemon=True).start()
-        threading.Timer(DOWN_S, self.start).start()
-
-    def stop(self) -> None:
-        if self.httpd is not None:
-            self.httpd.shutdown()
-            self.httpd.server_close()
-
-
 @pytest.fixture(scope="module")
 def crashing():
-    srv = CrashingServer()
+    srv = LoopbackOcrServer(ANSWER, dies_on=is_poison, down_s=DOWN_S)
+    srv.start()
     yield srv
     srv.stop()
 

@@ -12,59 +12,19 @@ processes) is the real stack.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import ThreadingHTTPServer
 
 import pytest
 
 from tests.conftest import text_image
-from tests.stack import JsonStubHandler, Pipeline, free_port, metric_value, namespaced_pipeline
-
-
-class OcrServer:
-    """An OpenAI-compatible OCR server on 127.0.0.1:``port`` that answers every chat completion
-    with ``answer`` as one text-spotting line; :meth:`stop` closes the port, :meth:`start` opens
-    it again. ``posts`` counts chat-completion requests (the warm-up included)."""
-
-    def __init__(self, answer: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.answer = answer
-        self.posts = 0
-        self.lock = threading.Lock()
-        self.httpd: ThreadingHTTPServer | None = None
-
-    def start(self) -> None:
-        srv = self
-
-        class Handler(JsonStubHandler):
-            def do_GET(self):
-                self._send(200, {"data": [{"id": "tencent/HunyuanOCR"}]})
-
-            def do_POST(self):
-                self.rfile.read(int(self.headers["Content-Length"]))
-                with srv.lock:
-                    srv.posts += 1
-                self._send(200, {"choices": [{"message": {"content": f"{srv.answer}(100,100),(900,400)"},
-                                              "finish_reason": "stop"}]})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        if self.httpd is not None:
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.httpd = None
+from tests.stack import LoopbackOcrServer, Pipeline, metric_value, namespaced_pipeline
 
 
 @pytest.fixture(scope="module")
 def ocr_server():
-    srv = OcrServer("BACK ONLINE 4242")
+    srv = LoopbackOcrServer("BACK ONLINE 4242")
     srv.start()
     yield srv
     srv.stop()
