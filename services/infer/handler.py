@@ -243,14 +243,21 @@ class InferHandler(Handler):
                 del self._convicted[sha]
                 until = None
             if until is not None:
-                it.error = OcrError(ErrorCode.ENGINE_CRASH, f"the OCR engine went away {limit} times while "
-                                    "reading this image alone; not retried")
+                it.error = self._crash_error()
             elif sha in self._crashes:
                 suspects.append(it)
             else:
                 rest.append(it)
         for it in suspects:
+            # Copies of one image (cache off, Redis down, two tasks) are suspects together: an
+            # earlier copy may just have been convicted, or read through (no longer suspect).
             sha = it.event.request.content_sha256
+            if sha in self._convicted:
+                it.error = self._crash_error()
+                continue
+            if sha not in self._crashes:
+                rest.append(it)
+                continue
             if limit and self._crashes[sha] >= limit:
                 del self._crashes[sha]
                 self._convicted[sha] = now + CRASH_MEMORY_S
@@ -258,13 +265,17 @@ class InferHandler(Handler):
                     self._convicted.pop(next(iter(self._convicted)))
                 log.error("infer: %s took the OCR engine down %d times while read alone; ending it with engine_crash",
                           it.event.request.request_id, limit)
-                it.error = OcrError(ErrorCode.ENGINE_CRASH, f"the OCR engine went away {limit} times while "
-                                    "reading this image alone; not retried")
+                it.error = self._crash_error()
                 continue
             if not await self.engine.health():
                 raise EngineUnavailable("the OCR engine does not answer its health check yet")
             await self._guarded([it])
         await self._guarded(rest)
+
+    def _crash_error(self) -> OcrError:
+        """``engine_crash`` for an image convicted of taking the engine down (:meth:`_infer`)."""
+        return OcrError(ErrorCode.ENGINE_CRASH, f"the OCR engine went away {self.s.engine_crash_limit} times while "
+                        "reading this image alone; not retried")
 
     async def _guarded(self, items: list[_Item]) -> None:
         """:meth:`_infer_group`, noting which images were on the engine when it went away."""

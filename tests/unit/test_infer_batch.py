@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import io
 
-import numpy as np
 import orjson
 from aiokafka import ConsumerRecord
 from PIL import Image
@@ -17,7 +16,7 @@ from services.common.events import dumps
 from services.common.settings import Limits, TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.common.textlines import Segment
-from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
+from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
 from services.infer.handler import InferHandler
 from services.infer.settings import InferSettings
 
@@ -179,3 +178,47 @@ def test_the_time_limit_is_one_deadline_per_request_over_all_its_pages():
     assert results[1].pages[0].height == 50
     # page 3 never started: the request's deadline passed during page 2, which was cancelled
     assert engine.started == [(100, 300), (101, 300), (50, 300)]
+
+
+class DownOnBatchEngine(ScriptedEngine):
+    """Goes away (``took_down``) when a call carries two or more images; reads one image at a time."""
+
+    async def health(self) -> bool:
+        return True
+
+    async def ocr(self, images, timeout_s):
+        if len(images) > 1:
+            raise EngineUnavailable("connection dropped", took_down=True)
+        return await super().ocr(images, timeout_s)
+
+
+def test_copies_of_one_suspect_image_in_a_batch_are_each_settled():
+    """Two copies of a suspect (same content hash; cache off or Redis down) in one micro-batch: the
+    first copy's lone read clears or convicts the image, and the second copy follows it."""
+    sha = "a" * 64
+
+    def copies() -> list[ConsumerRecord]:
+        evs = [InferEvent(request=RequestEvent(request_id=f"c{i}", content_sha256=sha, image_uri="s3://b/x"),
+                          cache_key=f"abcdefabcdef:{sha}") for i in range(2)]
+        return [ConsumerRecord("ocr.infer", 0, i, 0, 0, None, dumps(ev), None, 0, 0, []) for i, ev in enumerate(evs)]
+
+    # read through: the first copy's lone read clears it, the second is read (with the others)
+    engine = DownOnBatchEngine()
+    handler = InferHandler(InferSettings(), MemoryStore({"s3://b/x": png(300, 100)}), engine,
+                           Telemetry("infer", TelemetrySettings()))
+    handler._crashes[sha] = 1  # one lone crash so far
+    out = asyncio.run(handler.handle(copies()))
+    results = [ResultEvent.model_validate(orjson.loads(o.value)) for o in out]
+    assert [r.status for r in results] == ["ok", "ok"]
+    assert [r.lines[0].text for r in results] == ["TEXT 100x300"] * 2
+    assert sha not in handler._crashes and sha not in handler._convicted
+
+    # at the limit: the first copy is convicted, the second shares its engine_crash without a read
+    engine = DownOnBatchEngine()
+    handler = InferHandler(InferSettings(), MemoryStore({"s3://b/x": png(300, 100)}), engine,
+                           Telemetry("infer", TelemetrySettings()))
+    handler._crashes[sha] = InferSettings().engine_crash_limit
+    out = asyncio.run(handler.handle(copies()))
+    results = [ResultEvent.model_validate(orjson.loads(o.value)) for o in out]
+    assert [r.error.code for r in results] == [ErrorCode.ENGINE_CRASH] * 2
+    assert engine.calls == [] and sha in handler._convicted
