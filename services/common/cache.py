@@ -12,6 +12,9 @@ Keys (prefix ``ocr`` by default; ``<key>`` is a cache key ``<gen_id>:<sha256>``)
                        waiters: it exists only here): if the promotion's reply was lost or its
                        sender died before producing it, its event was never sent, and the reaper
                        sends it again instead of forgetting it (:meth:`ResultCache.promote`).
+* ``ocr:gaveup``       hash request id -> RequestEvent JSON of promoted waiters given up after
+                       :data:`PROMOTED_MAX_SENDS` sends, kept until their error result is
+                       acknowledged by Kafka (:meth:`ResultCache.given_up`, :meth:`ResultCache.forget_given_up`).
 * ``ocr:gens``         hash gen_id -> generation JSON, so ``cache purge --model REV`` finds entries.
 * ``ocr:nd:<gen_id>:*`` near-duplicate index (LSH buckets, ``services/common/neardup_index.py``).
 
@@ -105,7 +108,7 @@ end
 return 1
 """
 
-# Promote the first waiter to lease holder. KEYS: entry, lease, waiters, inflight, held
+# Promote the first waiter to lease holder. KEYS: entry, lease, waiters, inflight, held, gaveup
 # ARGV: lease_ms, now_ms, cache_key, expected_holder, unheld_only ('1' or ''), max_sends, attempt
 # expected_holder given (the sink, after the holder's retryable error): only if the lease is that
 # holder's or nobody's. Else (dedup's reaper): with unheld_only, only if nobody holds the lease
@@ -116,7 +119,8 @@ return 1
 # passed with nothing of it left in Kafka), it may never have been sent (the promotion's reply was
 # lost, or its sender died before producing it): it is sent again ('resent', keeping the lease),
 # max_sends times in all; after that it is given up ('abandoned', third value: the caller ends it
-# with an error) and the next waiter promoted. The sink's promotion after a holder's own error
+# with an error; it moves to `gaveup`, where it stays until that error is acknowledged, so a lost
+# reply or a dead caller cannot forget it) and the next waiter promoted. The sink's promotion after a holder's own error
 # drops that holder's record (it has its final state); a record of another request goes back to
 # the head of the waiters.
 # With a result cached the lease is stale (its holder stored the entry, then could not release
@@ -154,6 +158,7 @@ if held then
       return {'resent', held, '', redis.call('HGET', KEYS[5], 'a') or '2'}
     end
     abandoned = held
+    redis.call('HSET', KEYS[6], rid, held)
   elseif ARGV[4] ~= '' and rid ~= ARGV[4] then
     redis.call('LPUSH', KEYS[3], held)
   end
@@ -461,14 +466,16 @@ class ResultCache:
             released); ``busy`` (another holder has the lease, or the deadline is not, or no
             longer, past); ``held`` (see ``unheld_only``). With ``promoted`` or ``none``,
             ``abandoned`` may hold a promoted waiter sent :data:`PROMOTED_MAX_SENDS` times
-            without a result: the caller ends it with an error.
+            without a result. It is also kept in ``<prefix>:gaveup`` until
+            :meth:`forget_given_up`: whoever ends it with an error reads it from :meth:`given_up`
+            (the reply of this call may be lost).
 
         Raises:
             CacheUnavailable: Redis down or slow.
         """
         res = await self._call(
             "promote",
-            self._promote(keys=[*self._keys(key), self._held_key(key)],
+            self._promote(keys=[*self._keys(key), self._held_key(key), f"{self.p}:gaveup"],
                           args=[lease_ms, int(time.time() * 1000), key, expected_holder, "1" if unheld_only else "",
                                 PROMOTED_MAX_SENDS, attempt]),
         )
@@ -489,6 +496,30 @@ class ResultCache:
         k = self._keys(key)
         return bool(await self._call(
             "extend", self._extend(keys=[k[1], k[3]], args=[lease_ms, int(time.time() * 1000), key])))
+
+    async def given_up(self, limit: int = 100) -> list[bytes]:
+        """Promoted waiters given up by :meth:`promote` whose error result is not yet acknowledged:
+        RequestEvent JSON, at most ``limit`` (more are returned once these are forgotten).
+
+        Raises:
+            CacheUnavailable: Redis down or slow.
+        """
+        out: list[bytes] = []
+        cursor = 0
+        while True:
+            cursor, found = await self._call("given_up", self.client.hscan(f"{self.p}:gaveup", cursor, count=limit))
+            out.extend(found.values())
+            if not cursor or len(out) >= limit:
+                return out[:limit]
+
+    async def forget_given_up(self, request_ids: list[str]) -> None:
+        """Drop given-up waiters from :meth:`given_up` once their error results are acknowledged.
+
+        Raises:
+            CacheUnavailable: Redis down or slow (they are then returned, and ended, again).
+        """
+        if request_ids:
+            await self._call("forget_given_up", self.client.hdel(f"{self.p}:gaveup", *request_ids))
 
     async def expired_leases(self, limit: int = 100) -> list[str]:
         """Cache keys whose lease deadline has passed (candidates for promotion), at most ``limit``.

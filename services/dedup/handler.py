@@ -60,6 +60,7 @@ class DedupHandler(Handler):
         self.near = near
         self.backlog = backlog
         self._marks: dict[str, list] = {}  # expired held key -> [topic, partition, offset the group must commit past]
+        self._gave_up: list[str] = []  # request ids whose give-up results the last on_idle returned
         self.lru = EntryLru(settings.lru_entries, settings.lru_bytes, settings.lru_ttl_s)
         self._known_gens: dict[str, float] = {}  # gen_id -> when registered (monotonic s)
 
@@ -159,7 +160,49 @@ class DedupHandler(Handler):
         return found
 
     async def on_idle(self) -> list[Outgoing]:
-        """Reaper (about once a second): settle each key whose lease deadline has passed.
+        """Reaper (about once a second): settle each key whose lease deadline has passed
+        (:meth:`_reap`), then end the promoted waiters given up after
+        :data:`~services.common.cache.PROMOTED_MAX_SENDS` sends with ``internal_error``
+        (:meth:`_give_up`)."""
+        out = await self._reap()
+        out.extend(await self._give_up())
+        return out
+
+    async def _give_up(self) -> list[Outgoing]:
+        """An ``internal_error`` result for each waiter in :meth:`ResultCache.given_up`.
+
+        They stay in Redis until :meth:`after_produce` (these results acknowledged by Kafka), so a
+        lost reply of the promotion that gave one up, or this process dying before its result is
+        produced, does not forget it: the next reaper pass, here or in another dedup, ends it.
+        Two reapers may both end one; the sink keeps a request's first final state.
+        """
+        self._gave_up = []
+        try:
+            found = await self.cache.given_up()
+        except CacheUnavailable:
+            return []
+        out: list[Outgoing] = []
+        for raw in found:
+            req = RequestEvent.model_validate_json(raw)
+            ev = ResultEvent(request=req, status="error", error=ErrorInfo(
+                code=ErrorCode.INTERNAL_ERROR,
+                message=f"sent to inference {PROMOTED_MAX_SENDS} times and no result came back"))
+            out.append(Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), self.telemetry.inject()))
+            self._gave_up.append(req.request_id)
+        return out
+
+    async def after_produce(self) -> None:
+        """Forget the given-up waiters whose error results were just acknowledged (:meth:`_give_up`)."""
+        done, self._gave_up = self._gave_up, []
+        if not done:
+            return
+        try:
+            await self.cache.forget_given_up(done)
+        except CacheUnavailable:
+            log.warning("dedup: could not forget %d given-up requests in Redis; they are ended again", len(done))
+
+    async def _reap(self) -> list[Outgoing]:
+        """Settle each key whose lease deadline has passed.
 
         * Nobody holds the lease (it was released with waiters left, or its backstop expiry ran
           out): the first waiter is promoted and re-sent to inference.
@@ -230,17 +273,13 @@ class DedupHandler(Handler):
 
     def _settled(self, key: str, p: Promotion, why: str) -> list[Outgoing]:
         """What to send for a :meth:`ResultCache.promote` outcome of the reaper's: the promoted or
-        re-sent waiter to ``ocr.infer``, and an ``internal_error`` result for a waiter given up."""
+        re-sent waiter to ``ocr.infer``. A waiter given up is ended by :meth:`_give_up`."""
         out: list[Outgoing] = []
         if p.abandoned is not None:
             req = RequestEvent.model_validate_json(p.abandoned)
             self.telemetry.cache.labels("dedup", "abandoned", "redis").inc()
             log.error("dedup: request %s was sent to inference %d times as the holder of %s and no result came "
                       "back; ending it with internal_error", req.request_id, PROMOTED_MAX_SENDS, key)
-            ev = ResultEvent(request=req, status="error", error=ErrorInfo(
-                code=ErrorCode.INTERNAL_ERROR,
-                message=f"sent to inference {PROMOTED_MAX_SENDS} times and no result came back"))
-            out.append(Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), self.telemetry.inject()))
         if p.raw is None or p.outcome not in ("promoted", "resent"):
             return out
         req = RequestEvent.model_validate_json(p.raw)

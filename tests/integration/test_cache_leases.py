@@ -205,6 +205,10 @@ def test_a_promoted_waiter_is_never_forgotten(stack_env):
             await cache.client.zadd(inflight_key, {key: 0})
             assert await cache.promote(key, 60_000) == Promotion("promoted", w["C"], w["B"], 2)
             assert await cache.client.llen(waiters_key) == 0
+            # B is kept until its error result is acknowledged: a lost reply cannot forget it
+            assert await cache.given_up() == [w["B"]]
+            await cache.forget_given_up(["B"])
+            assert await cache.given_up() == []
             # C's lease lapses (its backstop expiry ran out) but its record stays: sent again
             await cache.client.delete(lease_key)
             assert await cache.promote(key, 60_000, unheld_only=True) == Promotion("resent", w["C"], None, 2)

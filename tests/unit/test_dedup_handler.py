@@ -33,6 +33,16 @@ class CountingCache:
         self.expired: list[str] = []
         self.holders: dict[str, str] = {}  # key -> holder request id (lease held)
         self.waiters: dict[str, list[bytes]] = {}
+        self.gaveup: dict[str, bytes] = {}  # request id -> RequestEvent JSON (<prefix>:gaveup)
+
+    async def given_up(self, limit: int = 100) -> list[bytes]:
+        self.calls.append("given_up")
+        return list(self.gaveup.values())[:limit]
+
+    async def forget_given_up(self, request_ids: list[str]) -> None:
+        self.calls.append("forget_given_up")
+        for rid in request_ids:
+            self.gaveup.pop(rid, None)
 
     async def register_generation(self, gen) -> None:
         self.calls.append("register_generation")
@@ -122,25 +132,25 @@ def test_a_queued_holder_is_extended_until_infer_and_then_the_sink_commit_past_t
     backlog = ScriptedBacklog(ends={S.topics.infer: 100, S.topics.results: 50},
                               committed={S.topics.infer: 90, S.topics.results: 50})
     h = handler(cache, backlog)
-    assert asyncio.run(h.on_idle()) == [] and cache.calls[-1] == "extend"  # mark: ocr.infer at 100
+    assert asyncio.run(h.on_idle()) == [] and cache.calls[-2:] == ["extend", "given_up"]  # mark: ocr.infer at 100
     backlog.ends[S.topics.infer] = 130  # new traffic keeps arriving...
     backlog.committed[S.topics.infer] = 120  # ...and infer commits past the mark: on to ocr.results at 70
     backlog.ends[S.topics.results] = 70
-    assert asyncio.run(h.on_idle()) == [] and cache.calls[-1] == "extend"
+    assert asyncio.run(h.on_idle()) == [] and cache.calls[-2:] == ["extend", "given_up"]
     backlog.ends[S.topics.results] = 90
     backlog.committed[S.topics.results] = 69  # not yet past 70
-    assert asyncio.run(h.on_idle()) == [] and cache.calls[-1] == "extend"
+    assert asyncio.run(h.on_idle()) == [] and cache.calls[-2:] == ["extend", "given_up"]
     backlog.committed[S.topics.results] = 80  # the sink handled the holder's result; the key is still held
     [msg] = asyncio.run(h.on_idle())
     assert orjson.loads(msg.value)["request"]["request_id"] == "w1" and orjson.loads(msg.value)["cache_key"] == key
-    assert cache.calls[-1] == "promote" and h._marks == {}
+    assert cache.calls[-2:] == ["promote", "given_up"] and h._marks == {}
 
 
 def test_the_reaper_keeps_the_holder_when_kafka_cannot_tell():
     cache = CountingCache()
     _held(cache, dumps(request("w1")))
     out = asyncio.run(handler(cache, ScriptedBacklog(error=BacklogUnknown("kafka down"))).on_idle())
-    assert out == [] and cache.calls == ["expired_leases", "promote_unheld", "extend"]
+    assert out == [] and cache.calls == ["expired_leases", "promote_unheld", "extend", "given_up"]
 
 
 def test_the_reaper_replaces_a_holder_that_is_not_queued_anywhere():
@@ -150,7 +160,7 @@ def test_the_reaper_replaces_a_holder_that_is_not_queued_anywhere():
     [msg] = asyncio.run(handler(cache, backlog).on_idle())
     ev = orjson.loads(msg.value)
     assert msg.topic == S.topics.infer and ev["request"]["request_id"] == "w1" and ev["cache_key"] == key
-    assert cache.calls == ["expired_leases", "promote_unheld", "promote"]
+    assert cache.calls == ["expired_leases", "promote_unheld", "promote", "given_up"]
 
 
 def test_waiters_of_a_released_lease_are_promoted_without_asking_kafka():
@@ -173,7 +183,8 @@ def test_the_reaper_does_nothing_while_redis_is_down():
 def test_a_resent_holder_keeps_its_attempt_and_a_given_up_one_ends_with_an_error():
     """``resent`` goes to ocr.infer with the attempt kept with it; an ``abandoned`` waiter (sent
     PROMOTED_MAX_SENDS times without a result) gets an internal_error result with no cache key
-    (so the sink completes that request alone), next to the promotion of the following waiter."""
+    (so the sink completes that request alone), next to the promotion of the following waiter,
+    and is forgotten in Redis only after that result is acknowledged."""
     key = f"gen:{SHA}"
 
     class Scripted(CountingCache):
@@ -183,7 +194,10 @@ def test_a_resent_holder_keeps_its_attempt_and_a_given_up_one_ends_with_an_error
             self.expired = [key]
 
         async def promote(self, key, lease_ms, expected_holder="", unheld_only=False, attempt=2):
-            return self.answers.pop(0)
+            p = self.answers.pop(0)
+            if p.abandoned is not None:  # as the Lua script: kept until forgotten
+                self.gaveup[orjson.loads(p.abandoned)["request_id"]] = p.abandoned
+            return p
 
     cache = Scripted(Promotion("resent", dumps(request("w1")), None, 3))
     [msg] = asyncio.run(handler(cache).on_idle())
@@ -191,10 +205,40 @@ def test_a_resent_holder_keeps_its_attempt_and_a_given_up_one_ends_with_an_error
     assert msg.topic == S.topics.infer and ev["request"]["request_id"] == "w1" and ev["attempt"] == 3
     cache = Scripted(Promotion("promoted", dumps(request("w2")), dumps(request("w1")), 2))
     h = handler(cache)
-    gave_up, promoted = asyncio.run(h.on_idle())
+    promoted, gave_up = asyncio.run(h.on_idle())
     ev = orjson.loads(gave_up.value)
     assert gave_up.topic == S.topics.results and ev["request"]["request_id"] == "w1" and ev["cache_key"] is None
     assert ev["status"] == "error" and ev["error"] == {
         "code": "internal_error", "message": "sent to inference 3 times and no result came back"}
     assert promoted.topic == S.topics.infer and orjson.loads(promoted.value)["request"]["request_id"] == "w2"
     assert h.telemetry.cache.labels("dedup", "abandoned", "redis")._value.get() == 1
+    assert set(cache.gaveup) == {"w1"}  # until Kafka has acknowledged the result
+    asyncio.run(h.after_produce())
+    assert cache.gaveup == {}
+
+
+def test_a_given_up_waiter_whose_promotion_reply_was_lost_is_still_ended():
+    """The promotion that gave a waiter up ran in Redis but its reply never came (a slow Redis, or
+    the dedup that ran it died): the next reaper pass finds it in ``given_up`` and ends it; a
+    failed forget leaves it there to be ended again, never lost."""
+    cache = CountingCache()
+    cache.gaveup["w1"] = dumps(request("w1"))
+    h = handler(cache)
+    [msg] = asyncio.run(h.on_idle())
+    ev = orjson.loads(msg.value)
+    assert msg.topic == S.topics.results and ev["request"]["request_id"] == "w1"
+    assert ev["error"]["code"] == "internal_error"
+
+    class Down(CountingCache):
+        async def forget_given_up(self, request_ids):
+            raise CacheUnavailable("down")
+
+    down = Down()
+    down.gaveup["w1"] = dumps(request("w1"))
+    h = handler(down)
+    assert len(asyncio.run(h.on_idle())) == 1
+    asyncio.run(h.after_produce())  # logged, not raised
+    assert len(asyncio.run(h.on_idle())) == 1  # ended again
+    asyncio.run(h.after_produce())
+    asyncio.run(handler(cache).after_produce())  # nothing to forget: no call
+    assert cache.calls.count("forget_given_up") == 0
