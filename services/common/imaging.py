@@ -127,7 +127,10 @@ def sniff(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
     with img:
         w, h = img.size
         _check_pixels(w, h, max_pixels)
-        frames = getattr(img, "n_frames", 1) or 1
+        try:  # counting frames reads every page's header: a later page can be the broken one
+            frames = getattr(img, "n_frames", 1) or 1
+        except Exception as exc:
+            raise OcrError(ErrorCode.CORRUPT_IMAGE, f"a later page's header cannot be read: {exc}") from exc
         if frames > max_pages:
             raise OcrError(ErrorCode.TOO_MANY_PAGES, f"image has {frames} frames, limit {max_pages}")
         _check_total(w * h * frames, max_pixels)

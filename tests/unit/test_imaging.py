@@ -273,3 +273,25 @@ def test_pdf_pages_after_a_tiny_first_page_count_towards_the_total():
     info = sniff(data, 12_000_000, 20)  # limit 24 Mpx: the same file passes
     assert (info.format, info.width, info.height, info.frames) == ("PDF", 28, 28, 4)
     assert [p.shape for p in decode(data, 12_000_000, 20)] == [(28, 28, 3)] + [(2778, 2778, 3)] * 3
+
+
+def test_a_multi_page_tiff_whose_second_page_is_broken_is_corrupt_image():
+    """Counting a TIFF's frames reads every page's header: page 2 with an unknown
+    PhotometricInterpretation (Pillow: SyntaxError "unknown pixel mode") is the image's
+    ``corrupt_image``, not an internal error (which the HTTP door would answer 503)."""
+    import struct
+
+    buf = io.BytesIO()
+    Image.new("L", (32, 32), 255).save(buf, "TIFF", save_all=True, append_images=[Image.new("L", (32, 32), 0)])
+    data = bytearray(buf.getvalue())
+    ifd1 = struct.unpack_from("<I", data, 4)[0]
+    n = struct.unpack_from("<H", data, ifd1)[0]
+    ifd2 = struct.unpack_from("<I", data, ifd1 + 2 + 12 * n)[0]
+    for i in range(struct.unpack_from("<H", data, ifd2)[0]):
+        off = ifd2 + 2 + 12 * i
+        if struct.unpack_from("<H", data, off)[0] == 262:  # PhotometricInterpretation
+            struct.pack_into("<H", data, off + 8, 99)
+    with pytest.raises(OcrError) as err:
+        sniff(bytes(data), 100_000_000, 20)
+    assert err.value.code == ErrorCode.CORRUPT_IMAGE
+    assert "unknown pixel mode" in str(err.value)
