@@ -115,17 +115,23 @@ class SinkHandler(Handler):
         return out
 
     async def on_idle(self) -> list[Outgoing]:
-        """Complete waiters whose holder finished while Redis was down, once Redis answers again."""
+        """Complete waiters whose holder finished while Redis was down, once Redis answers again.
+
+        A key leaves the deferred set only with its completions: if writing them fails (MariaDB
+        down, say), it goes back and the next pass begins it again (:meth:`ResultCache.complete_begin`
+        is safe to repeat: the waiters stay in Redis until :meth:`after_produce`)."""
         if not self._deferred:
             return []
         self._batch_pending, self._spans = {}, {}
         docs: list[ResultDocument] = []
-        for key, (entry, ttl_s, ev, output) in list(self._deferred.items()):
+        taken: dict[str, tuple] = {}
+        for key, item in list(self._deferred.items()):
+            entry, ttl_s, ev, output = item
             try:
                 raw = await self.cache.complete_begin(key, entry, ttl_s, holder=ev.request.request_id)
             except CacheUnavailable:
                 break
-            del self._deferred[key]
+            taken[key] = self._deferred.pop(key)
             if raw is None:  # another request holds the key now: its result completes the waiters
                 continue
             self._batch_pending[key] = len(raw)
@@ -134,7 +140,11 @@ class SinkHandler(Handler):
                                       cache_hit=output is not None))
         if docs:
             log.info("sink: Redis is back: completing %d waiting request(s)", len(docs))
-        return await self._complete(docs) if docs or self._batch_pending else []
+        try:
+            return await self._complete(docs) if docs or self._batch_pending else []
+        except BaseException:
+            self._deferred.update(taken)  # tried again on the next pass
+            raise
 
     async def after_produce(self) -> None:
         """Completions are durable: remove the completed waiters and release the leases."""
