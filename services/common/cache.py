@@ -46,6 +46,10 @@ PROMOTED_MAX_SENDS = 3
 """How many times in all a promoted waiter is sent to inference (its first send may have been lost
 with the promotion's reply) before the reaper gives it up, ending it with an error."""
 
+HIT_WAITERS_MAX = 500
+"""At most this many waiters are returned by one :meth:`ResultCache.promote` that finds the result
+cached (the rest on the next one)."""
+
 LEASE_KEY_FACTOR = 4
 """The lease key itself expires after this many lease periods, as a backstop only: dedup's reaper
 decides when a holder is replaced (by the deadline in ``<prefix>:inflight`` and the backlog of the
@@ -124,18 +128,25 @@ return 1
 # drops that holder's record (it has its final state); a record of another request goes back to
 # the head of the waiters.
 # With a result cached the lease is stale (its holder stored the entry, then could not release
-# it): it is dropped with its in-flight mark, so the reaper does not meet it again. The waiters
-# stay: complete_begin gave them to the sink with the entry, and a replay needs them (they expire
-# after a few lease periods, as nothing else will take them); a promoted holder is among them
-# (complete_begin put it there) or completed by its own result.
-# Returns {outcome, waiter_json, abandoned_json, attempt}.
+# it, or its sink is still writing: MariaDB down): the lease goes. Waiters still listed are
+# returned (fifth value, the first HIT_WAITERS_MAX): complete_begin gave them to a sink that has
+# not finished them, and may never (it deferred them while Redis was down, then died; or its
+# outage outlasts the lease), so the caller answers them from the entry and then removes them
+# with complete_end. Until then the key stays in flight, due again a lease period on; with no
+# waiters left its in-flight mark goes, so the reaper does not meet it again. A promoted holder
+# is among the waiters (complete_begin put it there) or completed by its own result.
+# Returns {outcome, waiter_json, abandoned_json, attempt[, waiters]}.
 _PROMOTE = """
 local hit = redis.call('GET', KEYS[1])
 if hit then
   redis.call('DEL', KEYS[2], KEYS[5])
-  redis.call('ZREM', KEYS[4], ARGV[3])
-  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[1]) * %d)
-  return {'hit', hit, '', ''}
+  local ws = redis.call('LRANGE', KEYS[3], 0, %d - 1)
+  if #ws == 0 then
+    redis.call('ZREM', KEYS[4], ARGV[3])
+  else
+    redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
+  end
+  return {'hit', hit, '', '', ws}
 end
 local holder = redis.call('GET', KEYS[2])
 if ARGV[4] ~= '' then
@@ -174,7 +185,7 @@ redis.call('SET', KEYS[2], cjson.decode(w)['request_id'], 'PX', tonumber(ARGV[1]
 redis.call('HSET', KEYS[5], 'w', w, 'n', 1, 'a', ARGV[7])
 redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
 return {'promoted', w, abandoned, ARGV[7]}
-""" % ((LEASE_KEY_FACTOR,) * 3)
+""" % (HIT_WAITERS_MAX, LEASE_KEY_FACTOR, LEASE_KEY_FACTOR)
 
 # Give a holder that is still on its way a new deadline. KEYS: lease, inflight
 # ARGV: lease_ms, now_ms, cache_key. Only a key whose deadline has passed (not one a promotion or
@@ -271,12 +282,16 @@ class Promotion(NamedTuple):
         raw: The waiter to send (RequestEvent JSON), or on ``hit`` the entry; else None.
         abandoned: A promoted waiter given up after :data:`PROMOTED_MAX_SENDS` sends, or None.
         attempt: The attempt number ``raw``'s ``ocr.infer`` event carries.
+    waiters: On ``hit``, waiters still listed (RequestEvent JSON, at most :data:`HIT_WAITERS_MAX`):
+        the caller answers them from the entry, then removes them with
+        :meth:`ResultCache.complete_end`.
     """
 
     outcome: str
     raw: bytes | None = None
     abandoned: bytes | None = None
     attempt: int = 2
+    waiters: tuple[bytes, ...] = ()
 
 
 class ResultCache:
@@ -461,8 +476,9 @@ class ResultCache:
             reaper only: the holder due is itself a promoted waiter, which may never have been
             sent, because the promotion's reply was lost or its sender died before producing
             it; send ``raw`` again; it keeps the lease, at most :data:`PROMOTED_MAX_SENDS` sends
-            in all); ``hit`` (``raw`` is the entry: a result appeared; the stale lease and its
-            in-flight mark are removed, the waiters kept); ``none`` (nobody waits: the lease is
+            in all); ``hit`` (``raw`` is the entry: a result appeared; the stale lease is removed,
+            and ``waiters`` lists the waiters still there, to be answered from the entry and then
+            removed with :meth:`complete_end`; with none, the in-flight mark goes too); ``none`` (nobody waits: the lease is
             released); ``busy`` (another holder has the lease, or the deadline is not, or no
             longer, past); ``held`` (see ``unheld_only``). With ``promoted`` or ``none``,
             ``abandoned`` may hold a promoted waiter sent :data:`PROMOTED_MAX_SENDS` times
@@ -480,7 +496,8 @@ class ResultCache:
                                 PROMOTED_MAX_SENDS, attempt]),
         )
         outcome = res[0].decode() if isinstance(res[0], bytes) else res[0]
-        return Promotion(outcome, res[1] or None, res[2] or None, int(res[3]) if res[3] else attempt)
+        waiters = tuple(res[4]) if len(res) > 4 and res[4] else ()
+        return Promotion(outcome, res[1] or None, res[2] or None, int(res[3]) if res[3] else attempt, waiters)
 
     async def extend(self, key: str, lease_ms: int) -> bool:
         """Give the holder of ``key`` a new deadline ``lease_ms`` from now, if its deadline has passed

@@ -61,6 +61,7 @@ class DedupHandler(Handler):
         self.backlog = backlog
         self._marks: dict[str, list] = {}  # expired held key -> [topic, partition, offset the group must commit past]
         self._gave_up: list[str] = []  # request ids whose give-up results the last on_idle returned
+        self._answered: dict[str, int] = {}  # key -> waiters the last on_idle answered from its entry
         self.lru = EntryLru(settings.lru_entries, settings.lru_bytes, settings.lru_ttl_s)
         self._known_gens: dict[str, float] = {}  # gen_id -> when registered (monotonic s)
 
@@ -163,9 +164,15 @@ class DedupHandler(Handler):
         """Reaper (about once a second): settle each key whose lease deadline has passed
         (:meth:`_reap`), then end the promoted waiters given up after
         :data:`~services.common.cache.PROMOTED_MAX_SENDS` sends with ``internal_error``
-        (:meth:`_give_up`)."""
-        out = await self._reap()
-        out.extend(await self._give_up())
+        (:meth:`_give_up`). What it returns is acknowledged by Kafka before :meth:`after_produce`
+        removes it from Redis; if it fails half-way, nothing is removed."""
+        self._gave_up, self._answered = [], {}
+        try:
+            out = await self._reap()
+            out.extend(await self._give_up())
+        except BaseException:
+            self._gave_up, self._answered = [], {}
+            raise
         return out
 
     async def _give_up(self) -> list[Outgoing]:
@@ -176,7 +183,6 @@ class DedupHandler(Handler):
         produced, does not forget it: the next reaper pass, here or in another dedup, ends it.
         Two reapers may both end one; the sink keeps a request's first final state.
         """
-        self._gave_up = []
         try:
             found = await self.cache.given_up()
         except CacheUnavailable:
@@ -192,14 +198,18 @@ class DedupHandler(Handler):
         return out
 
     async def after_produce(self) -> None:
-        """Forget the given-up waiters whose error results were just acknowledged (:meth:`_give_up`)."""
+        """The reaper's results were just acknowledged: forget the given-up waiters
+        (:meth:`_give_up`) and remove the waiters answered from a cached entry (:meth:`_settled`)."""
         done, self._gave_up = self._gave_up, []
-        if not done:
-            return
+        answered, self._answered = self._answered, {}
         try:
-            await self.cache.forget_given_up(done)
+            if done:
+                await self.cache.forget_given_up(done)
+            for key, n in answered.items():
+                await self.cache.complete_end(key, n)
         except CacheUnavailable:
-            log.warning("dedup: could not forget %d given-up requests in Redis; they are ended again", len(done))
+            log.warning("dedup: could not remove %d given-up and %d answered waiters in Redis; they are answered again",
+                        len(done), sum(answered.values()))
 
     async def _reap(self) -> list[Outgoing]:
         """Settle each key whose lease deadline has passed.
@@ -273,8 +283,24 @@ class DedupHandler(Handler):
 
     def _settled(self, key: str, p: Promotion, why: str) -> list[Outgoing]:
         """What to send for a :meth:`ResultCache.promote` outcome of the reaper's: the promoted or
-        re-sent waiter to ``ocr.infer``. A waiter given up is ended by :meth:`_give_up`."""
+        re-sent waiter to ``ocr.infer``, or a cache hit for each waiter left on a key whose result
+        is cached. A waiter given up is ended by :meth:`_give_up`."""
         out: list[Outgoing] = []
+        if p.outcome == "hit" and p.waiters:
+            # The result is cached but these waiters were never completed (the sink that began
+            # completing them died with them deferred, or is stuck on a long outage): answered
+            # here like any cache hit; the sink keeps each request's first final state.
+            entry = CacheEntry.from_json(p.raw)
+            log.warning("dedup: %s is cached but %d waiting request(s) were never completed; answering them from "
+                        "the cache", key, len(p.waiters))
+            self.telemetry.cache.labels("dedup", "waiters_answered", "redis").inc(len(p.waiters))
+            for raw in p.waiters:
+                req = RequestEvent.model_validate_json(raw)
+                gen = self.s.generation(req.task)
+                ev = ResultEvent(request=req, cache_key=key, cache_hit=True, status="ok", result_uri=entry.result_uri,
+                                 engine=gen.engine, model=gen.model, model_revision=gen.model_revision)
+                out.append(Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), self.telemetry.inject()))
+            self._answered[key] = len(p.waiters)
         if p.abandoned is not None:
             req = RequestEvent.model_validate_json(p.abandoned)
             self.telemetry.cache.labels("dedup", "abandoned", "redis").inc()

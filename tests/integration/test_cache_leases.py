@@ -14,8 +14,10 @@ from services.common.settings import RedisSettings
 
 def test_reaper_drops_a_stale_lease_once_the_result_is_cached(stack_env):
     """The holder stored the entry (complete_begin) but its release (complete_end) never ran,
-    e.g. Redis blipped: the expired lease must leave the in-flight set at the reaper's first
-    look, not be met again on every pass (``expired_leases`` reads 100 at a time)."""
+    e.g. Redis blipped, or its sink died with the waiters deferred: the expired lease goes at the
+    reaper's first look, and the waiters still listed come back with the entry, to be answered
+    from it and then removed; until then the key is due again only a lease period on (not met
+    on every pass: ``expired_leases`` reads 100 at a time), after that it leaves the in-flight set."""
 
     async def go():
         cache = ResultCache(RedisSettings(key_prefix=f"lease-test-{os.getpid()}-{time.time_ns()}"))
@@ -29,14 +31,22 @@ def test_reaper_drops_a_stale_lease_once_the_result_is_cached(stack_env):
             await asyncio.sleep(0.1)  # the lease's deadline passes; complete_end never ran
             assert await cache.expired_leases() == [key]
 
-            outcome, raw, *_ = await cache.promote(key, lease_ms=600_000)
-            assert outcome == "hit" and b"results/x.json" in raw
+            p = await cache.promote(key, lease_ms=600_000)
+            assert p.outcome == "hit" and b"results/x.json" in p.raw and p.waiters == (b'{"request_id": "copy"}',)
             assert await cache.expired_leases() == []
             assert await cache.client.exists(lease_key) == 0
-            assert await cache.client.zscore(inflight_key, key) is None
-            # the waiter stays for a replay of the sink's batch; a new request is a plain hit
+            assert await cache.client.zscore(inflight_key, key) > time.time() * 1000 + 590_000
+            # the waiter stays until whoever answers it removes it; a new request is a plain hit
             assert await cache.client.lrange(waiters_key, 0, -1) == [b'{"request_id": "copy"}']
+            assert await cache.client.pttl(waiters_key) == -1
             assert (await cache.claim(key, "later", b'{"request_id": "later"}', lease_ms=50)).outcome == "hit"
+            await cache.complete_end(key, len(p.waiters))
+            assert await cache.client.exists(waiters_key) == 0
+            assert await cache.client.zscore(inflight_key, key) is None
+            # nobody left waiting: the in-flight mark goes at once
+            await cache.client.zadd(inflight_key, {key: 0})
+            p = await cache.promote(key, lease_ms=600_000)
+            assert p.outcome == "hit" and p.waiters == () and await cache.client.zscore(inflight_key, key) is None
         finally:
             await cache.client.delete(entry_key, lease_key, waiters_key, inflight_key)
             await cache.close()

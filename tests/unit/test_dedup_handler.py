@@ -68,6 +68,10 @@ class CountingCache:
         self.calls.append("extend")
         return True
 
+    async def complete_end(self, key, n_done) -> None:
+        self.calls.append(f"complete_end {n_done}")
+        del self.waiters.setdefault(key, [])[:n_done]
+
 
 class ScriptedBacklog:
     """Every key maps to partition 0; ``ends``/``committed``: topic -> offset of partition 0, or
@@ -242,3 +246,48 @@ def test_a_given_up_waiter_whose_promotion_reply_was_lost_is_still_ended():
     asyncio.run(h.after_produce())
     asyncio.run(handler(cache).after_produce())  # nothing to forget: no call
     assert cache.calls.count("forget_given_up") == 0
+
+
+def test_waiters_left_on_a_cached_key_are_answered_from_the_entry_then_removed():
+    """The reaper finds a key due whose result is cached but whose waiters were never completed
+    (the sink deferred them while Redis was down and died, or is stuck in a long MariaDB outage):
+    each waiter gets a cache hit with the entry's result URI, and they are removed from Redis
+    only after those results are acknowledged; a failed pass removes nothing."""
+    key = f"gen:{SHA}"
+    entry = CacheEntry("s3://b/results/ab/gen.json", 2, 20, 1)
+
+    class Cached(CountingCache):
+        async def promote(self, key, lease_ms, expected_holder="", unheld_only=False, attempt=2):
+            self.calls.append("promote")
+            return Promotion("hit", entry.to_json(), None, attempt, tuple(self.waiters.get(key, [])))
+
+    cache = Cached()
+    cache.expired = [key]
+    cache.waiters[key] = [dumps(request("w1")), dumps(request("w2"))]
+    h = handler(cache)
+    out = asyncio.run(h.on_idle())
+    evs = [orjson.loads(m.value) for m in out]
+    assert [m.topic for m in out] == [S.topics.results] * 2
+    assert [e["request"]["request_id"] for e in evs] == ["w1", "w2"]
+    assert all(e["status"] == "ok" and e["cache_hit"] and e["result_uri"] == entry.result_uri and e["cache_key"] == key
+               for e in evs)
+    assert len(cache.waiters[key]) == 2  # not before Kafka has them
+    asyncio.run(h.after_produce())
+    assert cache.waiters[key] == [] and "complete_end 2" in cache.calls
+    assert h.telemetry.cache.labels("dedup", "waiters_answered", "redis")._value.get() == 2
+
+    class Broken(Cached):
+        async def given_up(self, limit=100):
+            raise RuntimeError("a bug after the answers were built")
+
+    broken = Broken()
+    broken.expired = [key]
+    broken.waiters[key] = [dumps(request("w1"))]
+    h = handler(broken)
+    try:
+        asyncio.run(h.on_idle())
+        raise AssertionError("on_idle should have raised")
+    except RuntimeError:
+        pass
+    asyncio.run(h.after_produce())  # as after the next batch: nothing of the failed pass is removed
+    assert len(broken.waiters[key]) == 1 and not any(c.startswith("complete_end") for c in broken.calls)
