@@ -51,6 +51,7 @@ listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
 log.dirs=$KAFKA_DIR/data
 num.partitions=4
 auto.create.topics.enable=false
+message.max.bytes=8388608
 offsets.topic.replication.factor=1
 transaction.state.log.replication.factor=1
 transaction.state.log.min.isr=1

@@ -100,7 +100,11 @@ def make_admin(cfg: KafkaSettings, client_id: str) -> AIOKafkaAdminClient:
 
 
 async def create_topics(cfg: KafkaSettings, names: list[str]) -> list[str]:
-    """Create the topics that do not exist yet, with ``cfg.partitions`` partitions each.
+    """Create the topics that do not exist yet, with ``cfg.partitions`` partitions each and
+    ``max.message.bytes`` = ``cfg.max_request_size`` (brokers default to 1 MiB; a large result or
+    completion must fit). Existing topics are left as they are: raise theirs with
+    ``kafka-configs.sh --alter --entity-type topics --entity-name T --add-config max.message.bytes=N``
+    (a message a topic refuses is replaced by a DLQ stub, :mod:`services.common.runner`).
 
     Returns:
         The names that were created (empty when all existed).
@@ -113,7 +117,8 @@ async def create_topics(cfg: KafkaSettings, names: list[str]) -> list[str]:
         if missing:
             try:
                 await admin.create_topics(
-                    [NewTopic(n, cfg.partitions, cfg.replication_factor) for n in missing]
+                    [NewTopic(n, cfg.partitions, cfg.replication_factor,
+                              topic_configs={"max.message.bytes": str(cfg.max_request_size)}) for n in missing]
                 )
             except TopicAlreadyExistsError:
                 pass

@@ -55,6 +55,10 @@ from services.common.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 
+def _key_bytes(msg: Outgoing) -> bytes | None:
+    return msg.key.encode() if isinstance(msg.key, str) else msg.key
+
+
 def _oversized_stub(stage: str, dlq_topic: str, msg: Outgoing, key: bytes | None, exc: BaseException) -> tuple:
     """``(topic, value, key)`` of a DLQ event standing in for a message too large to produce."""
     from schemas.errors import ErrorCode
@@ -358,7 +362,7 @@ class StageRunner:
         while pending:
             futures, spans = [], []
             for msg in pending:
-                key = msg.key.encode() if isinstance(msg.key, str) else msg.key
+                key = _key_bytes(msg)
                 span, headers = self.telemetry.produce_span(msg.topic, msg.headers)  # traced messages only
                 spans.append(span)
                 try:
@@ -373,13 +377,24 @@ class StageRunner:
             results = await asyncio.gather(*futures, return_exceptions=True)
             for span, res in zip(spans, results):
                 self.telemetry.end_produce(span, res)
-            failed = [m for m, r in zip(pending, results) if isinstance(r, BaseException)]
+            failed = []
             for msg, res in zip(pending, results):
-                if not isinstance(res, BaseException):
+                if isinstance(res, MessageSizeTooLargeError) and msg.topic != self.dlq_topic:
+                    # refused by the broker (a topic whose max.message.bytes is below the
+                    # producer's limit): the same stub, never a retry loop
+                    log.error("%s: the broker refused a %d-byte message for %s as too large; sent to the DLQ instead",
+                              self.stage, len(msg.value), msg.topic)
+                    topic, value, key = _oversized_stub(self.stage, self.dlq_topic, msg, _key_bytes(msg), res)
+                    failed.append(Outgoing(topic, key, value, []))
+                elif isinstance(res, BaseException):
+                    failed.append(msg)
+                else:
                     self.telemetry.message_out(self.stage, msg.topic)
-            if failed:
+            errors = [r for m, r in zip(pending, results) if isinstance(r, BaseException)
+                      and not (isinstance(r, MessageSizeTooLargeError) and m.topic != self.dlq_topic)]
+            if errors:
                 attempt += 1
-                err = next(r for r in results if isinstance(r, BaseException))
+                err = errors[0]
                 if not is_transient(err) and attempt >= self.max_attempts:
                     raise err
                 await self._backoff(attempt, err)

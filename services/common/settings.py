@@ -39,7 +39,10 @@ class KafkaSettings(BaseModel):
     linger_ms: int = Field(
         default=0, ge=0,
         description="producer batching delay, ms; 0 = send at once (messages sent while a request is in flight still batch)")
-    max_request_size: int = Field(default=1_048_576, ge=1, description="bytes; the broker's default message limit")
+    max_request_size: int = Field(
+        default=8_388_608, ge=1,
+        description="largest message produced, bytes (a result of ~30,000 text lines); `ocrstream init` creates topics "
+                    "with this max.message.bytes (brokers default to 1 MiB)")
     session_timeout_ms: int = Field(default=30_000, ge=1, description="consumer group session timeout, ms")
     heartbeat_interval_ms: int = Field(default=3_000, ge=1, description="consumer heartbeat interval, ms")
     max_poll_interval_ms: int = Field(default=300_000, ge=1, description="max time between polls, ms (the runner keeps polling while a batch runs)")

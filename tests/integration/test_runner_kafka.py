@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
+import orjson
 from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.admin import NewTopic
 
-from services.common.kafka import Outgoing, create_topics, make_consumer, make_producer
+from services.common.kafka import Outgoing, create_topics, make_admin, make_consumer, make_producer
 from services.common.runner import Handler, Revocations, StageRunner
 from services.common.settings import CommonSettings, TelemetrySettings
 from services.common.telemetry import Telemetry
@@ -92,3 +95,49 @@ async def _committed(s: CommonSettings, group: str, tp: TopicPartition) -> int |
         return await consumer.committed(tp)
     finally:
         await consumer.stop()
+
+
+async def test_a_large_message_fits_and_one_a_topic_refuses_becomes_a_dlq_stub(stack_env):
+    """Topics made by ``create_topics`` take messages up to ``max_request_size`` (8 MiB; brokers
+    default to 1 MiB): a 3 MiB result goes through whole. A topic made elsewhere with the 1 MiB
+    limit refuses it at the broker: the runner sends a small DLQ stub naming the message's key
+    in its place, at once, instead of retrying it for ever."""
+    s = CommonSettings()
+    ns = stack_env["OCRSTREAM_REDIS__KEY_PREFIX"]
+    big, old, dlq = f"{ns}.big", f"{ns}.old-limit", f"{ns}.big-dlq"
+    cfg = s.kafka.model_copy(update={"partitions": 1})
+    await create_topics(cfg, [big, dlq])
+    admin = make_admin(cfg, "test-big")
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(old, 1, 1, topic_configs={"max.message.bytes": str(1 << 20)})])
+    finally:
+        await admin.close()
+    producer = make_producer(s.kafka, "test-big")
+    await producer.start()
+    runner = StageRunner(stage="test", consumer=None, producer=producer, handler=SlowFirstBatch(),  # type: ignore[arg-type]
+                         telemetry=Telemetry("test", TelemetrySettings()), dlq_topic=dlq)
+    value = os.urandom(3 << 20)
+    try:
+        await asyncio.wait_for(runner._produce([Outgoing(big, "sha-1", value, []), Outgoing(old, "req-1", value, [])]), 60)
+    finally:
+        await producer.stop()
+
+    async def read(topic: str) -> list[bytes]:
+        consumer = make_consumer(s.kafka, [topic], f"{ns}-read-{topic}", "test-big-read")
+        await consumer.start()
+        try:
+            out: list[bytes] = []
+            for _ in range(20):  # until the one message is there, 20 s at most
+                got = await consumer.getmany(timeout_ms=1000)
+                out += [r.value for recs in got.values() for r in recs]
+                if out:
+                    return out
+            return out
+        finally:
+            await consumer.stop()
+
+    assert await read(big) == [value]
+    [stub] = [orjson.loads(v) for v in await read(dlq)]
+    assert stub["topic"] == old and stub["request_id"] == "req-1" and stub["error_code"] == "input_too_large"
+    assert "too large" in stub["reason"].lower()
