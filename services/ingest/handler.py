@@ -65,12 +65,8 @@ class IngestHandler(Handler):
                 stage="ingest", topics=self.s.topics, record=record,
                 exc=OcrError(ErrorCode.INVALID_REQUEST, f"submit event rejected: {exc}"[:1000]), attempts=1,
             )
-        rid = event.request_id or derived_request_id(record.topic, record.partition, record.offset)
-        base = RequestEvent(
-            request_id=rid, task=event.task, source=event.source, filename=event.filename,
-            callback_url=event.callback_url, submitted_at_ms=event.submitted_at_ms,
-            metadata=event.metadata, traceparent=self.telemetry.traceparent(),
-        )
+        base = _request_of(event, record).model_copy(update={"traceparent": self.telemetry.traceparent()})
+        rid = base.request_id
         try:
             req = await self._accept(event, base)
         except OcrError as err:
@@ -109,5 +105,20 @@ class IngestHandler(Handler):
         )
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
-        """DLQ the submission and fail its request (if it named one)."""
-        return poison_messages(stage="ingest", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
+        """DLQ the submission and fail its request: the id it named, or for a submission without one
+        the id derived from its offset (the one its other outcomes use), with its callback URL
+        and options, so its webhook fires too."""
+        try:
+            request = _request_of(loads(SubmitEvent, record.value), record)
+        except (ValueError, ValidationError):
+            request = None
+        return poison_messages(stage="ingest", topics=self.s.topics, record=record, exc=exc, attempts=attempts,
+                               request=request)
+
+
+def _request_of(event: SubmitEvent, record: ConsumerRecord) -> RequestEvent:
+    """The request a submission starts: its own id, or one derived from the record's offset."""
+    rid = event.request_id or derived_request_id(record.topic, record.partition, record.offset)
+    return RequestEvent(request_id=rid, task=event.task, source=event.source, filename=event.filename,
+                        callback_url=event.callback_url, submitted_at_ms=event.submitted_at_ms,
+                        metadata=event.metadata)
