@@ -132,13 +132,19 @@ return 1
 # returned (fifth value, the first HIT_WAITERS_MAX): complete_begin gave them to a sink that has
 # not finished them, and may never (it deferred them while Redis was down, then died; or its
 # outage outlasts the lease), so the caller answers them from the entry and then removes them
-# with complete_end. Until then the key stays in flight, due again a lease period on; with no
+# with complete_end. Only a reaper that finds the key due gets them (another is 'busy', as
+# below), so two dedups never answer, and trim, the same waiters. Until then the key stays in
+# flight, due again a lease period on; with no
 # waiters left its in-flight mark goes, so the reaper does not meet it again. A promoted holder
 # is among the waiters (complete_begin put it there) or completed by its own result.
 # Returns {outcome, waiter_json, abandoned_json, attempt[, waiters]}.
 _PROMOTE = """
 local hit = redis.call('GET', KEYS[1])
 if hit then
+  if ARGV[4] == '' then
+    local due = redis.call('ZSCORE', KEYS[4], ARGV[3])
+    if due and tonumber(due) > tonumber(ARGV[2]) then return {'busy', '', '', ''} end
+  end
   redis.call('DEL', KEYS[2], KEYS[5])
   local ws = redis.call('LRANGE', KEYS[3], 0, %d - 1)
   if #ws == 0 then

@@ -36,6 +36,8 @@ def test_reaper_drops_a_stale_lease_once_the_result_is_cached(stack_env):
             assert await cache.expired_leases() == []
             assert await cache.client.exists(lease_key) == 0
             assert await cache.client.zscore(inflight_key, key) > time.time() * 1000 + 590_000
+            # a second reaper that listed the key too must not answer (and trim) the same waiters
+            assert (await cache.promote(key, lease_ms=600_000, unheld_only=True)).outcome == "busy"
             # the waiter stays until whoever answers it removes it; a new request is a plain hit
             assert await cache.client.lrange(waiters_key, 0, -1) == [b'{"request_id": "copy"}']
             assert await cache.client.pttl(waiters_key) == -1
