@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from services.common.kafka import make_consumer, make_producer
+from services.common.kafka import BROKER_DEFAULT_MESSAGE_BYTES, make_consumer, make_producer, topic_message_limits
 from services.common.runner import Handler, StageRunner
 from services.common.settings import CommonSettings
 from services.common.telemetry import Telemetry, TraceIdLogFilter
@@ -110,6 +110,12 @@ async def run_stage(
 
     producer = make_producer(settings.kafka, client_id=f"ocrstream-{stage}")
     await _start_with_retry(stage, producer.start, stop, settings.retry_max_backoff_s)
+    try:
+        size_limits = await topic_message_limits(settings.kafka, settings.topics.all())
+    except Exception as exc:  # noqa: BLE001 - the broker default is the safe guess
+        log.warning("%s: cannot read the topics' max.message.bytes (%r); assuming Kafka's default %d",
+                    stage, exc, BROKER_DEFAULT_MESSAGE_BYTES)
+        size_limits = dict.fromkeys(settings.topics.all(), BROKER_DEFAULT_MESSAGE_BYTES)
     ctx = StageContext(settings=settings, telemetry=telemetry, producer=producer)
     handler = await build_handler(ctx)
     consumer: AIOKafkaConsumer = make_consumer(
@@ -126,6 +132,7 @@ async def run_stage(
         max_attempts=settings.max_attempts,
         max_backoff_s=settings.retry_max_backoff_s,
         dlq_topic=settings.topics.dlq,
+        size_limits=size_limits,
     )
     consumer.subscribe([topic], listener=runner.listener)  # before start: the first join already has it
     await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import TopicAlreadyExistsError
 
 from services.common.settings import KafkaSettings
@@ -97,6 +98,36 @@ def make_consumer(
 def make_admin(cfg: KafkaSettings, client_id: str) -> AIOKafkaAdminClient:
     """An admin client (``await start()`` before use, ``await close()`` after)."""
     return AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers, client_id=client_id, **_security_kwargs(cfg))
+
+
+BROKER_DEFAULT_MESSAGE_BYTES = 1_048_588
+"""Kafka's default ``message.max.bytes`` (1 MiB + 12): assumed for a topic whose limit cannot be read."""
+
+
+async def topic_message_limits(cfg: KafkaSettings, topics: list[str]) -> dict[str, int]:
+    """Each topic's ``max.message.bytes`` (bytes), read with DescribeConfigs, so a producer can
+    replace a message the broker would refuse before sending it (a refused batch leaves a gap in
+    an idempotent producer's sequence numbers: every later send to that partition then fails).
+    A topic whose limit cannot be read (missing, not authorised) gets
+    :data:`BROKER_DEFAULT_MESSAGE_BYTES`.
+
+    Raises:
+        KafkaError: the brokers cannot be asked.
+    """
+    limits = dict.fromkeys(topics, BROKER_DEFAULT_MESSAGE_BYTES)
+    admin = make_admin(cfg, "ocrstream-limits")
+    await admin.start()
+    try:
+        responses = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, t, {"max.message.bytes": None}) for t in topics])
+    finally:
+        await admin.close()
+    for response in responses:
+        for error_code, _, _, name, entries in response.resources:
+            for entry in entries if error_code == 0 else []:
+                if entry[0] == "max.message.bytes" and name in limits:
+                    limits[name] = int(entry[1])
+    return limits
 
 
 async def create_topics(cfg: KafkaSettings, names: list[str]) -> list[str]:

@@ -59,6 +59,18 @@ def _key_bytes(msg: Outgoing) -> bytes | None:
     return msg.key.encode() if isinstance(msg.key, str) else msg.key
 
 
+RECORD_OVERHEAD_BYTES = 512
+"""Bytes added to a message's key, value and headers for the record batch around it when it is
+compared with its topic's ``max.message.bytes`` (a v2 batch header is 61 bytes, a record's own
+framing under 30: the rest is margin)."""
+
+
+def _record_bytes(msg: Outgoing, key: bytes | None) -> int:
+    """What ``msg`` costs against its topic's ``max.message.bytes`` (bytes, with margin)."""
+    headers = sum(len(k) + len(v) for k, v in (msg.headers or []))
+    return len(msg.value) + len(key or b"") + headers + RECORD_OVERHEAD_BYTES
+
+
 def _oversized_stub(stage: str, dlq_topic: str, msg: Outgoing, key: bytes | None, exc: BaseException) -> tuple:
     """``(topic, value, key)`` of a DLQ event standing in for a message too large to produce."""
     from schemas.errors import ErrorCode
@@ -147,6 +159,9 @@ class StageRunner:
         max_attempts: Attempts before a record is handed to ``Handler.poison``.
         max_backoff_s: Cap of the backoff between retries while a dependency is down.
         dlq_topic: Where a stub goes in place of a message too large to produce.
+        size_limits: Topic -> its ``max.message.bytes``
+            (:func:`services.common.kafka.topic_message_limits`): a message over its topic's
+            limit is replaced by the stub before it is sent, never refused by the broker.
     """
 
     def __init__(
@@ -162,6 +177,7 @@ class StageRunner:
         max_attempts: int = 3,
         max_backoff_s: float = 10.0,
         dlq_topic: str = "ocr.dlq",
+        size_limits: dict[str, int] | None = None,
     ):
         self.stage = stage
         self.consumer = consumer
@@ -173,6 +189,7 @@ class StageRunner:
         self.max_attempts = max_attempts
         self.max_backoff_s = max_backoff_s
         self.dlq_topic = dlq_topic
+        self.size_limits = size_limits or {}
         self._carry: list[ConsumerRecord] = []  # fetched, not yet handled (the batch being assembled, then the next)
         self._in_flight: list[ConsumerRecord] = []  # the batch being handled, produced and committed
         self._lost: set[TopicPartition] = set()  # partitions revoked since the batch in flight was taken
@@ -366,6 +383,10 @@ class StageRunner:
                 span, headers = self.telemetry.produce_span(msg.topic, msg.headers)  # traced messages only
                 spans.append(span)
                 try:
+                    limit = self.size_limits.get(msg.topic)
+                    size = _record_bytes(msg, key)
+                    if limit is not None and size > limit and msg.topic != self.dlq_topic:
+                        raise MessageSizeTooLargeError(f"{size} bytes with its record overhead; the topic takes {limit}")
                     futures.append(
                         await self.producer.send(msg.topic, msg.value, key=key, headers=headers or None)
                     )
@@ -380,8 +401,9 @@ class StageRunner:
             failed = []
             for msg, res in zip(pending, results):
                 if isinstance(res, MessageSizeTooLargeError) and msg.topic != self.dlq_topic:
-                    # refused by the broker (a topic whose max.message.bytes is below the
-                    # producer's limit): the same stub, never a retry loop
+                    # refused by the broker all the same (a limit lowered since the stage started):
+                    # the same stub. Later sends to that partition then fail on the sequence gap
+                    # the refused batch left, so the stage exits and restarts with the new limits.
                     log.error("%s: the broker refused a %d-byte message for %s as too large; sent to the DLQ instead",
                               self.stage, len(msg.value), msg.topic)
                     topic, value, key = _oversized_stub(self.stage, self.dlq_topic, msg, _key_bytes(msg), res)

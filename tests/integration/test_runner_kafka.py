@@ -9,7 +9,15 @@ import orjson
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.admin import NewTopic
 
-from services.common.kafka import Outgoing, create_topics, make_admin, make_consumer, make_producer
+from services.common.kafka import (
+    BROKER_DEFAULT_MESSAGE_BYTES,
+    Outgoing,
+    create_topics,
+    make_admin,
+    make_consumer,
+    make_producer,
+    topic_message_limits,
+)
 from services.common.runner import Handler, Revocations, StageRunner
 from services.common.settings import CommonSettings, TelemetrySettings
 from services.common.telemetry import Telemetry
@@ -97,11 +105,13 @@ async def _committed(s: CommonSettings, group: str, tp: TopicPartition) -> int |
         await consumer.stop()
 
 
-async def test_a_large_message_fits_and_one_a_topic_refuses_becomes_a_dlq_stub(stack_env):
+async def test_a_large_message_fits_and_one_over_its_topics_limit_becomes_a_dlq_stub(stack_env):
     """Topics made by ``create_topics`` take messages up to ``max_request_size`` (8 MiB; brokers
     default to 1 MiB): a 3 MiB result goes through whole. A topic made elsewhere with the 1 MiB
-    limit refuses it at the broker: the runner sends a small DLQ stub naming the message's key
-    in its place, at once, instead of retrying it for ever."""
+    limit would refuse it, and a refused batch leaves a gap in the idempotent producer's sequence
+    numbers that fails every later send to the partition: the runner knows each topic's limit
+    (``topic_message_limits``) and sends a small DLQ stub naming the message's key instead,
+    before the broker sees it, so the messages after it on the same partition still go."""
     s = CommonSettings()
     ns = stack_env["OCRSTREAM_REDIS__KEY_PREFIX"]
     big, old, dlq = f"{ns}.big", f"{ns}.old-limit", f"{ns}.big-dlq"
@@ -113,31 +123,37 @@ async def test_a_large_message_fits_and_one_a_topic_refuses_becomes_a_dlq_stub(s
         await admin.create_topics([NewTopic(old, 1, 1, topic_configs={"max.message.bytes": str(1 << 20)})])
     finally:
         await admin.close()
+    limits = await topic_message_limits(s.kafka, [big, old, dlq, f"{ns}.missing"])
+    assert limits == {big: 8 << 20, old: 1 << 20, dlq: 8 << 20, f"{ns}.missing": BROKER_DEFAULT_MESSAGE_BYTES}
     producer = make_producer(s.kafka, "test-big")
     await producer.start()
     runner = StageRunner(stage="test", consumer=None, producer=producer, handler=SlowFirstBatch(),  # type: ignore[arg-type]
-                         telemetry=Telemetry("test", TelemetrySettings()), dlq_topic=dlq)
+                         telemetry=Telemetry("test", TelemetrySettings()), dlq_topic=dlq, size_limits=limits)
     value = os.urandom(3 << 20)
     try:
-        await asyncio.wait_for(runner._produce([Outgoing(big, "sha-1", value, []), Outgoing(old, "req-1", value, [])]), 60)
+        await asyncio.wait_for(runner._produce([
+            Outgoing(big, "sha-1", value, []), Outgoing(old, "req-0", b"before", []),
+            Outgoing(old, "req-1", value, []), Outgoing(old, "req-2", b"after", [])]), 60)
+        await asyncio.wait_for(runner._produce([Outgoing(old, "req-3", b"next batch", [])]), 60)
     finally:
         await producer.stop()
 
-    async def read(topic: str) -> list[bytes]:
+    async def read(topic: str, n: int) -> list[bytes]:
         consumer = make_consumer(s.kafka, [topic], f"{ns}-read-{topic}", "test-big-read")
         await consumer.start()
         try:
             out: list[bytes] = []
-            for _ in range(20):  # until the one message is there, 20 s at most
+            for _ in range(20):  # until the n messages are there, 20 s at most
                 got = await consumer.getmany(timeout_ms=1000)
                 out += [r.value for recs in got.values() for r in recs]
-                if out:
-                    return out
+                if len(out) >= n:
+                    break
             return out
         finally:
             await consumer.stop()
 
-    assert await read(big) == [value]
-    [stub] = [orjson.loads(v) for v in await read(dlq)]
+    assert await read(big, 1) == [value]
+    assert await read(old, 3) == [b"before", b"after", b"next batch"]
+    [stub] = [orjson.loads(v) for v in await read(dlq, 1)]
     assert stub["topic"] == old and stub["request_id"] == "req-1" and stub["error_code"] == "input_too_large"
     assert "too large" in stub["reason"].lower()
