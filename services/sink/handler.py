@@ -141,10 +141,13 @@ class SinkHandler(Handler):
         if docs:
             log.info("sink: Redis is back: completing %d waiting request(s)", len(docs))
         try:
-            return await self._complete(docs) if docs or self._batch_pending else []
+            out = await self._complete(docs) if docs or self._batch_pending else []
         except BaseException:
             self._deferred.update(taken)  # tried again on the next pass
             raise
+        if not out and self._pending_end:  # nobody was waiting: nothing to produce, release now
+            await self.after_produce()  # (the runner calls it only after producing something)
+        return out
 
     async def after_produce(self) -> None:
         """Completions are durable: remove the completed waiters and release the leases."""

@@ -105,3 +105,25 @@ def test_waiters_deferred_while_redis_was_down_survive_a_failed_write_when_it_re
     assert h._deferred == {}
     asyncio.run(h.after_produce())
     assert cache.waiters == []
+
+
+def test_a_deferred_key_with_nobody_waiting_is_released_in_the_same_pass():
+    """Nothing to produce means the runner will not call after_produce: the lease is released by
+    the pass itself, not left for the next batch's after_produce (by when the reaper may have
+    given the key to a new holder, whose lease that late release would delete)."""
+    holder = RequestEvent(request_id="H", content_sha256=SHA, image_uri="s3://b/images/aa/x")
+    cache, db = Cache([]), Db()
+    ended: list[tuple[str, int]] = []
+
+    async def complete_end(key, n):
+        ended.append((key, n))
+
+    cache.complete_end = complete_end
+    h = SinkHandler(SinkSettings(), Store(), db, cache, Telemetry("sink", TelemetrySettings()))
+    ev = ResultEvent(request=holder, cache_key=KEY, status="ok", engine="e", model="m", model_revision="r",
+                     pages=[Page(index=1, width=10, height=10)],
+                     lines=[Line(text="HELLO", box=[[0, 0], [1, 0], [1, 1], [0, 1]], confidence=0.9)])
+    asyncio.run(h.handle([Record(ev.model_dump_json(by_alias=True).encode())]))
+    cache.up = True
+    assert asyncio.run(h.on_idle()) == []
+    assert ended == [(KEY, 0)] and h._pending_end == {} and h._deferred == {}
