@@ -132,7 +132,7 @@ return 1
 # returned (fifth value, the first HIT_WAITERS_MAX): complete_begin gave them to a sink that has
 # not finished them, and may never (it deferred them while Redis was down, then died; or its
 # outage outlasts the lease), so the caller answers them from the entry and then removes them
-# with complete_end. Only a reaper that finds the key due gets them (another is 'busy', as
+# with _REMOVE_WAITERS. Only a reaper that finds the key due gets them (another is 'busy', as
 # below), so two dedups never answer, and trim, the same waiters. Until then the key stays in
 # flight, due again a lease period on; with no
 # waiters left its in-flight mark goes, so the reaper does not meet it again. A promoted holder
@@ -206,6 +206,19 @@ redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) * %d)
 return 1
 """ % LEASE_KEY_FACTOR
 
+
+# Remove waiters answered from the cache by dedup's reaper (promote's 'hit'), each by its own
+# JSON, not by count: if two reapers ever answered the same waiters, neither removes one that
+# nobody answered. KEYS: waiters, inflight   ARGV: cache_key, now_ms, waiter_json...
+_REMOVE_WAITERS = """
+for i = 3, #ARGV do redis.call('LREM', KEYS[1], 1, ARGV[i]) end
+if redis.call('LLEN', KEYS[1]) == 0 then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+else
+  redis.call('ZADD', KEYS[2], tonumber(ARGV[2]), ARGV[1])
+end
+return 1
+"""
 
 # KEYS: entry, accepted-marker   ARGV: marker value, marker ttl s
 _GET_AND_MARK = """
@@ -290,7 +303,7 @@ class Promotion(NamedTuple):
         attempt: The attempt number ``raw``'s ``ocr.infer`` event carries.
     waiters: On ``hit``, waiters still listed (RequestEvent JSON, at most :data:`HIT_WAITERS_MAX`):
         the caller answers them from the entry, then removes them with
-        :meth:`ResultCache.complete_end`.
+        :meth:`ResultCache.remove_waiters`.
     """
 
     outcome: str
@@ -331,6 +344,7 @@ class ResultCache:
         self._promote = self.client.register_script(_PROMOTE)
         self._extend = self.client.register_script(_EXTEND)
         self._get_and_mark = self.client.register_script(_GET_AND_MARK)
+        self._remove_waiters = self.client.register_script(_REMOVE_WAITERS)
 
     def _keys(self, key: str) -> list[str]:
         return [f"{self.p}:c:{key}", f"{self.p}:lease:{key}", f"{self.p}:wait:{key}", f"{self.p}:inflight"]
@@ -484,7 +498,7 @@ class ResultCache:
             it; send ``raw`` again; it keeps the lease, at most :data:`PROMOTED_MAX_SENDS` sends
             in all); ``hit`` (``raw`` is the entry: a result appeared; the stale lease is removed,
             and ``waiters`` lists the waiters still there, to be answered from the entry and then
-            removed with :meth:`complete_end`; with none, the in-flight mark goes too); ``none`` (nobody waits: the lease is
+            removed with :meth:`remove_waiters`; with none, the in-flight mark goes too); ``none`` (nobody waits: the lease is
             released); ``busy`` (another holder has the lease, or the deadline is not, or no
             longer, past); ``held`` (see ``unheld_only``). With ``promoted`` or ``none``,
             ``abandoned`` may hold a promoted waiter sent :data:`PROMOTED_MAX_SENDS` times
@@ -519,6 +533,18 @@ class ResultCache:
         k = self._keys(key)
         return bool(await self._call(
             "extend", self._extend(keys=[k[1], k[3]], args=[lease_ms, int(time.time() * 1000), key])))
+
+    async def remove_waiters(self, key: str, waiters: list[bytes]) -> None:
+        """Remove ``waiters`` (RequestEvent JSON, as :meth:`promote` returned them on ``hit``) once
+        they are answered; the key leaves the in-flight set when none are left, else it is due
+        at once for the rest.
+
+        Raises:
+            CacheUnavailable: Redis down or slow (they are then answered again).
+        """
+        k = self._keys(key)
+        await self._call("remove_waiters", self._remove_waiters(
+            keys=[k[2], k[3]], args=[key, int(time.time() * 1000), *waiters]))
 
     async def given_up(self, limit: int = 100) -> list[bytes]:
         """Promoted waiters given up by :meth:`promote` whose error result is not yet acknowledged:

@@ -61,7 +61,7 @@ class DedupHandler(Handler):
         self.backlog = backlog
         self._marks: dict[str, list] = {}  # expired held key -> [topic, partition, offset the group must commit past]
         self._gave_up: list[str] = []  # request ids whose give-up results the last on_idle returned
-        self._answered: dict[str, int] = {}  # key -> waiters the last on_idle answered from its entry
+        self._answered: dict[str, list[bytes]] = {}  # key -> waiters the last on_idle answered from its entry
         self.lru = EntryLru(settings.lru_entries, settings.lru_bytes, settings.lru_ttl_s)
         self._known_gens: dict[str, float] = {}  # gen_id -> when registered (monotonic s)
 
@@ -205,11 +205,11 @@ class DedupHandler(Handler):
         try:
             if done:
                 await self.cache.forget_given_up(done)
-            for key, n in answered.items():
-                await self.cache.complete_end(key, n)
+            for key, waiters in answered.items():
+                await self.cache.remove_waiters(key, waiters)
         except CacheUnavailable:
             log.warning("dedup: could not remove %d given-up and %d answered waiters in Redis; they are answered again",
-                        len(done), sum(answered.values()))
+                        len(done), sum(map(len, answered.values())))
 
     async def _reap(self) -> list[Outgoing]:
         """Settle each key whose lease deadline has passed.
@@ -300,7 +300,7 @@ class DedupHandler(Handler):
                 ev = ResultEvent(request=req, cache_key=key, cache_hit=True, status="ok", result_uri=entry.result_uri,
                                  engine=gen.engine, model=gen.model, model_revision=gen.model_revision)
                 out.append(Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), self.telemetry.inject()))
-            self._answered[key] = len(p.waiters)
+            self._answered[key] = list(p.waiters)
         if p.abandoned is not None:
             req = RequestEvent.model_validate_json(p.abandoned)
             self.telemetry.cache.labels("dedup", "abandoned", "redis").inc()

@@ -68,9 +68,9 @@ class CountingCache:
         self.calls.append("extend")
         return True
 
-    async def complete_end(self, key, n_done) -> None:
-        self.calls.append(f"complete_end {n_done}")
-        del self.waiters.setdefault(key, [])[:n_done]
+    async def remove_waiters(self, key, waiters) -> None:
+        self.calls.append(f"remove_waiters {len(waiters)}")
+        self.waiters[key] = [w for w in self.waiters.get(key, []) if w not in waiters]
 
 
 class ScriptedBacklog:
@@ -273,7 +273,7 @@ def test_waiters_left_on_a_cached_key_are_answered_from_the_entry_then_removed()
                for e in evs)
     assert len(cache.waiters[key]) == 2  # not before Kafka has them
     asyncio.run(h.after_produce())
-    assert cache.waiters[key] == [] and "complete_end 2" in cache.calls
+    assert cache.waiters[key] == [] and "remove_waiters 2" in cache.calls
     assert h.telemetry.cache.labels("dedup", "waiters_answered", "redis")._value.get() == 2
 
     class Broken(Cached):
@@ -290,4 +290,4 @@ def test_waiters_left_on_a_cached_key_are_answered_from_the_entry_then_removed()
     except RuntimeError:
         pass
     asyncio.run(h.after_produce())  # as after the next batch: nothing of the failed pass is removed
-    assert len(broken.waiters[key]) == 1 and not any(c.startswith("complete_end") for c in broken.calls)
+    assert len(broken.waiters[key]) == 1 and not any(c.startswith("remove_waiters") for c in broken.calls)
