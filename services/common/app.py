@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
 
 from services.common.kafka import BROKER_DEFAULT_MESSAGE_BYTES, make_consumer, make_producer, topic_message_limits
 from services.common.runner import Handler, StageRunner
@@ -111,7 +112,9 @@ async def run_stage(
     producer = make_producer(settings.kafka, client_id=f"ocrstream-{stage}")
     await _start_with_retry(stage, producer.start, stop, settings.retry_max_backoff_s)
     try:
-        size_limits = await topic_message_limits(settings.kafka, settings.topics.all())
+        async for attempt in AsyncRetrying(stop=stop_after_attempt(5), wait=wait_exponential(0.5, max=5), reraise=True):
+            with attempt:
+                size_limits = await topic_message_limits(settings.kafka, settings.topics.all())
     except Exception as exc:  # noqa: BLE001 - the broker default is the safe guess
         log.warning("%s: cannot read the topics' max.message.bytes (%r); assuming Kafka's default %d",
                     stage, exc, BROKER_DEFAULT_MESSAGE_BYTES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import ssl
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import TopicAlreadyExistsError
 
 from services.common.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,21 +112,25 @@ async def topic_message_limits(cfg: KafkaSettings, topics: list[str]) -> dict[st
     replace a message the broker would refuse before sending it (a refused batch leaves a gap in
     an idempotent producer's sequence numbers: every later send to that partition then fails).
     A topic whose limit cannot be read (missing, not authorised) gets
-    :data:`BROKER_DEFAULT_MESSAGE_BYTES`.
+    :data:`BROKER_DEFAULT_MESSAGE_BYTES`, with a warning.
 
     Raises:
-        KafkaError: the brokers cannot be asked.
+        Exception: the brokers cannot be asked (a ``KafkaError`` or a timeout, as the admin
+            client raises them).
     """
     limits = dict.fromkeys(topics, BROKER_DEFAULT_MESSAGE_BYTES)
     admin = make_admin(cfg, "ocrstream-limits")
-    await admin.start()
     try:
+        await admin.start()
         responses = await admin.describe_configs(
             [ConfigResource(ConfigResourceType.TOPIC, t, {"max.message.bytes": None}) for t in topics])
     finally:
         await admin.close()
     for response in responses:
         for error_code, _, _, name, entries in response.resources:
+            if error_code != 0:
+                log.warning("kafka: cannot read max.message.bytes of topic %s (error %d); assuming Kafka's default %d",
+                            name, error_code, BROKER_DEFAULT_MESSAGE_BYTES)
             for entry in entries if error_code == 0 else []:
                 if entry[0] == "max.message.bytes" and name in limits:
                     limits[name] = int(entry[1])
@@ -141,8 +148,8 @@ async def create_topics(cfg: KafkaSettings, names: list[str]) -> list[str]:
         The names that were created (empty when all existed).
     """
     admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers, **_security_kwargs(cfg))
-    await admin.start()
     try:
+        await admin.start()
         existing = set(await admin.list_topics())
         missing = [n for n in names if n not in existing]
         if missing:

@@ -71,16 +71,42 @@ def _record_bytes(msg: Outgoing, key: bytes | None) -> int:
     return len(msg.value) + len(key or b"") + headers + RECORD_OVERHEAD_BYTES
 
 
-def _oversized_stub(stage: str, dlq_topic: str, msg: Outgoing, key: bytes | None, exc: BaseException) -> tuple:
-    """``(topic, value, key)`` of a DLQ event standing in for a message too large to produce."""
+def _oversized(stage: str, dlq_topic: str, msg: Outgoing, exc: BaseException) -> list[Outgoing]:
+    """What is produced instead of ``msg``, too large for its topic: a small DLQ event naming its
+    request (read from the message, else its key), and, for an ``ok`` result event, the same
+    result as an ``input_too_large`` error without its lines, so the request (and the copies
+    waiting on its image, which would read the same) still gets a final state."""
+    import orjson
+    from pydantic import ValidationError
+
     from schemas.errors import ErrorCode
-    from schemas.events import DlqEvent
+    from schemas.events import DlqEvent, ErrorInfo, ResultEvent
     from services.common.events import dumps
 
-    ev = DlqEvent(stage=stage, topic=msg.topic, partition=-1, offset=-1, reason=f"message too large: {exc}"[:2000],
-                  error_code=ErrorCode.INPUT_TOO_LARGE,
-                  request_id=(key.decode(errors="replace")[:64] if key else None))
-    return (dlq_topic, dumps(ev), key)
+    key = _key_bytes(msg)
+    try:
+        value = orjson.loads(msg.value)
+    except orjson.JSONDecodeError:
+        value = None
+    rid = None
+    if isinstance(value, dict):
+        inner = value.get("request") if isinstance(value.get("request"), dict) else {}
+        rid = value.get("request_id") or inner.get("request_id")
+    if not isinstance(rid, str) or not rid:
+        rid = key.decode(errors="replace") if key else None
+    stub = DlqEvent(stage=stage, topic=msg.topic, partition=-1, offset=-1, reason=f"message too large: {exc}"[:2000],
+                    error_code=ErrorCode.INPUT_TOO_LARGE, request_id=rid[:64] if rid else None)
+    out = [Outgoing(dlq_topic, key, dumps(stub), [])]
+    if isinstance(value, dict) and value.get("schema") == "ocr.result.v1" and value.get("status") == "ok":
+        try:
+            ev = ResultEvent.model_validate(value)
+        except ValidationError:
+            return out
+        failed = ev.model_copy(update={"status": "error", "lines": [], "pages": [], "error": ErrorInfo(
+            code=ErrorCode.INPUT_TOO_LARGE,
+            message=f"the OCR result ({len(msg.value)} bytes) is over the Kafka message limit: {exc}"[:1000])})
+        out.append(Outgoing(msg.topic, key, dumps(failed), list(msg.headers or [])))
+    return out
 
 
 class Handler(ABC):
@@ -116,7 +142,9 @@ class Handler(ABC):
         the rebalance callback, only with records not yet handed to :meth:`handle`. Default: nothing."""
 
     async def after_produce(self) -> None:
-        """Called once the messages of the last ``handle`` are acknowledged, before the commit."""
+        """Called once the messages of the last ``handle`` (or of ``on_idle``, when it returned any)
+        are acknowledged, before the commit. A handler may call it itself after an ``on_idle``
+        pass that has nothing to produce."""
 
     async def close(self) -> None:
         """Release the handler's clients (called once at shutdown)."""
@@ -394,7 +422,9 @@ class StageRunner:
                     # Never crash-loop on one oversized message: a small DLQ stub takes its place.
                     log.error("%s: %d-byte message for %s is over the size limit; sent to the DLQ instead",
                               self.stage, len(msg.value), msg.topic)
-                    futures.append(await self.producer.send(*_oversized_stub(self.stage, self.dlq_topic, msg, key, exc)))
+                    sends = [await self.producer.send(m.topic, m.value, key=_key_bytes(m), headers=m.headers or None)
+                             for m in _oversized(self.stage, self.dlq_topic, msg, exc)]
+                    futures.append(asyncio.gather(*sends))
             results = await asyncio.gather(*futures, return_exceptions=True)
             for span, res in zip(spans, results):
                 self.telemetry.end_produce(span, res)
@@ -406,8 +436,7 @@ class StageRunner:
                     # the refused batch left, so the stage exits and restarts with the new limits.
                     log.error("%s: the broker refused a %d-byte message for %s as too large; sent to the DLQ instead",
                               self.stage, len(msg.value), msg.topic)
-                    topic, value, key = _oversized_stub(self.stage, self.dlq_topic, msg, _key_bytes(msg), res)
-                    failed.append(Outgoing(topic, key, value, []))
+                    failed.extend(_oversized(self.stage, self.dlq_topic, msg, res))
                 elif isinstance(res, BaseException):
                     failed.append(msg)
                 else:

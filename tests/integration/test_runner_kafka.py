@@ -9,6 +9,8 @@ import orjson
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.admin import NewTopic
 
+from schemas.events import Line, Page, RequestEvent, ResultEvent
+from services.common.events import dumps
 from services.common.kafka import (
     BROKER_DEFAULT_MESSAGE_BYTES,
     Outgoing,
@@ -130,10 +132,15 @@ async def test_a_large_message_fits_and_one_over_its_topics_limit_becomes_a_dlq_
     runner = StageRunner(stage="test", consumer=None, producer=producer, handler=SlowFirstBatch(),  # type: ignore[arg-type]
                          telemetry=Telemetry("test", TelemetrySettings()), dlq_topic=dlq, size_limits=limits)
     value = os.urandom(3 << 20)
+    sha = "c" * 64
+    line = Line(text="X" * 200, box=[[0, 0], [10, 0], [10, 10], [0, 10]], confidence=0.9)
+    result = dumps(ResultEvent(request=RequestEvent(request_id="req-1", content_sha256=sha), cache_key=f"gen:{sha}",
+                               status="ok", pages=[Page(index=1, width=10, height=10)], lines=[line] * 6000))
+    assert len(result) > 1 << 20
     try:
         await asyncio.wait_for(runner._produce([
             Outgoing(big, "sha-1", value, []), Outgoing(old, "req-0", b"before", []),
-            Outgoing(old, "req-1", value, []), Outgoing(old, "req-2", b"after", [])]), 60)
+            Outgoing(old, sha, result, []), Outgoing(old, "req-2", b"after", [])]), 60)
         await asyncio.wait_for(runner._produce([Outgoing(old, "req-3", b"next batch", [])]), 60)
     finally:
         await producer.stop()
@@ -153,7 +160,14 @@ async def test_a_large_message_fits_and_one_over_its_topics_limit_becomes_a_dlq_
             await consumer.stop()
 
     assert await read(big, 1) == [value]
-    assert await read(old, 3) == [b"before", b"after", b"next batch"]
+    before, failed, after, nxt = await read(old, 4)
+    assert (before, after, nxt) == (b"before", b"after", b"next batch")
+    # the oversized ok result goes on as the same result failed with input_too_large, without its
+    # lines, so its request and the copies waiting on it get a final state
+    failed = orjson.loads(failed)
+    assert failed["status"] == "error" and failed["error"]["code"] == "input_too_large" and failed["lines"] == []
+    assert failed["request"]["request_id"] == "req-1" and failed["cache_key"] == f"gen:{sha}"
     [stub] = [orjson.loads(v) for v in await read(dlq, 1)]
+    # named by its request, not by its key (the content hash)
     assert stub["topic"] == old and stub["request_id"] == "req-1" and stub["error_code"] == "input_too_large"
     assert "too large" in stub["reason"].lower()
