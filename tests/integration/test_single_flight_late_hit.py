@@ -98,4 +98,5 @@ def test_a_late_exact_hit_leaves_another_requests_lease_and_waiters_alone(late_p
             got = c.get(f"/v1/ocr/{rid}", params={"wait": 120}).json()
             assert got["status"] == "ok" and got["result"]["text"] == text, got
         assert metric_value(p.metrics("infer"), "ocrstream_engine_images_total") == 1
-        assert not r.exists(lease) and r.llen(waiters) == 0
+        # released once the completions are acknowledged, a moment after clients can see them
+        _wait("the lease to be released", lambda: not r.exists(lease) and r.llen(waiters) == 0, timeout=10)
