@@ -100,17 +100,23 @@ end
 return redis.call('LRANGE', KEYS[3], 0, -1)
 """
 
-# KEYS: lease, waiters, inflight, held   ARGV: n_done, cache_key, now_ms
-_COMPLETE_END = """
-redis.call('LTRIM', KEYS[2], tonumber(ARGV[1]), -1)
-redis.call('DEL', KEYS[1], KEYS[4])
-if redis.call('LLEN', KEYS[2]) == 0 then
-  redis.call('ZREM', KEYS[3], ARGV[2])
+# The tail of the scripts that remove waiters: the key leaves the reaper's in-flight set once
+# nobody waits on it, else it is due at once for the rest. Locals: waiters, inflight, key, now.
+_SETTLE_INFLIGHT = """
+if redis.call('LLEN', waiters) == 0 then
+  redis.call('ZREM', inflight, key)
 else
-  redis.call('ZADD', KEYS[3], tonumber(ARGV[3]), ARGV[2])
+  redis.call('ZADD', inflight, tonumber(now), key)
 end
 return 1
 """
+
+# KEYS: lease, waiters, inflight, held   ARGV: n_done, cache_key, now_ms
+_COMPLETE_END = """
+local waiters, inflight, key, now = KEYS[2], KEYS[3], ARGV[2], ARGV[3]
+redis.call('LTRIM', waiters, tonumber(ARGV[1]), -1)
+redis.call('DEL', KEYS[1], KEYS[4])
+""" + _SETTLE_INFLIGHT
 
 # Promote the first waiter to lease holder. KEYS: entry, lease, waiters, inflight, held, gaveup
 # ARGV: lease_ms, now_ms, cache_key, expected_holder, unheld_only ('1' or ''), max_sends, attempt
@@ -211,14 +217,9 @@ return 1
 # JSON, not by count: if two reapers ever answered the same waiters, neither removes one that
 # nobody answered. KEYS: waiters, inflight   ARGV: cache_key, now_ms, waiter_json...
 _REMOVE_WAITERS = """
-for i = 3, #ARGV do redis.call('LREM', KEYS[1], 1, ARGV[i]) end
-if redis.call('LLEN', KEYS[1]) == 0 then
-  redis.call('ZREM', KEYS[2], ARGV[1])
-else
-  redis.call('ZADD', KEYS[2], tonumber(ARGV[2]), ARGV[1])
-end
-return 1
-"""
+local waiters, inflight, key, now = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
+for i = 3, #ARGV do redis.call('LREM', waiters, 1, ARGV[i]) end
+""" + _SETTLE_INFLIGHT
 
 # KEYS: entry, accepted-marker   ARGV: marker value, marker ttl s
 _GET_AND_MARK = """

@@ -147,7 +147,7 @@ async def create_topics(cfg: KafkaSettings, names: list[str]) -> list[str]:
     Returns:
         The names that were created (empty when all existed).
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers, **_security_kwargs(cfg))
+    admin = make_admin(cfg, "ocrstream-init")
     try:
         await admin.start()
         existing = set(await admin.list_topics())

@@ -106,10 +106,7 @@ class DedupHandler(Handler):
 
         def hit(entry: CacheEntry, tier: str) -> list[Outgoing]:
             self.telemetry.cache.labels("dedup", "hit", tier).inc()
-            ev = ResultEvent(request=timed(req), cache_key=key, cache_hit=True, status="ok",
-                             result_uri=entry.result_uri, engine=gen.engine, model=gen.model,
-                             model_revision=gen.model_revision)
-            return [Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), headers)]
+            return [self._hit(timed(req), key, entry, headers)]
 
         def to_infer() -> list[Outgoing]:
             ev = InferEvent(request=timed(req), cache_key=key)
@@ -281,6 +278,13 @@ class DedupHandler(Handler):
             mark[:] = [results_t, p, offsets[results_t][0][p]]
         return not (mark[0] == results_t and offsets[results_t][1][mark[1]] >= mark[2])
 
+    def _hit(self, req: RequestEvent, key: str, entry: CacheEntry, headers) -> Outgoing:
+        """``req`` answered from the cache entry ``entry`` of ``key``: a cache-hit result for the sink."""
+        gen = self.s.generation(req.task)
+        ev = ResultEvent(request=req, cache_key=key, cache_hit=True, status="ok", result_uri=entry.result_uri,
+                         engine=gen.engine, model=gen.model, model_revision=gen.model_revision)
+        return Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), headers)
+
     def _settled(self, key: str, p: Promotion, why: str) -> list[Outgoing]:
         """What to send for a :meth:`ResultCache.promote` outcome of the reaper's: the promoted or
         re-sent waiter to ``ocr.infer``, or a cache hit for each waiter left on a key whose result
@@ -294,12 +298,8 @@ class DedupHandler(Handler):
             log.warning("dedup: %s is cached but %d waiting request(s) were never completed; answering them from "
                         "the cache", key, len(p.waiters))
             self.telemetry.cache.labels("dedup", "waiters_answered", "redis").inc(len(p.waiters))
-            for raw in p.waiters:
-                req = RequestEvent.model_validate_json(raw)
-                gen = self.s.generation(req.task)
-                ev = ResultEvent(request=req, cache_key=key, cache_hit=True, status="ok", result_uri=entry.result_uri,
-                                 engine=gen.engine, model=gen.model, model_revision=gen.model_revision)
-                out.append(Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), self.telemetry.inject()))
+            out.extend(self._hit(RequestEvent.model_validate_json(raw), key, entry, self.telemetry.inject())
+                       for raw in p.waiters)
             self._answered[key] = list(p.waiters)
         if p.abandoned is not None:
             req = RequestEvent.model_validate_json(p.abandoned)
