@@ -1,8 +1,9 @@
-"""Wires the ingest stage: settings, S3 client, handler and the runner."""
+"""Wires the ingest stage: settings, S3 and MariaDB clients, handler and the runner."""
 
 from __future__ import annotations
 
 from services.common.app import StageContext, run_stage
+from services.common.db import Database
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
 from services.ingest.handler import IngestHandler
@@ -15,8 +16,10 @@ async def main(settings: IngestSettings | None = None) -> None:
 
     async def build(ctx: StageContext) -> IngestHandler:
         store = ObjectStore(s.s3, ctx.telemetry)
+        db = Database(s.mysql, pool_size=s.ingest_concurrency, telemetry=ctx.telemetry)  # request id claims
         ctx.telemetry.add_probe("s3", store.ping)
-        return IngestHandler(s, store, ctx.telemetry)
+        ctx.telemetry.add_probe("mysql", db.ping)
+        return IngestHandler(s, store, ctx.telemetry, db)
 
     await run_stage(
         stage="ingest", settings=s, topic=s.topics.submit, group_id=s.ingest_group_id,
