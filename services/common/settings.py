@@ -230,6 +230,26 @@ class Limits(BaseModel):
     inline_max_bytes: int = Field(default=700 * 1024, ge=0, description="largest image sent inline on ocr.submit")
 
 
+class DecodeSettings(BaseModel):
+    """Decoder processes: every image is sniffed, decoded and rendered in one of them, under hard
+    bounds (:mod:`services.common.decoding`), so no input can wedge or exhaust a stage."""
+
+    workers: int = Field(default=2, ge=1, le=64, description="decoder processes per stage process (each decodes one image at a time)")
+    memory_mb: int = Field(
+        default=2048, ge=0,
+        description="address-space limit of each decoder process, MiB (RLIMIT_AS; about 150 MiB of it is the "
+                    "interpreter and its libraries); over it the image ends image_too_complex. 0 = no limit")
+    page_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="wall-clock limit of one page's decode or render, and of the format check, s; over it the "
+                    "decoder is killed and the request ends decode_timeout")
+    timeout_s: float = Field(
+        default=120.0, gt=0,
+        description="wall-clock limit of decoding all pages of one request, s (decode_timeout)")
+    start_timeout_s: float = Field(
+        default=60.0, gt=0, description="how long a new decoder process may take to start (imports), s")
+
+
 class CommonSettings(BaseSettings):
     """Settings every stage has. Env prefix ``OCRSTREAM_``, nested delimiter ``__``."""
 
@@ -270,6 +290,7 @@ class CommonSettings(BaseSettings):
         description="False: no request is answered from the cache (dedup sends every request to inference and "
                     "the HTTP door answers none at once); the sink still stores each result and its Redis entry")
     limits: Limits = Limits()
+    decode: DecodeSettings = DecodeSettings()
     max_attempts: int = Field(default=3, ge=1, description="attempts before a message goes to ocr.dlq")
     lease_ms: int = Field(
         default=600_000, ge=1,

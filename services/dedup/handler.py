@@ -329,3 +329,5 @@ class DedupHandler(Handler):
         await self.cache.close()
         if self.backlog is not None:
             await self.backlog.close()
+        if self.near is not None:
+            await self.near.close()

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
+from services.common.decoding import DecoderPool
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.events import derived_request_id, dumps, loads, queue_wait_ms
@@ -34,10 +35,12 @@ class IngestHandler(Handler):
     unparseable record goes to ``ocr.dlq``.
     """
 
-    def __init__(self, settings: IngestSettings, store: ObjectStore, telemetry: Telemetry):
+    def __init__(self, settings: IngestSettings, store: ObjectStore, telemetry: Telemetry,
+                 decoder: DecoderPool | None = None):
         self.s = settings
         self.store = store
         self.telemetry = telemetry
+        self.decoder = decoder or DecoderPool(settings.decode, settings.limits)  # the format checks, bounded
         self._sem = asyncio.Semaphore(settings.ingest_concurrency)
 
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
@@ -95,7 +98,7 @@ class IngestHandler(Handler):
                 raise OcrError(ErrorCode.INVALID_REQUEST, f"image_b64 is not valid base64: {exc}") from exc
         else:
             data = await self.store.get_uri(event.image_uri, max_bytes=limits.max_image_bytes)
-        acc = await accept_image(data, limits, self.store)
+        acc = await accept_image(data, limits, self.store, self.decoder)
         return base.model_copy(
             update={
                 "content_sha256": acc.content_sha256, "image_uri": acc.image_uri, "size_bytes": acc.size_bytes,
@@ -103,6 +106,10 @@ class IngestHandler(Handler):
                 "frames": acc.info.frames,
             }
         )
+
+    async def close(self) -> None:
+        """Stop the decoder processes."""
+        await self.decoder.close()
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the submission and fail its request: the id it named, or for a submission without one

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.common.app import StageContext, run_stage
+from services.common.decoding import DecoderPool
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
 from services.ingest.handler import IngestHandler
@@ -16,7 +17,9 @@ async def main(settings: IngestSettings | None = None) -> None:
     async def build(ctx: StageContext) -> IngestHandler:
         store = ObjectStore(s.s3, ctx.telemetry)
         ctx.telemetry.add_probe("s3", store.ping)
-        return IngestHandler(s, store, ctx.telemetry)
+        decoder = DecoderPool(s.decode, s.limits)
+        await decoder.start()
+        return IngestHandler(s, store, ctx.telemetry, decoder)
 
     await run_stage(
         stage="ingest", settings=s, topic=s.topics.submit, group_id=s.ingest_group_id,

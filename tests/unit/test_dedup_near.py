@@ -19,6 +19,7 @@ from services.common.events import dumps
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.dedup.handler import DedupHandler
+from services.common.decoding import DecoderPool
 from services.dedup.near import NearDupLookup
 from services.dedup.settings import DedupSettings
 from tests.conftest import text_image
@@ -82,7 +83,7 @@ def sha(data: bytes) -> str:
 
 def setup():
     store, cache, index = MemoryStore(), MemoryCache(), MemoryIndex()
-    near = NearDupLookup(S.near_dup, S.limits, store, cache, index=index)
+    near = NearDupLookup(S.near_dup, DecoderPool(S.decode, S.limits), store, cache, index=index)
     handler = DedupHandler(S, cache, Telemetry("dedup", TelemetrySettings()), near)
     return handler, store, cache, index
 

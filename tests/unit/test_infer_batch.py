@@ -125,10 +125,10 @@ def test_forget_cancels_the_prefetches_of_revoked_records():
         handler = InferHandler(InferSettings(), BlockingStore({}), ScriptedEngine(), Telemetry("infer", TelemetrySettings()))
         kept, gone = record(1, "s3://b/a"), record(2, "s3://b/b")
         handler.prefetch([kept, gone])
-        tasks = dict(handler._prefetched)
+        tasks = dict(handler.loader._prefetched)
         handler.forget([gone])
         await asyncio.sleep(0)
-        assert list(handler._prefetched) == [("ocr.infer", 0, 1)]
+        assert list(handler.loader._prefetched) == [("ocr.infer", 0, 1)]
         assert tasks[("ocr.infer", 0, 2)].cancelled() and not tasks[("ocr.infer", 0, 1)].done()
         await handler.close()
 

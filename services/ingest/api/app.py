@@ -61,6 +61,7 @@ from services.common.outputs import OutputLru
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings, load_settings
 from services.common.telemetry import SpanKind, Telemetry
+from services.common.decoding import DecoderPool
 from services.ingest.accept import accept_image, accept_staged
 from services.ingest.api.auth import Guard, Limit, Principal
 from services.ingest.api.errors import (
@@ -205,6 +206,7 @@ class FrontDoor:
         self._outputs = OutputLru(self.store, s.http_result_lru_entries, s.http_result_lru_bytes)
         self._sends: set[asyncio.Future] = set()  # cache hits being published on ocr.results
         self.budget = UploadBudget(s.http_upload_budget_bytes)
+        self.decoder = DecoderPool(s.decode, s.limits)  # format checks in killable processes
         self.started = asyncio.Event()
         self.closing = asyncio.Event()  # set at SIGTERM (serve): event streams end at once
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -236,6 +238,7 @@ class FrontDoor:
         await self.hit_producer.start()
         self.hub = CompletionHub(self.s, self.s.http_max_waiters)
         await self.hub.start()
+        await self.decoder.start()
         self.telemetry.add_probe("kafka", lambda: kafka_reachable(self.s.kafka.bootstrap_servers))
         self.telemetry.add_probe("s3", self.store.ping)
         if self.webhooks:
@@ -268,6 +271,7 @@ class FrontDoor:
             await asyncio.wait(set(self._sends))
         await self.hit_producer.stop()  # flushes the cache hits still lingering
         await self.producer.stop()
+        await self.decoder.close()
         await self.cache.close()
         self.telemetry.close()
 
@@ -425,9 +429,9 @@ class FrontDoor:
             try:
                 if up.staged is not None:  # streamed: checked from its spool file, then made the content object
                     acc = await accept_staged(up.staged.spool, up.staged.size, up.sha256, up.staged.upload,
-                                              self.s.limits, self.store)
+                                              self.s.limits, self.store, self.decoder)
                 else:
-                    acc = await accept_image(up.data, self.s.limits, self.store, sha256=up.sha256)
+                    acc = await accept_image(up.data, self.s.limits, self.store, self.decoder, sha256=up.sha256)
             except OcrError as err:
                 if err.code.value in STATUS_OF_CODE:
                     raise ApiError(STATUS_OF_CODE[err.code.value], err.code.value, err.message) from None

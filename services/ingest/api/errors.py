@@ -30,6 +30,8 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.IMAGE_TOO_LARGE.value: 413,
     ErrorCode.TOO_MANY_PAGES.value: 413,
     ErrorCode.INVALID_REQUEST.value: 400,
+    ErrorCode.DECODE_TIMEOUT.value: 422,
+    ErrorCode.IMAGE_TOO_COMPLEX.value: 422,
 }
 
 
