@@ -121,6 +121,7 @@ class PixelBudget:
     def __init__(self, limit: int):
         self.limit = limit
         self.used = 0
+        self.peak = 0  # the most bytes held at once since start
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
     def _fits(self, n: int) -> bool:
@@ -131,6 +132,7 @@ class PixelBudget:
         if self._waiters or not self._fits(n):
             return False
         self.used += n
+        self.peak = max(self.peak, self.used)
         return True
 
     async def acquire(self, n: int) -> None:
@@ -159,6 +161,7 @@ class PixelBudget:
             n, fut = self._waiters.popleft()
             if not fut.done():
                 self.used += n
+                self.peak = max(self.peak, self.used)
                 fut.set_result(None)
 
     @property
@@ -222,6 +225,8 @@ class _Worker:
         loop = asyncio.get_running_loop()
         try:
             data = await asyncio.wait_for(loop.sock_recv(self.sock, 65536), max(0.0, timeout))
+        except asyncio.TimeoutError:  # (an OSError since Python 3.11: caught first)
+            raise
         except (ConnectionError, OSError):
             data = b""
         if not data:

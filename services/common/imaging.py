@@ -74,6 +74,8 @@ def _pdf_document(data: bytes | BinaryIO):
 
     try:
         return pdfium.PdfDocument(data)
+    except MemoryError:
+        raise
     except Exception as exc:  # pdfium raises PdfiumError for damaged files
         raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF could not be opened: {exc}") from exc
 
@@ -127,6 +129,8 @@ def _open(data: bytes | BinaryIO, max_pixels: int) -> tuple[str, Image.Image | N
             img = Image.open(src, formats=ACCEPTED_FORMATS)
     except Image.DecompressionBombError as exc:
         raise OcrError(ErrorCode.IMAGE_TOO_LARGE, str(exc)) from exc
+    except MemoryError:
+        raise
     except Exception as exc:
         if is_pdf(head):  # "%PDF-" after other bytes, and no image reader took the file
             src.seek(0)
@@ -174,7 +178,7 @@ def _frame_sizes(img: Image.Image, max_pixels: int, max_pages: int) -> list[tupl
             _check_pixels(*img.size, max_pixels)
             total += img.size[0] * img.size[1]
             _check_total(total, max_pixels)
-    except OcrError:
+    except (OcrError, MemoryError):  # a MemoryError is the decoder's limit, not damage
         raise
     except Exception as exc:  # a later page's header is damaged
         raise OcrError(ErrorCode.CORRUPT_IMAGE, f"a later page's header cannot be read: {exc}") from exc
@@ -338,7 +342,7 @@ def iter_pages(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> Itera
                 img.load()
                 upright = ImageOps.exif_transpose(img) if i == 0 else img
                 yield np.asarray(to_rgb(upright), dtype=np.uint8)
-    except OcrError:
+    except (OcrError, MemoryError):  # a MemoryError is the decoder's limit, not damage
         raise
     except Exception as exc:  # truncated data, bad Huffman tables, broken chunks ...
         raise OcrError(ErrorCode.CORRUPT_IMAGE, f"{info.format} image data could not be decoded: {exc}") from exc
