@@ -4,9 +4,10 @@ Started by :class:`services.common.decoding.DecoderPool`, never by hand. It read
 the ``SOCK_SEQPACKET`` socket ``FD`` (one datagram each: JSON, with the input and output files
 passed as descriptors, ``SCM_RIGHTS``), runs the in-process functions of
 :mod:`services.common.imaging` on them and answers with one JSON datagram per step. Its address
-space is capped at ``MEMORY_BYTES`` (``RLIMIT_AS``; 0 = no cap) after its imports, and it is
-killed with its parent (``PR_SET_PDEATHSIG``), so a render the parent gave up on never outlives
-it.
+space is capped at ``MEMORY_BYTES`` (``RLIMIT_AS``; 0 = no cap) after its imports, it is the
+first process the kernel kills when its container runs out of memory (``oom_score_adj`` 1000),
+and it is killed with its parent (``PR_SET_PDEATHSIG``), so a render the parent gave up on never
+outlives it.
 
 Requests (``op``) and answers:
 
@@ -36,6 +37,17 @@ def _die_with_parent() -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the parent's close() still kills it
+        pass
+
+
+def _first_to_go() -> None:
+    """Offer this process first when its container runs out of memory (``oom_score_adj`` 1000,
+    proc(5)): the kernel then kills the decoder, whose image ends ``image_too_complex``, not the
+    stage."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
         pass
 
 
@@ -96,6 +108,7 @@ def main() -> int:
     """Serve requests until the socket closes (the parent went away or closed the pool)."""
     fd, memory = int(sys.argv[1]), int(sys.argv[2])
     _die_with_parent()
+    _first_to_go()
     sock = socket.socket(fileno=fd)
     import numpy  # noqa: F401 - imported before the address space is capped
     import orjson

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from aiokafka import ConsumerRecord
-from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
@@ -105,10 +104,7 @@ class Loader:
         self.decoder = decoder
         self.telemetry = telemetry
         self.budget = PixelBudget(settings.pixel_budget_mb << 20)
-        Gauge("ocrstream_decoded_bytes", "Bytes of decoded pixels held now (the pixel budget in use)",
-              registry=telemetry.registry).set_function(lambda: self.budget.used)
-        Gauge("ocrstream_decoded_bytes_peak", "The most bytes of decoded pixels held at once since start",
-              registry=telemetry.registry).set_function(lambda: self.budget.peak)
+        telemetry.watch_pixel_budget(self.budget)
         self._fetch_sem = asyncio.Semaphore(settings.fetch_concurrency)
         # next batch's items, fetched (and decoded when they fit) while the current batch is on the engine
         self._prefetched: dict[tuple[str, int, int], asyncio.Task] = {}

@@ -252,6 +252,28 @@ def test_infer_requests_one_gpu_on_gpu_nodes(case):
     assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
 
 
+ENGINE_RESERVE_MIB = {"rapidocr": 2150, "vllm": 12 * 1024, "openai": 512}
+"""Memory the engine itself takes in the infer process at its peak, MiB: rapidocr with 2 workers on
+2000 px inputs (measured: 2.1 GiB), vLLM's host side (its CPU-side caches and CUDA context), the
+openai engine's HTTP clients."""
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_infer_memory_limit_covers_the_engine_the_pixel_budget_and_the_decoders(case, monkeypatch):
+    docs = render(*CASES[case])
+    (infer,) = [w for w in workloads(docs) if component(w) == "infer"]
+    for k in list(os.environ):
+        if k.startswith("OCRSTREAM_"):
+            monkeypatch.delenv(k)
+    for k, v in _stage_env(docs, infer).items():
+        monkeypatch.setenv(k, v if isinstance(v, str) else "stub")
+    s = STAGES["infer"]()
+    limit = container(infer)["resources"]["limits"]["memory"]
+    mib = int(limit[:-2]) * (1024 if limit.endswith("Gi") else 1)
+    need = ENGINE_RESERVE_MIB[s.engine_kind or s.engine.engine] + s.pixel_budget_mb + s.decode.workers * s.decode.memory_mb
+    assert mib >= need, f"{case}: infer memory limit {limit} < {need} MiB"
+
+
 def test_cpu_small_has_no_gpu():
     docs = render(REPO / "deploy" / "values-cpu-small.yaml")
     for w in workloads(docs):
