@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from schemas.events import (
     CompletedEvent, OcrOutput, RequestEvent, ResultDocument, ResultEvent, new_id, now_ms,
 )
-from schemas.keys import cache_key, image_object_key
+from schemas.keys import image_object_key
 from services.common.app import kafka_reachable, setup_logging
 from services.common.cache import CacheUnavailable, ResultCache
 from services.common.db import Database
@@ -414,7 +414,7 @@ class FrontDoor:
                       rid: str, claimed: bool, started: float, submitted: int,
                       limit: Limit | None) -> tuple[int, OcrResponse]:
         gen = self.s.generation(opts.task)
-        key = cache_key(up.sha256, gen)
+        key = self.s.cache_key_of(up.sha256, gen, principal.key_id)  # the caller's cache scope
         parent = [("traceparent", traceparent.encode())] if traceparent else None
         with self.telemetry.span("api.submit", parent_headers=parent, kind=SpanKind.SERVER,
                                  attributes={"ocrstream.request_id": rid}):
