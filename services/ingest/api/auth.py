@@ -48,7 +48,7 @@ class Principal:
     """Who is calling: ``key_id`` None when keys are not required (local use)."""
 
     key_id: str | None = None
-    quota_per_day: int = 0  # the key's daily quota of submissions (0 = none): what a batch is charged against
+    quota_per_day: int = 0  # the key's daily quota of submissions (0 = none)
 
 
 ANONYMOUS = Principal()
@@ -301,26 +301,3 @@ class Guard:
         if len(self._refused_until) >= REFUSED_MEMORY:
             self._refused_until.clear()  # only a shortcut: forgetting costs one read-first request per key
         self._refused_until[limit.key_id] = time.monotonic() + d.retry_after_s
-
-    async def count_images(self, principal: Principal, images: int) -> None:
-        """Charge ``images`` submissions to a key's daily quota alone, all or none, in one Redis
-        call (no token taken; the door charges batches with :meth:`charge_batch`).
-
-        Raises:
-            ApiError: 400 ``invalid_request`` when the batch is larger than the whole daily quota
-                (no day can take it: split it); 429 ``quota_exceeded`` (with ``Retry-After``)
-                when today's rest of the quota cannot take it; nothing is counted then.
-        """
-        quota = principal.quota_per_day
-        if self.limiter is None or principal.key_id is None or quota <= 0:
-            return
-        if images > quota:
-            raise ApiError(400, "invalid_request", f"a batch counts one submission per image: {images} images exceed "
-                           f"API key {principal.key_id}'s whole daily quota of {quota}; send fewer per batch")
-        d = await self.limiter.count_quota(principal.key_id, images, quota_per_day=quota)
-        if not d.allowed:
-            self.rate_total.labels(d.outcome).inc()
-            raise ApiError(429, "quota_exceeded", f"a batch counts one submission per image: {images} images, but API "
-                           f"key {principal.key_id} has {max(0, int(d.tokens))} of its {quota} submissions of this "
-                           f"UTC day left; retry after {d.retry_after_s} s",
-                           headers={"Retry-After": str(d.retry_after_s)})

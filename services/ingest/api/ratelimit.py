@@ -249,8 +249,7 @@ class RateLimiter:
 
     async def count_quota(self, key_id: str, n: int, *, quota_per_day: int, now_ms: float | None = None) -> Decision:
         """Count ``n`` submissions against ``key_id``'s daily quota, all or none. No token is
-        taken. (The door charges a batch with ``hit(cost=N)``, tokens and quota in one call; this
-        stays for callers that count submissions alone.)
+        taken. (The door charges a batch with ``hit(cost=N)``, tokens and quota in one call.)
 
         Args:
             key_id: The API key's id.
