@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, Field, SecretStr, StringConstraints, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from schemas.keys import CacheGeneration
+from schemas.keys import CacheGeneration, cache_key
 from schemas.topics import Topics
 
 
@@ -289,6 +289,12 @@ class CommonSettings(BaseSettings):
         default=True,
         description="False: no request is answered from the cache (dedup sends every request to inference and "
                     "the HTTP door answers none at once); the sink still stores each result and its Redis entry")
+    cache_scope: Literal["global", "key"] = Field(
+        default="global",
+        description="global: one cache for all callers (an API key can tell whether anyone sent an image before: "
+                    "it is answered from the cache at once); key: each API key's requests have a cache of their "
+                    "own (another key's identical image is computed again; requests without a key share the "
+                    "global scope). Every stage that computes cache keys (the HTTP door, dedup) must agree")
     limits: Limits = Limits()
     decode: DecodeSettings = DecodeSettings()
     max_attempts: int = Field(default=3, ge=1, description="attempts before a message goes to ocr.dlq")
@@ -325,6 +331,22 @@ class CommonSettings(BaseSettings):
         elif kind == "openai":
             prompt = self.openai_prompt
         return self.engine.generation(task, engine=kind, max_side=self.engine_max_side, prompt=prompt)
+
+    def cache_scope_of(self, api_key_id: str | None) -> str | None:
+        """The cache scope of a request made with API key ``api_key_id``: None (the global
+        scope) when :attr:`cache_scope` is ``global`` or there is no key, else ``k<key_id>``
+        (a key id that is not 1-16 lowercase letters and digits is named by its SHA-256 instead)."""
+        if self.cache_scope != "key" or not api_key_id:
+            return None
+        if re.fullmatch(r"[0-9a-z]{1,16}", api_key_id):
+            return f"k{api_key_id}"
+        return "k" + hashlib.sha256(api_key_id.encode()).hexdigest()[:16]
+
+    def cache_key_of(self, content_sha256: str, gen: CacheGeneration, api_key_id: str | None) -> str:
+        """The cache key of an image under ``gen`` for a request made with ``api_key_id``, in the
+        scope :attr:`cache_scope` gives it (:func:`schemas.keys.cache_key`). Every stage builds
+        keys through this, so the door's lookup and dedup's claim agree."""
+        return cache_key(content_sha256, gen, self.cache_scope_of(api_key_id))
 
 
 S = TypeVar("S", bound=BaseSettings)

@@ -78,7 +78,8 @@ class NearDupLookup:
         """Stop the decoder processes."""
         await self.decoder.close()
 
-    async def find(self, content_sha256: str, image_uri: str, frames: int, gen: CacheGeneration) -> NearHit | None:
+    async def find(self, content_sha256: str, image_uri: str, frames: int, gen: CacheGeneration,
+                   scope: str | None = None) -> NearHit | None:
         """The verified near duplicate of this image under ``gen``, or None (then it is indexed).
 
         Args:
@@ -86,6 +87,9 @@ class NearDupLookup:
             image_uri: Where the new image is (``s3://``).
             frames: Pages/frames of the new image (only 1 is looked up).
             gen: The cache generation; only results of this generation are candidates.
+            scope: The request's cache scope (:meth:`CommonSettings.cache_scope_of`); None =
+                global. Candidates are indexed, and their entries looked up, in this scope only:
+                a tenant's look-alike is never answered from another tenant's result.
 
         Raises:
             CacheUnavailable: Redis down or slow (the caller treats it as a miss).
@@ -98,15 +102,17 @@ class NearDupLookup:
         if page is None:
             return None
         h = await asyncio.to_thread(phash64, page)
-        for distance, sha in (await self.index.candidates(gen.gen_id, h, self.s.max_hamming, exclude=content_sha256))[: self.s.max_candidates]:
-            hit = await self._try(sha, distance, page, gen)
+        space = gen.gen_id if scope is None else f"{gen.gen_id}:{scope}"  # purge's nd:<gen_id>:* covers both
+        for distance, sha in (await self.index.candidates(space, h, self.s.max_hamming, exclude=content_sha256))[: self.s.max_candidates]:
+            hit = await self._try(sha, distance, page, gen, scope)
             if hit is not None:
                 return hit
-        await self.index.add(gen.gen_id, content_sha256, h)
+        await self.index.add(space, content_sha256, h)
         return None
 
-    async def _try(self, sha: str, distance: int, page: np.ndarray, gen: CacheGeneration) -> NearHit | None:
-        entry = await self.cache.get(cache_key(sha, gen))
+    async def _try(self, sha: str, distance: int, page: np.ndarray, gen: CacheGeneration,
+                   scope: str | None = None) -> NearHit | None:
+        entry = await self.cache.get(cache_key(sha, gen, scope))
         if entry is None:  # not done yet, failed, expired or purged
             return None
         try:

@@ -470,6 +470,15 @@ def test_cache_enabled_reaches_the_door_and_dedup_alike():
     assert _stage_env(render(REQUIRED), w)["OCRSTREAM_CACHE_ENABLED"] == "true"
 
 
+def test_cache_scope_reaches_the_door_and_dedup_alike():
+    """``config.cache_scope`` is one setting for the door (its lookup) and dedup (its claim): were
+    they to differ, a scoped door's miss would meet dedup's global entry."""
+    docs = render(REQUIRED, sets=("config.cache_scope=key",))
+    for comp in ("dedup", "api"):
+        (w,) = [d for d in workloads(docs) if component(d) == comp]
+        assert _stage_env(docs, w)["OCRSTREAM_CACHE_SCOPE"] == "key", comp
+
+
 def test_tasks_reach_every_stage_as_one_json_list():
     """``config.tasks`` is read by ingest and the door (who refuse other tasks) and by every stage
     that builds cache keys: one JSON list in each stage's environment."""
