@@ -35,6 +35,14 @@ class ErrorCode(str, Enum):
     """The OCR engine (its server) went away while it read this image alone, ``engine_crash_limit``
     times (a connection carrying it dropped, the retry refused): the image is not retried (the same
     bytes would take it down again)."""
+    DECODE_TIMEOUT = "decode_timeout"
+    """Decoding or rendering the image took longer than its wall-clock limit: one page (or the
+    format check) over ``decode.page_timeout_s``, or all pages of the request over
+    ``decode.timeout_s``. The decoder process was killed and replaced; the same bytes would take
+    as long again (a PDF page whose content is unbounded work, a file of chained headers)."""
+    IMAGE_TOO_COMPLEX = "image_too_complex"
+    """Decoding the image needed more memory than the decoder process may use
+    (``decode.memory_mb``), or the decoder process died reading it."""
     REQUEST_ID_CONFLICT = "request_id_conflict"
     """The chosen ``request_id`` is already taken by another request: another image (content
     SHA-256), another task, or another API key, at either door. The first request keeps the id

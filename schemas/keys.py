@@ -3,12 +3,15 @@
 The cache key covers everything that changes a result: engine, model id, model revision,
 task (prompt), the preprocessing version and engine options that change output (such as the
 CPU engine's detector limit). Changing any one gives a new *generation*,
-so old entries are never served after an upgrade and can be purged by generation.
+so old entries are never served after an upgrade and can be purged by generation. With
+``OCRSTREAM_CACHE_SCOPE=key`` a key also names its tenant (the API key), so one tenant's
+entries are never another's (``docs/cache-scope.md``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 
 from pydantic import BaseModel, ConfigDict
 
@@ -37,20 +40,45 @@ class CacheGeneration(BaseModel):
         return hashlib.sha256(raw.encode()).hexdigest()[:12]
 
 
-def cache_key(content_sha256: str, generation: CacheGeneration) -> str:
-    """Cache key of one image under one generation: ``<gen_id>:<sha256>`` (77 characters)."""
-    return f"{generation.gen_id}:{content_sha256}"
+_SCOPE_RE = re.compile(r"^[A-Za-z0-9_-]{1,20}$")
+
+
+def cache_key(content_sha256: str, generation: CacheGeneration, scope: str | None = None) -> str:
+    """Cache key of one image under one generation: ``<gen_id>:<sha256>`` (77 characters) in
+    the global scope, ``<gen_id>:<scope>:<sha256>`` in a tenant's (``OCRSTREAM_CACHE_SCOPE=key``:
+    :meth:`services.common.settings.CommonSettings.cache_key_of` names the scope). The generation
+    stays first (``cache purge`` matches ``<gen_id>:*``) and the SHA-256 last.
+
+    Raises:
+        ValueError: ``scope`` is not 1-20 characters of ``[A-Za-z0-9_-]``.
+    """
+    if scope is None:
+        return f"{generation.gen_id}:{content_sha256}"
+    if not _SCOPE_RE.match(scope):
+        raise ValueError(f"not a cache scope: {scope!r}")
+    return f"{generation.gen_id}:{scope}:{content_sha256}"
+
+
+def parse_cache_key(key: str) -> tuple[str, str | None, str]:
+    """Inverse of :func:`cache_key`: ``(gen_id, scope or None, content_sha256)``.
+
+    Raises:
+        ValueError: if ``key`` is not of the form ``<gen_id>[:<scope>]:<sha256>``.
+    """
+    gen_id, sep, rest = key.partition(":")
+    scope, _, sha = rest.rpartition(":")
+    if not sep or not gen_id or len(sha) != 64 or (scope and not _SCOPE_RE.match(scope)):
+        raise ValueError(f"not a cache key: {key!r}")
+    return gen_id, scope or None, sha
 
 
 def split_cache_key(key: str) -> tuple[str, str]:
-    """Inverse of :func:`cache_key`: returns ``(gen_id, content_sha256)``.
+    """``(gen_id, content_sha256)`` of a cache key, whatever its scope (:func:`parse_cache_key`).
 
     Raises:
-        ValueError: if ``key`` is not of the form ``<gen_id>:<sha256>``.
+        ValueError: if ``key`` is not of the form ``<gen_id>[:<scope>]:<sha256>``.
     """
-    gen_id, sep, sha = key.partition(":")
-    if not sep or len(sha) != 64:
-        raise ValueError(f"not a cache key: {key!r}")
+    gen_id, _, sha = parse_cache_key(key)
     return gen_id, sha
 
 
@@ -60,6 +88,7 @@ def image_object_key(content_sha256: str) -> str:
 
 
 def result_object_key(cache_key_: str) -> str:
-    """S3 key of the result document for a cache key: ``results/<sha256>/<gen_id>.json``."""
-    gen_id, sha = split_cache_key(cache_key_)
-    return f"results/{sha}/{gen_id}.json"
+    """S3 key of the result document for a cache key: ``results/<sha256>/<gen_id>.json``, or
+    ``results/<sha256>/<gen_id>.<scope>.json`` for a scoped key (each tenant its own document)."""
+    gen_id, scope, sha = parse_cache_key(cache_key_)
+    return f"results/{sha}/{gen_id}.json" if scope is None else f"results/{sha}/{gen_id}.{scope}.json"

@@ -1,6 +1,7 @@
 """The Redis result cache with single flight: one inference per cache key, however many copies.
 
-Keys (prefix ``ocr`` by default; ``<key>`` is a cache key ``<gen_id>:<sha256>``):
+Keys (prefix ``ocr`` by default; ``<key>`` is a cache key ``<gen_id>:<sha256>``, or
+``<gen_id>:<scope>:<sha256>`` with ``OCRSTREAM_CACHE_SCOPE=key``: :func:`schemas.keys.cache_key`):
 
 * ``ocr:c:<key>``      the cache entry: a small JSON pointer to the S3 result document plus a
                        summary (never the document itself), with a TTL per task/source.

@@ -1,8 +1,14 @@
 """Image sniffing (header only) and decoding to upright 8-bit RGB pages.
 
-Every format Pillow reads is accepted, recognised from the bytes (never the file name or
-content type); PDFs are rendered page by page with pypdfium2. Limits are checked from the
-header before any pixel is decoded, so a decompression bomb costs a few KiB of memory.
+Only the formats in :data:`ACCEPTED_FORMATS` are opened, recognised from the bytes (never the
+file name or content type); PDFs are rendered page by page with pypdfium2. Limits are checked
+from the header before any pixel is decoded, so a decompression bomb costs a few KiB of memory,
+and every check costs time linear in the page limit at worst (frames are counted up to
+``max_pages + 1``, never to the end of the file).
+
+These functions run in-process and are unbounded in wall-clock time and memory for a hostile
+file (a PDF page whose content stream is unbounded work); the stages call them only through
+:mod:`services.common.decoding`, which runs them in killable worker processes.
 
 Decoding rules (each fixes a whole class of inputs, see ``../shared/cases``):
 
@@ -17,16 +23,17 @@ Decoding rules (each fixes a whole class of inputs, see ``../shared/cases``):
 from __future__ import annotations
 
 import io
+import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
-from PIL import Image, ImageOps, ImageSequence
+from PIL import Image, ImageOps
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
-from services.common.telemetry import traced
 
 PDF_MAGIC = b"%PDF-"
 PDF_HEADER_WINDOW = 1024
@@ -37,10 +44,18 @@ SIGNATURES = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "
 """Leading bytes of the raster formats ocrstream reads (PNG, JPEG, GIF, TIFF, BMP; WebP is
 ``RIFF....WEBP``): a file that starts like one but does not open is ``corrupt_image``, anything
 else ``unsupported_format``."""
+ACCEPTED_FORMATS = ("PNG", "JPEG", "GIF", "TIFF", "BMP", "WEBP", "PPM", "JPEG2000", "AVIF")
+"""The Pillow plugins ocrstream opens (PDF is read by pypdfium2). JPEG includes MPO (a JPEG
+with a second picture, from phone cameras: Pillow's JPEG plugin opens it, as format ``MPO``);
+PPM covers PBM/PGM/PPM/PNM. Everything else Pillow could open
+(PostScript/EPS, which would run Ghostscript where it is installed; PSD, TGA, ICO, and the rest)
+is ``unsupported_format``: fewer decoders, fewer ways in."""
 PDF_RENDER_DPI = 200
 TOTAL_PIXELS_FACTOR = 2
 """All pages of one input together may hold at most this many times ``max_pixels`` (a small
 multi-page file must not decode to gigabytes)."""
+_SWAPS_SIDES = {5, 6, 7, 8}
+"""EXIF orientations that turn the image a quarter (CIPA DC-008-2019 section 4.6.4 A, tag 0x0112)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,8 @@ def _pdf_document(data: bytes | BinaryIO):
 
     try:
         return pdfium.PdfDocument(data)
+    except MemoryError:
+        raise
     except Exception as exc:  # pdfium raises PdfiumError for damaged files
         raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF could not be opened: {exc}") from exc
 
@@ -80,6 +97,95 @@ def _raster_signature(data: bytes) -> str | None:
     return next((name for sig, name in SIGNATURES.items() if data.startswith(sig)), None)
 
 
+def _head(data: bytes | BinaryIO) -> tuple[bytes, BinaryIO]:
+    """The first :data:`PDF_HEADER_WINDOW` bytes and a file positioned at the start."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data[:PDF_HEADER_WINDOW]), io.BytesIO(data)
+    data.seek(0)
+    head = data.read(PDF_HEADER_WINDOW)
+    data.seek(0)
+    return head, data
+
+
+def _open(data: bytes | BinaryIO, max_pixels: int) -> tuple[str, Image.Image | None, bytes]:
+    """``("PDF", None, head)`` for a PDF, else ``(format, opened image, head)``.
+
+    Raises:
+        OcrError: ``empty_input``, ``unsupported_format``, ``corrupt_image`` or ``image_too_large``
+            (Pillow's own bomb check).
+    """
+    head, src = _head(data)
+    if not head:
+        raise OcrError(ErrorCode.EMPTY_INPUT, "the image has zero bytes")
+    if head.startswith(PDF_MAGIC):
+        return "PDF", None, head
+    if max_pixels > (Image.MAX_IMAGE_PIXELS or max_pixels):
+        # Pillow's own bomb check (an error above 2x MAX_IMAGE_PIXELS, ~179 M by default) would
+        # refuse images this deployment allows; ours (_check_pixels) runs right after the header.
+        Image.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(src, formats=ACCEPTED_FORMATS)
+    except Image.DecompressionBombError as exc:
+        raise OcrError(ErrorCode.IMAGE_TOO_LARGE, str(exc)) from exc
+    except MemoryError:
+        raise
+    except Exception as exc:
+        if is_pdf(head):  # "%PDF-" after other bytes, and no image reader took the file
+            src.seek(0)
+            return "PDF", None, head
+        if fmt := _raster_signature(head):
+            raise OcrError(ErrorCode.CORRUPT_IMAGE, f"starts like a {fmt} file but its header cannot be read") from exc
+        raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, "not an image format ocrstream reads") from exc
+    return img.format or "unknown", img, head
+
+
+def _next_frame(img: Image.Image) -> None:
+    """Move ``img`` to its next frame reading headers only; EOFError past the last one.
+
+    GIF's public ``seek`` decodes every frame it passes (for disposal), so GIF uses Pillow's
+    header-only step (``_seek(frame, False)``, what its own ``n_frames`` uses)."""
+    if img.format == "GIF":
+        img._seek(img.tell() + 1, False)  # noqa: SLF001 - Pillow 13 GifImageFile
+    else:
+        img.seek(img.tell() + 1)
+
+
+def _frame_sizes(img: Image.Image, max_pixels: int, max_pages: int) -> list[tuple[int, int]]:
+    """``(width, height)`` of every frame in order, reading at most ``max_pages + 1`` headers.
+
+    Pillow's ``n_frames`` walks every header to the end of the file, and for TIFF its loop check
+    is a list search per page (quadratic: 100,000 chained headers took 94 s); here the walk stops
+    at the limit, so the cost is linear in ``max_pages`` whatever the file holds.
+
+    Raises:
+        OcrError: ``too_many_pages``, ``corrupt_image`` (a later header cannot be read),
+            ``image_too_large`` (a page, or all pages together, over the pixel limits).
+    """
+    sizes = [img.size]
+    _check_pixels(*img.size, max_pixels)
+    total = img.size[0] * img.size[1]
+    try:
+        while True:
+            try:
+                _next_frame(img)
+            except EOFError:
+                break
+            if len(sizes) == max_pages:
+                raise OcrError(ErrorCode.TOO_MANY_PAGES, f"image has more than {max_pages} frames, limit {max_pages}")
+            sizes.append(img.size)
+            _check_pixels(*img.size, max_pixels)
+            total += img.size[0] * img.size[1]
+            _check_total(total, max_pixels)
+    except (OcrError, MemoryError):  # a MemoryError is the decoder's limit, not damage
+        raise
+    except Exception as exc:  # a later page's header is damaged
+        raise OcrError(ErrorCode.CORRUPT_IMAGE, f"a later page's header cannot be read: {exc}") from exc
+    _check_total(total, max_pixels)
+    return sizes
+
+
 def sniff(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
     """Identify the image from its bytes and check the limits without decoding pixels.
 
@@ -96,48 +202,39 @@ def sniff(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
         OcrError: ``empty_input``, ``unsupported_format``, ``corrupt_image``,
             ``image_too_large`` or ``too_many_pages``.
     """
-    if isinstance(data, (bytes, bytearray)):
-        head, src = data[:PDF_HEADER_WINDOW], None
-    else:
-        data.seek(0)
-        head, src = data.read(PDF_HEADER_WINDOW), data
-        data.seek(0)
-    if not head:
-        raise OcrError(ErrorCode.EMPTY_INPUT, "the image has zero bytes")
-    if head.startswith(PDF_MAGIC):
-        return _sniff_pdf(data, max_pixels, max_pages)
-    if max_pixels > (Image.MAX_IMAGE_PIXELS or max_pixels):
-        # Pillow's own bomb check (an error above 2x MAX_IMAGE_PIXELS, ~179 M by default) would
-        # refuse images this deployment allows; ours (_check_pixels) runs right after the header.
-        Image.MAX_IMAGE_PIXELS = max_pixels
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data) if src is None else src)
-    except Image.DecompressionBombError as exc:
-        raise OcrError(ErrorCode.IMAGE_TOO_LARGE, str(exc)) from exc
-    except Exception as exc:
-        if is_pdf(head):  # "%PDF-" after other bytes, and no image reader took the file
-            if src is not None:
-                src.seek(0)
-            return _sniff_pdf(data, max_pixels, max_pages)
-        if fmt := _raster_signature(head):
-            raise OcrError(ErrorCode.CORRUPT_IMAGE, f"starts like a {fmt} file but its header cannot be read") from exc
-        raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, "not an image format ocrstream reads") from exc
+    fmt, img, _ = _open(data, max_pixels)
+    if img is None:
+        sizes = _pdf_sizes(data, max_pixels, max_pages)
+        return ImageInfo("PDF", *sizes[0], len(sizes))
     with img:
         w, h = img.size
-        _check_pixels(w, h, max_pixels)
-        try:  # counting frames reads every page's header: a later page can be the broken one
-            frames = getattr(img, "n_frames", 1) or 1
-        except Exception as exc:
-            raise OcrError(ErrorCode.CORRUPT_IMAGE, f"a later page's header cannot be read: {exc}") from exc
-        if frames > max_pages:
-            raise OcrError(ErrorCode.TOO_MANY_PAGES, f"image has {frames} frames, limit {max_pages}")
-        _check_total(w * h * frames, max_pixels)
-        return ImageInfo(img.format or "unknown", w, h, frames)
+        sizes = _frame_sizes(img, max_pixels, max_pages)
+        return ImageInfo(fmt, w, h, len(sizes))
 
 
-def _sniff_pdf(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
+def page_sizes(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> tuple[ImageInfo, list[tuple[int, int]]]:
+    """:func:`sniff`, plus the ``(width, height)`` of every page as :func:`iter_pages` will give
+    it: upright (page 1 turned by its EXIF orientation), a PDF's at :data:`PDF_RENDER_DPI`.
+
+    Raises:
+        OcrError: as :func:`sniff`.
+    """
+    fmt, img, _ = _open(data, max_pixels)
+    if img is None:
+        sizes = _pdf_sizes(data, max_pixels, max_pages)
+        return ImageInfo("PDF", *sizes[0], len(sizes)), sizes
+    with img:
+        w, h = img.size
+        orientation = img.getexif().get(0x0112, 1)
+        sizes = _frame_sizes(img, max_pixels, max_pages)
+    if orientation in _SWAPS_SIDES:
+        sizes[0] = (sizes[0][1], sizes[0][0])
+    return ImageInfo(fmt, w, h, len(sizes)), sizes
+
+
+def _pdf_sizes(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> list[tuple[int, int]]:
+    """Every page's rendered size from the page tree (no page is loaded or rendered): a tiny
+    page 1 must not vouch for the rest. :func:`iter_pages` checks the same again while rendering."""
     doc = _pdf_document(data)
     try:
         n = len(doc)
@@ -145,8 +242,6 @@ def _sniff_pdf(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> Image
             raise OcrError(ErrorCode.CORRUPT_IMAGE, "PDF has no pages")
         if n > max_pages:
             raise OcrError(ErrorCode.TOO_MANY_PAGES, f"PDF has {n} pages, limit {max_pages}")
-        # Every page's size from the page tree (no page is loaded or rendered): a tiny page 1
-        # must not vouch for the rest. _render_pdf checks the same again while rendering.
         sizes = []
         for i in range(n):
             try:
@@ -160,14 +255,15 @@ def _sniff_pdf(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> Image
         _check_pixels(w, h, max_pixels)
         total += w * h
         _check_total(total, max_pixels)
-    w, h = sizes[0]
-    return ImageInfo("PDF", w, h, n)
+    return sizes
 
 
 def _pdf_pixels(w_pt: float, h_pt: float) -> tuple[int, int]:
     """Width and height in pixels of a PDF page of ``w_pt`` x ``h_pt`` points rendered at
-    :data:`PDF_RENDER_DPI` (72 points per inch, ISO 32000-1:2008 section 8.3.2.3)."""
-    return round(w_pt * PDF_RENDER_DPI / 72), round(h_pt * PDF_RENDER_DPI / 72)
+    :data:`PDF_RENDER_DPI` (72 points per inch, ISO 32000-1:2008 section 8.3.2.3), rounded up as
+    pypdfium2 5's ``PdfPage.render`` rounds them (``math.ceil(width * scale)``)."""
+    scale = PDF_RENDER_DPI / 72
+    return math.ceil(w_pt * scale), math.ceil(h_pt * scale)
 
 
 def _check_total(total: int, max_pixels: int) -> None:
@@ -213,16 +309,16 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-@traced("decode")
-def decode(data: bytes, max_pixels: int, max_pages: int) -> list[np.ndarray]:
-    """Decode every page/frame to an upright RGB array.
+def iter_pages(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> Iterator[np.ndarray]:
+    """Decode every page/frame to an upright RGB array, one at a time (the caller may store each
+    page before the next is decoded, so at most one page's pixels are held here).
 
     Args:
-        data: The raw image or PDF bytes.
+        data: The raw image or PDF bytes, or a seekable binary file holding them.
         max_pixels: Largest width x height allowed per page (checked before decoding).
         max_pages: Most pages/frames allowed.
 
-    Returns:
+    Yields:
         One ``uint8`` array of shape ``(height, width, 3)`` per page, in page order.
 
     Raises:
@@ -231,44 +327,53 @@ def decode(data: bytes, max_pixels: int, max_pages: int) -> list[np.ndarray]:
     """
     info = sniff(data, max_pixels, max_pages)
     if info.format == "PDF":
-        return _render_pdf(data, max_pixels)
-    pages: list[np.ndarray] = []
+        yield from _render_pdf(data, max_pixels)
+        return
+    _, src = _head(data)
     total = 0
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            for frame in ImageSequence.Iterator(img):
-                _check_pixels(frame.size[0], frame.size[1], max_pixels)
-                total += frame.size[0] * frame.size[1]
+        with Image.open(src, formats=ACCEPTED_FORMATS) as img:
+            for i in range(info.frames):
+                if i:
+                    img.seek(i)
+                _check_pixels(img.size[0], img.size[1], max_pixels)
+                total += img.size[0] * img.size[1]
                 _check_total(total, max_pixels)
-                frame.load()
-                upright = ImageOps.exif_transpose(frame) if len(pages) == 0 else frame
-                pages.append(np.asarray(to_rgb(upright), dtype=np.uint8).copy())
-    except OcrError:
+                img.load()
+                upright = ImageOps.exif_transpose(img) if i == 0 else img
+                yield np.asarray(to_rgb(upright), dtype=np.uint8)
+    except (OcrError, MemoryError):  # a MemoryError is the decoder's limit, not damage
         raise
     except Exception as exc:  # truncated data, bad Huffman tables, broken chunks ...
         raise OcrError(ErrorCode.CORRUPT_IMAGE, f"{info.format} image data could not be decoded: {exc}") from exc
-    return pages
 
 
-def _render_pdf(data: bytes, max_pixels: int) -> list[np.ndarray]:
-    """Render every page at :data:`PDF_RENDER_DPI` to RGB arrays.
+def decode(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> list[np.ndarray]:
+    """Every page of :func:`iter_pages` in a list (in-process: benchmarks and tests; the stages
+    decode through :class:`services.common.decoding.DecoderPool`)."""
+    return [np.array(p, copy=True) for p in iter_pages(data, max_pixels, max_pages)]
+
+
+def _render_pdf(data: bytes | BinaryIO, max_pixels: int) -> Iterator[np.ndarray]:
+    """Render every page at :data:`PDF_RENDER_DPI` to RGB arrays, one at a time.
 
     Each page's size is checked before it is rendered: alone against ``max_pixels``, and the
     running total of all pages so far against :data:`TOTAL_PIXELS_FACTOR` x ``max_pixels``
     (``image_too_large``), so a PDF whose later pages are huge is refused before they cost
     memory, whatever page 1 says.
     """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        data.seek(0)
     doc = _pdf_document(data)
     try:
-        pages = []
         total = 0
         for page in doc:
             w, h = _pdf_pixels(*page.get_size())
             _check_pixels(w, h, max_pixels)
             total += w * h
             _check_total(total, max_pixels)
-            bitmap = page.render(scale=PDF_RENDER_DPI / 72, fill_color=(255, 255, 255, 255))
-            pages.append(np.asarray(bitmap.to_pil().convert("RGB"), dtype=np.uint8).copy())
-        return pages
+            bitmap = page.render(scale=PDF_RENDER_DPI / 72, fill_color=(255, 255, 255, 255), rev_byteorder=True)
+            arr = bitmap.to_numpy()
+            yield np.ascontiguousarray(arr[:, :, :3]) if arr.shape[2] != 3 else np.ascontiguousarray(arr)
     finally:
         doc.close()

@@ -2,7 +2,8 @@
 
 Keys (prefix ``ocr`` by default):
 
-* ``ocr:nd:<gen_id>:<band>:<value>`` a sorted set per band value (8 bands of 8 bits of the
+* ``ocr:nd:<gen_id>:<band>:<value>`` (``ocr:nd:<gen_id>:<scope>:<band>:<value>`` for a tenant's
+  cache scope, ``OCRSTREAM_CACHE_SCOPE=key``) a sorted set per band value (8 bands of 8 bits of the
   64-bit pHash); members ``<hash as 16 hex digits>:<sha256>``, scored by the time added (ms).
   Each set keeps only its ``bucket_size`` newest members and expires ``ttl_s`` after its last
   write, so the index stays bounded however many images pass.

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, Field, SecretStr, StringConstraints, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from schemas.keys import CacheGeneration
+from schemas.keys import CacheGeneration, cache_key
 from schemas.topics import Topics
 
 
@@ -238,6 +238,26 @@ class Limits(BaseModel):
     inline_max_bytes: int = Field(default=700 * 1024, ge=0, description="largest image sent inline on ocr.submit")
 
 
+class DecodeSettings(BaseModel):
+    """Decoder processes: every image is sniffed, decoded and rendered in one of them, under hard
+    bounds (:mod:`services.common.decoding`), so no input can wedge or exhaust a stage."""
+
+    workers: int = Field(default=2, ge=1, le=64, description="decoder processes per stage process (each decodes one image at a time)")
+    memory_mb: int = Field(
+        default=2048, ge=0,
+        description="address-space limit of each decoder process, MiB (RLIMIT_AS; about 150 MiB of it is the "
+                    "interpreter and its libraries); over it the image ends image_too_complex. 0 = no limit")
+    page_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="wall-clock limit of one page's decode or render, and of the format check, s; over it the "
+                    "decoder is killed and the request ends decode_timeout")
+    timeout_s: float = Field(
+        default=120.0, gt=0,
+        description="wall-clock limit of decoding all pages of one request, s (decode_timeout)")
+    start_timeout_s: float = Field(
+        default=60.0, gt=0, description="how long a new decoder process may take to start (imports), s")
+
+
 class CommonSettings(BaseSettings):
     """Settings every stage has. Env prefix ``OCRSTREAM_``, nested delimiter ``__``."""
 
@@ -277,7 +297,14 @@ class CommonSettings(BaseSettings):
         default=True,
         description="False: no request is answered from the cache (dedup sends every request to inference and "
                     "the HTTP door answers none at once); the sink still stores each result and its Redis entry")
+    cache_scope: Literal["global", "key"] = Field(
+        default="global",
+        description="global: one cache for all callers (an API key can tell whether anyone sent an image before: "
+                    "it is answered from the cache at once); key: each API key's requests have a cache of their "
+                    "own (another key's identical image is computed again; requests without a key share the "
+                    "global scope). Every stage that computes cache keys (the HTTP door, dedup) must agree")
     limits: Limits = Limits()
+    decode: DecodeSettings = DecodeSettings()
     max_attempts: int = Field(default=3, ge=1, description="attempts before a message goes to ocr.dlq")
     lease_ms: int = Field(
         default=600_000, ge=1,
@@ -312,6 +339,22 @@ class CommonSettings(BaseSettings):
         elif kind == "openai":
             prompt = self.openai_prompt
         return self.engine.generation(task, engine=kind, max_side=self.engine_max_side, prompt=prompt)
+
+    def cache_scope_of(self, api_key_id: str | None) -> str | None:
+        """The cache scope of a request made with API key ``api_key_id``: None (the global
+        scope) when :attr:`cache_scope` is ``global`` or there is no key, else ``k<key_id>``
+        (a key id that is not 1-16 lowercase letters and digits is named by its SHA-256 instead)."""
+        if self.cache_scope != "key" or not api_key_id:
+            return None
+        if re.fullmatch(r"[0-9a-z]{1,16}", api_key_id):
+            return f"k{api_key_id}"
+        return "k" + hashlib.sha256(api_key_id.encode()).hexdigest()[:16]
+
+    def cache_key_of(self, content_sha256: str, gen: CacheGeneration, api_key_id: str | None) -> str:
+        """The cache key of an image under ``gen`` for a request made with ``api_key_id``, in the
+        scope :attr:`cache_scope` gives it (:func:`schemas.keys.cache_key`). Every stage builds
+        keys through this, so the door's lookup and dedup's claim agree."""
+        return cache_key(content_sha256, gen, self.cache_scope_of(api_key_id))
 
 
 S = TypeVar("S", bound=BaseSettings)

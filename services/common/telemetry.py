@@ -56,6 +56,7 @@ class Telemetry:
         self.service = service
         self.cfg = cfg
         self.registry = CollectorRegistry()
+        self._pixel_gauges: tuple[Gauge, Gauge] | None = None
         r = self.registry
         self.messages_in = Counter("ocrstream_messages_in", "Records consumed", ["stage", "topic"], registry=r)
         self.messages_out = Counter("ocrstream_messages_out", "Records produced and acknowledged", ["stage", "topic"], registry=r)
@@ -258,6 +259,19 @@ class Telemetry:
         for tp, n in lags.items():
             self.consumer_lag.labels(stage, tp.topic, str(tp.partition)).set(n)
         self._lag_tps = set(lags)
+
+    def watch_pixel_budget(self, budget) -> None:
+        """Export ``budget`` (a :class:`~services.common.decoding.PixelBudget`) as
+        ``ocrstream_decoded_bytes`` (bytes of decoded pixels held now) and
+        ``ocrstream_decoded_bytes_peak`` (the most held at once); a later call re-points them."""
+        if self._pixel_gauges is None:
+            self._pixel_gauges = (
+                Gauge("ocrstream_decoded_bytes", "Bytes of decoded pixels held now (the pixel budget in use)",
+                      registry=self.registry),
+                Gauge("ocrstream_decoded_bytes_peak", "The most bytes of decoded pixels held at once since start",
+                      registry=self.registry))
+        self._pixel_gauges[0].set_function(lambda: budget.used)
+        self._pixel_gauges[1].set_function(lambda: budget.peak)
 
     def engine_batch(self, engine: str, images: int, seconds: float) -> None:
         """The engine ran ``images`` images in one call of ``seconds``."""

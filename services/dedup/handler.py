@@ -9,7 +9,6 @@ from aiokafka import ConsumerRecord
 
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, InferEvent, Page, RequestEvent, ResultEvent
-from schemas.keys import cache_key
 from services.common.cache import PROMOTED_MAX_SENDS, CacheEntry, CacheUnavailable, Promotion, ResultCache
 from services.common.dlq import poison_messages
 from services.common.events import dumps, loads, queue_wait_ms
@@ -94,7 +93,7 @@ class DedupHandler(Handler):
                              error=ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=refused))
             return [Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), headers)]
         gen = self.s.generation(req.task)
-        key = cache_key(req.content_sha256, gen)
+        key = self.s.cache_key_of(req.content_sha256, gen, req.api_key_id)
 
         def near_hit(n: NearHit) -> list[Outgoing]:
             self.telemetry.cache.labels("dedup", "hit", "near").inc()
@@ -147,7 +146,8 @@ class DedupHandler(Handler):
             return None
         with self.telemetry.span("dedup.near_dup"):
             try:
-                found = await self.near.find(req.content_sha256, req.image_uri, req.frames, gen)
+                found = await self.near.find(req.content_sha256, req.image_uri, req.frames, gen,
+                                             self.s.cache_scope_of(req.api_key_id))
             except Exception as exc:  # noqa: BLE001 - near duplicates are an optimisation only
                 self.telemetry.cache.labels("dedup", "error", "near").inc()
                 log.warning("dedup: near-duplicate lookup of %s failed (%r); plain miss", req.request_id, exc)
@@ -329,3 +329,5 @@ class DedupHandler(Handler):
         await self.cache.close()
         if self.backlog is not None:
             await self.backlog.close()
+        if self.near is not None:
+            await self.near.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.common.app import StageContext, run_stage
 from services.common.cache import ResultCache
+from services.common.decoding import DecoderPool
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
 from services.dedup.backlog import DownstreamBacklog
@@ -25,7 +26,7 @@ async def main(settings: DedupSettings | None = None) -> None:
         if s.near_dup.enabled and s.cache_enabled:
             store = ObjectStore(s.s3, ctx.telemetry)
             ctx.telemetry.add_probe("s3", store.ping)
-            near = NearDupLookup(s.near_dup, s.limits, store, cache)
+            near = NearDupLookup(s.near_dup, DecoderPool(s.decode, s.limits), store, cache)
         backlog = DownstreamBacklog(s.kafka, [(s.topics.infer, s.infer_group_id), (s.topics.results, s.sink_group_id)])
         return DedupHandler(s, cache, ctx.telemetry, near, backlog)
 

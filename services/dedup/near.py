@@ -11,11 +11,10 @@ import numpy as np
 from schemas.events import Line, OcrOutput
 from schemas.keys import CacheGeneration, cache_key, image_object_key
 from services.common.cache import ResultCache
-from services.common.imaging import decode
+from services.common.decoding import DecoderPool
 from services.common.neardup import Verdict, phash64, scale_lines, verify
 from services.common.neardup_index import NearDupIndex
 from services.common.s3 import ObjectStore
-from services.common.settings import Limits
 from services.dedup.settings import NearDupSettings
 
 log = logging.getLogger(__name__)
@@ -52,31 +51,35 @@ class NearDupLookup:
 
     Args:
         settings: Near-duplicate settings (thresholds, index bounds).
-        limits: Pixel and page limits used to decode.
+        decoder: Decodes the images (in decoder processes, bounded in time and memory).
         store: Where the images and result documents are (S3).
         cache: The result cache (entries, and the Redis client for the index).
         index: The pHash index; by default a :class:`NearDupIndex` on ``cache``'s Redis.
     """
 
-    def __init__(self, settings: NearDupSettings, limits: Limits, store: ObjectStore, cache: ResultCache,
+    def __init__(self, settings: NearDupSettings, decoder: DecoderPool, store: ObjectStore, cache: ResultCache,
                  index: NearDupIndex | None = None):
         self.s = settings
-        self.limits = limits
+        self.decoder = decoder
         self.store = store
         self.cache = cache
         self.index = index or NearDupIndex(cache, settings.bucket_size, settings.index_ttl_s)
         self.params = settings.verify_params()
 
-    def _decode(self, data: bytes) -> np.ndarray | None:
-        pages = decode(data, self.limits.max_pixels, self.limits.max_pages)
-        return pages[0] if len(pages) == 1 else None
-
     async def _page(self, uri_or_key: str, is_uri: bool) -> np.ndarray | None:
+        """The only page of the image, or None for a multi-page one (the array keeps its shared
+        buffer alive; nothing is taken from a pixel budget: one image at a time per request)."""
         get = self.store.get_uri if is_uri else self.store.get
         data = await get(uri_or_key, max_bytes=self.s.max_image_bytes)
-        return await asyncio.to_thread(self._decode, data)
+        decoded = await self.decoder.decode_all(data)
+        return decoded.pages[0] if len(decoded.pages) == 1 else None
 
-    async def find(self, content_sha256: str, image_uri: str, frames: int, gen: CacheGeneration) -> NearHit | None:
+    async def close(self) -> None:
+        """Stop the decoder processes."""
+        await self.decoder.close()
+
+    async def find(self, content_sha256: str, image_uri: str, frames: int, gen: CacheGeneration,
+                   scope: str | None = None) -> NearHit | None:
         """The verified near duplicate of this image under ``gen``, or None (then it is indexed).
 
         Args:
@@ -84,6 +87,9 @@ class NearDupLookup:
             image_uri: Where the new image is (``s3://``).
             frames: Pages/frames of the new image (only 1 is looked up).
             gen: The cache generation; only results of this generation are candidates.
+            scope: The request's cache scope (:meth:`CommonSettings.cache_scope_of`); None =
+                global. Candidates are indexed, and their entries looked up, in this scope only:
+                a tenant's look-alike is never answered from another tenant's result.
 
         Raises:
             CacheUnavailable: Redis down or slow (the caller treats it as a miss).
@@ -96,15 +102,17 @@ class NearDupLookup:
         if page is None:
             return None
         h = await asyncio.to_thread(phash64, page)
-        for distance, sha in (await self.index.candidates(gen.gen_id, h, self.s.max_hamming, exclude=content_sha256))[: self.s.max_candidates]:
-            hit = await self._try(sha, distance, page, gen)
+        space = gen.gen_id if scope is None else f"{gen.gen_id}:{scope}"  # purge's nd:<gen_id>:* covers both
+        for distance, sha in (await self.index.candidates(space, h, self.s.max_hamming, exclude=content_sha256))[: self.s.max_candidates]:
+            hit = await self._try(sha, distance, page, gen, scope)
             if hit is not None:
                 return hit
-        await self.index.add(gen.gen_id, content_sha256, h)
+        await self.index.add(space, content_sha256, h)
         return None
 
-    async def _try(self, sha: str, distance: int, page: np.ndarray, gen: CacheGeneration) -> NearHit | None:
-        entry = await self.cache.get(cache_key(sha, gen))
+    async def _try(self, sha: str, distance: int, page: np.ndarray, gen: CacheGeneration,
+                   scope: str | None = None) -> NearHit | None:
+        entry = await self.cache.get(cache_key(sha, gen, scope))
         if entry is None:  # not done yet, failed, expired or purged
             return None
         try:

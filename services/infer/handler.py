@@ -1,24 +1,19 @@
 """Infer logic: a micro-batch of ``ocr.infer`` events -> fetch, decode, tile, engine -> ``ocr.results``.
 
-Memory bound of prefetching (:meth:`InferHandler.prefetch`): while a batch is on the engine the
-runner fetches at most one more batch and pauses its partitions, so at most ``2 x max_batch``
-records are decoded at once (the batch in flight and the next). Each record holds at most
-``TOTAL_PIXELS_FACTOR x max_pixels`` pixels over all its pages (:mod:`services.common.imaging`),
-3 bytes each (RGB ``uint8``). With the defaults (``max_batch`` 8, ``max_pixels`` 100 M, factor
-2) the worst case is 16 records x 200 Mpx x 3 B = 9.6 GB (8.9 GiB) of decoded pages, plus the
-raw bytes (at most 16 x ``max_image_bytes`` = 800 MiB) and the decoder's transient copies of
-the pages being decoded. Typical inputs are far below it (an A4 page at 200 dpi is 3.7 Mpx,
-11 MB); a deployment that must fit less memory lowers ``max_batch`` or ``limits.max_pixels``.
+Memory: decoded pages live in shared memory written by decoder processes and are held within the
+process's pixel budget (``pixel_budget_mb``, :mod:`services.infer.loading`): a micro-batch whose
+pages do not fit goes through the engine in parts, so the pixels held at once stay under the
+budget (or one image's, when a single image is larger) whatever the mix of images. The raw bytes
+of at most ``2 x max_batch`` records are held besides (this batch and the prefetched next, each
+at most ``limits.max_image_bytes``), and each decoder process at most ``decode.memory_mb``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 from aiokafka import ConsumerRecord
@@ -30,13 +25,14 @@ from schemas.keys import CacheGeneration, split_cache_key
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.events import dumps, loads, queue_wait_ms
-from services.common.imaging import decode
+from services.common.decoding import DecoderPool
 from services.common.kafka import Outgoing
 from services.common.runner import Handler
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Span, SpanKind, StatusCode, Telemetry, record_attrs
 from services.common.textlines import group_lines
 from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
+from services.infer.loading import Item, Loader
 from services.infer.settings import InferSettings
 from services.infer.tiles import Tile, make_tiles, map_back
 
@@ -65,29 +61,6 @@ def generation_matches(cache_key: str | None, own: CacheGeneration) -> bool:
     return gen_id == own.gen_id
 
 
-@dataclass
-class _Item:
-    record: ConsumerRecord
-    event: InferEvent
-    timings: dict[str, float] = field(default_factory=dict)
-    pages: list[np.ndarray] = field(default_factory=list)
-    lines: list[Line] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # from the engine, once each, in order seen
-    error: OcrError | None = None
-    span: Span | None = None  # the request's ``infer`` span, ended in ``_result``
-
-
-def _load_span(fn):
-    """Run ``_fetch_decode(it)`` in an ``infer.load`` span of the request's trace (prefetched or not)."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: "InferHandler", it: _Item):
-        with self.telemetry.span("infer.load", parent_headers=it.record.headers, attributes=record_attrs(it.record)):
-            return await fn(self, it)
-
-    return wrapper
-
-
 class InferHandler(Handler):
     """Runs one micro-batch: S3 gets in parallel, decoding in threads, every tile of every page
     of the batch submitted to the engine at once, then one result per request.
@@ -100,9 +73,8 @@ class InferHandler(Handler):
     same time as a one-page PNG. A request past its deadline gets a ``timeout`` result and its
     unfinished pieces are cancelled; the others in the batch go on.
 
-    Memory: at most ``2 x max_batch`` decoded records at once (this batch and the prefetched
-    next), each up to ``2 x limits.max_pixels`` pixels of 3 bytes: 9.6 GB with the defaults
-    (module docstring).
+    Memory: decoded pixels are held within ``pixel_budget_mb`` (module docstring); a batch over
+    it goes through the engine in parts (:meth:`Loader.waves`).
 
     Generation check (rolling upgrades): dedup put its own generation in the event's cache key;
     when this process's generation (:meth:`CommonSettings.generation`: engine, model, revision,
@@ -115,17 +87,21 @@ class InferHandler(Handler):
     ``ocrstream_cache_total{stage="infer",outcome="generation_mismatch"}`` and logged (WARNING).
     """
 
-    def __init__(self, settings: InferSettings, store: ObjectStore, engine: OcrEngine, telemetry: Telemetry):
+    def __init__(self, settings: InferSettings, store: ObjectStore, engine: OcrEngine, telemetry: Telemetry,
+                 decoder: DecoderPool | None = None):
         """Keep the collaborators; nothing is started or fetched until the runner calls in.
 
         Args:
             settings: The infer settings: ``limits`` (``max_image_bytes`` in bytes,
                 ``max_pixels`` in pixels per page, ``max_pages``, ``infer_timeout_s`` in
-                seconds per request), ``fetch_concurrency`` (S3 gets in flight),
+                seconds per request), ``decode`` (decoder processes and their bounds),
+                ``pixel_budget_mb``, ``fetch_concurrency`` (S3 gets in flight),
                 ``tile_max_aspect``, ``topics`` and the generation fields.
             store: Where the images are read (``get_uri``).
             engine: A started :class:`OcrEngine`; closed by :meth:`close`.
             telemetry: Spans and counters of this process.
+            decoder: The decoder processes (default: a pool from ``settings.decode``); closed by
+                :meth:`close`.
 
         Raises:
             Nothing: the settings were validated when they were built.
@@ -134,85 +110,52 @@ class InferHandler(Handler):
         self.store = store
         self.engine = engine
         self.telemetry = telemetry
-        self._fetch_sem = asyncio.Semaphore(settings.fetch_concurrency)
-        # next batch's images, fetched and decoded while the current batch is on the engine
-        self._prefetched: dict[tuple[str, int, int], asyncio.Task] = {}
+        self.loader = Loader(settings, store, decoder or DecoderPool(settings.decode, settings.limits), telemetry)
         self._gens: dict[str, CacheGeneration] = {}  # task -> this process's generation
         # content SHA-256 -> lone reads during which the engine went away (see _infer); oldest first
         self._crashes: OrderedDict[str, int] = OrderedDict()
         self._convicted: dict[str, float] = {}  # content SHA-256 -> until when copies fail at once (monotonic s)
 
     def prefetch(self, records: list[ConsumerRecord]) -> None:
-        """Start fetching and decoding the next batch's images (bounded by the runner's buffer).
-
-        The runner hands over at most one batch ahead (``max_batch`` records), so with the batch
-        in flight at most ``2 x max_batch`` records are decoded at once: 9.6 GB worst case with
-        the defaults (module docstring).
-        """
-        for rec in records:
-            try:
-                ev = loads(InferEvent, rec.value)
-            except (ValueError, ValidationError):
-                continue  # handle() sends it to the DLQ
-            it = _Item(rec, ev, {})
-            task = asyncio.ensure_future(self._fetch_decode(it))
-            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)  # no "never retrieved"
-            self._prefetched[(rec.topic, rec.partition, rec.offset)] = task
+        """Start fetching the next batch's images, and decoding those that fit the pixel budget
+        (:meth:`Loader.prefetch`); the runner hands over at most one batch ahead."""
+        self.loader.prefetch(records)
 
     def forget(self, records: list[ConsumerRecord]) -> None:
         """Cancel the prefetches of ``records`` (their partitions were revoked; see :meth:`Handler.forget`)."""
-        for rec in records:
-            task = self._prefetched.pop((rec.topic, rec.partition, rec.offset), None)
-            if task is not None:
-                task.cancel()
+        self.loader.forget(records)
 
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
-        """See :meth:`Handler.handle`."""
+        """See :meth:`Handler.handle`: load every record, then the batch in waves that fit the
+        pixel budget through the engine, then one result per request in record order."""
         out: list[Outgoing] = []
-        items: list[_Item] = []
+        items: list[Item] = []
         for rec in records:
             try:
                 ev = loads(InferEvent, rec.value)
             except (ValueError, ValidationError) as exc:
                 out.extend(self.poison(rec, OcrError(ErrorCode.INVALID_REQUEST, str(exc)[:500]), 1))
                 continue
-            items.append(_Item(rec, ev, {"queue_infer": queue_wait_ms(rec)}, span=self._request_span(rec)))
-        await asyncio.gather(*(self._load(it) for it in items))
-        await self._infer([it for it in items if it.error is None])
+            items.append(Item(rec, ev, {"queue_infer": queue_wait_ms(rec)}, span=self._request_span(rec)))
+        try:
+            await asyncio.gather(*(self.loader.load(it) for it in items))
+            async for wave in self.loader.waves([it for it in items if it.error is None]):
+                await self._infer([it for it in wave if it.error is None])
+                for it in wave:
+                    it.release()
+        finally:
+            for it in items:
+                it.release()
         for it in items:
             out.append(self._result(it))
+            it.data = None
         return out
-
-    @_load_span
-    async def _fetch_decode(self, it: _Item) -> tuple[list[np.ndarray], dict[str, float], OcrError | None]:
-        limits = self.s.limits
-        timings: dict[str, float] = {}
-        try:
-            async with self._fetch_sem:
-                t0 = time.perf_counter()
-                data = await self.store.get_uri(it.event.request.image_uri, max_bytes=limits.max_image_bytes)
-            t1 = time.perf_counter()
-            timings["fetch"] = (t1 - t0) * 1000
-            pages = await asyncio.to_thread(decode, data, limits.max_pixels, limits.max_pages)
-            timings["decode"] = (time.perf_counter() - t1) * 1000
-            return pages, timings, None
-        except OcrError as err:
-            if err.code == ErrorCode.MISSING_OBJECT:
-                raise  # retried a bounded number of times, then DLQ + error result (Handler.poison)
-            return [], timings, err
-
-    async def _load(self, it: _Item) -> None:
-        rec = it.record
-        task = self._prefetched.pop((rec.topic, rec.partition, rec.offset), None)
-        pages, timings, err = await (task if task is not None else self._fetch_decode(it))
-        it.pages, it.error = pages, err
-        it.timings.update(timings)
 
     def _request_span(self, rec: ConsumerRecord) -> Span:
         return self.telemetry.start_span("infer", parent_headers=rec.headers, kind=SpanKind.CONSUMER,
                                          attributes=record_attrs(rec))
 
-    async def _infer(self, items: list[_Item]) -> None:
+    async def _infer(self, items: list[Item]) -> None:
         """``items`` through the engine, with an image that takes the engine down isolated.
 
         The engine says when it went away *while it held* an image of the call
@@ -234,8 +177,8 @@ class InferHandler(Handler):
         """
         limit = self.s.engine_crash_limit
         now = time.monotonic()
-        rest: list[_Item] = []
-        suspects: list[_Item] = []
+        rest: list[Item] = []
+        suspects: list[Item] = []
         for it in items:
             sha = it.event.request.content_sha256
             until = self._convicted.get(sha)
@@ -277,7 +220,7 @@ class InferHandler(Handler):
         return OcrError(ErrorCode.ENGINE_CRASH, f"the OCR engine went away {self.s.engine_crash_limit} times while "
                         "reading this image alone; not retried")
 
-    async def _guarded(self, items: list[_Item]) -> None:
+    async def _guarded(self, items: list[Item]) -> None:
         """:meth:`_infer_group`, noting which images were on the engine when it went away."""
         if not items:
             return
@@ -297,7 +240,7 @@ class InferHandler(Handler):
         for it in items:  # read through: no longer a suspect
             self._crashes.pop(it.event.request.content_sha256, None)
 
-    async def _infer_group(self, items: list[_Item]) -> None:
+    async def _infer_group(self, items: list[Item]) -> None:
         """Every tile of every page of ``items`` through the engine at once (:meth:`_engine_batch`).
 
         Timings per item: ``preprocess`` and ``postprocess`` are equal shares of the batch's
@@ -354,7 +297,7 @@ class InferHandler(Handler):
                 it.timings["inference"] = engine_ms * share
                 it.timings["postprocess"] = post_ms / len(items)
 
-    async def _engine_batch(self, jobs: list[tuple[_Item, int, Tile]]) -> list[EngineOutput | BaseException | None]:
+    async def _engine_batch(self, jobs: list[tuple[Item, int, Tile]]) -> list[EngineOutput | BaseException | None]:
         """Run every job's tile on the engine, all submitted at once, each request under its own deadline.
 
         Each tile is its own ``engine.ocr`` call (the engines run concurrent calls as they run
@@ -441,7 +384,7 @@ class InferHandler(Handler):
             return [late if not isinstance(results.get(t), BaseException) else results[t] for t in tasks]
         return [results.get(t) for t in tasks]
 
-    def _result(self, it: _Item) -> Outgoing:
+    def _result(self, it: Item) -> Outgoing:
         ev, req = it.event, it.event.request
         # The record's whole stay in this stage (Kafka timestamp -> now) = queue + own work +
         # waiting on the rest of the batch. Prefetched images were fetched and decoded while
@@ -470,7 +413,7 @@ class InferHandler(Handler):
                 log.info("infer: %s[%d]@%d request %s failed: %s", it.record.topic, it.record.partition,
                          it.record.offset, req.request_id, it.error)
             else:
-                pages = [Page(index=i + 1, width=p.shape[1], height=p.shape[0]) for i, p in enumerate(it.pages)]
+                pages = [Page(index=i + 1, width=w, height=h) for i, (w, h) in enumerate(it.page_sizes)]
                 self.telemetry.requests_done.labels("infer", "ok", "").inc()
                 result = ResultEvent(status="ok", pages=pages, lines=it.lines, warnings=it.warnings, **common)
                 log.info("infer: %s[%d]@%d request %s: %d lines, inference %.0f ms%s", it.record.topic,
@@ -500,8 +443,6 @@ class InferHandler(Handler):
                                request=ev.request if ev else None, cache_key=ev.cache_key if ev else None)
 
     async def close(self) -> None:
-        """Release the engine and drop prefetched images."""
-        for task in self._prefetched.values():
-            task.cancel()
-        self._prefetched.clear()
+        """Release the engine, drop prefetched images and stop the decoder processes."""
+        await self.loader.close()
         await self.engine.close()

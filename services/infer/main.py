@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from services.common.app import StageContext, run_stage
+from services.common.decoding import DecoderPool
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
 from services.infer.engines.base import OcrEngine
@@ -59,7 +60,9 @@ async def main(settings: InferSettings | None = None) -> None:
             ctx.telemetry.live_checks["engine"] = lambda: not engine.dead()
         store = ObjectStore(s.s3, ctx.telemetry)
         ctx.telemetry.add_probe("s3", store.ping)
-        return InferHandler(s, store, engine, ctx.telemetry)
+        decoder = DecoderPool(s.decode, s.limits)
+        await decoder.start()
+        return InferHandler(s, store, engine, ctx.telemetry, decoder)
 
     await run_stage(
         stage="infer", settings=s, topic=s.topics.infer, group_id=s.infer_group_id,

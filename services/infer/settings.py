@@ -19,6 +19,11 @@ class InferSettings(CommonSettings):
     max_wait_ms: int = Field(default=20, ge=0, description="longest wait for a micro-batch to fill")
     infer_max_poll_interval_ms: int = Field(default=300_000, ge=1, description="partitions are paused while a batch runs")
     fetch_concurrency: int = Field(default=8, ge=1, description="S3 gets in flight per batch")
+    pixel_budget_mb: int = Field(
+        default=1024, ge=0,
+        description="decoded pixels this process holds at once, MiB (RGB, 3 bytes a pixel; the batch on the engine "
+                    "and the next one's prefetched pages together); a micro-batch over it runs in parts, an image "
+                    "larger than all of it runs alone. 0 = no bound")
     engine_crash_limit: int = Field(
         default=2, ge=0,
         description="times the engine's server may go away while reading one image alone (a connection carrying it "

@@ -14,7 +14,8 @@ from typing import BinaryIO
 from schemas.errors import ErrorCode
 from schemas.keys import image_object_key
 from services.common.errors import OcrError
-from services.common.imaging import ImageInfo, sniff
+from services.common.decoding import DecoderPool
+from services.common.imaging import ImageInfo
 from services.common.s3 import MultipartUpload, ObjectStore
 from services.common.settings import Limits
 
@@ -32,7 +33,8 @@ class Accepted:
     info: ImageInfo
 
 
-async def accept_image(data: bytes, limits: Limits, store: ObjectStore, sha256: str | None = None) -> Accepted:
+async def accept_image(data: bytes, limits: Limits, store: ObjectStore, decoder: DecoderPool,
+                       sha256: str | None = None) -> Accepted:
     """Check ``data`` (byte limit, format sniffed from the bytes, pixel and page limits read from
     the header; nothing is decoded) and store it under its content hash unless already there.
 
@@ -40,16 +42,17 @@ async def accept_image(data: bytes, limits: Limits, store: ObjectStore, sha256: 
         data: The upload.
         limits: Byte, pixel and page limits.
         store: Where images are kept.
+        decoder: Runs the format check in a decoder process, bounded in time and memory.
         sha256: The hex SHA-256 of ``data`` when the caller hashed it while reading.
 
     Raises:
         OcrError: ``input_too_large``, ``empty_input``, ``unsupported_format``, ``corrupt_image``,
-            ``image_too_large`` or ``too_many_pages`` (input errors: the same bytes always fail),
-            or a transient S3 error from the store.
+            ``image_too_large``, ``too_many_pages``, ``decode_timeout`` or ``image_too_complex``
+            (input errors: the same bytes always fail), or a transient S3 error from the store.
     """
     if len(data) > limits.max_image_bytes:
         raise OcrError(ErrorCode.INPUT_TOO_LARGE, f"{len(data)} bytes exceeds the limit of {limits.max_image_bytes}")
-    info = await asyncio.to_thread(sniff, data, limits.max_pixels, limits.max_pages)
+    info = await decoder.sniff(data)
     sha = sha256 or await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
     key = image_object_key(sha)
     await store.put_if_absent(key, data, CONTENT_TYPES.get(info.format, "application/octet-stream"))
@@ -57,13 +60,13 @@ async def accept_image(data: bytes, limits: Limits, store: ObjectStore, sha256: 
 
 
 async def accept_staged(spool: BinaryIO, size: int, sha256: str, upload: MultipartUpload, limits: Limits,
-                        store: ObjectStore) -> Accepted:
+                        store: ObjectStore, decoder: DecoderPool) -> Accepted:
     """:func:`accept_image` for a large HTTP upload that was streamed to S3 while it was read.
 
     The bytes are in two places: every part in the open multipart ``upload`` (to a staging key)
     and, in the same order, in ``spool`` (a file on local disk). The checks are the same as
     :func:`accept_image`'s, run by the same :func:`~services.common.imaging.sniff` on the whole
-    spooled file: a PDF's page count needs its cross-reference table at the end, a GIF's or
+    spooled file (in a decoder process): a PDF's page count needs its cross-reference table at the end, a GIF's or
     TIFF's frame count walks the whole file, so a check on the first part alone could answer
     differently. Only if they pass is the upload made into ``images/<sha[:2]>/<sha>``
     (:meth:`~services.common.s3.ObjectStore.put_staged_if_absent`: completed, copied, staging
@@ -76,6 +79,8 @@ async def accept_staged(spool: BinaryIO, size: int, sha256: str, upload: Multipa
         upload: The open multipart upload holding the same bytes.
         limits: Byte, pixel and page limits.
         store: Where images are kept.
+        decoder: Runs the format check in a decoder process (the spool file is passed to it as
+            a descriptor, not read here).
 
     Raises:
         OcrError: the same input errors as :func:`accept_image`; the upload is then left open
@@ -83,7 +88,7 @@ async def accept_staged(spool: BinaryIO, size: int, sha256: str, upload: Multipa
     """
     if size > limits.max_image_bytes:
         raise OcrError(ErrorCode.INPUT_TOO_LARGE, f"{size} bytes exceeds the limit of {limits.max_image_bytes}")
-    info = await asyncio.to_thread(sniff, spool, limits.max_pixels, limits.max_pages)
+    info = await decoder.sniff(spool)
     key = image_object_key(sha256)
     await store.put_staged_if_absent(upload, key, CONTENT_TYPES.get(info.format, "application/octet-stream"))
     return Accepted(content_sha256=sha256, image_uri=store.uri(key), size_bytes=size, info=info)

@@ -17,6 +17,7 @@ from schemas.ids import request_id_problem
 from services.common import claims
 from services.common.claims import RequestClaim
 from services.common.db import Database
+from services.common.decoding import DecoderPool
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.events import derived_request_id, dumps, queue_wait_ms
@@ -47,11 +48,13 @@ class IngestHandler(Handler):
     before its image was read claims its id without content (it has its final state under it).
     """
 
-    def __init__(self, settings: IngestSettings, store: ObjectStore, telemetry: Telemetry, db: Database | None):
+    def __init__(self, settings: IngestSettings, store: ObjectStore, telemetry: Telemetry,
+                 decoder: DecoderPool | None = None, db: Database | None = None):
         self.s = settings
         self.store = store
         self.telemetry = telemetry
-        self.db = db  # request claims; None only where nothing is claimed (unit tests of the poison path)
+        self.decoder = decoder or DecoderPool(settings.decode, settings.limits)  # the format checks, bounded
+        self.db = db  # request id claims; None only where nothing is claimed (unit tests of the poison path)
         self.allowed = settings.allowed_prefixes()
         self._sem = asyncio.Semaphore(settings.ingest_concurrency)
 
@@ -145,7 +148,7 @@ class IngestHandler(Handler):
             if (outside := reference_problem(event.image_uri, self.allowed)) is not None:
                 raise OcrError(ErrorCode.IMAGE_URI_NOT_ALLOWED, outside)  # before any S3 call
             data = await self.store.get_uri(event.image_uri, max_bytes=limits.max_image_bytes)
-        acc = await accept_image(data, limits, self.store)
+        acc = await accept_image(data, limits, self.store, self.decoder)
         return base.model_copy(
             update={
                 "content_sha256": acc.content_sha256, "image_uri": acc.image_uri, "size_bytes": acc.size_bytes,
@@ -153,6 +156,10 @@ class IngestHandler(Handler):
                 "frames": acc.info.frames,
             }
         )
+
+    async def close(self) -> None:
+        """Stop the decoder processes."""
+        await self.decoder.close()
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the submission and fail its request: the id it named (a missing object: claimed

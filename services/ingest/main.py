@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.common.app import StageContext, run_stage
 from services.common.db import Database
+from services.common.decoding import DecoderPool
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
 from services.ingest.handler import IngestHandler
@@ -19,7 +20,9 @@ async def main(settings: IngestSettings | None = None) -> None:
         db = Database(s.mysql, pool_size=s.ingest_concurrency, telemetry=ctx.telemetry)  # request id claims
         ctx.telemetry.add_probe("s3", store.ping)
         ctx.telemetry.add_probe("mysql", db.ping)
-        return IngestHandler(s, store, ctx.telemetry, db)
+        decoder = DecoderPool(s.decode, s.limits)
+        await decoder.start()
+        return IngestHandler(s, store, ctx.telemetry, decoder, db=db)
 
     await run_stage(
         stage="ingest", settings=s, topic=s.topics.submit, group_id=s.ingest_group_id,

@@ -252,6 +252,28 @@ def test_infer_requests_one_gpu_on_gpu_nodes(case):
     assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
 
 
+ENGINE_RESERVE_MIB = {"rapidocr": 2150, "vllm": 12 * 1024, "openai": 512}
+"""Memory the engine itself takes in the infer process at its peak, MiB: rapidocr with 2 workers on
+2000 px inputs (measured: 2.1 GiB), vLLM's host side (its CPU-side caches and CUDA context), the
+openai engine's HTTP clients."""
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_infer_memory_limit_covers_the_engine_the_pixel_budget_and_the_decoders(case, monkeypatch):
+    docs = render(*CASES[case])
+    (infer,) = [w for w in workloads(docs) if component(w) == "infer"]
+    for k in list(os.environ):
+        if k.startswith("OCRSTREAM_"):
+            monkeypatch.delenv(k)
+    for k, v in _stage_env(docs, infer).items():
+        monkeypatch.setenv(k, v if isinstance(v, str) else "stub")
+    s = STAGES["infer"]()
+    limit = container(infer)["resources"]["limits"]["memory"]
+    mib = int(limit[:-2]) * (1024 if limit.endswith("Gi") else 1)
+    need = ENGINE_RESERVE_MIB[s.engine_kind or s.engine.engine] + s.pixel_budget_mb + s.decode.workers * s.decode.memory_mb
+    assert mib >= need, f"{case}: infer memory limit {limit} < {need} MiB"
+
+
 def test_cpu_small_has_no_gpu():
     docs = render(REPO / "deploy" / "values-cpu-small.yaml")
     for w in workloads(docs):
@@ -446,6 +468,15 @@ def test_cache_enabled_reaches_the_door_and_dedup_alike():
         assert _stage_env(docs, w)["OCRSTREAM_CACHE_ENABLED"] == "false", comp
     (w,) = [d for d in workloads(render(REQUIRED)) if component(d) == "api"]
     assert _stage_env(render(REQUIRED), w)["OCRSTREAM_CACHE_ENABLED"] == "true"
+
+
+def test_cache_scope_reaches_the_door_and_dedup_alike():
+    """``config.cache_scope`` is one setting for the door (its lookup) and dedup (its claim): were
+    they to differ, a scoped door's miss would meet dedup's global entry."""
+    docs = render(REQUIRED, sets=("config.cache_scope=key",))
+    for comp in ("dedup", "api"):
+        (w,) = [d for d in workloads(docs) if component(d) == comp]
+        assert _stage_env(docs, w)["OCRSTREAM_CACHE_SCOPE"] == "key", comp
 
 
 def test_tasks_reach_every_stage_as_one_json_list():

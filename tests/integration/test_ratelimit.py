@@ -107,3 +107,46 @@ async def test_redis_clock_is_used_when_no_time_is_passed(limiter):
     got = [await limiter.hit("live", rate_per_s=0.001, burst=2) for _ in range(3)]
     assert [d.outcome for d in got] == ["ok", "ok", "rate_limited"]
     assert 999 <= got[2].retry_after_s <= 1000
+
+
+async def test_a_cost_of_n_takes_n_tokens_all_or_none(limiter):
+    hit = lambda cost, now=0: limiter.hit("n", rate_per_s=1, burst=5, now_ms=T0 + now, cost=cost)  # noqa: E731
+    d = await hit(3)
+    assert d.outcome == "ok" and d.tokens == 2.0
+    d = await hit(3)  # 2 tokens left: refused whole, nothing taken
+    assert d.outcome == "rate_limited" and d.tokens == 2.0 and d.retry_after_s == 1
+    d = await hit(2)
+    assert d.outcome == "ok" and d.tokens == 0.0
+    assert (await hit(1)).outcome == "rate_limited"  # the next single image: refused
+
+
+async def test_a_cost_over_the_burst_passes_a_full_bucket_only_and_leaves_a_debt(limiter):
+    hit = lambda cost, now=0: limiter.hit("debt", rate_per_s=2, burst=4, now_ms=T0 + now, cost=cost)  # noqa: E731
+    assert (await hit(1)).outcome == "ok"
+    d = await hit(10)  # needs the whole burst (4); 3 there
+    assert d.outcome == "rate_limited" and d.tokens == 3.0 and d.retry_after_s == 1  # 500 ms to the 4th
+    d = await hit(10, 500)
+    assert d.outcome == "ok" and d.tokens == -6.0
+    d = await hit(1, 500)  # 7 tokens short of one: 3.5 s
+    assert d.outcome == "rate_limited" and d.retry_after_s == 4
+    assert (await hit(1, 4000)).outcome == "ok"  # 3.5 s later the debt is paid and one token is back
+    ttl = await limiter.client.pttl(f"{limiter.prefix}:rl:debt")
+    assert 2_000 < ttl <= 3_000  # 4 tokens to refill at 2/s + 1 s slack
+
+
+async def test_peek_takes_nothing_and_a_batch_counts_n_submissions(limiter):
+    day = int(T0 // DAY_MS)
+    kw = dict(rate_per_s=1, burst=3, quota_per_day=5)
+    for _ in range(3):
+        d = await limiter.peek("p", now_ms=T0, **kw)
+        assert d.outcome == "ok" and d.tokens == 3.0
+    assert await limiter.client.get(f"{limiter.prefix}:quota:p:{day}") is None  # nothing counted
+    assert await limiter.client.exists(f"{limiter.prefix}:rl:p") == 0  # nothing taken (an absent bucket is full)
+    assert (await limiter.hit("p", now_ms=T0, cost=3, **kw)).outcome == "ok"
+    assert int(await limiter.client.get(f"{limiter.prefix}:quota:p:{day}")) == 3
+    assert (await limiter.peek("p", now_ms=T0, **kw)).outcome == "rate_limited"
+    d = await limiter.hit("p", now_ms=T0 + 60_000, cost=3, **kw)  # tokens back, but 2 submissions left today
+    assert d.outcome == "quota_exceeded" and d.tokens == 2.0
+    assert (await limiter.hit("p", now_ms=T0 + 60_000, cost=2, **kw)).outcome == "ok"
+    d = await limiter.peek("p", now_ms=T0 + 120_000, **kw)
+    assert d.outcome == "quota_exceeded" and d.tokens == 0.0

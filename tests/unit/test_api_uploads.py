@@ -6,7 +6,9 @@ import asyncio
 import pytest
 
 from services.ingest.api.errors import ApiError
-from services.ingest.api.uploads import STREAM_SLACK, PartSplitter, StagedBody, UploadBudget, expected_hold
+from services.ingest.api.uploads import (
+    STREAM_SLACK, BodyPace, PartSplitter, StagedBody, UploadBudget, UploadGate, expected_hold,
+)
 
 
 def test_budget_refuses_past_its_limit_and_releases_per_request():
@@ -44,32 +46,134 @@ def test_reservation_gives_back_part_by_part_and_never_below_zero():
     assert budget.used == 0
 
 
-def test_admission_refuses_new_uploads_before_cutting_off_admitted_ones():
+def test_admission_checks_room_but_a_declared_size_holds_nothing():
+    """What a request declares is only checked against the room there is now; the budget is
+    charged with the bytes that arrive (32 clients announcing large bodies hold nothing)."""
     budget = UploadBudget(100)
     a, b, c = budget.reservation(), budget.reservation(), budget.reservation()
-    a.admit(60)
-    with pytest.raises(ApiError) as err:
-        b.admit(50)  # does not fit next to a's 60: refused before its body is read
-    assert err.value.status == 503 and err.value.code == "overloaded"
-    assert (b.held, budget.used) == (0, 60)
-    b.admit(40)
-    for _ in range(6):
-        a.take(10)  # within its reservation: never refused, nothing more charged
-    assert (a.held, budget.used) == (60, 100)
-    with pytest.raises(ApiError):
-        c.admit(1)
-    with pytest.raises(ApiError):
-        a.take(1)  # past its reservation, and the budget is full
-    assert (a.in_memory, a.held) == (60, 60)
-    a.give(30)  # a part sent to S3: the reservation stays
-    assert (a.held, budget.used) == (60, 100)
-    b.release()
-    a.take(35)  # 65 in memory: 5 past the reservation, charged now
-    assert (a.held, budget.used) == (65, 65)
-    a.give(65)
-    assert (a.held, budget.used) == (60, 60)
-    a.release()
+    for r in (a, b, c):
+        r.admit(60)  # each fits the idle budget; nothing is set aside
     assert budget.used == 0
+    a.take(60)
+    with pytest.raises(ApiError) as err:
+        b.admit(50)  # does not fit next to a's 60 bytes in memory: refused before its body is read
+    assert err.value.status == 503 and err.value.code == "overloaded"
+    b.admit(40)
+    b.take(40)
+    assert budget.used == 100
+    with pytest.raises(ApiError):
+        c.take(1)  # past the budget: the chunk's request fails
+    assert (c.held, budget.used) == (0, 100)
+    a.give(30)  # a part sent to S3
+    assert (a.held, budget.used) == (30, 70)
+    with pytest.raises(ApiError):
+        budget.reservation().admit(10**9)  # more than the budget: checked as the whole budget, which is not idle
+    a.release()
+    b.release()
+    assert budget.used == 0
+    UploadBudget(100).reservation().admit(10**9)  # an idle budget never refuses
+
+
+def _request(content_length: int | None = None, client: str | None = "10.0.0.1"):
+    from starlette.requests import Request
+
+    headers = [] if content_length is None else [(b"content-length", str(content_length).encode())]
+    scope = {"type": "http", "method": "POST", "path": "/v1/ocr", "headers": headers}
+    if client is not None:
+        scope["client"] = (client, 4242)
+    return Request(scope)
+
+
+def test_gate_limits_uploads_per_client_and_per_key_and_frees_slots_on_release():
+    gate = UploadGate(1000, per_client=2, per_key=3)
+    a1, a2 = gate.open(_request(500), None, 500), gate.open(_request(500), None, 500)
+    with pytest.raises(ApiError) as err:
+        gate.open(_request(500), None, 500)
+    assert (err.value.status, err.value.code, err.value.headers) == (429, "too_many_uploads", {"Retry-After": "1"})
+    assert "client 10.0.0.1 already has 2 uploads" in err.value.message
+    other = gate.open(_request(500, "10.0.0.2"), None, 500)  # another address has its own slots
+    a1.release()
+    a1.release()  # idempotent: frees its slot once
+    a3 = gate.open(_request(500), None, 500)
+    assert gate.by_client == {"10.0.0.1": 2, "10.0.0.2": 1} and gate.open_uploads == 3
+    for r in (a2, a3, other):
+        r.release()
+    assert gate.by_client == {} and gate.open_uploads == 0
+    k = [gate.open(_request(None, f"10.1.0.{i}"), "key1", 0) for i in range(3)]  # chunked: no length
+    with pytest.raises(ApiError) as err:
+        gate.open(_request(None, "10.1.0.9"), "key1", 0)
+    assert err.value.code == "too_many_uploads" and "API key key1 already has 3 uploads" in err.value.message
+    gate.open(_request(None, "10.1.0.9"), "key2", 0).release()
+    for r in k:
+        r.release()
+    assert gate.by_key == {} and gate.by_client == {}
+
+
+def test_small_bodies_have_their_own_budget_and_take_no_slot():
+    gate = UploadGate(100, small_limit=50, small_body_bytes=20, per_client=1)
+    big = gate.open(_request(1000), None, 100)
+    big.take(100)  # the upload budget is full
+    with pytest.raises(ApiError) as err:
+        gate.open(_request(1000, "10.0.0.2"), None, 100)
+    assert err.value.code == "overloaded"
+    with pytest.raises(ApiError) as err:
+        gate.open(_request(1000), None, 100)
+    assert err.value.code == "too_many_uploads"  # 10.0.0.1's one slot is taken
+    small = [gate.open(_request(20), None, 20) for _ in range(2)]  # same client: no slot needed
+    for r in small:
+        assert r.budget is gate.small
+        r.take(20)
+    assert (gate.small.used, gate.held(), gate.open_uploads) == (40, 140, 3)
+    with pytest.raises(ApiError) as err:  # the small budget has no room for 20 more, the upload budget neither
+        gate.open(_request(20, "10.0.0.3"), None, 20)
+    assert err.value.code == "overloaded"
+    for r in [big, *small]:
+        r.release()
+    assert (gate.held(), gate.open_uploads, gate.by_client) == (0, 0, {})
+
+
+def test_body_pace_picks_the_earliest_bound_and_leaves_the_doors_time_out():
+    pace = BodyPace(total_s=100, idle_s=5, min_rate=1000, grace_s=2)
+    # at the start the grace (2 s) comes first
+    assert pace.deadline(0.0, 10.0, 0)[0] == pytest.approx(12.0)
+    assert "slower than 1000 bytes/s" in pace.deadline(0.0, 10.0, 0)[1]
+    # 10 KB in: 2 + 10 s of credit, 3 s of it spent waiting -> 9 s more; the idle bound (5 s) is earlier
+    d, why = pace.deadline(3.0, 50.0, 10_000)
+    assert d == pytest.approx(55.0) and why == "no byte of the body came for 5 s"
+    # 1 MB in: 1002 s of credit, the whole-body bound (100 s of waiting, 98 spent) wins
+    d, why = pace.deadline(98.0, 500.0, 1_000_000)
+    assert d == pytest.approx(502.0) and why == "the body did not arrive within 100 s"
+    assert BodyPace().deadline(0.0, 1.0, 0) == (None, "")
+
+
+def test_a_trickling_body_is_cut_with_408_by_its_minimum_rate():
+    from starlette.requests import Request
+
+    from services.ingest.api.uploads import limited_stream
+
+    async def receive():
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b"x", "more_body": True}  # 20 bytes/s for ever
+
+    async def main():
+        request = Request({"type": "http", "method": "POST", "path": "/v1/ocr", "headers": []}, receive)
+        held = UploadBudget(0).reservation()
+        got = 0
+        with pytest.raises(ApiError) as err:
+            async for chunk in limited_stream(request, 10**6, held, BodyPace(idle_s=1, min_rate=100, grace_s=0.3)):
+                got += len(chunk)
+        return err.value, got
+
+    loop_time = asyncio.new_event_loop()
+    try:
+        started = loop_time.time()
+        err, got = loop_time.run_until_complete(main())
+        took = loop_time.time() - started
+    finally:
+        loop_time.close()
+    assert (err.status, err.code) == (408, "request_timeout") and "slower than 100 bytes/s" in err.message
+    # cut once 0.3 s + got/100 s of waiting passed: ~0.4 s at 20 bytes/s, well before the 1 s idle bound
+    assert 0.3 <= took < 1.0 and 4 <= got <= 12, (took, got)
 
 
 @pytest.mark.parametrize("length, part, want", [

@@ -19,6 +19,7 @@ from services.common.events import dumps
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.dedup.handler import DedupHandler
+from services.common.decoding import DecoderPool
 from services.dedup.near import NearDupLookup
 from services.dedup.settings import DedupSettings
 from tests.conftest import text_image
@@ -69,21 +70,25 @@ class MemoryIndex:
     def __init__(self):
         self.items: list[tuple[str, int]] = []
 
+        self.spaces: list[str] = []  # the index namespace of each item (gen_id, or gen_id:scope)
+
     async def add(self, gen_id: str, sha: str, h: int) -> None:
         self.items.append((sha, h))
+        self.spaces.append(gen_id)
 
     async def candidates(self, gen_id, h, max_hamming, exclude=None):
-        return sorted(((h ^ x).bit_count(), s) for s, x in self.items if s != exclude and (h ^ x).bit_count() <= max_hamming)
+        return sorted(((h ^ x).bit_count(), s) for (s, x), space in zip(self.items, self.spaces)
+                      if space == gen_id and s != exclude and (h ^ x).bit_count() <= max_hamming)
 
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def setup():
+def setup(settings: DedupSettings = S):
     store, cache, index = MemoryStore(), MemoryCache(), MemoryIndex()
-    near = NearDupLookup(S.near_dup, S.limits, store, cache, index=index)
-    handler = DedupHandler(S, cache, Telemetry("dedup", TelemetrySettings()), near)
+    near = NearDupLookup(settings.near_dup, DecoderPool(settings.decode, settings.limits), store, cache, index=index)
+    handler = DedupHandler(settings, cache, Telemetry("dedup", TelemetrySettings()), near)
     return handler, store, cache, index
 
 
@@ -101,9 +106,10 @@ def handle(handler: DedupHandler, req: RequestEvent):
     return out.topic, orjson.loads(out.value)
 
 
-def done(store: MemoryStore, cache: MemoryCache, req: RequestEvent, text: str) -> None:
-    """Store a result for ``req`` as the sink would: one line across the top half."""
-    key = cache_key(req.content_sha256, GEN)
+def done(store: MemoryStore, cache: MemoryCache, req: RequestEvent, text: str, settings: DedupSettings = S) -> None:
+    """Store a result for ``req`` as the sink would (under its key in its cache scope): one line
+    across the top half."""
+    key = settings.cache_key_of(req.content_sha256, GEN, req.api_key_id)
     w, h = req.width, req.height
     out = OcrOutput(cache_key=key, content_sha256=req.content_sha256, engine=GEN.engine, model=GEN.model,
                     model_revision=GEN.model_revision, task="ocr", pages=[Page(index=1, width=w, height=h)],
@@ -167,3 +173,23 @@ def test_candidate_without_result_and_lookup_trouble_are_plain_misses():
 
 def test_disabled_by_default():
     assert DedupSettings().near_dup.enabled is False
+
+
+def test_with_cache_scope_key_a_look_alike_is_answered_from_its_own_tenants_results_only():
+    scoped = DedupSettings(near_dup={"enabled": True}, cache_scope="key")
+    handler, store, cache, index = setup(scoped)
+    original = text_image(["LEDGER 7731", "NET 88.10"], size=30, width=700)
+    first = put_image(store, original).model_copy(update={"api_key_id": "aaaaaaaaaaaa"})
+    topic, value = handle(handler, first)
+    assert topic == S.topics.infer and value["cache_key"] == f"{GEN.gen_id}:kaaaaaaaaaaaa:{first.content_sha256}"
+    assert index.spaces == [f"{GEN.gen_id}:kaaaaaaaaaaaa"]  # indexed in tenant A's scope
+    done(store, cache, first, "LEDGER 7731 NET 88.10", scoped)
+    copy = put_image(store, reencoded(original, scale=1.2))
+    other = copy.model_copy(update={"api_key_id": "bbbbbbbbbbbb", "request_id": "req-other"})
+    topic, value = handle(handler, other)  # tenant B: A's look-alike is no candidate
+    assert topic == S.topics.infer and value["cache_key"] == f"{GEN.gen_id}:kbbbbbbbbbbbb:{copy.content_sha256}"
+    mine = copy.model_copy(update={"api_key_id": "aaaaaaaaaaaa", "request_id": "req-mine"})
+    topic, value = handle(handler, mine)  # tenant A: a near hit from its own result
+    ev = ResultEvent.model_validate(value)
+    assert topic == S.topics.results and ev.near_duplicate_of == first.content_sha256
+    assert ev.cache_key == f"{GEN.gen_id}:kaaaaaaaaaaaa:{copy.content_sha256}"

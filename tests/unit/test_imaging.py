@@ -265,7 +265,7 @@ def test_pdf_pages_after_a_tiny_first_page_count_towards_the_total():
     # Page 1 x 4 pages (3,136 px) would pass: every page must be counted, in sniff (ingest,
     # before any decode) and again in _render_pdf (infer) before each page is rendered.
     for check in (lambda: sniff(data, 8_000_000, 20), lambda: decode(data, 8_000_000, 20),
-                  lambda: _render_pdf(data, 8_000_000)):
+                  lambda: list(_render_pdf(data, 8_000_000))):
         with pytest.raises(OcrError) as e:
             check()
         assert e.value.code is ErrorCode.IMAGE_TOO_LARGE

@@ -77,8 +77,16 @@ def record(i: int, uri: str) -> ConsumerRecord:
 def run(objects: dict[str, bytes], uris: list[str]):
     engine = ScriptedEngine()
     handler = InferHandler(InferSettings(), MemoryStore(objects), engine, Telemetry("infer", TelemetrySettings()))
-    out = asyncio.run(handler.handle([record(i, u) for i, u in enumerate(uris)]))
+    out = asyncio.run(handle_and_close(handler, [record(i, u) for i, u in enumerate(uris)]))
     return [ResultEvent.model_validate(orjson.loads(o.value)) for o in out], engine
+
+
+async def handle_and_close(handler: InferHandler, records: list[ConsumerRecord]):
+    """One batch, then the handler closed (its decoder processes stopped)."""
+    try:
+        return await handler.handle(records)
+    finally:
+        await handler.close()
 
 
 def test_one_slow_or_failing_image_does_not_fail_the_batch():
@@ -125,10 +133,10 @@ def test_forget_cancels_the_prefetches_of_revoked_records():
         handler = InferHandler(InferSettings(), BlockingStore({}), ScriptedEngine(), Telemetry("infer", TelemetrySettings()))
         kept, gone = record(1, "s3://b/a"), record(2, "s3://b/b")
         handler.prefetch([kept, gone])
-        tasks = dict(handler._prefetched)
+        tasks = dict(handler.loader._prefetched)
         handler.forget([gone])
         await asyncio.sleep(0)
-        assert list(handler._prefetched) == [("ocr.infer", 0, 1)]
+        assert list(handler.loader._prefetched) == [("ocr.infer", 0, 1)]
         assert tasks[("ocr.infer", 0, 2)].cancelled() and not tasks[("ocr.infer", 0, 1)].done()
         await handler.close()
 
@@ -170,7 +178,7 @@ def test_the_time_limit_is_one_deadline_per_request_over_all_its_pages():
     engine = OneAtATimeEngine(0.6)
     settings = InferSettings(limits=Limits(infer_timeout_s=1.0))
     handler = InferHandler(settings, MemoryStore(objs), engine, Telemetry("infer", TelemetrySettings()))
-    out = asyncio.run(handler.handle([record(0, "s3://b/pages"), record(1, "s3://b/one")]))
+    out = asyncio.run(handle_and_close(handler, [record(0, "s3://b/pages"), record(1, "s3://b/one")]))
     results = [ResultEvent.model_validate(orjson.loads(o.value)) for o in out]
     assert [r.status for r in results] == ["error", "ok"]
     assert results[0].error.code is ErrorCode.TIMEOUT
@@ -207,7 +215,7 @@ def test_copies_of_one_suspect_image_in_a_batch_are_each_settled():
     handler = InferHandler(InferSettings(), MemoryStore({"s3://b/x": png(300, 100)}), engine,
                            Telemetry("infer", TelemetrySettings()))
     handler._crashes[sha] = 1  # one lone crash so far
-    out = asyncio.run(handler.handle(copies()))
+    out = asyncio.run(handle_and_close(handler, copies()))
     results = [ResultEvent.model_validate(orjson.loads(o.value)) for o in out]
     assert [r.status for r in results] == ["ok", "ok"]
     assert [r.lines[0].text for r in results] == ["TEXT 100x300"] * 2
@@ -218,7 +226,75 @@ def test_copies_of_one_suspect_image_in_a_batch_are_each_settled():
     handler = InferHandler(InferSettings(), MemoryStore({"s3://b/x": png(300, 100)}), engine,
                            Telemetry("infer", TelemetrySettings()))
     handler._crashes[sha] = InferSettings().engine_crash_limit
-    out = asyncio.run(handler.handle(copies()))
+    out = asyncio.run(handle_and_close(handler, copies()))
     results = [ResultEvent.model_validate(orjson.loads(o.value)) for o in out]
     assert [r.error.code for r in results] == [ErrorCode.ENGINE_CRASH] * 2
     assert engine.calls == [] and sha in handler._convicted
+
+
+class BudgetWatchingEngine(ScriptedEngine):
+    """Records, at every call, the bytes of decoded pixels its handler holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.handler: InferHandler | None = None
+        self.held: list[int] = []
+
+    async def ocr(self, images, timeout_s):
+        self.held.append(self.handler.loader.budget.used)
+        return await super().ocr(images, timeout_s)
+
+
+def budget_run(objs: dict[str, bytes], batches: list[list[str]], budget_mb: int, prefetch_next: bool = False):
+    """Each batch of URIs through one handler with ``pixel_budget_mb=budget_mb``; with
+    ``prefetch_next`` the next batch is prefetched before each batch is handled (as the runner
+    does while a batch is on the engine). Returns the results per batch, the engine and the
+    budget's use at the end."""
+    engine = BudgetWatchingEngine()
+    handler = InferHandler(InferSettings(pixel_budget_mb=budget_mb), MemoryStore(objs), engine,
+                           Telemetry("infer", TelemetrySettings()))
+    engine.handler = handler
+    recs = [[record(10 * b + i, u) for i, u in enumerate(uris)] for b, uris in enumerate(batches)]
+
+    async def main():
+        outs = []
+        try:
+            for b, batch in enumerate(recs):
+                if prefetch_next and b + 1 < len(recs):
+                    handler.prefetch(recs[b + 1])
+                    await asyncio.sleep(0.5)  # the prefetch decodes what fits meanwhile
+                outs.append(await asyncio.wait_for(handler.handle(batch), 60))
+            return outs, handler.loader.budget.used
+        finally:
+            await handler.close()
+
+    outs, used = asyncio.run(main())
+    return [[ResultEvent.model_validate(orjson.loads(o.value)) for o in out] for out in outs], engine, used
+
+
+def test_a_batch_over_the_pixel_budget_goes_through_the_engine_in_parts():
+    # 600 x 600 RGB = 1,080,000 bytes a page; a 2 MiB budget holds one at a time... plus a part
+    objs = {f"s3://b/{i}": png(600, 600 + i) for i in range(5)}
+    [results], engine, used = budget_run(objs, [list(objs)], budget_mb=2)
+    assert [r.status for r in results] == ["ok"] * 5
+    assert [r.pages[0].height for r in results] == [600, 601, 602, 603, 604]
+    assert max(engine.held) <= 2 << 20 and len(engine.calls) == 5
+    assert used == 0  # every page's bytes given back
+
+
+def test_an_image_larger_than_the_whole_budget_runs_alone():
+    objs = {"s3://b/big": png(1500, 1000), "s3://b/small": png(300, 100)}  # 4.5 MB > 1 MiB
+    [results], engine, used = budget_run(objs, [["s3://b/big", "s3://b/small"]], budget_mb=1)
+    assert [r.status for r in results] == ["ok", "ok"]
+    assert engine.held[0] == 4_500_032 and used == 0  # the big one alone (64-byte aligned)
+
+
+def test_prefetched_pages_give_their_bytes_back_to_the_batch_in_flight():
+    # the next batch's prefetch fills the budget before this batch is handled: this batch must
+    # not wait on it (the prefetched pages are dropped and decoded again on their turn)
+    objs = {f"s3://b/{i}": png(600, 600 + i) for i in range(6)}
+    uris = list(objs)
+    (first, second), engine, used = budget_run(objs, [uris[:3], uris[3:]], budget_mb=2, prefetch_next=True)
+    assert [r.status for r in first + second] == ["ok"] * 6
+    assert [r.pages[0].height for r in first + second] == [600, 601, 602, 603, 604, 605]
+    assert max(engine.held) <= 2 << 20 and used == 0

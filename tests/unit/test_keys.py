@@ -1,5 +1,7 @@
 """Cache keys and S3 keys."""
 
+import re
+
 import pytest
 
 from schemas.keys import CacheGeneration, cache_key, image_object_key, result_object_key, split_cache_key
@@ -122,3 +124,30 @@ def test_engine_max_side_default_is_per_engine_and_only_a_change_from_it_changes
     assert settings(engine=vllm, engine_max_side=2048).generation("ocr") == base  # the VLM default
     changed = settings(engine=vllm, engine_max_side=1024).generation("ocr")
     assert changed.gen_id != base.gen_id and changed.options.endswith(",max_side=1024")
+
+
+def test_a_scoped_key_keeps_the_generation_first_and_the_sha_last():
+    from schemas.keys import parse_cache_key
+
+    k = cache_key(SHA, gen(), "kabc123def456")
+    gid, _ = split_cache_key(cache_key(SHA, gen()))
+    assert k == f"{gid}:kabc123def456:{SHA}" and len(k) <= 96  # fits requests.cache_key / results.cache_key
+    assert parse_cache_key(k) == (gid, "kabc123def456", SHA) and split_cache_key(k) == (gid, SHA)
+    assert parse_cache_key(cache_key(SHA, gen())) == (gid, None, SHA)
+    assert result_object_key(k) == f"results/{SHA}/{gid}.kabc123def456.json"
+    for bad in ("x:y", f"{gid}:bad scope:{SHA}", f":{SHA}"):
+        with pytest.raises(ValueError):
+            parse_cache_key(bad)
+    with pytest.raises(ValueError):
+        cache_key(SHA, gen(), "no:colons")
+
+
+def test_cache_scope_key_scopes_keyed_requests_and_leaves_keyless_ones_global():
+    glob, scoped = settings(), settings(cache_scope="key")
+    g = glob.generation("ocr")
+    assert glob.cache_key_of(SHA, g, "abc123def456") == cache_key(SHA, g)  # global: every key shares
+    assert scoped.cache_key_of(SHA, g, None) == cache_key(SHA, g)  # no key (Kafka door, keys off): global
+    assert scoped.cache_key_of(SHA, g, "abc123def456") == cache_key(SHA, g, "kabc123def456")
+    assert scoped.cache_key_of(SHA, g, "abc123def456") != scoped.cache_key_of(SHA, g, "0123456789ab")
+    odd = scoped.cache_scope_of("Not:A/Key-Id")  # not a key id the door makes: named by its hash
+    assert odd is not None and re.fullmatch(r"k[0-9a-f]{16}", odd)

@@ -80,7 +80,7 @@ The sections of the settings (nested models of CommonSettings); their fields bec
 Keep in step with services/common/settings.py (tests/helm/test_chart.py checks every rendered name).
 */}}
 {{- define "ocrstream.settingsSections" -}}
-kafka s3 redis mysql telemetry topics engine limits
+kafka s3 redis mysql telemetry topics engine limits decode
 {{- end -}}
 
 {{/* A settings value as an env var string: whole numbers without exponent, maps and lists as JSON. */}}

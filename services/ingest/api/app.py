@@ -51,7 +51,7 @@ from schemas.events import (
     CompletedEvent, OcrOutput, RequestEvent, ResultDocument, ResultEvent, new_id, now_ms,
 )
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
-from schemas.keys import cache_key, image_object_key
+from schemas.keys import image_object_key
 from services.common.app import kafka_reachable, setup_logging
 from services.common import claims
 from services.common.cache import CacheUnavailable, ResultCache
@@ -64,6 +64,7 @@ from services.common.outputs import OutputLru
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings, load_settings
 from services.common.telemetry import SpanKind, Telemetry
+from services.common.decoding import DecoderPool
 from services.ingest.accept import accept_image, accept_staged
 from services.ingest.api.auth import Guard, Limit, Principal
 from services.ingest.api.errors import (
@@ -77,7 +78,7 @@ from services.ingest.api.models import (
 from services.ingest.api.settings import ApiSettings
 from services.ingest.api.forms import read_multipart
 from services.ingest.api.uploads import (
-    MULTIPART_OVERHEAD, Upload, UploadBudget, expected_hold, read_raw,
+    MULTIPART_OVERHEAD, Upload, UploadGate, expected_hold, read_raw,
 )
 from services.ingest.api.webhooks import WebhookDispatcher, validate_callback_url
 
@@ -95,13 +96,16 @@ _ERROR_TEXT = {
          "a malformed multipart body, a callback URL that is not allowed (`callback_not_allowed`)",
     401: "missing, unknown or revoked API key (`unauthorized`)",
     404: "no such request, or another key's request (`not_found`); for `GET /v1/events`: none of the ids is",
-    408: "the request body did not arrive within `OCRSTREAM_HTTP_BODY_TIMEOUT_S` (`request_timeout`)",
+    408: "the request body came too slowly (`request_timeout`): not within `OCRSTREAM_HTTP_BODY_TIMEOUT_S`, a pause "
+         "over `OCRSTREAM_HTTP_BODY_IDLE_TIMEOUT_S`, or under `OCRSTREAM_HTTP_BODY_MIN_RATE_BYTES_PER_S` on average",
     413: "over a limit: bytes (`input_too_large`), pixels (`image_too_large`) or pages (`too_many_pages`)",
     415: "not a supported image or PDF, or an unsupported Content-Type (`unsupported_format`)",
     422: "the image header is readable but the image is not (`corrupt_image`)",
-    429: "the key's rate limit or quota is used up (`rate_limited`, `quota_exceeded`); see Retry-After",
-    503: "Kafka, S3 or MariaDB did not answer (`unavailable`), or too many long-polls and event streams are waiting (`overloaded`); "
-         "retry later (Retry-After when known)",
+    429: "the key's rate limit or quota is used up (`rate_limited`, `quota_exceeded`; a batch costs one token and one "
+         "submission per image), or the key or client address already has its uploads in progress "
+         "(`too_many_uploads`); see Retry-After",
+    503: "Kafka, S3 or MariaDB did not answer (`unavailable`), or the upload budget is full, or too many long-polls and "
+         "event streams are waiting (`overloaded`); retry later (Retry-After when known)",
 }
 
 
@@ -209,7 +213,10 @@ class FrontDoor:
         self.webhooks = WebhookDispatcher(s, self.db, self.telemetry) if s.webhook_enabled else None
         self._outputs = OutputLru(self.store, s.http_result_lru_entries, s.http_result_lru_bytes)
         self._sends: set[asyncio.Future] = set()  # cache hits being published on ocr.results
-        self.budget = UploadBudget(s.http_upload_budget_bytes)
+        self.uploads = UploadGate(s.http_upload_budget_bytes, s.http_small_upload_budget_bytes, s.http_small_body_bytes,
+                                  s.http_uploads_per_client, s.http_uploads_per_key)
+        self.pace = s.body_pace()
+        self.decoder = DecoderPool(s.decode, s.limits)  # format checks in killable processes
         self.started = asyncio.Event()
         self.closing = asyncio.Event()  # set at SIGTERM (serve): event streams end at once
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -225,6 +232,13 @@ class FrontDoor:
         Gauge("ocrstream_http_waiters", "Completion waiters held: one per long-poll, one per request an event "
               "stream watches", registry=r).set_function(lambda: self.hub.waiting if self.hub else 0)
         self.http_streams = Gauge("ocrstream_http_event_streams", "GET /v1/events streams open", registry=r)
+        held = Gauge("ocrstream_http_upload_held_bytes", "Bytes of request bodies held in memory now, by budget: "
+                     "uploads (OCRSTREAM_HTTP_UPLOAD_BUDGET_BYTES), small (OCRSTREAM_HTTP_SMALL_UPLOAD_BUDGET_BYTES)",
+                     ["budget"], registry=r)
+        held.labels("uploads").set_function(lambda: self.uploads.budget.used)
+        held.labels("small").set_function(lambda: self.uploads.small.used if self.uploads.small is not None else 0)
+        Gauge("ocrstream_http_uploads_open", "Uploads (POST /v1/ocr and /v1/ocr/batch bodies) admitted and not yet "
+              "ended", registry=r).set_function(lambda: self.uploads.open_uploads)
         self.telemetry.ready_checks.append(self.started.is_set)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -241,6 +255,7 @@ class FrontDoor:
         await self.hit_producer.start()
         self.hub = CompletionHub(self.s, self.s.http_max_waiters)
         await self.hub.start()
+        await self.decoder.start()
         self.telemetry.add_probe("kafka", lambda: kafka_reachable(self.s.kafka.bootstrap_servers))
         self.telemetry.add_probe("s3", self.store.ping)
         if self.webhooks:
@@ -273,6 +288,7 @@ class FrontDoor:
             await asyncio.wait(set(self._sends))
         await self.hit_producer.stop()  # flushes the cache hits still lingering
         await self.producer.stop()
+        await self.decoder.close()
         await self.cache.close()
         self.telemetry.close()
 
@@ -408,7 +424,7 @@ class FrontDoor:
                       rid: str, started: float, submitted: int,
                       limit: Limit | None) -> tuple[int, OcrResponse]:
         gen = self.s.generation(opts.task)
-        key = cache_key(up.sha256, gen)
+        key = self.s.cache_key_of(up.sha256, gen, principal.key_id)  # the caller's cache scope
         parent = [("traceparent", traceparent.encode())] if traceparent else None
         with self.telemetry.span("api.submit", parent_headers=parent, kind=SpanKind.SERVER,
                                  attributes={"ocrstream.request_id": rid}):
@@ -431,9 +447,9 @@ class FrontDoor:
             try:
                 if up.staged is not None:  # streamed: checked from its spool file, then made the content object
                     acc = await accept_staged(up.staged.spool, up.staged.size, up.sha256, up.staged.upload,
-                                              self.s.limits, self.store)
+                                              self.s.limits, self.store, self.decoder)
                 else:
-                    acc = await accept_image(up.data, self.s.limits, self.store, sha256=up.sha256)
+                    acc = await accept_image(up.data, self.s.limits, self.store, self.decoder, sha256=up.sha256)
             except OcrError as err:
                 if err.code.value in STATUS_OF_CODE:
                     raise ApiError(STATUS_OF_CODE[err.code.value], err.code.value, err.message) from None
@@ -751,34 +767,35 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         ``_SUBMIT_PARAMS``), not by FastAPI's parameter solving: this is the cached hot path."""
         started = time.perf_counter()
         outcome = "error"
-        held = door.budget.reservation()
+        held = None
         up = None
         deferred = reading = None
         try:
             principal, limit = await door.guard.admit(request)
             ctype = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110 §8.3.1)
             query = dict(request.query_params)
+            multipart = ctype.startswith("multipart/form-data")
+            if multipart or ctype.startswith(_RAW_TYPES) or not ctype:
+                # before its token: a client with its uploads in progress (429), or a full budget (503), costs nothing
+                body_limit = s.limits.max_image_bytes + (MULTIPART_OVERHEAD if multipart else 0)
+                held = door.uploads.open(request, principal.key_id,
+                                         expected_hold(request, body_limit, s.http_stream_part_bytes))
             if limit is not None and not (_read_first(request, ctype, query) and door.guard.read_first(limit)):
                 await door.guard.take(limit)  # before a byte is read: a refused client sends nothing more
                 limit = None
             deferred = reading = limit  # not yet taken: taken below if the request fails before the door takes it
-            if ctype.startswith("multipart/form-data"):
-                held.admit(expected_hold(request, s.limits.max_image_bytes + MULTIPART_OVERHEAD,
-                                         s.http_stream_part_bytes))
+            if multipart:
                 ups, fields = await read_multipart(request, s.limits.max_image_bytes,
                                                    s.limits.max_image_bytes + MULTIPART_OVERHEAD, 1, held,
-                                                   s.http_body_timeout_s, store=door.store,
+                                                   door.pace, store=door.store,
                                                    part_bytes=s.http_stream_part_bytes,
                                                    on_staged_end=door.count_staged)
                 up = ups[0]
-                held.admit(0)  # read: what it holds now is what is charged
                 opts = SubmitOptions.parse({**query, **fields}, s)
-            elif ctype.startswith(_RAW_TYPES) or not ctype:
+            elif held is not None:
                 opts = SubmitOptions.parse(query, s)
-                held.admit(expected_hold(request, s.limits.max_image_bytes, s.http_stream_part_bytes))
-                up = await read_raw(request, s.limits.max_image_bytes, held, s.http_body_timeout_s, store=door.store,
+                up = await read_raw(request, s.limits.max_image_bytes, held, door.pace, store=door.store,
                                     part_bytes=s.http_stream_part_bytes, on_staged_end=door.count_staged)
-                held.admit(0)  # read: what it holds now is what is charged
             else:
                 raise ApiError(415, "unsupported_format", f"Content-Type {ctype!r}: send image bytes or multipart/form-data")
             deferred = None  # the door takes it (with the cache lookup, or first)
@@ -802,7 +819,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 if up is not None and up.staged is not None:  # aborts the multipart upload unless it became the image
                     await up.staged.discard()
             finally:
-                held.release()  # also when the request is cancelled during the discard
+                if held is not None:
+                    held.release()  # also when the request is cancelled during the discard
             door.http_requests.labels("submit", outcome).inc()
             door.http_seconds.labels("submit", outcome).observe(time.perf_counter() - started)
 
@@ -836,35 +854,44 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     async def submit_batch(request: Request) -> Response:
         """Submit many images in one multipart body (every file part; options shared by all, from the
         query string or form fields as for ``POST /v1/ocr``; a form field wins). A ``request_id``
-        is refused: each item gets its own."""
-        principal = await door.guard.check(request)
+        is refused: each item gets its own. The batch costs one rate-limit token and one
+        submission per image, all or none, charged once its files are read."""
+        principal, limit = await door.guard.admit(request)
+        await door.guard.peek(limit)  # not even one image would pass: refused before the body is read
         if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+            await door.guard.take(limit)  # a bad request costs its token, as a POST /v1/ocr does
             raise ApiError(415, "unsupported_format", "send multipart/form-data with one file part per image")
-        held = door.budget.reservation()
+        held = door.uploads.open(request, principal.key_id, expected_hold(request, s.http_batch_max_bytes))
         try:
-            return await _batch(request, principal, held)
+            return await _batch(request, principal, limit, held)
         finally:
             held.release()
 
-    async def _batch(request: Request, principal: Principal, held) -> Response:
-        held.admit(expected_hold(request, s.http_batch_max_bytes))
-        ups, fields = await read_multipart(request, s.limits.max_image_bytes, s.http_batch_max_bytes,
-                                           s.http_batch_max_files, held, s.http_body_timeout_s, store=door.store,
-                                           part_bytes=s.http_stream_part_bytes, on_staged_end=door.count_staged)
+    async def _batch(request: Request, principal: Principal, limit: Limit | None, held) -> Response:
+        decided = False  # whether the batch's charge was decided (taken, or refused by the limit itself)
         try:
-            return await _batch_submit(request, principal, ups, fields)
-        finally:
-            for up in ups:  # aborts each streamed file's multipart upload unless it became its image
-                if up.staged is not None:
-                    await up.staged.discard()
+            ups, fields = await read_multipart(request, s.limits.max_image_bytes, s.http_batch_max_bytes,
+                                               s.http_batch_max_files, held, door.pace, store=door.store,
+                                               part_bytes=s.http_stream_part_bytes, on_staged_end=door.count_staged)
+            try:
+                fields = {**dict(request.query_params), **fields}  # as POST /v1/ocr: the query string, then the form
+                if fields.get("request_id"):  # empty = absent, as everywhere else
+                    raise ApiError(400, "invalid_request", "request_id names one image: each item of a batch gets its "
+                                                           "own (POST /v1/ocr to choose one)")
+                opts = SubmitOptions.parse(fields, s)
+                decided = True
+                await door.guard.charge_batch(limit, len(ups))
+                return await _batch_submit(request, principal, ups, opts)
+            finally:
+                for up in ups:  # aborts each streamed file's multipart upload unless it became its image
+                    if up.staged is not None:
+                        await up.staged.discard()
+        except ApiError:
+            if not decided:
+                await door.guard.take(limit)  # a bad batch costs one token, as a bad POST /v1/ocr (429 wins)
+            raise
 
-    async def _batch_submit(request: Request, principal: Principal, ups: list[Upload], fields: dict[str, str]) -> Response:
-        fields = {**dict(request.query_params), **fields}  # as POST /v1/ocr: the query string, then the form
-        if fields.get("request_id"):  # empty = absent, as everywhere else
-            raise ApiError(400, "invalid_request", "request_id names one image: each item of a batch gets its own "
-                                                   "(POST /v1/ocr to choose one)")
-        opts = SubmitOptions.parse(fields, s)
-        await door.guard.count_images(principal, len(ups))
+    async def _batch_submit(request: Request, principal: Principal, ups: list[Upload], opts: SubmitOptions) -> Response:
         sem = asyncio.Semaphore(s.ingest_concurrency)
 
         async def one(i: int, up: Upload) -> BatchItem:
@@ -980,6 +1007,8 @@ def serve(settings: ApiSettings | None = None) -> None:
             super().handle_exit(sig, frame)
             door.begin_close()
 
+    # the client address (per-client upload slots) is X-Forwarded-For's when the peer is a listed proxy
     config = uvicorn.Config(app, host=s.http_host, port=s.http_port, loop="uvloop", http="httptools",
-                            access_log=False, log_config=None, timeout_graceful_shutdown=int(s.shutdown_timeout_s))
+                            access_log=False, log_config=None, timeout_graceful_shutdown=int(s.shutdown_timeout_s),
+                            proxy_headers=True, forwarded_allow_ips=s.http_forwarded_allow_ips)
     Server(config).run()

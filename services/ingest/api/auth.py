@@ -8,9 +8,11 @@ since limits are per key); the Helm values turn it on. Then a ``/v1/`` request m
   and ``WWW-Authenticate: Bearer realm="ocrstream"`` (with ``error="invalid_token"`` when a key
   was sent, RFC 6750 §3);
 * an empty token bucket: 429 ``rate_limited``; a used-up daily quota (submissions: each
-  ``POST /v1/ocr`` let through counts one, a batch one per image, counted once its files are
-  read; reads never use quota): 429 ``quota_exceeded``; both with ``Retry-After`` in whole
-  seconds (:mod:`.ratelimit`);
+  ``POST /v1/ocr`` let through counts one; reads never use quota): 429 ``quota_exceeded``; both
+  with ``Retry-After`` in whole seconds (:mod:`.ratelimit`). A batch costs one token and one
+  submission per image, all or none, charged once its files are read (:meth:`Guard.charge_batch`);
+  before its body is read it is only checked (:meth:`Guard.peek`: refused at once when not even
+  one image could pass);
 * MariaDB unreachable for a key not in the lookup cache: 503 ``unavailable`` (fail closed:
   an unverifiable key is never let in);
 * Redis unreachable: the request passes unlimited (fail open, counted in
@@ -46,7 +48,7 @@ class Principal:
     """Who is calling: ``key_id`` None when keys are not required (local use)."""
 
     key_id: str | None = None
-    quota_per_day: int = 0  # the key's daily quota of submissions (0 = none): what a batch is charged against
+    quota_per_day: int = 0  # the key's daily quota of submissions (0 = none)
 
 
 ANONYMOUS = Principal()
@@ -185,9 +187,9 @@ class Guard:
             if self.limiter is not None:
                 self.rate_total.labels("unlimited").inc()
             return principal, None
-        # a batch is counted once its images are known (count_images), all at once: counting its
-        # POST here too would let two concurrent batches each hold a share the other needs
-        counts = request.method == "POST" and not request.url.path.endswith(BATCH_PATH)
+        # submissions count against the quota; a batch is charged per image once its images are
+        # known (charge_batch), tokens and submissions in one call
+        counts = request.method == "POST"
         return principal, Limit(key.key_id, rate, burst, quota if counts else 0, quota)
 
     async def take(self, limit: Limit | None) -> None:
@@ -200,6 +202,55 @@ class Guard:
             return
         self.enforce(limit, await self.limiter.hit(limit.key_id, rate_per_s=limit.rate_per_s, burst=limit.burst,
                                                    quota_per_day=limit.quota_per_day))
+
+    async def peek(self, limit: Limit | None) -> None:
+        """Refuse a batch before its body is read when its key has no token or no submission left
+        (nothing is taken: :meth:`charge_batch` charges it once its images are known).
+
+        Raises:
+            ApiError: 429 ``rate_limited`` / ``quota_exceeded`` (with ``Retry-After``).
+        """
+        if limit is None or self.limiter is None:
+            return
+        d = await self.limiter.peek(limit.key_id, rate_per_s=limit.rate_per_s, burst=limit.burst,
+                                    quota_per_day=limit.quota_per_day)
+        if not d.allowed:
+            self.enforce(limit, d)
+
+    async def charge_batch(self, limit: Limit | None, images: int) -> None:
+        """Charge a batch of ``images`` to its key: one token and one submission per image, all or
+        none, in one Redis call (:meth:`RateLimiter.hit` with ``cost=images``). The bucket must
+        hold ``min(images, burst)`` tokens; a batch larger than the burst passes only from a full
+        bucket and leaves it in debt, which later requests wait out.
+
+        Raises:
+            ApiError: 400 ``invalid_request`` when the batch is larger than the whole daily quota
+                (no day can take it: split it); 429 ``rate_limited`` when the bucket does not
+                hold the tokens, 429 ``quota_exceeded`` when today's rest of the quota cannot
+                take it (both with ``Retry-After``); nothing is taken or counted then.
+        """
+        if limit is None or self.limiter is None or images <= 0:
+            return
+        quota = limit.quota_per_day
+        if quota > 0 and images > quota:
+            raise ApiError(400, "invalid_request", f"a batch counts one submission per image: {images} images exceed "
+                           f"API key {limit.key_id}'s whole daily quota of {quota}; send fewer per batch")
+        d = await self.limiter.hit(limit.key_id, rate_per_s=limit.rate_per_s, burst=limit.burst,
+                                   quota_per_day=quota, cost=images)
+        self.rate_total.labels(d.outcome).inc()
+        if d.allowed:
+            return
+        # not remembered for read_first: a smaller request may still pass now
+        headers = {"Retry-After": str(d.retry_after_s)}
+        if d.outcome == "quota_exceeded":
+            raise ApiError(429, "quota_exceeded", f"a batch counts one submission per image: {images} images, but API "
+                           f"key {limit.key_id} has {max(0, int(d.tokens))} of its {quota} submissions of this "
+                           f"UTC day left; retry after {d.retry_after_s} s", headers=headers)
+        need = min(images, limit.burst)
+        raise ApiError(429, "rate_limited", f"a batch takes one token per image: {images} images need {need} "
+                       f"token{'s' if need != 1 else ''} in API key {limit.key_id}'s bucket (burst {limit.burst}, "
+                       f"{limit.rate_per_s:g}/s), which holds {max(0.0, d.tokens):.1f}; nothing was taken; "
+                       f"retry after {d.retry_after_s} s", headers=headers)
 
     def read_first(self, limit: Limit) -> bool:
         """Whether a request under ``limit`` may have its body read before the limit is taken
@@ -238,9 +289,7 @@ class Guard:
         self.rate_total.labels(d.outcome).inc()
         if d.allowed:
             return
-        if len(self._refused_until) >= REFUSED_MEMORY:
-            self._refused_until.clear()  # only a shortcut: forgetting costs one read-first request per key
-        self._refused_until[limit.key_id] = time.monotonic() + d.retry_after_s
+        self._remember_refusal(limit, d)
         headers = {"Retry-After": str(d.retry_after_s)}
         if d.outcome == "quota_exceeded":
             raise ApiError(429, "quota_exceeded", f"API key {limit.key_id} has used its {limit.quota} submissions of "
@@ -248,25 +297,7 @@ class Guard:
         raise ApiError(429, "rate_limited", f"API key {limit.key_id} is limited to {limit.rate_per_s:g} requests/s "
                        f"(burst {limit.burst}); retry after {d.retry_after_s} s", headers=headers)
 
-    async def count_images(self, principal: Principal, images: int) -> None:
-        """Charge a batch of ``images`` to its key's daily quota, one submission per image, all
-        or none, in one Redis call (its POST took a rate-limit token but counted no submission).
-
-        Raises:
-            ApiError: 400 ``invalid_request`` when the batch is larger than the whole daily quota
-                (no day can take it: split it); 429 ``quota_exceeded`` (with ``Retry-After``)
-                when today's rest of the quota cannot take it; nothing is counted then.
-        """
-        quota = principal.quota_per_day
-        if self.limiter is None or principal.key_id is None or quota <= 0:
-            return
-        if images > quota:
-            raise ApiError(400, "invalid_request", f"a batch counts one submission per image: {images} images exceed "
-                           f"API key {principal.key_id}'s whole daily quota of {quota}; send fewer per batch")
-        d = await self.limiter.count_quota(principal.key_id, images, quota_per_day=quota)
-        if not d.allowed:
-            self.rate_total.labels(d.outcome).inc()
-            raise ApiError(429, "quota_exceeded", f"a batch counts one submission per image: {images} images, but API "
-                           f"key {principal.key_id} has {max(0, int(d.tokens))} of its {quota} submissions of this "
-                           f"UTC day left; retry after {d.retry_after_s} s",
-                           headers={"Retry-After": str(d.retry_after_s)})
+    def _remember_refusal(self, limit: Limit, d: Decision) -> None:
+        if len(self._refused_until) >= REFUSED_MEMORY:
+            self._refused_until.clear()  # only a shortcut: forgetting costs one read-first request per key
+        self._refused_until[limit.key_id] = time.monotonic() + d.retry_after_s

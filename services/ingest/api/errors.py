@@ -3,7 +3,8 @@
 Every error response has the body ``{"error": {"code": "...", "message": "..."}}``. Codes are
 those of :class:`schemas.errors.ErrorCode` for bad images (``input_too_large``,
 ``unsupported_format``, ...) plus the HTTP door's own: ``unauthorized``, ``rate_limited``,
-``quota_exceeded``, ``not_found``, ``request_timeout`` (408), ``request_id_conflict`` (409), ``callback_not_allowed``, ``overloaded``, ``unavailable``,
+``quota_exceeded``, ``too_many_uploads`` (429: the key or client address has its uploads in
+progress), ``not_found``, ``request_timeout`` (408), ``request_id_conflict`` (409), ``callback_not_allowed``, ``overloaded``, ``unavailable``,
 ``method_not_allowed``, ``client_closed`` (499, nginx's status for a client that left
 mid-body: only counted and logged, nobody reads it); FastAPI's parameter checks answer 400 ``invalid_request``;
 any other exception (a bug) answers 500 ``internal_error`` and its traceback goes to the log.
@@ -30,6 +31,8 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.IMAGE_TOO_LARGE.value: 413,
     ErrorCode.TOO_MANY_PAGES.value: 413,
     ErrorCode.INVALID_REQUEST.value: 400,
+    ErrorCode.DECODE_TIMEOUT.value: 422,
+    ErrorCode.IMAGE_TOO_COMPLEX.value: 422,
 }
 
 

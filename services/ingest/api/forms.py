@@ -23,7 +23,7 @@ from starlette.requests import Request
 from services.common.s3 import ObjectStore
 from services.ingest.api.errors import ApiError
 from services.ingest.api.uploads import (
-    PartSplitter, Reservation, StagedBody, Upload, limited_stream, too_large,
+    BodyPace, PartSplitter, Reservation, StagedBody, Upload, limited_stream, too_large,
 )
 
 #: Option fields accepted per body, and bytes per option field (as Starlette's parser was set).
@@ -166,7 +166,7 @@ class FormReader:
 
 
 async def read_multipart(request: Request, image_limit: int, total_limit: int, max_files: int,
-                         budget: Reservation | None = None, timeout_s: float | None = None, *,
+                         budget: Reservation | None = None, timeout_s: float | BodyPace | None = None, *,
                          store: ObjectStore | None = None, part_bytes: int = 0,
                          on_staged_end: Callable[[str], None] | None = None
                          ) -> tuple[list[Upload], dict[str, str]]:
@@ -185,7 +185,8 @@ async def read_multipart(request: Request, image_limit: int, total_limit: int, m
         total_limit: Bytes of the whole body, enforced while reading.
         max_files: File parts accepted.
         budget: The request's share of the upload budget (chunks charged as read, S3 parts given back).
-        timeout_s: The whole body must arrive within this many seconds.
+        timeout_s: How fast the body must come (:class:`~services.ingest.api.uploads.BodyPace`, or
+            the whole body's seconds).
         store: Where large file parts are streamed; None keeps every file in memory.
         part_bytes: S3 part size, bytes (>= 5 MiB); 0 keeps every file in memory.
         on_staged_end: Passed to :class:`StagedBody` (the outcome of a streamed file).

@@ -6,12 +6,18 @@ Keys (``<p>`` is ``redis.key_prefix``):
   Expires once the bucket would be full again (an absent bucket *is* a full one).
 * ``<p>:quota:<key_id>:<day>``  submissions counted on UTC day number ``day`` (Unix ms // 86,400,000);
   expires after two days. A ``POST /v1/ocr`` counts one (:meth:`RateLimiter.hit`); a batch one
-  per image, all at once (:meth:`RateLimiter.count_quota`).
+  per image, all at once, in the same call that takes its tokens (``hit(cost=N)``).
 
 The bucket holds at most ``burst`` tokens and refills at ``rate_per_s`` tokens per second,
-continuously, by the time elapsed since ``ts``. Every request takes one token; with less than
-one token left it is refused and told to retry after the time until one token has refilled,
-``ceil((1 - tokens) / rate_per_s)`` seconds. The clock is Redis ``TIME`` (one clock for every
+continuously, by the time elapsed since ``ts``. A request costs ``cost`` tokens (and submissions):
+one for ``POST /v1/ocr`` and every other route, one per image for a batch. It needs
+``max(1, min(cost, burst))`` tokens in the bucket, else it is refused whole (nothing taken) and
+told to retry after the time until that many have refilled, ``ceil((need - tokens) / rate_per_s)``
+seconds; allowed, it takes all ``cost``. A batch larger than the burst is therefore let through
+from a full bucket only, and leaves it below zero: later requests wait until the debt has
+refilled (the long-run rate stays ``rate_per_s`` images per second). ``cost`` 0 takes and counts
+nothing but still needs one token and one submission left (:meth:`RateLimiter.peek`: a batch is
+refused before its body is read when even its first image could not pass). The clock is Redis ``TIME`` (one clock for every
 replica of the door), unless the caller passes ``now_ms`` (tests). If a passed clock goes
 backwards, nothing is refilled and the later stamp is kept.
 
@@ -43,20 +49,23 @@ if not now then
 end
 """
 
-# KEYS: bucket, quota base   ARGV: rate_per_s (0 = no bucket), burst, quota (0 = none), now_ms ('' = TIME)
-# Refuses with {code, wait_ms, tokens}: code 0 rate limited, 2 quota exceeded; else takes the token
-# and counts the submission, leaving `tokens` for the tail that follows.
+# KEYS: bucket, quota base   ARGV: rate_per_s (0 = no bucket), burst, quota (0 = none), now_ms ('' = TIME),
+# cost (tokens taken and submissions counted; 0 = only check that one of each is left)
+# Refuses with {code, wait_ms, tokens}: code 0 rate limited (tokens: in the bucket), 2 quota exceeded
+# (tokens: submissions left today); else takes `cost` tokens and counts `cost` submissions, leaving
+# `tokens` for the tail that follows.
 _TAKE = """
 local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
 local quota = tonumber(ARGV[3])
+local cost = tonumber(ARGV[5])
 """ + _clock(4) + """local qkey = nil
 if quota > 0 then
   local day = math.floor(now / 86400000)
   qkey = KEYS[2] .. ':' .. string.format('%d', day)
   local used = tonumber(redis.call('GET', qkey) or '0')
-  if used >= quota then
-    return {2, math.ceil((day + 1) * 86400000 - now), '0'}
+  if used + math.max(cost, 1) > quota then
+    return {2, math.ceil((day + 1) * 86400000 - now), tostring(math.max(quota - used, 0))}
   end
 end
 local tokens = burst
@@ -72,15 +81,18 @@ if rate > 0 then
     ts = now
   end
   if tokens > burst then tokens = burst end
-  if tokens < 1 then
-    return {0, math.ceil((1 - tokens) * 1000 / rate), tostring(tokens)}
+  local need = math.max(1, math.min(cost, burst))
+  if tokens < need then
+    return {0, math.ceil((need - tokens) * 1000 / rate), tostring(tokens)}
   end
-  tokens = tokens - 1
-  redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', string.format('%.3f', ts))
-  redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) * 1000 / rate) + 1000)
+  if cost > 0 then
+    tokens = tokens - cost
+    redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', string.format('%.3f', ts))
+    redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) * 1000 / rate) + 1000)
+  end
 end
-if qkey then
-  redis.call('INCR', qkey)
+if qkey and cost > 0 then
+  redis.call('INCRBY', qkey, cost)
   redis.call('PEXPIRE', qkey, 2 * 86400000)
 end
 """
@@ -91,10 +103,10 @@ _HIT = _TAKE + """return {1, 0, tostring(tokens)}
 
 # The HTTP door's cached path in one round trip: _TAKE, then, if allowed, the cache entry (and on a
 # hit the request's accepted marker, as ResultCache.get_and_mark).
-# KEYS: bucket, quota base, cache entry, accepted marker   ARGV: as _HIT, then marker value ('' = none), marker ttl s
-# Returns {code, wait_ms, tokens, entry ('' = miss)}.
+# KEYS: bucket, quota base, cache entry, accepted marker   ARGV: as _HIT (cost 1), then marker value ('' = none),
+# marker ttl s.  Returns {code, wait_ms, tokens, entry ('' = miss)}.
 _HIT_LOOKUP = _TAKE + """local hit = redis.call('GET', KEYS[3])
-if hit and ARGV[5] ~= '' then redis.call('SET', KEYS[4], ARGV[5], 'EX', ARGV[6]) end
+if hit and ARGV[6] ~= '' then redis.call('SET', KEYS[4], ARGV[6], 'EX', ARGV[7]) end
 return {1, 0, tostring(tokens), hit or ''}
 """
 
@@ -153,8 +165,9 @@ class RateLimiter:
         self._count = cache.client.register_script(_COUNT)
 
     async def hit(self, key_id: str, *, rate_per_s: float, burst: int, quota_per_day: int = 0,
-                  now_ms: float | None = None) -> Decision:
-        """Take one token from ``key_id``'s bucket and count one against its daily quota.
+                  now_ms: float | None = None, cost: int = 1) -> Decision:
+        """Take ``cost`` tokens from ``key_id``'s bucket and count ``cost`` against its daily quota,
+        all or none (the module docstring says what the bucket must hold).
 
         Args:
             key_id: The API key's id.
@@ -162,14 +175,19 @@ class RateLimiter:
             burst: Bucket size, tokens (>= 1).
             quota_per_day: Requests counted per UTC day; 0 = no quota (not counted at all).
             now_ms: Clock, Unix ms; None = Redis ``TIME``.
+            cost: Tokens (and submissions) this request costs: 1, or a batch's images; 0 takes
+                nothing and only checks that one token and one submission are left (:meth:`peek`).
 
         Returns:
-            The decision; ``unavailable`` (allowed) when Redis errors or is too slow.
+            The decision: ``tokens`` is what the bucket holds after it (refused by the bucket:
+            what it holds now; refused by the quota: the submissions left today).
+            ``unavailable`` (allowed) when Redis errors or is too slow.
         """
         if rate_per_s <= 0 and quota_per_day <= 0:
             return Decision(True, "unlimited", tokens=float(burst))
         keys = [f"{self.prefix}:rl:{key_id}", f"{self.prefix}:quota:{key_id}"]
-        args = [repr(float(rate_per_s)), int(burst), int(quota_per_day), "" if now_ms is None else repr(float(now_ms))]
+        args = [repr(float(rate_per_s)), int(burst), int(quota_per_day), "" if now_ms is None else repr(float(now_ms)),
+                max(0, int(cost))]
         try:
             code, wait_ms, tokens = await self.cache.call("ratelimit", self._hit(keys=keys, args=args))
         except CacheUnavailable:
@@ -179,6 +197,17 @@ class RateLimiter:
             return Decision(True, "ok", tokens=tokens)
         retry = max(1, math.ceil(int(wait_ms) / 1000))
         return Decision(False, "rate_limited" if code == 0 else "quota_exceeded", retry, tokens)
+
+    async def peek(self, key_id: str, *, rate_per_s: float, burst: int, quota_per_day: int = 0,
+                   now_ms: float | None = None) -> Decision:
+        """Whether ``key_id`` has one token and one submission left, taking nothing (``hit(cost=0)``):
+        a batch is refused before its body is read when not even its first image could pass.
+
+        Returns:
+            As :meth:`hit`; nothing is taken or counted either way.
+        """
+        return await self.hit(key_id, rate_per_s=rate_per_s, burst=burst, quota_per_day=quota_per_day,
+                              now_ms=now_ms, cost=0)
 
     async def hit_and_lookup(self, key_id: str, cache_key: str, request_id: str, marker: bytes, marker_ttl_s: int, *,
                              rate_per_s: float, burst: int, quota_per_day: int = 0,
@@ -207,7 +236,7 @@ class RateLimiter:
         keys = [f"{self.prefix}:rl:{key_id}", f"{self.prefix}:quota:{key_id}",
                 cache._keys(cache_key)[0], f"{self.prefix}:req:{request_id}"]
         args = [repr(float(rate_per_s)), int(burst), int(quota_per_day), "" if now_ms is None else repr(float(now_ms)),
-                marker, int(marker_ttl_s)]
+                1, marker, int(marker_ttl_s)]
         try:
             res = await cache.call("ratelimit_lookup", self._hit_lookup(keys=keys, args=args))
         except CacheUnavailable:
@@ -219,8 +248,8 @@ class RateLimiter:
         return Decision(False, "rate_limited" if code == 0 else "quota_exceeded", retry, tokens), None
 
     async def count_quota(self, key_id: str, n: int, *, quota_per_day: int, now_ms: float | None = None) -> Decision:
-        """Count ``n`` submissions against ``key_id``'s daily quota, all or none (a batch of N
-        images counts N). No token is taken.
+        """Count ``n`` submissions against ``key_id``'s daily quota, all or none. No token is
+        taken. (The door charges a batch with ``hit(cost=N)``, tokens and quota in one call.)
 
         Args:
             key_id: The API key's id.

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field, SecretStr
 
 from services.ingest.settings import IngestSettings
+
+if TYPE_CHECKING:
+    from services.ingest.api.uploads import BodyPace
 
 
 class ApiSettings(IngestSettings):
@@ -26,16 +31,51 @@ class ApiSettings(IngestSettings):
     http_batch_max_bytes: int = Field(default=128 * 1024 * 1024, ge=1, description="body bytes per POST /v1/ocr/batch")
     http_accepted_ttl_s: int = Field(default=7 * 86_400, ge=1, description="how long an accepted request id is remembered as pending, s")
     http_upload_budget_bytes: int = Field(
-        default=512 * 1024 * 1024, ge=0, description="request bodies held in memory at once, bytes; past it 503 (0 = unbounded)"
-    )
+        default=512 * 1024 * 1024, ge=0,
+        description="request bodies held in memory at once, charged as their bytes arrive (never as declared), "
+                    "bytes; a body that would pass it gets 503 overloaded, before it is read when what it will hold "
+                    "does not fit now (0 = unbounded). Small bodies are charged to http_small_upload_budget_bytes")
+    http_small_body_bytes: int = Field(
+        default=1024 * 1024, ge=0,
+        description="a body declaring a Content-Length up to this many bytes is small: charged to the small-body "
+                    "budget (while it has room) and taking no per-client or per-key upload slot, so small uploads "
+                    "and cached images are answered while large uploads hold the upload budget, bytes")
+    http_small_upload_budget_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=0,
+        description="small bodies held in memory at once, on top of http_upload_budget_bytes, bytes; a small body "
+                    "that does not fit is charged to the upload budget like a large one (0 = no separate budget)")
+    http_uploads_per_client: int = Field(
+        default=8, ge=0,
+        description="uploads charged to the upload budget (bodies over http_small_body_bytes, or chunked) in "
+                    "progress at once per client address; past it 429 too_many_uploads (0 = no limit). Behind a "
+                    "proxy, list it in http_forwarded_allow_ips, else every client is the proxy's address")
+    http_uploads_per_key: int = Field(
+        default=16, ge=0,
+        description="uploads charged to the upload budget in progress at once per API key (keys required); past "
+                    "it 429 too_many_uploads (0 = no limit)")
+    http_forwarded_allow_ips: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1", "::1"],
+        description="proxies (addresses or CIDR networks, '*' = any) whose X-Forwarded-For names the client "
+                    "(uvicorn's forwarded_allow_ips); the client address is what http_uploads_per_client counts")
     http_stream_part_bytes: int = Field(
         default=8 * 1024 * 1024, ge=5 * 1024 * 1024, le=5 * 1024**3,
         description="an upload (raw body or multipart file part) reaching this size is streamed to S3 as a "
                     "multipart upload with parts of this size while it is read (at most ~2 parts held per "
                     "upload); smaller ones stay in memory, bytes (S3: at least 5 MiB)")
     http_body_timeout_s: float = Field(
-        default=120.0, gt=0, description="a request body must arrive within this many seconds, else 408 (slow clients)"
-    )
+        default=120.0, gt=0,
+        description="a request body must arrive within this many seconds of waiting for it, else 408 request_timeout "
+                    "(slow clients)")
+    http_body_idle_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="longest wait for the next bytes of a request body (nginx's client_body_timeout), s; else 408 "
+                    "request_timeout")
+    http_body_min_rate_bytes_per_s: float = Field(
+        default=4096.0, ge=0,
+        description="a request body must average at least this rate after http_body_min_rate_grace_s (the door's "
+                    "own waits left out), bytes/s; else 408 request_timeout (0 = no minimum)")
+    http_body_min_rate_grace_s: float = Field(
+        default=10.0, ge=0, description="seconds of a request body before its minimum rate applies")
     http_hit_linger_ms: int = Field(
         default=20, ge=0,
         description="producer batching delay for cache hits published on ocr.results (the caller already has "
@@ -87,3 +127,10 @@ class ApiSettings(IngestSettings):
         default=7.0, ge=0, le=3650, description="delivered/failed callbacks (and their attempts) are deleted this long after creation; 0 = kept"
     )
     webhook_purge_interval_s: float = Field(default=3_600.0, gt=0, description="how often old callback rows are deleted, s")
+
+    def body_pace(self) -> "BodyPace":
+        """How fast request bodies must arrive (:class:`~services.ingest.api.uploads.BodyPace`)."""
+        from services.ingest.api.uploads import BodyPace
+
+        return BodyPace(total_s=self.http_body_timeout_s, idle_s=self.http_body_idle_timeout_s,
+                        min_rate=self.http_body_min_rate_bytes_per_s, grace_s=self.http_body_min_rate_grace_s)

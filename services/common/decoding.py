@@ -1,0 +1,501 @@
+"""Decoding in killable worker processes: hard time and memory bounds, pixels in shared memory.
+
+A thread cannot be stopped, and a hostile file can make a decoder or a PDF renderer work without
+end (form XObjects that each draw the next one ten times: 10^6 draws for a 3 KB file) or grow
+without bound. So every format check, decode and render of the stages runs in a decoder process
+(:mod:`services.common.decode_worker`) of a small pool:
+
+* **time**: each page (and the format check) has ``decode.page_timeout_s``, all pages of one
+  request ``decode.timeout_s``; past either the process is killed (SIGKILL) and replaced, and
+  the request ends ``decode_timeout``;
+* **memory**: each process has an address-space cap (``decode.memory_mb``, ``RLIMIT_AS``); an
+  image that needs more ends ``image_too_complex`` (a ``MemoryError``, or the process dying);
+* **pixels in flight**: a stage that holds many decoded pages at once (infer) takes each
+  request's bytes from a :class:`PixelBudget` before decoding it, so its memory for pixels is
+  bounded whatever the mix of images.
+
+Hand-over without copies: the parent puts the input in a ``memfd`` (or passes the spool file of
+a large upload as it is) and creates the output ``memfd`` of exactly the planned size; both go
+to the worker as descriptors over a ``SOCK_SEQPACKET`` socket (``SCM_RIGHTS``). The worker writes
+each page's RGB rows into the output with ``pwrite``; the parent maps it and hands out numpy
+views of it (:class:`DecodedPages`): no pixel is pickled or copied through a pipe.
+
+Decoding is two steps, so memory is set aside before any pixel exists: :meth:`DecoderPool.plan`
+(format check and every page's upright size, from the headers) then :meth:`DecoderPool.decode`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import numpy as np
+import orjson
+from opentelemetry import trace
+
+from schemas.errors import ErrorCode
+from services.common.errors import OcrError
+from services.common.imaging import ImageInfo
+from services.common.settings import DecodeSettings, Limits
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64
+"""Byte alignment of each page inside the output buffer (a cache line: aligned numpy rows)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What decoding one image will produce: its header ``info`` and every page's upright
+    ``(width, height)`` in pixels, laid out at ``offsets`` (bytes) in one buffer of ``nbytes``."""
+
+    info: ImageInfo
+    sizes: tuple[tuple[int, int], ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, info: ImageInfo, sizes: list[tuple[int, int]]) -> "Plan":
+        """Lay the pages out one after the other, each 3 bytes per pixel (RGB), 64-byte aligned."""
+        offsets, at = [], 0
+        for w, h in sizes:
+            offsets.append(at)
+            at += -(-(w * h * 3) // _ALIGN) * _ALIGN
+        return cls(info, tuple((int(w), int(h)) for w, h in sizes), tuple(offsets), at)
+
+
+class DecodedPages:
+    """The pages of one image, as read-only-by-convention numpy views of one shared buffer.
+
+    ``pages[i]`` has shape ``(height, width, 3)``, ``uint8``. The mapping is private
+    (copy-on-write), so writing into a page changes nothing another holder sees. Call
+    :meth:`release` when done: the pages are dropped and the bytes given back to the budget they
+    were taken from (the memory itself is freed when the last view goes).
+    """
+
+    def __init__(self, plan: Plan, buf: mmap.mmap | None, on_release: Callable[[], None] | None = None):
+        self.plan = plan
+        self._buf = buf
+        self._on_release = on_release
+        self.pages: list[np.ndarray] = []
+        if buf is not None:
+            for (w, h), off in zip(plan.sizes, plan.offsets):
+                self.pages.append(np.frombuffer(buf, dtype=np.uint8, count=w * h * 3, offset=off).reshape(h, w, 3))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of pixels held (the plan's buffer size)."""
+        return self.plan.nbytes
+
+    def release(self) -> None:
+        """Drop the pages and give their bytes back (idempotent)."""
+        self.pages = []
+        self._buf = None
+        cb, self._on_release = self._on_release, None
+        if cb is not None:
+            cb()
+
+
+class PixelBudget:
+    """Bytes of decoded pixels one process may hold at once, handed out first come, first served.
+
+    A request for more than the whole budget is granted when nothing else is held (it runs
+    alone), so the bound is ``max(limit, the largest single image)``; the largest single image is
+    bounded by ``2 x limits.max_pixels x 3`` bytes (:data:`services.common.imaging.TOTAL_PIXELS_FACTOR`).
+
+    Args:
+        limit: Bytes; 0 = unbounded.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.peak = 0  # the most bytes held at once since start
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    def _fits(self, n: int) -> bool:
+        return not self.limit or self.used == 0 or self.used + n <= self.limit
+
+    def try_acquire(self, n: int) -> bool:
+        """Take ``n`` bytes if they fit now and nobody is waiting ahead; True if taken."""
+        if self._waiters or not self._fits(n):
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    async def acquire(self, n: int) -> None:
+        """Take ``n`` bytes, waiting (in order of arrival) until they fit."""
+        if self.try_acquire(n):
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted just as we were cancelled
+            else:
+                self._waiters.remove((n, fut))
+                self._wake()
+            raise
+
+    def release(self, n: int) -> None:
+        """Give ``n`` bytes back and wake the waiters that now fit, in order."""
+        self.used = max(0, self.used - n)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            n, fut = self._waiters.popleft()
+            if not fut.done():
+                self.used += n
+                self.peak = max(self.peak, self.used)
+                fut.set_result(None)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for bytes."""
+        return len(self._waiters)
+
+
+class Hold:
+    """Bytes taken from a :class:`PixelBudget`, given back once by :meth:`release` (idempotent)."""
+
+    def __init__(self, budget: PixelBudget, n: int):
+        self.budget = budget
+        self.n = n
+        self._held = True
+
+    def release(self) -> None:
+        """Give the bytes back (the first call only)."""
+        if self._held:
+            self._held = False
+            self.budget.release(self.n)
+
+
+class _Died(Exception):
+    """The worker process ended (exit status or signal in ``returncode``)."""
+
+    def __init__(self, returncode: int | None):
+        super().__init__(returncode)
+        self.returncode = returncode
+
+
+@dataclass(eq=False)
+class _Worker:
+    """One decoder process and the parent's end of its socket."""
+
+    proc: subprocess.Popen
+    sock: socket.socket
+    ready: bool = False
+    jobs: int = field(default=0)
+
+    @classmethod
+    def spawn(cls, cfg: DecodeSettings) -> "_Worker":
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.common.decode_worker", str(theirs.fileno()), str(cfg.memory_mb << 20)],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        return cls(proc, ours)
+
+    async def recv(self, timeout: float) -> dict:
+        """The next answer, within ``timeout`` seconds.
+
+        Raises:
+            asyncio.TimeoutError: none came in time.
+            _Died: the process ended.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            data = await asyncio.wait_for(loop.sock_recv(self.sock, 65536), max(0.0, timeout))
+        except asyncio.TimeoutError:  # (an OSError since Python 3.11: caught first)
+            raise
+        except (ConnectionError, OSError):
+            data = b""
+        if not data:
+            raise _Died(await self.reap())
+        return orjson.loads(data)
+
+    def send(self, msg: dict, fds: list[int]) -> None:
+        """One request with its descriptors (a small datagram: never blocks for long)."""
+        socket.send_fds(self.sock, [orjson.dumps(msg)], fds)
+
+    async def reap(self) -> int | None:
+        """Wait (briefly) for the process to end; its return code."""
+        for _ in range(100):
+            code = self.proc.poll()
+            if code is not None:
+                return code
+            await asyncio.sleep(0.01)
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        """SIGKILL the process and close the socket (it is reaped by :meth:`reap` or at exit)."""
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+        self.sock.close()
+
+
+def _memfd_with(data: bytes | bytearray | memoryview) -> int:
+    """A new memfd holding ``data`` (one kernel copy), positioned at 0."""
+    fd = os.memfd_create("ocrstream-image", os.MFD_CLOEXEC)
+    view = memoryview(data).cast("B")
+    try:
+        at = 0
+        while at < len(view):
+            at += os.pwrite(fd, view[at:], at)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _input_fd(src: bytes | BinaryIO) -> int:
+    """A descriptor the worker can read the input from (the caller closes it)."""
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return _memfd_with(src)
+    try:
+        fileno = src.fileno()
+    except (AttributeError, OSError, ValueError):
+        src.seek(0)
+        return _memfd_with(src.read())
+    if hasattr(src, "flush"):
+        src.flush()
+    return os.dup(fileno)
+
+
+def _signal_name(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+class DecoderPool:
+    """A pool of decoder processes; every call is bounded in time and memory (module docstring).
+
+    Args:
+        cfg: Worker count, memory cap, time limits.
+        limits: Pixel and page limits handed to every check.
+
+    Use ``await start()`` (or the first call starts workers) and ``await close()``.
+    """
+
+    def __init__(self, cfg: DecodeSettings, limits: Limits):
+        self.cfg = cfg
+        self.limits = limits
+        self._slots: asyncio.Queue[_Worker | None] | None = None
+        self._all: set[_Worker] = set()
+        self.restarts: collections.Counter[str] = collections.Counter()  # reason -> workers replaced
+
+    async def start(self) -> None:
+        """Start the worker processes (idempotent); each is ready once it has sent ``ready``."""
+        if self._slots is not None:
+            return
+        self._slots = asyncio.Queue()
+        for _ in range(self.cfg.workers):
+            self._slots.put_nowait(self._spawn())
+
+    def _spawn(self) -> _Worker:
+        w = _Worker.spawn(self.cfg)
+        self._all.add(w)
+        return w
+
+    async def close(self) -> None:
+        """Kill every worker process."""
+        for w in list(self._all):
+            w.kill()
+        for w in list(self._all):
+            await w.reap()
+        self._all.clear()
+        self._slots = None
+
+    async def _take(self) -> _Worker:
+        if self._slots is None:
+            await self.start()
+        assert self._slots is not None
+        w = await self._slots.get()
+        try:
+            if w is None or w.proc.poll() is not None:
+                if w is not None:
+                    self._drop(w, "exited")
+                w = self._spawn()
+            if not w.ready:
+                msg = await w.recv(self.cfg.start_timeout_s)
+                if "ready" not in msg:
+                    raise RuntimeError(f"decoder process sent {msg!r} before it was ready")
+                w.ready = True
+        except BaseException:
+            if w is not None:
+                self._drop(w, "start")
+            self._slots.put_nowait(None)
+            raise
+        return w
+
+    def _give_back(self, w: _Worker | None) -> None:
+        if self._slots is not None:
+            self._slots.put_nowait(w)
+
+    def _drop(self, w: _Worker, reason: str) -> None:
+        w.kill()
+        self._all.discard(w)
+        self.restarts[reason] += 1
+
+    async def _call(self, msg: dict, fds: list[int], *, steps: int = 1,
+                    on_step: Callable[[dict], None] | None = None, timeout_s: float | None = None) -> dict:
+        """Send ``msg`` to a free worker and read its answers until a final one.
+
+        Each answer must come within ``decode.page_timeout_s`` of the previous, all of them within
+        ``timeout_s`` (default: the page timeout). Intermediate answers (``{"page": i}``) go to
+        ``on_step``.
+
+        Raises:
+            OcrError: the worker's own error; ``decode_timeout`` when a limit passed (the worker is
+                killed); ``image_too_complex`` when the worker died.
+            RuntimeError: the worker reported a bug (``internal_error``): the runner's bounded
+                retries and DLQ handle it like any other failure.
+        """
+        cfg = self.cfg
+        total = timeout_s if timeout_s is not None else cfg.page_timeout_s
+        w = await self._take()
+        healthy = False
+        try:
+            start = time.monotonic()
+            w.send(dict(msg, max_pixels=self.limits.max_pixels, max_pages=self.limits.max_pages), fds)
+            while True:
+                left = start + total - time.monotonic()
+                try:
+                    ans = await w.recv(min(cfg.page_timeout_s, left))
+                except asyncio.TimeoutError:
+                    which = "one page" if left > cfg.page_timeout_s else "the request"
+                    limit = cfg.page_timeout_s if left > cfg.page_timeout_s else total
+                    self._drop(w, "timeout")
+                    w = None
+                    raise OcrError(ErrorCode.DECODE_TIMEOUT,
+                                   f"decoding {which} took longer than {limit:g} s; the decoder was stopped") from None
+                except _Died as died:
+                    self._drop(w, "died")
+                    w = None
+                    raise OcrError(ErrorCode.IMAGE_TOO_COMPLEX,
+                                   f"the decoder process died reading this image ({_signal_name(died.returncode)}; "
+                                   f"its memory limit is {cfg.memory_mb} MiB)") from None
+                if "error" in ans:
+                    healthy = True
+                    if ans["error"] == ErrorCode.INTERNAL_ERROR.value:
+                        raise RuntimeError(f"decoder: {ans.get('message', '')}")
+                    raise OcrError(ErrorCode(ans["error"]), ans.get("message", ""))
+                if "page" in ans:  # one more page written: the next has its own page_timeout_s
+                    if on_step is not None:
+                        on_step(ans)
+                    continue
+                healthy = True
+                return ans
+        except asyncio.CancelledError:
+            if w is not None and not healthy:
+                self._drop(w, "cancelled")  # mid-call: its state is unknown
+                w = None
+            raise
+        finally:
+            if w is not None and not healthy:  # failed to send, or any other surprise: state unknown
+                self._drop(w, "error")
+                w = None
+            if w is not None:
+                w.jobs += 1
+            self._give_back(w)
+
+    async def sniff(self, src: bytes | BinaryIO) -> ImageInfo:
+        """The format check of :func:`services.common.imaging.sniff`, in a worker, bounded by
+        ``decode.page_timeout_s``.
+
+        Args:
+            src: The image bytes, or a seekable file holding them (a spooled upload: passed to
+                the worker as a descriptor, not read here).
+
+        Raises:
+            OcrError: as :func:`~services.common.imaging.sniff`, plus ``decode_timeout`` and
+                ``image_too_complex``.
+        """
+        fd = _input_fd(src)
+        try:
+            ans = await self._call({"op": "sniff"}, [fd])
+        finally:
+            os.close(fd)
+        return ImageInfo(*ans["info"])
+
+    async def plan(self, src: bytes | BinaryIO) -> Plan:
+        """The format check plus every page's upright size (:func:`~services.common.imaging.page_sizes`),
+        bounded as :meth:`sniff`."""
+        fd = _input_fd(src)
+        try:
+            ans = await self._call({"op": "plan"}, [fd])
+        finally:
+            os.close(fd)
+        return Plan.of(ImageInfo(*ans["info"]), [tuple(s) for s in ans["sizes"]])
+
+    async def decode(self, src: bytes | BinaryIO, plan: Plan, on_release: Callable[[], None] | None = None) -> DecodedPages:
+        """Decode every page of ``src`` (as planned by :meth:`plan`) into one shared buffer.
+
+        Bounded by ``decode.page_timeout_s`` per page and ``decode.timeout_s`` for all pages.
+        The caller has set ``plan.nbytes`` aside (a :class:`PixelBudget`) and passes what gives
+        it back as ``on_release``; it is called on failure too.
+
+        Raises:
+            OcrError: ``corrupt_image`` (damaged data, or pages that differ from the plan),
+                ``decode_timeout``, ``image_too_complex``, the limit errors of :meth:`plan`.
+        """
+        try:
+            out = os.memfd_create("ocrstream-pages", os.MFD_CLOEXEC)
+        except BaseException:
+            if on_release is not None:
+                on_release()
+            raise
+        fd = None
+        ok = False
+        try:
+            os.ftruncate(out, plan.nbytes)
+            fd = _input_fd(src)
+            tracer = trace.get_tracer("ocrstream")
+            if trace.get_current_span().get_span_context().is_valid:
+                with tracer.start_as_current_span("decode", attributes={"ocrstream.pages": len(plan.sizes)}):
+                    await self._decode_call(plan, fd, out)
+            else:
+                await self._decode_call(plan, fd, out)
+            buf = mmap.mmap(out, plan.nbytes, access=mmap.ACCESS_COPY)
+            ok = True
+            return DecodedPages(plan, buf, on_release)
+        finally:
+            os.close(out)
+            if fd is not None:
+                os.close(fd)
+            if not ok and on_release is not None:
+                on_release()
+
+    async def _decode_call(self, plan: Plan, fd: int, out: int) -> None:
+        msg = {"op": "decode", "sizes": [list(s) for s in plan.sizes], "offsets": list(plan.offsets)}
+        await self._call(msg, [fd, out], timeout_s=self.cfg.timeout_s)
+
+    async def decode_all(self, src: bytes | BinaryIO) -> DecodedPages:
+        """:meth:`plan` then :meth:`decode`, taking no budget (callers that hold one image at a
+        time: the near-duplicate check)."""
+        return await self.decode(src, await self.plan(src))
