@@ -272,12 +272,12 @@ async def test_total_counts_the_ingest_queue_from_the_kafka_timestamp_without_su
     tag = printable_tag()
     rid = f"no-submitted-at-{tag}-{uuid.uuid4().hex[:8]}"
     value = orjson.dumps({"schema": "ocr.submit.v1", "request_id": rid,
-                          "image_b64": _b64(text_image([f"NO SUBMITTED AT {tag}"]))})
+                          "image_b64": _b64(text_image([f"QUEUE TIMED {tag}"]))})
     assert b"submitted_at_ms" not in value
     async with KafkaDoor() as door:
         md = await door.send(value, key=rid.encode())
         doc = (await door.collect({rid}))[rid]
-    assert doc.status == "ok" and reads(doc.text, f"NO SUBMITTED AT {tag}")
+    assert doc.status == "ok" and reads(doc.text, f"QUEUE TIMED {tag}")
     assert doc.submitted_at_ms == md.timestamp
     t = doc.timings_ms
     assert t["total"] >= t["queue_ingest"] >= 0 and t["total"] > 0
