@@ -32,7 +32,8 @@ STAGES = ("ingest", "dedup", "infer", "sink")
 
 @app.command()
 def init() -> None:
-    """Create the topics, the S3 bucket (with lifecycle rules on its staging and upload prefixes) and the MariaDB tables (idempotent);
+    """Create the topics, the S3 bucket (with lifecycle rules on its staging and upload prefixes) and the
+    MariaDB tables (idempotent);
     warn if Redis is not durable enough for single flight (:func:`services.common.cache.durability_problems`)."""
     from botocore.exceptions import ClientError
 

@@ -110,7 +110,8 @@ def compare(held: RequestClaim, mine: RequestClaim) -> tuple[Literal["retry", "c
         return "conflict", (f"request_id {rid!r} is already used by a submission that was refused before its "
                             "image was read (it has its final state)")
     if mine.content_sha256 is None:
-        return "conflict", f"request_id {rid!r} is already used by another request (content SHA-256 {held.content_sha256[:12]}...)"
+        return "conflict", (f"request_id {rid!r} is already used by another request (content SHA-256 "
+                            f"{held.content_sha256[:12]}...)")
     if held.content_sha256 != mine.content_sha256:
         return "conflict", (f"request_id {rid!r} is already used for a different image (content SHA-256 "
                             f"{held.content_sha256[:12]}..., this one's {mine.content_sha256[:12]}...)")

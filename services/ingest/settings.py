@@ -27,7 +27,8 @@ class IngestSettings(CommonSettings):
         for entry in entries or []:
             bucket, slash, _ = entry.partition("/")
             if not bucket or not slash or entry.startswith("s3://"):
-                raise ValueError(f"{entry!r}: each entry is \"bucket/prefix\" (no s3://; \"bucket/\" for a whole bucket)")
+                raise ValueError(f"{entry!r}: each entry is \"bucket/prefix\" (no s3://; \"bucket/\" for a "
+                                 "whole bucket)")
         return entries
 
     def allowed_prefixes(self) -> list[str]:

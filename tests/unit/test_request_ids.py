@@ -112,3 +112,14 @@ def test_a_whole_bucket_entry_and_an_empty_list():
     assert "none (S3 references are turned off)" in reference_problem("s3://ocrstream/uploads/x", [])
     with pytest.raises(OcrError):
         reference_problem("s3://bucket-only", ALLOWED)
+
+
+def test_the_allow_list_setting_defaults_to_the_upload_prefix_and_refuses_uris():
+    from services.ingest.settings import IngestSettings
+
+    assert IngestSettings().allowed_prefixes() == ["ocrstream/uploads/"]
+    assert IngestSettings(s3_allowed_prefixes=[]).allowed_prefixes() == []
+    assert IngestSettings(s3_allowed_prefixes=["scans/in/", "b/"]).allowed_prefixes() == ["scans/in/", "b/"]
+    for bad in ("s3://scans/in/", "scans", "/in/"):
+        with pytest.raises(ValidationError):
+            IngestSettings(s3_allowed_prefixes=[bad])
