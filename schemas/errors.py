@@ -43,6 +43,14 @@ class ErrorCode(str, Enum):
     IMAGE_TOO_COMPLEX = "image_too_complex"
     """Decoding the image needed more memory than the decoder process may use
     (``decode.memory_mb``), or the decoder process died reading it."""
+    REQUEST_ID_CONFLICT = "request_id_conflict"
+    """The chosen ``request_id`` is already taken by another request: another image (content
+    SHA-256), another task, or another API key, at either door. The first request keeps the id
+    and its result; on the Kafka door the refused submission ends under its derived id (the
+    message names the id it asked for), on the HTTP door it is answered 409."""
+    IMAGE_URI_NOT_ALLOWED = "image_uri_not_allowed"
+    """The submission's ``s3://`` ``image_uri`` is outside the buckets and key prefixes ingest may
+    read (``OCRSTREAM_S3_ALLOWED_PREFIXES``; default: the bucket's upload prefix); nothing was read."""
 
 
 #: Errors that may not recur on another attempt: when a lease holder ends with one of these, one

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.errors import ErrorCode
+from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
 
 
 def new_id() -> str:
@@ -82,13 +83,15 @@ class SubmitEvent(_Frozen):
 
     Exactly one of ``image_b64`` (inline bytes, base64; keep under ~700 KiB so the Kafka
     message stays below the broker's 1 MiB default) or ``image_uri`` (``s3://bucket/key``).
-    ``request_id`` makes the submission idempotent; when absent, ingest derives one from the
-    message's topic, partition and offset so a replay never creates a second request.
+    ``request_id`` makes the submission idempotent (the rule: :mod:`schemas.ids`); when absent,
+    ingest derives one from the message's topic, partition and offset so a replay never creates
+    a second request. ``submitted_at_ms`` left out: ingest takes the record's Kafka timestamp.
     """
 
     schema_: Literal["ocr.submit.v1"] = Field(default="ocr.submit.v1", alias="schema")
     event_id: str = Field(default_factory=new_id)
-    request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")
+    request_id: str | None = Field(default=None, min_length=1, max_length=REQUEST_ID_MAX_LENGTH,
+                                   pattern=REQUEST_ID_PATTERN)
     image_b64: str | None = None
     image_uri: str | None = Field(default=None, pattern=r"^s3://[^/]+/.+")
     filename: str | None = Field(default=None, max_length=512)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from opentelemetry import trace
 
+from schemas.errors import ErrorCode
 from schemas.events import SubmitEvent
-from schemas.keys import image_object_key
+from services.common.errors import OcrError
 from services.common.events import dumps
 
 from services.common.kafka import make_producer
@@ -58,7 +59,10 @@ def _trace_headers(request_id: str) -> list[tuple[str, bytes]] | None:
 
 
 class Submitter:
-    """Publishes files to ``ocr.submit``: small ones inline, larger ones through S3 (claim check)."""
+    """Publishes files to ``ocr.submit``: small ones inline, larger ones through S3 (claim check)
+    under ``S3Settings.upload_prefix`` (``uploads/<sha256>``), the prefix ingest reads references
+    from by default; a file over ``limits.max_image_bytes`` is refused before anything is sent or
+    uploaded (:meth:`check_size`)."""
 
     def __init__(self, settings: CommonSettings):
         self.s = settings
@@ -73,17 +77,35 @@ class Submitter:
         """Flush and disconnect."""
         await self.producer.stop()
 
+    def check_size(self, size: int, name: str | None = None) -> None:
+        """Refuse an image of ``size`` bytes that ingest would refuse (``limits.max_image_bytes``).
+
+        Raises:
+            OcrError: ``input_too_large``, naming the file, its size and the limit.
+        """
+        limit = self.s.limits.max_image_bytes
+        if size > limit:
+            raise OcrError(ErrorCode.INPUT_TOO_LARGE, f"{name or 'the image'} is {size} bytes, over the limit of "
+                           f"{limit} (OCRSTREAM_LIMITS__MAX_IMAGE_BYTES): not submitted, nothing uploaded")
+
     async def _event(self, data: bytes, filename: str | None, task: str, source: str, rid: str) -> SubmitEvent:
+        self.check_size(len(data), filename)
         if len(data) <= self.s.limits.inline_max_bytes:
             return SubmitEvent(request_id=rid, image_b64=base64.b64encode(data).decode(), filename=filename,
                                task=task, source=source)
-        key = image_object_key(hashlib.sha256(data).hexdigest())
-        await self.store.put_if_absent(key, data)
+        # written again even when present: a rewrite restarts the object's time under the upload
+        # prefix's lifecycle rule (S3Settings.upload_expiry_days), so it is not expired before ingest reads it
+        key = f"{self.s.s3.upload_prefix}{hashlib.sha256(data).hexdigest()}"
+        await self.store.put(key, data)
         return SubmitEvent(request_id=rid, image_uri=self.store.uri(key), filename=filename, task=task, source=source)
 
     async def submit_bytes(self, data: bytes, *, filename: str | None, task: str = "ocr", source: str = "cli",
                            request_id: str | None = None) -> str:
-        """Publish one image and wait for the broker's ack; returns its request id (a new UUID unless given)."""
+        """Publish one image and wait for the broker's ack; returns its request id (a new UUID unless given).
+
+        Raises:
+            OcrError: ``input_too_large`` (:meth:`check_size`): nothing sent or uploaded.
+        """
         rid = request_id or uuid.uuid4().hex
         ev = await self._event(data, filename, task, source, rid)
         await self.producer.send_and_wait(self.s.topics.submit, dumps(ev), key=rid.encode(), headers=_trace_headers(rid))
@@ -94,7 +116,13 @@ class Submitter:
 
         Returns:
             The request ids, in order.
+
+        Raises:
+            OcrError: ``input_too_large`` for an item over the byte limit: checked for every item
+                before any is sent or uploaded.
         """
+        for data, filename in items:
+            self.check_size(len(data), filename)
         ids, acks = [], []
         for data, filename in items:
             rid = uuid.uuid4().hex

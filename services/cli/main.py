@@ -14,6 +14,7 @@ from typing import Optional
 import orjson
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from services.common.settings import CommonSettings, load_settings
@@ -31,7 +32,8 @@ STAGES = ("ingest", "dedup", "infer", "sink")
 
 @app.command()
 def init() -> None:
-    """Create the topics, the S3 bucket (with its staging lifecycle rule) and the MariaDB tables (idempotent);
+    """Create the topics, the S3 bucket (with lifecycle rules on its staging and upload prefixes) and the
+    MariaDB tables (idempotent);
     warn if Redis is not durable enough for single flight (:func:`services.common.cache.durability_problems`)."""
     from botocore.exceptions import ClientError
 
@@ -51,15 +53,21 @@ def init() -> None:
         store = ObjectStore(s.s3)
         made = await store.ensure_bucket()
         console.print(f"bucket {s.s3.bucket}: {'created' if made else 'present'}")
-        try:  # what a door killed mid-upload leaves under the staging prefix goes after a day
-            await store.ensure_staging_lifecycle(days=1)
-            console.print(f"bucket {s.s3.bucket}: lifecycle rule on {s.s3.staging_prefix} (1 day)")
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code not in ("AccessDenied", "NotImplemented"):
-                raise
-            err.print(f"[yellow]warning:[/yellow] no lifecycle rule on {s.s3.staging_prefix} ({code}): parts of "
-                      "uploads cut off by a killed HTTP door stay until removed by hand")
+        # what a door killed mid-upload leaves under the staging prefix goes after a day; what
+        # `ocrstream submit` uploads for ingest to read goes after upload_expiry_days, accepted or not
+        rules = ((store.ensure_staging_lifecycle, s.s3.staging_prefix, 1,
+                  "parts of uploads cut off by a killed HTTP door stay until removed by hand"),
+                 (store.ensure_upload_lifecycle, s.s3.upload_prefix, s.s3.upload_expiry_days,
+                  "files `ocrstream submit` uploaded stay until removed by hand"))
+        for ensure, prefix, days, left in rules:
+            try:
+                await ensure(days=days)
+                console.print(f"bucket {s.s3.bucket}: lifecycle rule on {prefix} ({days} day{'s' if days > 1 else ''})")
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code")
+                if code not in ("AccessDenied", "NotImplemented"):
+                    raise
+                err.print(f"[yellow]warning:[/yellow] no lifecycle rule on {prefix} ({code}): {left}")
         applied = await Database(s.mysql, pool_size=1).migrate()
         console.print(f"mariadb: {'applied ' + ', '.join(applied) if applied else 'schema up to date'}")
         cache = ResultCache(s.redis)
@@ -105,6 +113,16 @@ def submit(
     if not files:
         err.print("[red]error:[/red] no image files found")
         raise typer.Exit(2)
+    # refused here, before anything is read, sent or uploaded: ingest would refuse them anyway
+    limit = s.limits.max_image_bytes
+    too_large = {f: size for f in files if (size := f.stat().st_size) > limit}
+    for f, size in too_large.items():
+        err.print(f"[red]error:[/red] {escape(str(f))}: {size} bytes, over the limit of {limit} bytes "
+                  "(OCRSTREAM_LIMITS__MAX_IMAGE_BYTES): input_too_large, not submitted, nothing uploaded",
+                  highlight=False)
+    files = [f for f in files if f not in too_large]
+    if not files:
+        raise typer.Exit(1)
 
     async def _run() -> int:
         watcher = CompletionWatcher(s) if wait else None
@@ -119,7 +137,7 @@ def submit(
         if not watcher:
             for sub in subs:
                 console.print(f"{sub.request_id}  {sub.path}")
-            return 0
+            return 1 if too_large else 0
         by_id = {sub.request_id: sub for sub in subs}
         if out:
             out.mkdir(parents=True, exist_ok=True)
@@ -158,7 +176,7 @@ def submit(
                 console.print(res.text or "(no text)", highlight=False, markup=False)
         console.print(f"{len(done)}/{len(subs)} completed, {failed} failed or missing"
                       + (f"; results in {out.resolve()}" if out else ""))
-        return 0 if failed == 0 else 1
+        return 0 if failed == 0 and not too_large else 1
 
     raise typer.Exit(asyncio.run(_run()))
 

@@ -639,15 +639,6 @@ class ResultCache:
         """The value stored by :meth:`mark_accepted`, or None. Raises :class:`CacheUnavailable`."""
         return await self._call("get", self.client.get(f"{self.p}:req:{request_id}"))
 
-    async def claim_accepted(self, request_id: str, value: bytes, ttl_s: int) -> bool:
-        """Take a client-chosen request id atomically (``SET NX``): True if this call took it,
-        False if it was already taken (a retry or a concurrent twin). Raises :class:`CacheUnavailable`."""
-        return bool(await self._call("set", self.client.set(f"{self.p}:req:{request_id}", value, ex=ttl_s, nx=True)))
-
-    async def forget_accepted(self, request_id: str) -> None:
-        """Drop an accepted-request marker (its submission failed after all). Raises :class:`CacheUnavailable`."""
-        await self._call("delete", self.client.delete(f"{self.p}:req:{request_id}"))
-
     async def get_and_mark(self, key: str, request_id: str, value: bytes, ttl_s: int) -> CacheEntry | None:
         """The entry for ``key`` or None, and on a hit also :meth:`mark_accepted` for
         ``request_id`` (``value`` empty: no marker), in one round trip (the HTTP door's cached

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import base64
-import re
 
 import orjson
 from aiokafka import ConsumerRecord
 
 from schemas.errors import ErrorCode
 from schemas.events import DlqEvent, ErrorInfo, RequestEvent, ResultEvent
+from schemas.ids import is_request_id
 from services.common.errors import OcrError
 from services.common.events import dumps
 from services.common.kafka import Outgoing
 from schemas.topics import Topics
 
-
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 DLQ_VALUE_MAX_BYTES = 512 * 1024
 """Original values larger than this are cut in the DLQ event (base64 grows them by a third)."""
@@ -27,7 +25,10 @@ def _b64(raw: bytes | None) -> str | None:
 
 
 def request_id_of(record: ConsumerRecord) -> str | None:
-    """Best-effort request id from a record's value (any of our event shapes), else None."""
+    """Best-effort request id from a record's value (any of our event shapes), else None.
+
+    Only an id that follows the request id rule (:mod:`schemas.ids`) counts: a longer one is
+    never cut to 64 characters, which could name another request."""
     try:
         value = orjson.loads(record.value)
     except Exception:
@@ -36,8 +37,8 @@ def request_id_of(record: ConsumerRecord) -> str | None:
         return None
     for holder in (value, value.get("request") or {}):
         rid = holder.get("request_id") if isinstance(holder, dict) else None
-        if isinstance(rid, str) and rid:
-            return rid[:64]
+        if is_request_id(rid):
+            return rid
     return None
 
 
@@ -53,14 +54,14 @@ def poison_messages(
         record: The original record (its bytes and headers are preserved in the DLQ event).
         exc: The last error.
         attempts: How many times processing was tried.
-        request: The parsed request, if the record could be parsed that far.
+        request: The request the record belongs to, if known (ingest: the submission's, under
+            its chosen or derived id); else the id is read from the record's value.
         cache_key: The request's cache key, so the sink also settles the requests waiting on it.
     """
     code = exc.code if isinstance(exc, OcrError) else ErrorCode.INTERNAL_ERROR
+    # never the record's key: a key is not a request id (a junk record keyed by another request's
+    # id would end that request); ingest passes the submission's own request or its derived one
     rid = request.request_id if request else request_id_of(record)
-    if rid is None and record.topic == topics.submit and record.key:
-        key = record.key.decode(errors="replace")
-        rid = key if _REQUEST_ID.fullmatch(key) else None  # upstream keys submissions by request id
     dlq = DlqEvent(
         stage=stage,
         topic=record.topic,

@@ -81,6 +81,7 @@ def _oversized(stage: str, dlq_topic: str, msg: Outgoing, exc: BaseException) ->
 
     from schemas.errors import ErrorCode
     from schemas.events import DlqEvent, ErrorInfo, ResultEvent
+    from schemas.ids import is_request_id  # never cut to 64 characters: that can name another request
     from services.common.events import dumps
 
     key = _key_bytes(msg)
@@ -95,7 +96,7 @@ def _oversized(stage: str, dlq_topic: str, msg: Outgoing, exc: BaseException) ->
     if not isinstance(rid, str) or not rid:
         rid = key.decode(errors="replace") if key else None
     stub = DlqEvent(stage=stage, topic=msg.topic, partition=-1, offset=-1, reason=f"message too large: {exc}"[:2000],
-                    error_code=ErrorCode.INPUT_TOO_LARGE, request_id=rid[:64] if rid else None)
+                    error_code=ErrorCode.INPUT_TOO_LARGE, request_id=rid if is_request_id(rid) else None)
     out = [Outgoing(dlq_topic, key, dumps(stub), [])]
     if isinstance(value, dict) and value.get("schema") == "ocr.result.v1" and value.get("status") == "ok":
         try:

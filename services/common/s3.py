@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from urllib.parse import unquote
 
 import boto3
 from botocore.config import Config
@@ -31,6 +32,54 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     if not bucket or not key:
         raise OcrError(ErrorCode.INVALID_REQUEST, f"s3 URI needs a bucket and a key: {uri[:100]!r}")
     return bucket, key
+
+
+def _decoded_forms(key: str) -> list[str]:
+    """``key`` and what percent-decoding makes of it, decoded again until it no longer changes
+    (at most 4 rounds): a server or proxy that decodes a key once more must not find a path in it."""
+    forms = [key]
+    for _ in range(4):
+        nxt = unquote(forms[-1])
+        if nxt == forms[-1]:
+            break
+        forms.append(nxt)
+    return forms
+
+
+def reference_problem(uri: str, allowed: list[str]) -> str | None:
+    """Why ingest may not read the ``s3://bucket/key`` at ``uri``, or None when it may.
+
+    ``allowed`` holds ``bucket/prefix`` entries (``OCRSTREAM_S3_ALLOWED_PREFIXES``): the URI's
+    bucket must equal an entry's bucket exactly and its key start with the entry's prefix, as
+    literal strings (``bucket/`` alone admits the whole bucket). A key is refused anywhere when
+    it, or any percent-decoding of it, has a ``.`` or ``..`` path segment, a backslash or a
+    control character: S3 keys are flat names that boto3 sends literally (percent-encoding every
+    ``%``), so a literal prefix cannot be escaped by S3 itself; these rules also keep it from
+    being escaped through a server or proxy that normalises paths.
+
+    Args:
+        uri: The submission's ``image_uri``.
+        allowed: The allow-list.
+
+    Returns:
+        A message for ``image_uri_not_allowed`` (naming the allowed locations), or None.
+
+    Raises:
+        OcrError: ``invalid_request`` if ``uri`` is not an ``s3://bucket/key`` URI.
+    """
+    bucket, key = parse_s3_uri(uri)
+    where = ", ".join(f"s3://{entry}" for entry in allowed) or "none (S3 references are turned off)"
+    for form in _decoded_forms(key):
+        if ("\\" in form or any(ord(c) < 32 or ord(c) == 127 for c in form)
+                or any(seg in (".", "..") for seg in form.split("/"))):
+            return (f"image_uri {uri[:200]!r}: the key has a '.' or '..' segment, a backslash or a control "
+                    f"character (also once percent-decoded); ingest reads only under {where}")
+    for entry in allowed:
+        ok_bucket, _, prefix = entry.partition("/")
+        if bucket == ok_bucket and key.startswith(prefix):
+            return None
+    return (f"image_uri {uri[:200]!r} is outside the S3 locations ingest may read: {where} "
+            "(OCRSTREAM_S3_ALLOWED_PREFIXES)")
 
 
 class ObjectStore:
@@ -221,14 +270,33 @@ class ObjectStore:
         Raises:
             botocore.exceptions.ClientError: e.g. ``AccessDenied`` without the permission.
         """
+        await self._ensure_expiry_rule(staging_rule_id(self.cfg.staging_prefix), self.cfg.staging_prefix, days)
+
+    async def ensure_upload_lifecycle(self, days: int | None = None) -> None:
+        """Install (or replace) the bucket lifecycle rule on the upload prefix
+        (:func:`upload_rule_id`, ``S3Settings.upload_prefix``, where ``ocrstream submit`` puts files
+        too large to send inline): objects are expired ``days`` (default
+        ``S3Settings.upload_expiry_days``) after they were written, whether ingest accepted them
+        (it keeps its own copy under ``images/``) or refused them. Same mechanism and caveats as
+        :meth:`ensure_staging_lifecycle`.
+
+        Raises:
+            botocore.exceptions.ClientError: e.g. ``AccessDenied`` without the permission.
+        """
+        await self._ensure_expiry_rule(upload_rule_id(self.cfg.upload_prefix), self.cfg.upload_prefix,
+                                       days or self.cfg.upload_expiry_days)
+
+    async def _ensure_expiry_rule(self, rule_id: str, prefix: str, days: int) -> None:
+        """Put rule ``rule_id`` (expire and abort uploads under ``prefix`` after ``days``) into the
+        bucket's lifecycle configuration, keeping its other rules (read-modify-write)."""
         try:
             cur = await self._call("get_lifecycle", self.client.get_bucket_lifecycle_configuration, Bucket=self.bucket)
-            rules = [r for r in cur.get("Rules", []) if r.get("ID") != staging_rule_id(self.cfg.staging_prefix)]
+            rules = [r for r in cur.get("Rules", []) if r.get("ID") != rule_id]
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") != "NoSuchLifecycleConfiguration":
                 raise
             rules = []
-        rules.append({"ID": staging_rule_id(self.cfg.staging_prefix), "Status": "Enabled", "Filter": {"Prefix": self.cfg.staging_prefix},
+        rules.append({"ID": rule_id, "Status": "Enabled", "Filter": {"Prefix": prefix},
                       "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": days}, "Expiration": {"Days": days}})
         await self._call("put_lifecycle", self.client.put_bucket_lifecycle_configuration, Bucket=self.bucket,
                          LifecycleConfiguration={"Rules": rules})
@@ -239,6 +307,12 @@ def staging_rule_id(prefix: str) -> str:
     (:meth:`ObjectStore.ensure_staging_lifecycle`): ``ocrstream-staging <prefix>``, so deployments
     sharing a bucket with different prefixes keep a rule each."""
     return f"ocrstream-staging {prefix}"
+
+
+def upload_rule_id(prefix: str) -> str:
+    """ID of the bucket lifecycle rule on upload prefix ``prefix`` (:meth:`ObjectStore.ensure_upload_lifecycle`):
+    ``ocrstream-uploads <prefix>``."""
+    return f"ocrstream-uploads {prefix}"
 
 
 class MultipartUpload:

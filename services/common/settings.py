@@ -72,6 +72,14 @@ class S3Settings(BaseModel):
         default="staging/", min_length=1, max_length=200,
         description="key prefix of large HTTP uploads while they stream in (multipart uploads, then one object "
                     "until it is copied to images/); `ocrstream init` expires what is left there after 1 day")
+    upload_prefix: str = Field(
+        default="uploads/", min_length=1, max_length=200,
+        description="key prefix where `ocrstream submit` puts files too large to send inline (ingest copies what it "
+                    "accepts to images/); the default entry of OCRSTREAM_S3_ALLOWED_PREFIXES")
+    upload_expiry_days: int = Field(
+        default=1, ge=1,
+        description="days after which `ocrstream init`'s lifecycle rule deletes objects under upload_prefix, "
+                    "accepted or refused (accepted images are kept under images/)")
 
     @field_validator("endpoint_url")
     @classmethod

@@ -7,18 +7,23 @@ import binascii
 import logging
 import time
 
+import orjson
 from aiokafka import ConsumerRecord
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
+from schemas.ids import request_id_problem
+from services.common import claims
+from services.common.claims import RequestClaim
+from services.common.db import Database
 from services.common.decoding import DecoderPool
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
-from services.common.events import derived_request_id, dumps, loads, queue_wait_ms
+from services.common.events import derived_request_id, dumps, queue_wait_ms
 from services.common.kafka import Outgoing
 from services.common.runner import Handler
-from services.common.s3 import ObjectStore
+from services.common.s3 import ObjectStore, reference_problem
 from services.common.telemetry import SpanKind, Telemetry, record_attrs as _record_attrs
 from services.ingest.accept import accept_image
 from services.ingest.settings import IngestSettings
@@ -28,19 +33,29 @@ log = logging.getLogger(__name__)
 class IngestHandler(Handler):
     """Checks each submission and stores its image by content hash.
 
-    Per record: parse ``SubmitEvent`` -> bytes (inline or from S3, byte limit enforced) ->
-    sniff format and header size (no decode) -> SHA-256 -> put ``images/<sha[:2]>/<sha>``
-    unless present -> ``RequestEvent`` on ``ocr.requests`` keyed by the hash. Bad input yields
-    an error ``ResultEvent`` on ``ocr.results`` (so the request still gets a final state); an
-    unparseable record goes to ``ocr.dlq``.
+    Per record: parse ``SubmitEvent`` (its ``request_id`` by :mod:`schemas.ids`) -> bytes (inline
+    or from S3 under an allowed prefix, byte limit enforced) -> sniff format and header size (no
+    decode) -> SHA-256 -> put ``images/<sha[:2]>/<sha>`` unless present -> claim the chosen
+    request id (:mod:`services.common.claims`) -> ``RequestEvent`` on ``ocr.requests`` keyed by
+    the hash. Bad input yields an error ``ResultEvent`` on ``ocr.results`` (so the request still
+    gets a final state); a record that fails its schema also goes to ``ocr.dlq``.
+
+    Which id a final state goes under: the chosen ``request_id`` when this submission holds it
+    (a new claim, or a retry of the same record or the same content); else -- no id, an invalid
+    one, one another request holds -- the id derived from the record's offset
+    (:func:`~services.common.events.derived_request_id`), the message naming the id it asked for.
+    So a submission can never end, or take the result of, another request. A submission refused
+    before its image was read claims its id without content (it has its final state under it).
     """
 
     def __init__(self, settings: IngestSettings, store: ObjectStore, telemetry: Telemetry,
-                 decoder: DecoderPool | None = None):
+                 decoder: DecoderPool | None = None, db: Database | None = None):
         self.s = settings
         self.store = store
         self.telemetry = telemetry
         self.decoder = decoder or DecoderPool(settings.decode, settings.limits)  # the format checks, bounded
+        self.db = db  # request id claims; None only where nothing is claimed (unit tests of the poison path)
+        self.allowed = settings.allowed_prefixes()
         self._sem = asyncio.Semaphore(settings.ingest_concurrency)
 
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
@@ -59,33 +74,66 @@ class IngestHandler(Handler):
         queued = queue_wait_ms(record)
         started = time.perf_counter()
         headers = self.telemetry.inject(record.headers)
-        try:
-            event = loads(SubmitEvent, record.value)
-        except (ValueError, ValidationError) as exc:
-            # Not retried: the same bytes fail the same way. DLQ + error result if we know the id.
+        event, base, chosen, problem = _parse(record)
+        base = base.model_copy(update={"traceparent": self.telemetry.traceparent()})
+        if event is None:
+            # Not retried: the same bytes fail the same way. DLQ + error result under an id it may use.
+            base, note = await self._own_or_derived(base, chosen, record)
             self.telemetry.requests_done.labels("ingest", "error", ErrorCode.INVALID_REQUEST.value).inc()
             return poison_messages(
-                stage="ingest", topics=self.s.topics, record=record,
-                exc=OcrError(ErrorCode.INVALID_REQUEST, f"submit event rejected: {exc}"[:1000]), attempts=1,
+                stage="ingest", topics=self.s.topics, record=record, request=base,
+                exc=OcrError(ErrorCode.INVALID_REQUEST, f"{note}submit event rejected: {problem}"[:1000]), attempts=1,
             )
-        base = _request_of(event, record).model_copy(update={"traceparent": self.telemetry.traceparent()})
         rid = base.request_id
+
+        def failed(request: RequestEvent, code: ErrorCode, message: str) -> list[Outgoing]:
+            timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
+            result = ResultEvent(request=request.model_copy(update={"timings_ms": timings}), status="error",
+                                 error=ErrorInfo(code=code, message=message[:1000]))
+            self.telemetry.requests_done.labels("ingest", "error", code.value).inc()
+            log.info("ingest: request %s rejected: %s: %s", request.request_id, code.value, message[:300])
+            return [Outgoing(self.s.topics.results, request.request_id, dumps(result), headers)]
+
         try:
             req = await self._accept(event, base)
         except OcrError as err:
-            if err.code == ErrorCode.MISSING_OBJECT:
+            owned, note = await self._own_or_derived(base, chosen, record)
+            if err.code == ErrorCode.MISSING_OBJECT and not note:
                 raise  # retried a bounded number of times, then DLQ + error result (Handler.poison)
-            timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
-            failed = base.model_copy(update={"timings_ms": timings})
-            result = ResultEvent(request=failed, status="error", error=ErrorInfo(code=err.code, message=err.message))
-            self.telemetry.requests_done.labels("ingest", "error", err.code.value).inc()
-            log.info("ingest: request %s rejected: %s", rid, err)
-            return [Outgoing(self.s.topics.results, rid, dumps(result), headers)]
+            return failed(owned, err.code, note + err.message)
+        if chosen is not None:
+            outcome = await claims.claim(self.db, RequestClaim(
+                request_id=chosen, content_sha256=req.content_sha256, task=req.task, door="kafka",
+                origin=_origin(record)))
+            if outcome.kind == "conflict":
+                derived = derived_request_id(record.topic, record.partition, record.offset)
+                return failed(base.model_copy(update={"request_id": derived}), ErrorCode.REQUEST_ID_CONFLICT,
+                              f"{outcome.reason}: this submission ends under its derived request id {derived}; "
+                              "choose another request_id")
         timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
         req = req.model_copy(update={"timings_ms": timings, "accepted_at_ms": now_ms()})
         log.info("ingest: %s[%d]@%d request %s accepted (%s, %d bytes)", record.topic, record.partition,
                  record.offset, rid, req.format, req.size_bytes)
         return [Outgoing(self.s.topics.requests, req.content_sha256, dumps(req), headers)]
+
+    async def _own_or_derived(self, base: RequestEvent, chosen: str | None,
+                              record: ConsumerRecord) -> tuple[RequestEvent, str]:
+        """For a submission refused before its image was read: ``base`` when it may end under its
+        chosen id (it claims the id without content, or already held it: a redelivery), else
+        ``base`` under its derived id and a note naming the id it asked for (prefix of the message).
+
+        Raises:
+            pymysql.OperationalError: MariaDB unreachable (the runner retries).
+        """
+        if chosen is None:
+            return base, ""
+        outcome = await claims.claim(self.db, RequestClaim(
+            request_id=chosen, content_sha256=None, task=None, door="kafka", origin=_origin(record)))
+        if outcome.kind != "conflict":
+            return base, ""
+        derived = derived_request_id(record.topic, record.partition, record.offset)
+        return (base.model_copy(update={"request_id": derived}),
+                f"{outcome.reason}: this submission ends under its derived request id {derived}; ")
 
     async def _accept(self, event: SubmitEvent, base: RequestEvent) -> RequestEvent:
         if (refused := self.s.task_error(event.task)) is not None:
@@ -97,6 +145,8 @@ class IngestHandler(Handler):
             except (ValueError, binascii.Error) as exc:
                 raise OcrError(ErrorCode.INVALID_REQUEST, f"image_b64 is not valid base64: {exc}") from exc
         else:
+            if (outside := reference_problem(event.image_uri, self.allowed)) is not None:
+                raise OcrError(ErrorCode.IMAGE_URI_NOT_ALLOWED, outside)  # before any S3 call
             data = await self.store.get_uri(event.image_uri, max_bytes=limits.max_image_bytes)
         acc = await accept_image(data, limits, self.store, self.decoder)
         return base.model_copy(
@@ -112,20 +162,65 @@ class IngestHandler(Handler):
         await self.decoder.close()
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
-        """DLQ the submission and fail its request: the id it named, or for a submission without one
-        the id derived from its offset (the one its other outcomes use), with its callback URL
-        and options, so its webhook fires too."""
-        try:
-            request = _request_of(loads(SubmitEvent, record.value), record)
-        except (ValueError, ValidationError):
-            request = None
+        """DLQ the submission and fail its request: the id it named (a missing object: claimed
+        without content before it was retried), or the id derived from its offset (no id, an
+        invalid one: the one its other outcomes use), with its callback URL and options, so its
+        webhook fires too."""
+        _, request, _, _ = _parse(record)
         return poison_messages(stage="ingest", topics=self.s.topics, record=record, exc=exc, attempts=attempts,
                                request=request)
 
 
-def _request_of(event: SubmitEvent, record: ConsumerRecord) -> RequestEvent:
-    """The request a submission starts: its own id, or one derived from the record's offset."""
-    rid = event.request_id or derived_request_id(record.topic, record.partition, record.offset)
+def _origin(record: ConsumerRecord) -> str:
+    """The record's place in Kafka, ``topic/partition/offset``: the same for its redeliveries."""
+    return f"{record.topic}/{record.partition}/{record.offset}"
+
+
+def _submitted_at(event: SubmitEvent | None, record: ConsumerRecord) -> int:
+    """When the request was submitted, ms: the event's ``submitted_at_ms`` when the submitter set
+    it, else the record's Kafka timestamp (its producer's create time, or the broker's append
+    time under ``LogAppendTime``), so ``total`` counts the wait in ``ocr.submit``."""
+    if event is not None and "submitted_at_ms" in event.model_fields_set:
+        return event.submitted_at_ms
+    return record.timestamp if record.timestamp and record.timestamp > 0 else now_ms()
+
+
+def _request_of(event: SubmitEvent, rid: str, record: ConsumerRecord) -> RequestEvent:
+    """The request a submission starts, under ``rid``."""
     return RequestEvent(request_id=rid, task=event.task, source=event.source, filename=event.filename,
-                        callback_url=event.callback_url, submitted_at_ms=event.submitted_at_ms,
+                        callback_url=event.callback_url, submitted_at_ms=_submitted_at(event, record),
                         metadata=event.metadata)
+
+
+def _parse(record: ConsumerRecord) -> tuple[SubmitEvent | None, RequestEvent, str | None, str | None]:
+    """``(event, request, chosen id, problem)`` of a submit record.
+
+    ``event`` is None when the record is refused as it stands (``problem`` says why): not JSON
+    (e.g. a lone surrogate escape, which orjson refuses), not an object, an invalid
+    ``request_id`` (:func:`schemas.ids.request_id_problem`) or another schema error.
+    ``chosen`` is the record's own ``request_id`` when it follows the rule (else None);
+    ``request`` is the request its outcome belongs to, under ``chosen`` or else the derived id,
+    with the record's other options when they are valid (callback URL, source, metadata ...).
+    """
+    derived = derived_request_id(record.topic, record.partition, record.offset)
+    bare = RequestEvent(request_id=derived, submitted_at_ms=_submitted_at(None, record))
+    if record.value is None:
+        return None, bare, None, "the record has no value"
+    try:
+        value = orjson.loads(record.value)
+    except orjson.JSONDecodeError as exc:
+        return None, bare, None, f"not JSON: {exc}"
+    if not isinstance(value, dict):
+        return None, bare, None, f"not a JSON object but {type(value).__name__}"
+    rid = value.get("request_id")
+    if rid is not None and (bad := request_id_problem(rid)) is not None:
+        try:  # its other options still travel with the error (a webhook, metadata)
+            rest = SubmitEvent.model_validate({**value, "request_id": None})
+            return None, _request_of(rest, derived, record), None, bad
+        except ValidationError:
+            return None, bare, None, bad
+    try:
+        event = SubmitEvent.model_validate(value)
+    except ValidationError as exc:
+        return None, bare.model_copy(update={"request_id": rid or derived}), rid, str(exc)
+    return event, _request_of(event, event.request_id or derived, record), event.request_id, None

@@ -1,6 +1,6 @@
 """Ingest settings (env prefix ``OCRSTREAM_``, e.g. ``OCRSTREAM_INGEST_MAX_BATCH``)."""
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from services.common.settings import CommonSettings
 
@@ -14,3 +14,26 @@ class IngestSettings(CommonSettings):
         default=0, ge=0,
         description="longest wait for a batch to fill, ms; 0 = take what has arrived (a backlog still makes full batches)")
     ingest_concurrency: int = Field(default=8, ge=1, description="submissions processed concurrently")
+    s3_allowed_prefixes: list[str] | None = Field(
+        default=None,
+        description="where a submission's s3:// image_uri may point: JSON list of \"bucket/prefix\" entries, each a "
+                    "literal prefix (\"bucket/\" = the whole bucket; [] = no s3:// references); unset = "
+                    "[\"<s3.bucket>/<s3.upload_prefix>\"] (ocrstream/uploads/); any other is image_uri_not_allowed, "
+                    "unread")
+
+    @field_validator("s3_allowed_prefixes")
+    @classmethod
+    def _bucket_and_prefix(cls, entries: list[str] | None) -> list[str] | None:
+        for entry in entries or []:
+            bucket, slash, _ = entry.partition("/")
+            if not bucket or not slash or entry.startswith("s3://"):
+                raise ValueError(f"{entry!r}: each entry is \"bucket/prefix\" (no s3://; \"bucket/\" for a "
+                                 "whole bucket)")
+        return entries
+
+    def allowed_prefixes(self) -> list[str]:
+        """The effective allow-list of ``s3://`` references: :attr:`s3_allowed_prefixes`, or
+        ``["<bucket>/<upload_prefix>"]`` when unset."""
+        if self.s3_allowed_prefixes is not None:
+            return list(self.s3_allowed_prefixes)
+        return [f"{self.s3.bucket}/{self.s3.upload_prefix}"]

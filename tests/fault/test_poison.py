@@ -47,7 +47,7 @@ async def test_poison_messages_reach_the_dlq_and_end_their_requests(fault_pipeli
         await producer.send_and_wait(s.topics.submit, orjson.dumps({"schema": "ocr.submit.v1", "request_id": rid_schema,
                                                                    "image_uri": "ftp://nope"}), key=rid_schema.encode())
         await producer.send_and_wait(s.topics.submit, dumps(SubmitEvent(request_id=rid_missing,
-                                     image_uri=f"s3://{s.s3.bucket}/images/zz/does-not-exist")), key=rid_missing.encode())
+                                     image_uri=f"s3://{s.s3.bucket}/{s.s3.upload_prefix}does-not-exist")), key=rid_missing.encode())
         # A result whose cache key is malformed: the sink raises on it every time.
         bad = ResultEvent(request=RequestEvent(request_id=rid_raises, content_sha256="0" * 64), cache_key="bad-key",
                           status="ok", lines=[], pages=[])

@@ -20,7 +20,7 @@ S = IngestSettings()
 
 def poisoned(value: bytes, key: bytes | None) -> list:
     record = ConsumerRecord(S.topics.submit, 2, 417, 0, 0, key, value, None, len(key or b""), len(value), [])
-    h = IngestHandler(S, None, Telemetry("ingest", TelemetrySettings()))  # type: ignore[arg-type]
+    h = IngestHandler(S, None, Telemetry("ingest", TelemetrySettings()), None)  # type: ignore[arg-type]
     return h.poison(record, OcrError(ErrorCode.MISSING_OBJECT, "s3://b/gone.png: no such key"), attempts=3)
 
 
@@ -37,9 +37,14 @@ def test_a_submission_without_an_id_fails_under_its_derived_id_with_its_callback
     assert dlq.topic == S.topics.dlq and orjson.loads(dlq.value)["request_id"] == rid
 
 
-def test_a_submission_with_an_id_fails_under_it_and_an_unreadable_one_under_its_key():
+def test_a_submission_with_an_id_fails_under_it_and_an_unreadable_one_under_its_derived_id():
+    """Never under the record's key: a junk record keyed by another request's id must not end that request."""
     ev = SubmitEvent(request_id="order-55", image_uri="s3://b/gone.png")
     _, result = poisoned(dumps(ev), key=b"order-55")
     assert result.key == "order-55" and orjson.loads(result.value)["request"]["request_id"] == "order-55"
-    dlq, result = poisoned(b"{not json", key=b"order-56")
-    assert result.key == "order-56" and orjson.loads(dlq.value)["request_id"] == "order-56"
+    rid = derived_request_id(S.topics.submit, 2, 417)
+    for value in (b"{not json", b'{"request_id": "order-56\\ud800", "image_b64": "AA=="}',
+                  orjson.dumps({"request_id": "x" * 65, "image_b64": "AA=="})):
+        dlq, result = poisoned(value, key=b"order-56")
+        assert result.key == rid and orjson.loads(dlq.value)["request_id"] == rid
+        assert orjson.loads(result.value)["request"]["request_id"] == rid

@@ -50,9 +50,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from schemas.events import (
     CompletedEvent, OcrOutput, RequestEvent, ResultDocument, ResultEvent, new_id, now_ms,
 )
+from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
 from schemas.keys import image_object_key
 from services.common.app import kafka_reachable, setup_logging
+from services.common import claims
 from services.common.cache import CacheUnavailable, ResultCache
+from services.common.claims import RequestClaim
 from services.common.db import Database
 from services.common.errors import OcrError
 from services.common.events import dumps
@@ -86,8 +89,9 @@ STATIC = Path(__file__).parent / "static"
 _PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 _ERROR_TEXT = {
-    409: "the `request_id` is already used by another API key, or for a different image (another content "
-         "SHA-256) (`request_id_conflict`); resending the same image with it is an idempotent retry",
+    409: "the `request_id` is already used by another request, submitted here or on the Kafka door: another API "
+         "key's, or one for a different image (another content SHA-256) or task (`request_id_conflict`); resending "
+         "the same image with it is an idempotent retry",
     400: "bad request: an invalid option or parameter (`invalid_request`), an empty body (`empty_input`), "
          "a malformed multipart body, a callback URL that is not allowed (`callback_not_allowed`)",
     401: "missing, unknown or revoked API key (`unauthorized`)",
@@ -151,8 +155,9 @@ class SubmitOptions(BaseModel):
     """Options of one submission (query string for a raw body, form fields for multipart);
     the same constraints as ``SubmitEvent``."""
 
-    # not only dots: "." and ".." are not path segments a client can GET (its links would point elsewhere)
-    request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$")
+    # the rule of both doors (schemas/ids.py): not only dots, "." and ".." are not path segments a client can GET
+    request_id: str | None = Field(default=None, min_length=1, max_length=REQUEST_ID_MAX_LENGTH,
+                                   pattern=REQUEST_ID_PATTERN)
     task: str = Field(default="ocr", min_length=1, max_length=64)
     source: str = Field(default="http", min_length=1, max_length=64)
     filename: str | None = Field(default=None, max_length=512)
@@ -327,13 +332,18 @@ class FrontDoor:
 
     async def _pending(self, rid: str, principal: Principal) -> bool | None:
         """For an id with no result row: True if accepted (or unknowable: Redis down), False if
-        unknown, None if another API key's."""
+        unknown, None if another API key's. Redis's marker first; an id it does not know may
+        still be claimed (:mod:`services.common.claims`: chosen at the Kafka door, or the marker
+        lost), which MariaDB says."""
         try:
             raw = await self.cache.accepted(rid)
         except CacheUnavailable:
             return True
         if raw is None:
-            return False
+            held = await claims.held_claim(self.db, rid)
+            if held is None:
+                return False
+            return True if self._owns(principal, held.api_key_id) else None
         owner = orjson.loads(raw).get("key")
         return True if self._owns(principal, owner) else None
 
@@ -350,9 +360,10 @@ class FrontDoor:
             ApiError: 4xx for bad input or options (nothing is stored or sent then): 400
                 ``callback_not_allowed`` for a callback URL the guard refuses, then 400
                 ``invalid_request`` for any ``callback_url`` while ``webhook_enabled`` is off; 409
-                ``request_id_conflict`` for a ``request_id`` another API key submitted or one
-                already used for a different image (another content SHA-256); 503
-                ``unavailable`` when Kafka or S3 does not take the request.
+                ``request_id_conflict`` for a ``request_id`` another request holds, from either
+                door (another API key, another image's content SHA-256, another task); 503
+                ``unavailable`` when Kafka or S3 does not take the request, or MariaDB cannot
+                claim a chosen ``request_id``.
         """
         started = time.perf_counter()
         submitted = now_ms()
@@ -361,61 +372,56 @@ class FrontDoor:
             limit = None
         if opts.callback_url:  # URL checks, then webhooks enabled here, then a secret to sign with
             await validate_callback_url(opts.callback_url, self.s, principal.key_id, enabled=self.webhooks is not None)
+        # the door's own ids are random (UUID4, 122 bits), never claimed: no other request can know one in advance
         rid = opts.request_id or new_id()
-        claimed = False
+        mine: RequestClaim | None = None
         if opts.request_id:  # idempotent: a known id is answered with its state, not sent again
-            known = await self._claim_id(rid, principal, up.sha256)
+            known, mine = await self._claim_id(rid, principal, up.sha256, opts.task)
             if isinstance(known, ResultDocument):
                 return 200, self._done(known)
-            if known is True:
+            if known:
                 return 202, OcrResponse(request_id=rid, status="pending", links=self.links(rid))
-            if known is None:  # sending it would take the id (and its result) away from its owner
-                raise ApiError(409, "request_id_conflict", f"request_id {rid!r} is already used by another API key")
-            if known == "conflict":  # answering it would hand back another image's result
-                raise ApiError(409, "request_id_conflict",
-                               f"request_id {rid!r} is already used for a different image (content SHA-256 "
-                               f"differs from this upload's {up.sha256[:12]}...); choose a new request_id")
-            claimed = known == "claimed"
         try:
-            return await self._submit(up, opts, principal, traceparent, rid, claimed, started, submitted, limit)
+            return await self._submit(up, opts, principal, traceparent, rid, started, submitted, limit)
         except BaseException:
-            if claimed:  # not accepted after all: free the id so the client's retry is sent
+            if mine is not None:  # not accepted after all: free the id so the client's retry is sent
                 try:
-                    await self.cache.forget_accepted(rid)
-                except CacheUnavailable:
-                    pass
+                    await claims.release(self.db, mine)
+                except Exception as exc:  # noqa: BLE001 - the id stays taken by this image (a retry with it is sent)
+                    log.warning("api: could not release request_id %r after a failed submission: %r", rid, exc)
             raise
 
-    async def _claim_id(self, rid: str, principal: Principal, sha: str) -> ResultDocument | bool | str | None:
-        """For a client-chosen id: its finished document; True if pending (a retry, or a twin
-        sent at the same moment); None if another key's; ``"conflict"`` if this key already used
-        it for another image (the stored content SHA-256, in MariaDB's row or Redis's
-        ``{"key", "sha"}`` marker, differs from ``sha``); ``"claimed"`` if this call took it in
-        Redis; False if it is new but Redis is down (sent unclaimed; the sink stores one result)."""
+    async def _claim_id(self, rid: str, principal: Principal, sha: str,
+                        task: str) -> tuple[ResultDocument | bool, RequestClaim | None]:
+        """Claim a client-chosen id in MariaDB (:func:`services.common.claims.claim`, the rule
+        both doors share): ``(False, claim)`` if this call took it (the caller releases it if the
+        submission fails); ``(document, None)`` or ``(True, None)`` for a retry of a finished or a
+        pending request (the same image, task and API key: a resend, or a twin sent at the same
+        moment, at either door).
+
+        Raises:
+            ApiError: 409 ``request_id_conflict`` when another request holds the id (another
+                image, task or API key; on either door); 503 ``unavailable`` when MariaDB does not
+                answer (a chosen id is claimed durably, or not taken).
+        """
+        mine = RequestClaim(request_id=rid, content_sha256=sha, task=task, door="http", api_key_id=principal.key_id)
+        try:
+            outcome = await claims.claim(self.db, mine)
+        except Exception as exc:  # noqa: BLE001 - MariaDB down or failing: nothing was taken or sent
+            raise ApiError(503, "unavailable", f"the request_id could not be claimed (MariaDB): {exc!r}",
+                           {"Retry-After": "1"}) from None
+        if outcome.kind == "new":
+            return False, mine
+        if outcome.kind == "conflict":  # answering it would hand back another request's result
+            raise ApiError(409, "request_id_conflict", f"{outcome.reason}; choose a new request_id")
         try:
             doc = await self.db.get_request(rid)
-        except Exception:  # noqa: BLE001 - MariaDB down: Redis still tells retries apart
+        except Exception:  # noqa: BLE001 - MariaDB just answered the claim: treat as still pending
             doc = None
-        if doc is not None:
-            if not self._owns(principal, doc.api_key_id):
-                return None
-            return "conflict" if doc.content_sha256 not in (None, sha) else doc
-        value = orjson.dumps({"key": principal.key_id, "sha": sha})
-        try:
-            if await self.cache.claim_accepted(rid, value, self.s.http_accepted_ttl_s):
-                return "claimed"
-            raw = await self.cache.accepted(rid)
-        except CacheUnavailable:
-            return False
-        if raw is None:  # released by a failed twin in between: treat as new, unclaimed
-            return False
-        marker = orjson.loads(raw)
-        if not self._owns(principal, marker.get("key")):
-            return None
-        return "conflict" if marker.get("sha") not in (None, sha) else True
+        return (doc if doc is not None else True), None
 
     async def _submit(self, up: Upload, opts: SubmitOptions, principal: Principal, traceparent: str | None,
-                      rid: str, claimed: bool, started: float, submitted: int,
+                      rid: str, started: float, submitted: int,
                       limit: Limit | None) -> tuple[int, OcrResponse]:
         gen = self.s.generation(opts.task)
         key = self.s.cache_key_of(up.sha256, gen, principal.key_id)  # the caller's cache scope
@@ -429,7 +435,7 @@ class FrontDoor:
                 metadata=opts.metadata, traceparent=self.telemetry.traceparent(), api_key_id=principal.key_id,
             )
             # on a hit the id is remembered in the same round trip, so GET knows it until the sink stores its row
-            marker = b"" if claimed else orjson.dumps({"key": principal.key_id, "sha": up.sha256})
+            marker = orjson.dumps({"key": principal.key_id, "sha": up.sha256})
             hit = await self._cached(key, rid, marker, limit) if self.s.cache_enabled else None
             if hit is not None:
                 answer = self._answer_from_cache(base, key, gen, *hit, started)
@@ -460,8 +466,7 @@ class FrontDoor:
                                                   headers=self.telemetry.inject())
             except Exception as exc:  # noqa: BLE001 - not acknowledged: not accepted
                 raise ApiError(503, "unavailable", f"Kafka did not acknowledge the request: {exc!r}") from None
-            if not claimed:
-                await self._mark_accepted(rid, principal, up.sha256)
+            await self._mark_accepted(rid, principal, up.sha256)
             return 202, OcrResponse(request_id=rid, status="pending", links=self.links(rid))
 
     async def _mark_accepted(self, rid: str, principal: Principal, sha: str) -> None:
