@@ -361,9 +361,11 @@ class DecoderPool:
         w.kill()
         self._all.discard(w)
         self.restarts[reason] += 1
+        if reason != "cancelled":
+            log.warning("decoder process %d stopped (%s); a new one takes its place", w.proc.pid, reason)
 
-    async def _call(self, msg: dict, fds: list[int], *, steps: int = 1,
-                    on_step: Callable[[dict], None] | None = None, timeout_s: float | None = None) -> dict:
+    async def _call(self, msg: dict, fds: list[int], *, on_step: Callable[[dict], None] | None = None,
+                    timeout_s: float | None = None) -> dict:
         """Send ``msg`` to a free worker and read its answers until a final one.
 
         Each answer must come within ``decode.page_timeout_s`` of the previous, all of them within
@@ -378,11 +380,19 @@ class DecoderPool:
         """
         cfg = self.cfg
         total = timeout_s if timeout_s is not None else cfg.page_timeout_s
+        msg = dict(msg, max_pixels=self.limits.max_pixels, max_pages=self.limits.max_pages)
         w = await self._take()
         healthy = False
         try:
             start = time.monotonic()
-            w.send(dict(msg, max_pixels=self.limits.max_pixels, max_pages=self.limits.max_pages), fds)
+            try:
+                w.send(msg, fds)
+            except OSError:  # it died while idle (killed from outside): once more, on a new one
+                self._drop(w, "exited")
+                w = None
+                self._give_back(None)
+                w = await self._take()
+                w.send(msg, fds)
             while True:
                 left = start + total - time.monotonic()
                 try:
