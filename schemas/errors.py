@@ -35,6 +35,10 @@ class ErrorCode(str, Enum):
     """The OCR engine (its server) went away while it read this image alone, ``engine_crash_limit``
     times (a connection carrying it dropped, the retry refused): the image is not retried (the same
     bytes would take it down again)."""
+    STAGE_CRASH = "stage_crash"
+    """The stage handling this request died ``poison_after_deaths`` times while it was in progress
+    (killed, out of memory, crashed, or stopped without finishing it): it is not handled again and
+    its record is sent to ``ocr.dlq``. Not retried (the same record would take the stage down again)."""
 
 
 #: Errors that may not recur on another attempt: when a lease holder ends with one of these, one

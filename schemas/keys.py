@@ -63,3 +63,10 @@ def result_object_key(cache_key_: str) -> str:
     """S3 key of the result document for a cache key: ``results/<sha256>/<gen_id>.json``."""
     gen_id, sha = split_cache_key(cache_key_)
     return f"results/{sha}/{gen_id}.json"
+
+
+def request_output_key(request_id: str) -> str:
+    """S3 key of the OCR output of one request that is stored under no cache key (a result of
+    another cache generation, too large for its database row): ``results/requests/<sha256 of the
+    request id>.json`` (a hash: any request id makes a valid key)."""
+    return f"results/requests/{hashlib.sha256(request_id.encode()).hexdigest()}.json"
