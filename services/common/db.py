@@ -44,29 +44,43 @@ def cut_utf8(text: str, max_bytes: int) -> str:
     return text if len(raw) <= max_bytes else raw[:max_bytes].decode(errors="ignore")
 
 
+def _json_len(text: str) -> int:
+    """Bytes of ``text`` as a JSON string, quotes excluded (the same minimal escaping as pydantic's)."""
+    return len(orjson.dumps(text)) - 2
+
+
 def bound_document(doc: ResultDocument, max_bytes: int) -> tuple[ResultDocument, str]:
     """``doc`` as its ``requests`` row holds it, and that row's ``document_json``.
 
     Within ``max_bytes`` (bytes of UTF-8 JSON) it is unchanged. Over it, its ``lines`` are left
-    out (``lines_omitted`` counts them); still over, ``text`` is cut at its end (``text_truncated``).
-    Each character costs at least as many bytes of JSON as of UTF-8 (escaping only adds), so
-    cutting the excess in UTF-8 bytes off the text is enough in one step. A summary that is over
-    the bound without lines or text (not possible with the field limits events carry) is returned
-    as it is. The whole document is the OCR output at ``result_uri`` (the sink stores it there).
+    out (``lines_omitted`` counts them); still over, ``text`` keeps its longest prefix that fits
+    (``text_truncated``; found by bisection on the prefix's JSON length, about 20 encodings of at
+    most ``max_bytes``). A summary over the bound without lines or text (not possible with the
+    field limits events carry) is returned as it is. The whole document is the OCR output at
+    ``result_uri`` (the sink stores it there).
     """
     raw = doc.model_dump_json(by_alias=True)
-    size = len(raw.encode())
-    if size <= max_bytes:
+    if len(raw.encode()) <= max_bytes:
         return doc, raw
     if doc.lines:
         doc = doc.model_copy(update={"lines": [], "lines_omitted": doc.lines_omitted + len(doc.lines)})
         raw = doc.model_dump_json(by_alias=True)
-        size = len(raw.encode())
-    if size > max_bytes and doc.text:
-        keep = max(0, len(doc.text.encode()) - (size - max_bytes))
-        doc = doc.model_copy(update={"text": cut_utf8(doc.text, keep), "text_truncated": True})
-        raw = doc.model_dump_json(by_alias=True)
-    return doc, raw
+        if len(raw.encode()) <= max_bytes:
+            return doc, raw
+    if not doc.text:
+        return doc, raw
+    text = doc.text
+    budget = max_bytes - len(doc.model_copy(update={"text": "", "text_truncated": True}).model_dump_json(
+        by_alias=True).encode())
+    lo, hi = 0, min(len(text), max(0, budget))  # a character is at least one byte of JSON
+    while lo < hi:  # the longest prefix whose JSON fits the budget
+        mid = (lo + hi + 1) // 2
+        if _json_len(text[:mid]) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    doc = doc.model_copy(update={"text": text[:lo], "text_truncated": True})
+    return doc, doc.model_dump_json(by_alias=True)
 
 
 class Database:

@@ -86,6 +86,7 @@ def test_error_codes_are_the_documented_list():
         "empty_input", "input_too_large", "unsupported_format", "corrupt_image", "image_too_large",
         "too_many_pages", "missing_object", "invalid_request", "timeout", "engine_error", "internal_error",
         "engine_crash",  # added later: new codes go at the end
+        "stage_crash",
     ]
 
 
