@@ -51,6 +51,10 @@ class ErrorCode(str, Enum):
     IMAGE_URI_NOT_ALLOWED = "image_uri_not_allowed"
     """The submission's ``s3://`` ``image_uri`` is outside the buckets and key prefixes ingest may
     read (``OCRSTREAM_S3_ALLOWED_PREFIXES``; default: the bucket's upload prefix); nothing was read."""
+    STAGE_CRASH = "stage_crash"
+    """The stage handling this request died ``poison_after_deaths`` times while it was in progress
+    (killed, out of memory, crashed, or stopped without finishing it): it is not handled again and
+    its record is sent to ``ocr.dlq``. Not retried (the same record would take the stage down again)."""
 
 
 #: Errors that may not recur on another attempt: when a lease holder ends with one of these, one

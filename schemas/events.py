@@ -237,6 +237,8 @@ class ResultDocument(_Frozen):
         callback_url: Where the completion is delivered as a signed webhook (HTTP submissions).
         api_key_id: The API key that submitted the request over HTTP, when keys are required.
         metadata: The submitter's own key/value pairs, returned unchanged.
+        lines_omitted, text_truncated: Set when the document was over the database row bound:
+            the row (and the completion built from it) keeps the summary, ``result_uri`` the whole.
     """
 
     schema_: Literal["ocr.result_document.v1"] = Field(default="ocr.result_document.v1", alias="schema")
@@ -270,6 +272,14 @@ class ResultDocument(_Frozen):
     callback_url: str | None = None
     api_key_id: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    lines_omitted: int = Field(
+        default=0, ge=0,
+        description="lines left out of `lines` to keep this document within the database row bound "
+                    "(OCRSTREAM_MYSQL__ROW_MAX_BYTES); the whole OCR output (ocr.output.v1) is at result_uri; 0 = none")
+    text_truncated: bool = Field(
+        default=False,
+        description="true: `text` was cut at its end to keep this document within the database row bound; the "
+                    "whole text is in the OCR output at result_uri")
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 

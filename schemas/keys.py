@@ -92,3 +92,10 @@ def result_object_key(cache_key_: str) -> str:
     ``results/<sha256>/<gen_id>.<scope>.json`` for a scoped key (each tenant its own document)."""
     gen_id, scope, sha = parse_cache_key(cache_key_)
     return f"results/{sha}/{gen_id}.json" if scope is None else f"results/{sha}/{gen_id}.{scope}.json"
+
+
+def request_output_key(request_id: str) -> str:
+    """S3 key of the OCR output of one request that is stored under no cache key (a result of
+    another cache generation, too large for its database row): ``results/requests/<sha256 of the
+    request id>.json`` (a hash: any request id makes a valid key)."""
+    return f"results/requests/{hashlib.sha256(request_id.encode()).hexdigest()}.json"

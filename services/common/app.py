@@ -13,7 +13,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
 
-from services.common.kafka import BROKER_DEFAULT_MESSAGE_BYTES, make_consumer, make_producer, topic_message_limits
+from services.common.deaths import admin_reader
+from services.common.kafka import BROKER_DEFAULT_MESSAGE_BYTES, make_admin, make_consumer, make_producer, topic_message_limits
 from services.common.runner import Handler, StageRunner
 from services.common.settings import CommonSettings
 from services.common.telemetry import Telemetry, TraceIdLogFilter
@@ -119,6 +120,10 @@ async def run_stage(
         log.warning("%s: cannot read the topics' max.message.bytes (%r); assuming Kafka's default %d",
                     stage, exc, BROKER_DEFAULT_MESSAGE_BYTES)
         size_limits = dict.fromkeys(settings.topics.all(), BROKER_DEFAULT_MESSAGE_BYTES)
+    admin = None
+    if settings.poison_after_deaths:  # reads the deaths recorded in the group's commit metadata
+        admin = make_admin(settings.kafka, f"ocrstream-{stage}-offsets")
+        await _start_with_retry(stage, admin.start, stop, settings.retry_max_backoff_s)
     ctx = StageContext(settings=settings, telemetry=telemetry, producer=producer)
     handler = await build_handler(ctx)
     consumer: AIOKafkaConsumer = make_consumer(
@@ -136,6 +141,8 @@ async def run_stage(
         max_backoff_s=settings.retry_max_backoff_s,
         dlq_topic=settings.topics.dlq,
         size_limits=size_limits,
+        poison_after_deaths=settings.poison_after_deaths,
+        read_committed=admin_reader(admin, group_id) if admin is not None else None,
     )
     consumer.subscribe([topic], listener=runner.listener)  # before start: the first join already has it
     await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)
@@ -156,6 +163,8 @@ async def run_stage(
     try:
         await asyncio.wait_for(consumer.stop(), 10)
         await asyncio.wait_for(producer.stop(), 10)
+        if admin is not None:
+            await asyncio.wait_for(admin.close(), 10)
         await handler.close()
     finally:
         if server:

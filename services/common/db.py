@@ -17,8 +17,8 @@ from services.common.telemetry import Telemetry
 _UPSERT_REQUEST = """
 INSERT INTO requests (request_id, status, error_code, error_message, content_sha256, cache_key, cache_hit,
   task, source, filename, line_count, result_uri, trace_id, submitted_at_ms, completed_at_ms, total_ms,
-  timings_json, document_json)
-VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)
+  timings_json, document_json, document_truncated)
+VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)
 ON DUPLICATE KEY UPDATE request_id = request_id
 """
 # A request's final state is written once: a replayed completion never overwrites the first
@@ -26,17 +26,70 @@ ON DUPLICATE KEY UPDATE request_id = request_id
 
 _UPSERT_RESULT = """
 INSERT INTO results (cache_key, content_sha256, engine, model, model_revision, task, result_uri,
-  line_count, text, created_at_ms)
-VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)
-ON DUPLICATE KEY UPDATE result_uri = VALUES(result_uri), line_count = VALUES(line_count), text = VALUES(text)
+  line_count, text, text_truncated, created_at_ms)
+VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)
+ON DUPLICATE KEY UPDATE result_uri = VALUES(result_uri), line_count = VALUES(line_count), text = VALUES(text),
+  text_truncated = VALUES(text_truncated)
 """
+
+# Connection-level failures (PyMySQL CR_* codes): the server went away, so every idle pooled
+# connection is likely dead too (a restarted server) and is dropped with the failed one.
+_CONNECTION_LOST = frozenset({2003, 2006, 2013, 2055})
+
+
+def cut_utf8(text: str, max_bytes: int) -> str:
+    """The longest prefix of ``text`` whose UTF-8 encoding has at most ``max_bytes`` bytes (never
+    half a character)."""
+    raw = text.encode()
+    return text if len(raw) <= max_bytes else raw[:max_bytes].decode(errors="ignore")
+
+
+def _json_len(text: str) -> int:
+    """Bytes of ``text`` as a JSON string, quotes excluded (the same minimal escaping as pydantic's)."""
+    return len(orjson.dumps(text)) - 2
+
+
+def bound_document(doc: ResultDocument, max_bytes: int) -> tuple[ResultDocument, str]:
+    """``doc`` as its ``requests`` row holds it, and that row's ``document_json``.
+
+    Within ``max_bytes`` (bytes of UTF-8 JSON) it is unchanged. Over it, its ``lines`` are left
+    out (``lines_omitted`` counts them); still over, ``text`` keeps its longest prefix that fits
+    (``text_truncated``; found by bisection on the prefix's JSON length, about 20 encodings of at
+    most ``max_bytes``). A summary over the bound without lines or text (not possible with the
+    field limits events carry) is returned as it is. The whole document is the OCR output at
+    ``result_uri`` (the sink stores it there).
+    """
+    raw = doc.model_dump_json(by_alias=True)
+    if len(raw.encode()) <= max_bytes:
+        return doc, raw
+    if doc.lines:
+        doc = doc.model_copy(update={"lines": [], "lines_omitted": doc.lines_omitted + len(doc.lines)})
+        raw = doc.model_dump_json(by_alias=True)
+        if len(raw.encode()) <= max_bytes:
+            return doc, raw
+    if not doc.text:
+        return doc, raw
+    text = doc.text
+    budget = max_bytes - len(doc.model_copy(update={"text": "", "text_truncated": True}).model_dump_json(
+        by_alias=True).encode())
+    lo, hi = 0, min(len(text), max(0, budget))  # a character is at least one byte of JSON
+    while lo < hi:  # the longest prefix whose JSON fits the budget
+        mid = (lo + hi + 1) // 2
+        if _json_len(text[:mid]) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    doc = doc.model_copy(update={"text": text[:lo], "text_truncated": True})
+    return doc, doc.model_dump_json(by_alias=True)
 
 
 class Database:
     """A small pool of PyMySQL connections used from worker threads.
 
     Connection errors propagate as ``pymysql.OperationalError`` (retriable for the runner);
-    the broken connection is dropped and a fresh one is opened on the next call.
+    the broken connection is dropped and a fresh one is opened on the next call (when the server
+    went away, the idle ones are dropped too). Rows are bounded by ``cfg.row_max_bytes``
+    (:func:`bound_document`).
 
     Args:
         cfg: MySQL settings.
@@ -73,16 +126,35 @@ class Database:
             if conn is None:
                 conn = self._connect()
             yield conn
-        except (pymysql.OperationalError, pymysql.InterfaceError):
+        except (pymysql.OperationalError, pymysql.InterfaceError) as exc:
             if conn is not None:
                 try:
                     conn.close()
                 except Exception:
                     pass
             conn = None
+            if isinstance(exc, pymysql.InterfaceError) or (exc.args and exc.args[0] in _CONNECTION_LOST):
+                self._drop_idle()
             raise
         finally:
             self._pool.put(conn)
+
+    def _drop_idle(self) -> None:
+        """Close every idle pooled connection (a fresh one is opened on next use)."""
+        taken = 0
+        while True:
+            try:
+                conn = self._pool.get_nowait()
+            except queue.Empty:
+                break
+            taken += 1
+            if conn is not None:
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+        for _ in range(taken):
+            self._pool.put(None)
 
     async def _run(self, op: str, fn, *args):
         if self.telemetry is None:
@@ -137,7 +209,8 @@ class Database:
     # -- writes ---------------------------------------------------------------------------
     def _write_requests(self, docs: list[ResultDocument]) -> None:
         rows = []
-        for d in docs:
+        for full in docs:
+            d, document_json = bound_document(full, self.cfg.row_max_bytes)
             rows.append(
                 (
                     d.request_id,
@@ -150,21 +223,23 @@ class Database:
                     d.task[:64],  # bounded where requests enter (ingest, the door); a stray producer's
                     d.source[:64],  # longer value must not cost the request its row (whole in document_json)
                     (d.filename or "")[:512] or None,
-                    len(d.lines),
+                    len(d.lines) + d.lines_omitted,
                     d.result_uri,
                     d.trace_id,
                     d.submitted_at_ms,
                     d.completed_at_ms,
                     d.timings_ms.get("total"),
                     orjson.dumps(d.timings_ms).decode(),
-                    d.model_dump_json(by_alias=True),
+                    document_json,
+                    int(d is not full),
                 )
             )
         with self._conn() as conn, conn.cursor() as cur:
             cur.executemany(_UPSERT_REQUEST, rows)
 
     async def write_requests(self, docs: list[ResultDocument]) -> None:
-        """Insert each request's final state; a request already recorded keeps its first state."""
+        """Insert each request's final state; a request already recorded keeps its first state.
+        A document over ``row_max_bytes`` is stored as :func:`bound_document` cuts it."""
         if docs:
             await self._run("write_requests", self._write_requests, docs)
 
@@ -176,8 +251,11 @@ class Database:
         self, *, cache_key: str, content_sha256: str, engine: str, model: str, model_revision: str,
         task: str, result_uri: str, line_count: int, text: str, created_at_ms: int,
     ) -> None:
-        """Upsert the OCR output row of one cache key (idempotent)."""
-        row = (cache_key, content_sha256, engine, model, model_revision, task, result_uri, line_count, text, created_at_ms)
+        """Upsert the OCR output row of one cache key (idempotent). A ``text`` over ``row_max_bytes``
+        (UTF-8) keeps its first part, ``text_truncated`` = 1; the whole is at ``result_uri``."""
+        kept = cut_utf8(text, self.cfg.row_max_bytes)
+        row = (cache_key, content_sha256, engine, model, model_revision, task, result_uri, line_count, kept,
+               int(kept is not text), created_at_ms)
         await self._run("write_result", self._write_result, row)
 
     # -- reads ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Building ``ocr.dlq`` events and error results for messages a stage gives up on."""
+"""Building ``ocr.dlq`` events and error results for messages a stage gives up on, and the stub
+that replaces a message too large for its topic."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import base64
 
 import orjson
 from aiokafka import ConsumerRecord
+from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
 from schemas.events import DlqEvent, ErrorInfo, RequestEvent, ResultEvent
@@ -87,4 +89,52 @@ def poison_messages(
             attempt=attempts,
         )
         out.append(Outgoing(topics.results, rid, dumps(result), list(record.headers or [])))
+    return out
+
+
+def key_bytes(msg: Outgoing) -> bytes | None:
+    """``msg``'s key as bytes (a str key UTF-8 encoded), or None."""
+    return msg.key.encode() if isinstance(msg.key, str) else msg.key
+
+
+RECORD_OVERHEAD_BYTES = 512
+"""Bytes added to a message's key, value and headers for the record batch around it when it is
+compared with its topic's ``max.message.bytes`` (a v2 batch header is 61 bytes, a record's own
+framing under 30: the rest is margin)."""
+
+
+def record_bytes(msg: Outgoing, key: bytes | None) -> int:
+    """What ``msg`` costs against its topic's ``max.message.bytes`` (bytes, with margin)."""
+    headers = sum(len(k) + len(v) for k, v in (msg.headers or []))
+    return len(msg.value) + len(key or b"") + headers + RECORD_OVERHEAD_BYTES
+
+
+def oversized_messages(stage: str, dlq_topic: str, msg: Outgoing, exc: BaseException) -> list[Outgoing]:
+    """What is produced instead of ``msg``, too large for its topic: a small DLQ event naming its
+    request (read from the message, else its key), and, for an ``ok`` result event, the same
+    result as an ``input_too_large`` error without its lines, so the request (and the copies
+    waiting on its image, which would read the same) still gets a final state."""
+    key = key_bytes(msg)
+    try:
+        value = orjson.loads(msg.value)
+    except orjson.JSONDecodeError:
+        value = None
+    rid = None
+    if isinstance(value, dict):
+        inner = value.get("request") if isinstance(value.get("request"), dict) else {}
+        rid = value.get("request_id") or inner.get("request_id")
+    if not isinstance(rid, str) or not rid:
+        rid = key.decode(errors="replace") if key else None
+    stub = DlqEvent(stage=stage, topic=msg.topic, partition=-1, offset=-1, reason=f"message too large: {exc}"[:2000],
+                    error_code=ErrorCode.INPUT_TOO_LARGE, request_id=rid if is_request_id(rid) else None)
+    out = [Outgoing(dlq_topic, key, dumps(stub), [])]
+    if isinstance(value, dict) and value.get("schema") == "ocr.result.v1" and value.get("status") == "ok":
+        try:
+            ev = ResultEvent.model_validate(value)
+        except ValidationError:
+            return out
+        failed = ev.model_copy(update={"status": "error", "lines": [], "pages": [], "error": ErrorInfo(
+            code=ErrorCode.INPUT_TOO_LARGE,
+            message=f"the OCR result ({len(msg.value)} bytes) is over the Kafka message limit: {exc}"[:1000])})
+        out.append(Outgoing(msg.topic, key, dumps(failed), list(msg.headers or [])))
     return out

@@ -34,7 +34,25 @@ a request still ends with one final state.
 Failures: a retriable error (store or broker down) is retried with capped exponential backoff
 for as long as it lasts (logged, counted). Any other error splits the batch into single
 records; a record failing ``max_attempts`` times is handed to ``Handler.poison`` (DLQ event and
-an error result) and the partition moves on.
+an error result) and the partition moves on. A retriable-looking error while the handler's
+dependencies answer (:meth:`Handler.dependencies_ok` returns True: a packet the database
+refuses and drops the connection over, say) is the batch's own: it is split and counted the
+same way; only when a dependency does not answer (or the handler cannot tell) is it an outage.
+
+Deaths (``poison_after_deaths`` > 0, :mod:`services.common.deaths`): before a batch is handled,
+each of its partitions is committed at the offset it is already at, with commit metadata naming
+the batch's offsets *in progress* (one more commit per batch; the batch is handled as soon as
+that commit is sent, see :data:`MARK_SEND_TURNS`, and its own commit after it waits for the
+acknowledgement); the commit after the batch writes the next offset without it. A consumer assigned a partition whose metadata still names
+records in progress counts one *death* for each: the process that held them ended without
+committing (killed, out of memory, crashed, or stopped without finishing the batch within its
+drain bound). A batch holding a record with a death is handled one record at a time, each
+marked alone, so the record that kills the process again is the one counted; a record with
+``poison_after_deaths`` deaths is not handled at all: ``Handler.poison`` gets a
+``stage_crash`` error and the partition moves on. A rebalance is not a death: the revocation
+callback runs while this consumer still owns the partitions (eager protocol) and commits them
+back with nothing in progress. Marks, commits and that clearing commit are serialised by one
+lock, so a mark never lands after the clearing of its partition.
 """
 
 from __future__ import annotations
@@ -48,66 +66,31 @@ from collections import defaultdict
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, MessageSizeTooLargeError
 
-from services.common.errors import is_transient
+from schemas.errors import ErrorCode
+from services.common.deaths import DeathLedger, ReadCommitted
+from services.common.dlq import key_bytes, oversized_messages, record_bytes
+from services.common.errors import OcrError, is_transient
 from services.common.kafka import Outgoing
 from services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 
-def _key_bytes(msg: Outgoing) -> bytes | None:
-    return msg.key.encode() if isinstance(msg.key, str) else msg.key
+DEPENDENCY_CHECK_S = 10.0
+"""Bound on one :meth:`Handler.dependencies_ok` call, s; a check that takes longer counts as "down"."""
 
+MARK_SEND_TURNS = 10
+"""Event-loop turns a batch waits for its in-progress mark to be *sent* before it is handled
+(unless it is acknowledged sooner). The acknowledgement comes after the broker's
+``group.coordinator.append.linger.ms`` (5 ms by default on Kafka 4.x: ~6 ms a commit on the local
+broker), but a commit request the broker has received is applied even if the client is
+SIGKILLed right after: measured on the local Kafka 4.1 broker with aiokafka 0.12, 5 of 5 marks
+landed when the process was killed 3 turns (or 0.5 ms, 2 ms) after the commit began, 0 of 5
+after 1 turn (not sent yet). aiokafka writes the request on the second turn when the
+coordinator is known; 10 leaves a margin. The batch's own commit waits for the acknowledgement."""
 
-RECORD_OVERHEAD_BYTES = 512
-"""Bytes added to a message's key, value and headers for the record batch around it when it is
-compared with its topic's ``max.message.bytes`` (a v2 batch header is 61 bytes, a record's own
-framing under 30: the rest is margin)."""
-
-
-def _record_bytes(msg: Outgoing, key: bytes | None) -> int:
-    """What ``msg`` costs against its topic's ``max.message.bytes`` (bytes, with margin)."""
-    headers = sum(len(k) + len(v) for k, v in (msg.headers or []))
-    return len(msg.value) + len(key or b"") + headers + RECORD_OVERHEAD_BYTES
-
-
-def _oversized(stage: str, dlq_topic: str, msg: Outgoing, exc: BaseException) -> list[Outgoing]:
-    """What is produced instead of ``msg``, too large for its topic: a small DLQ event naming its
-    request (read from the message, else its key), and, for an ``ok`` result event, the same
-    result as an ``input_too_large`` error without its lines, so the request (and the copies
-    waiting on its image, which would read the same) still gets a final state."""
-    import orjson
-    from pydantic import ValidationError
-
-    from schemas.errors import ErrorCode
-    from schemas.events import DlqEvent, ErrorInfo, ResultEvent
-    from schemas.ids import is_request_id  # never cut to 64 characters: that can name another request
-    from services.common.events import dumps
-
-    key = _key_bytes(msg)
-    try:
-        value = orjson.loads(msg.value)
-    except orjson.JSONDecodeError:
-        value = None
-    rid = None
-    if isinstance(value, dict):
-        inner = value.get("request") if isinstance(value.get("request"), dict) else {}
-        rid = value.get("request_id") or inner.get("request_id")
-    if not isinstance(rid, str) or not rid:
-        rid = key.decode(errors="replace") if key else None
-    stub = DlqEvent(stage=stage, topic=msg.topic, partition=-1, offset=-1, reason=f"message too large: {exc}"[:2000],
-                    error_code=ErrorCode.INPUT_TOO_LARGE, request_id=rid if is_request_id(rid) else None)
-    out = [Outgoing(dlq_topic, key, dumps(stub), [])]
-    if isinstance(value, dict) and value.get("schema") == "ocr.result.v1" and value.get("status") == "ok":
-        try:
-            ev = ResultEvent.model_validate(value)
-        except ValidationError:
-            return out
-        failed = ev.model_copy(update={"status": "error", "lines": [], "pages": [], "error": ErrorInfo(
-            code=ErrorCode.INPUT_TOO_LARGE,
-            message=f"the OCR result ({len(msg.value)} bytes) is over the Kafka message limit: {exc}"[:1000])})
-        out.append(Outgoing(msg.topic, key, dumps(failed), list(msg.headers or [])))
-    return out
+UNMARK_LOCK_S = 10.0
+"""How long the revocation callback waits for a commit in flight before clearing marks, s."""
 
 
 class Handler(ABC):
@@ -142,6 +125,13 @@ class Handler(ABC):
         they will never be passed to :meth:`handle` (a new owner fetches them again). Called from
         the rebalance callback, only with records not yet handed to :meth:`handle`. Default: nothing."""
 
+    async def dependencies_ok(self) -> bool | None:
+        """Whether every store this handler writes to answers now (a fresh ping of each), asked
+        after a batch failed with a retriable-looking error. True: the failure is the batch's own
+        and counts as an attempt (after ``max_attempts`` the record goes to the DLQ); False: an
+        outage, retried with backoff for as long as it lasts. Default None: cannot tell, an outage."""
+        return None
+
     async def after_produce(self) -> None:
         """Called once the messages of the last ``handle`` (or of ``on_idle``, when it returned any)
         are acknowledged, before the commit. A handler may call it itself after an ``on_idle``
@@ -155,20 +145,26 @@ class Revocations(ConsumerRebalanceListener):
     """The runner's rebalance listener: pass it to ``consumer.subscribe(..., listener=...)``.
 
     Source: aiokafka 0.12 ``GroupCoordinator._on_join_prepare`` awaits ``on_partitions_revoked``
-    before rejoining, from its background task; ``on_partitions_assigned`` after the new
-    assignment is set and before fetching resumes.
+    before rejoining, from its background task; ``_on_join_complete`` awaits
+    ``on_partitions_assigned`` after the new assignment is set, but the fetcher may already return
+    records of it meanwhile (seen on Kafka 4.1): the runner takes no batch until the callback has
+    returned.
     """
 
     def __init__(self, runner: "StageRunner"):
         self._runner = runner
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Drop the runner's unhandled records of ``revoked``; bar the batch in flight from committing them."""
+        """Drop the runner's unhandled records of ``revoked``; bar the batch in flight from committing
+        them; clear their in-progress marks (a rebalance is not a death)."""
         self._runner._revoke(set(revoked))
+        await self._runner._unmark(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        """Log the new assignment (partitions start at their committed offsets)."""
+        """Log the new assignment (partitions start at their committed offsets) and count the
+        deaths their commit metadata records."""
         log.info("%s: assigned %s", self._runner.stage, sorted(assigned))
+        await self._runner._load_deaths(set(assigned))
 
 
 class StageRunner:
@@ -191,6 +187,10 @@ class StageRunner:
         size_limits: Topic -> its ``max.message.bytes``
             (:func:`services.common.kafka.topic_message_limits`): a message over its topic's
             limit is replaced by the stub before it is sent, never refused by the broker.
+        poison_after_deaths: Deaths after which a record is sent to the DLQ unhandled (see the
+            module docstring); 0 = off (no marks, no extra commit).
+        read_committed: Reads the group's committed offsets with metadata
+            (:func:`services.common.deaths.admin_reader`); required when ``poison_after_deaths`` > 0.
     """
 
     def __init__(
@@ -207,6 +207,8 @@ class StageRunner:
         max_backoff_s: float = 10.0,
         dlq_topic: str = "ocr.dlq",
         size_limits: dict[str, int] | None = None,
+        poison_after_deaths: int = 0,
+        read_committed: ReadCommitted | None = None,
     ):
         self.stage = stage
         self.consumer = consumer
@@ -225,6 +227,14 @@ class StageRunner:
         self.listener = Revocations(self)
         self._last_idle = 0.0
         self._last_lag = 0.0
+        if poison_after_deaths and read_committed is None:
+            raise ValueError("poison_after_deaths needs read_committed")
+        self.deaths = DeathLedger(stage, poison_after_deaths, read_committed) if poison_after_deaths else None
+        self._commit_lock = asyncio.Lock()  # marks, commits and the revocation's clearing, one at a time
+        # cleared by a revocation, set once the next assignment's deaths are read: aiokafka may hand
+        # out records of a new assignment before on_partitions_assigned has run (or returned)
+        self._deaths_read = asyncio.Event()
+        self._deaths_read.set()
 
     # -- public -------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -236,13 +246,47 @@ class StageRunner:
                 continue
             self.telemetry.batch_in(self.stage, records)
             started = time.perf_counter()
-            outgoing = await self._with_keepalive(self._process(records))
-            await self._produce(outgoing)
-            await self._retrying(self.handler.after_produce)
-            await self._commit(records)
+            if self.deaths is not None:
+                await self._deaths_read.wait()
+            if self.deaths is not None and self.deaths.any_suspect(records):
+                await self._one_by_one(records, stop)
+            else:
+                await self._batch(records)
             self._in_flight = []
             self.telemetry.batch_done(self.stage, len(records), time.perf_counter() - started)
             await self._idle()  # housekeeping runs under load too (at most once a second)
+
+    async def _batch(self, records: list[ConsumerRecord]) -> None:
+        """Mark, handle, produce, commit."""
+        await self._mark(records)
+        outgoing = await self._with_keepalive(self._process(records))
+        await self._produce(outgoing)
+        await self._retrying(self.handler.after_produce)
+        await self._commit(records)
+
+    async def _one_by_one(self, records: list[ConsumerRecord], stop: asyncio.Event) -> None:
+        """A batch holding a record with a death: each record alone, marked alone; a record with
+        ``poison_after_deaths`` deaths goes to ``Handler.poison`` unhandled. Stops early when
+        ``stop`` is set (the rest was never marked: redelivered, no death)."""
+        assert self.deaths is not None
+        log.warning("%s: %d records, some in progress at an earlier death: handling them one at a time (%s)",
+                    self.stage, len(records), self.deaths.snapshot())
+        for rec in records:
+            if stop.is_set():
+                break
+            if TopicPartition(rec.topic, rec.partition) in self._lost:
+                continue  # revoked meanwhile: its next owner has it
+            deaths = self.deaths.deaths(rec)
+            if deaths < self.deaths.poison_after:
+                await self._batch([rec])
+                continue
+            log.error("%s: %s[%d]@%d was in progress when the stage died %d times: sent to the DLQ unhandled",
+                      self.stage, rec.topic, rec.partition, rec.offset, deaths)
+            self.telemetry.poison(self.stage, ErrorCode.STAGE_CRASH.value)
+            exc = OcrError(ErrorCode.STAGE_CRASH, f"in progress when the {self.stage} stage died {deaths} times")
+            await self._produce(self.handler.poison(rec, exc, deaths))
+            await self._retrying(self.handler.after_produce)
+            await self._commit([rec])
 
     # -- steps --------------------------------------------------------------------------
     async def _next_batch(self) -> list[ConsumerRecord]:
@@ -275,6 +319,7 @@ class StageRunner:
         def gone(r: ConsumerRecord) -> bool:
             return TopicPartition(r.topic, r.partition) in revoked
 
+        self._deaths_read.clear()
         dropped = [r for r in self._carry if gone(r)]
         self._carry = [r for r in self._carry if not gone(r)]
         in_flight = [r for r in self._in_flight if gone(r)]
@@ -292,6 +337,67 @@ class StageRunner:
                         self.stage, sorted(revoked), len(in_flight), held, len(dropped))
         else:
             log.info("%s: partitions %s revoked (no records held)", self.stage, sorted(revoked))
+
+    async def _load_deaths(self, assigned: set[TopicPartition]) -> None:
+        """Assignment callback: read the deaths recorded in the commit metadata of ``assigned``;
+        no batch is taken until they are read."""
+        try:
+            if self.deaths is not None:
+                await self.deaths.load(assigned)
+        finally:
+            self._deaths_read.set()
+
+    async def _mark(self, records: list[ConsumerRecord]) -> None:
+        """Commit each partition of ``records`` where it is, naming them in progress (one commit).
+        Returns once it is acknowledged or after ``MARK_SEND_TURNS`` loop turns (sent by then);
+        the batch's own commit takes the lock after it. A failed mark is logged: the batch runs unmarked (a death
+        during it is not counted)."""
+        if self.deaths is None:
+            return
+        task = asyncio.ensure_future(self._mark_commit(records))
+        for _ in range(MARK_SEND_TURNS):
+            if task.done():
+                break
+            await asyncio.sleep(0)
+
+    async def _mark_commit(self, records: list[ConsumerRecord]) -> None:
+        assert self.deaths is not None
+        async with self._commit_lock:
+            owned = self.consumer.assignment()
+            mine = [r for r in records if (tp := TopicPartition(r.topic, r.partition)) in owned and tp not in self._lost]
+            offsets = self.deaths.mark(mine)
+            if not offsets:
+                return
+            try:
+                await self.consumer.commit(offsets)
+            except (CommitFailedError, IllegalStateError, KafkaError) as exc:
+                log.warning("%s: could not mark %d records in progress (%r): a death during them is not counted",
+                            self.stage, len(mine), exc)
+
+    async def _unmark(self, revoked: set[TopicPartition]) -> None:
+        """Revocation callback: commit the marked partitions of ``revoked`` back with nothing in
+        progress. Waits for a commit in flight first (at most ``UNMARK_LOCK_S``)."""
+        if self.deaths is None:
+            return
+        try:
+            await asyncio.wait_for(self._commit_lock.acquire(), UNMARK_LOCK_S)
+            locked = True
+        except asyncio.TimeoutError:
+            locked = False
+            log.warning("%s: a commit in flight held the lock for %.0fs; clearing the marks anyway", self.stage,
+                        UNMARK_LOCK_S)
+        try:
+            offsets = self.deaths.unmark(revoked)
+            if offsets:
+                await self.consumer.commit(offsets)
+                log.info("%s: cleared the in-progress marks of %s (a rebalance is not a death)", self.stage,
+                         sorted(offsets))
+        except (CommitFailedError, IllegalStateError, KafkaError) as exc:
+            log.warning("%s: could not clear the in-progress marks of %s (%r): their next owner counts a death",
+                        self.stage, sorted(revoked), exc)
+        finally:
+            if locked:
+                self._commit_lock.release()
 
     async def _idle(self) -> None:
         now = time.monotonic()
@@ -338,14 +444,26 @@ class StageRunner:
                 task.cancel()
             self.consumer.resume(*self.consumer.assignment())
 
+    async def _dependencies_answer(self, exc: BaseException) -> bool:
+        """After a retriable-looking ``exc``: True if the handler says every dependency answers
+        (the failure is the records' own), False if not, if it cannot tell, or if asking fails."""
+        try:
+            ok = await asyncio.wait_for(self.handler.dependencies_ok(), DEPENDENCY_CHECK_S)
+        except Exception as err:  # noqa: BLE001 - a failing or slow check means "down"
+            log.info("%s: dependency check failed (%r)", self.stage, err)
+            return False
+        if ok is True:
+            log.warning("%s: %r although every dependency answers: counted as a failure of the records", self.stage, exc)
+        return ok is True
+
     async def _process(self, records: list[ConsumerRecord]) -> list[Outgoing]:
-        """Handle the batch; on failure retry (transient) or isolate poison records."""
+        """Handle the batch; on failure retry (an outage) or isolate poison records."""
         attempt = 0
         while True:
             try:
                 return await self.handler.handle(records)
             except Exception as exc:
-                if is_transient(exc):
+                if is_transient(exc) and not await self._dependencies_answer(exc):
                     attempt += 1
                     await self._backoff(attempt, exc)
                     continue
@@ -367,8 +485,10 @@ class StageRunner:
             except Exception as exc:
                 if is_transient(exc):
                     transient_tries += 1
-                    await self._backoff(transient_tries, exc)
-                    continue
+                    if not await self._dependencies_answer(exc):
+                        await self._backoff(transient_tries, exc)
+                        continue
+                    await asyncio.sleep(min(self.max_backoff_s, 0.2 * 2 ** min(transient_tries, 10)))
                 attempts += 1
                 last_exc = exc
                 log.warning(
@@ -408,12 +528,12 @@ class StageRunner:
         while pending:
             futures, spans = [], []
             for msg in pending:
-                key = _key_bytes(msg)
+                key = key_bytes(msg)
                 span, headers = self.telemetry.produce_span(msg.topic, msg.headers)  # traced messages only
                 spans.append(span)
                 try:
                     limit = self.size_limits.get(msg.topic)
-                    size = _record_bytes(msg, key)
+                    size = record_bytes(msg, key)
                     if limit is not None and size > limit and msg.topic != self.dlq_topic:
                         raise MessageSizeTooLargeError(f"{size} bytes with its record overhead; the topic takes {limit}")
                     futures.append(
@@ -423,8 +543,8 @@ class StageRunner:
                     # Never crash-loop on one oversized message: a small DLQ stub takes its place.
                     log.error("%s: %d-byte message for %s is over the size limit; sent to the DLQ instead",
                               self.stage, len(msg.value), msg.topic)
-                    sends = [await self.producer.send(m.topic, m.value, key=_key_bytes(m), headers=m.headers or None)
-                             for m in _oversized(self.stage, self.dlq_topic, msg, exc)]
+                    sends = [await self.producer.send(m.topic, m.value, key=key_bytes(m), headers=m.headers or None)
+                             for m in oversized_messages(self.stage, self.dlq_topic, msg, exc)]
                     futures.append(asyncio.gather(*sends))
             results = await asyncio.gather(*futures, return_exceptions=True)
             for span, res in zip(spans, results):
@@ -437,7 +557,7 @@ class StageRunner:
                     # the refused batch left, so the stage exits and restarts with the new limits.
                     log.error("%s: the broker refused a %d-byte message for %s as too large; sent to the DLQ instead",
                               self.stage, len(msg.value), msg.topic)
-                    failed.extend(_oversized(self.stage, self.dlq_topic, msg, res))
+                    failed.extend(oversized_messages(self.stage, self.dlq_topic, msg, res))
                 elif isinstance(res, BaseException):
                     failed.append(msg)
                 else:
@@ -479,17 +599,21 @@ class StageRunner:
         for r in records:
             tp = TopicPartition(r.topic, r.partition)
             last[tp] = max(last[tp], r.offset)
-        owned = self.consumer.assignment()
-        offsets = {tp: off + 1 for tp, off in last.items() if tp in owned and tp not in self._lost}
-        lost = set(last) - set(offsets)
-        if lost:
-            log.warning("%s: not committing %s: partitions were revoked during the batch", self.stage, sorted(lost))
-        if not offsets:
-            return
-        try:
-            await self.consumer.commit(offsets)
-            self.telemetry.commit(self.stage)
-        except (CommitFailedError, IllegalStateError) as exc:
-            log.warning("%s: commit failed after a rebalance (%r); records will be redelivered", self.stage, exc)
-        except KafkaError as exc:
-            log.warning("%s: commit failed (%r); records will be redelivered", self.stage, exc)
+        async with self._commit_lock:
+            owned = self.consumer.assignment()
+            offsets = {tp: off + 1 for tp, off in last.items() if tp in owned and tp not in self._lost}
+            lost = set(last) - set(offsets)
+            if lost:
+                log.warning("%s: not committing %s: partitions were revoked during the batch", self.stage, sorted(lost))
+            if not offsets:
+                return
+            try:
+                # with deaths on, the commit also clears the in-progress mark (only deaths still ahead stay)
+                await self.consumer.commit(self.deaths.done(offsets) if self.deaths is not None else offsets)
+                if self.deaths is not None:
+                    self.deaths.committed(offsets)
+                self.telemetry.commit(self.stage)
+            except (CommitFailedError, IllegalStateError) as exc:
+                log.warning("%s: commit failed after a rebalance (%r); records will be redelivered", self.stage, exc)
+            except KafkaError as exc:
+                log.warning("%s: commit failed (%r); records will be redelivered", self.stage, exc)

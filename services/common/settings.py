@@ -127,6 +127,11 @@ class MySQLSettings(BaseModel):
     password: SecretStr = Field(default=SecretStr("ocrstream"), description="password")
     database: str = Field(default="ocrstream", description="database")
     connect_timeout_s: float = Field(default=5.0, gt=0, description="connect timeout, s")
+    row_max_bytes: int = Field(
+        default=1_048_576, ge=65_536,
+        description="bound on requests.document_json and results.text, bytes of UTF-8 (keep it well under the "
+                    "server's max_allowed_packet, 16 MiB by default: SQL escaping may double it); over it the row "
+                    "keeps the summary: lines left out, text cut, the whole document in S3 at result_uri")
 
 
 class TelemetrySettings(BaseModel):
@@ -306,6 +311,12 @@ class CommonSettings(BaseSettings):
     limits: Limits = Limits()
     decode: DecodeSettings = DecodeSettings()
     max_attempts: int = Field(default=3, ge=1, description="attempts before a message goes to ocr.dlq")
+    poison_after_deaths: int = Field(
+        default=2, ge=0,
+        description="a record in progress when its stage died (killed, out of memory, crashed, or stopped without "
+                    "finishing it) this many times goes to ocr.dlq unhandled and its request ends with stage_crash; "
+                    "counted across restarts in the consumer group's commit metadata (one more commit per batch); "
+                    "0 = off")
     lease_ms: int = Field(
         default=600_000, ge=1,
         description="in-flight lease, ms: when it has passed, dedup's reaper replaces the holder by a waiting copy only "

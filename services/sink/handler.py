@@ -12,7 +12,7 @@ from schemas.errors import RETRYABLE_CODES, ErrorCode
 from schemas.events import (
     CompletedEvent, InferEvent, OcrOutput, RequestEvent, ResultDocument, ResultEvent, now_ms,
 )
-from schemas.keys import result_object_key
+from schemas.keys import request_output_key, result_object_key
 from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
 from services.common.db import Database
 from services.common.dlq import poison_messages
@@ -96,7 +96,8 @@ class SinkHandler(Handler):
         links = [lk for sp in self._spans.values() for lk in self.telemetry.link(sp)]
         with self.telemetry.span("sink.write_requests", root=True, links=links,
                                  attributes={"ocrstream.batch_size": len(docs)}):
-            await self.db.write_requests(docs)
+            docs = await self._whole_in_s3(docs)
+            await self.db.write_requests(docs)  # a document over the row bound keeps its summary there
             # Emit what the database holds: a replayed result re-emits the first final state, so a
             # duplicated completion carries the same request id and the same content.
             stored = await self.db.get_requests([d.request_id for d in docs])
@@ -112,6 +113,24 @@ class SinkHandler(Handler):
             self.telemetry.requests_done.labels("sink", final.status, final.error.code.value if final.error else "").inc()
         for key, n in self._batch_pending.items():
             self._pending_end[key] = max(n, self._pending_end.get(key, 0))
+        return out
+
+    async def _whole_in_s3(self, docs: list[ResultDocument]) -> list[ResultDocument]:
+        """Give each ok document that is over the database row bound and has no ``result_uri`` (a
+        result stored under no cache key: ``cacheable=False``) its OCR output in S3 at
+        :func:`~schemas.keys.request_output_key`, so the row, which leaves its lines out, points to the whole."""
+        out = []
+        for d in docs:
+            if (d.status == "ok" and d.result_uri is None and (d.lines or d.text)
+                    and len(d.model_dump_json(by_alias=True).encode()) > self.s.mysql.row_max_bytes):
+                okey = request_output_key(d.request_id)
+                whole = OcrOutput(
+                    cache_key=d.cache_key or "", content_sha256=d.content_sha256 or "", engine=d.engine or "",
+                    model=d.model or "", model_revision=d.model_revision or "", task=d.task, pages=d.pages,
+                    lines=d.lines, text=d.text, near_duplicate_of=d.near_duplicate_of, warnings=d.warnings)
+                await self.store.put(okey, dumps(whole), "application/json")
+                d = d.model_copy(update={"result_uri": self.store.uri(okey)})
+            out.append(d)
         return out
 
     async def on_idle(self) -> list[Outgoing]:
@@ -166,6 +185,14 @@ class SinkHandler(Handler):
             already_error = False
         out = poison_messages(stage="sink", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
         return out[:1] if already_error else out
+
+    async def dependencies_ok(self) -> bool:
+        """True when MariaDB and S3 both answer a fresh ping (the stores a result is written to;
+        Redis down is handled on its own: the waiters are completed later). See :meth:`Handler.dependencies_ok`."""
+        try:
+            return bool(await self.db.ping()) and bool(await self.store.ping())
+        except Exception:  # noqa: BLE001 - any failure to answer is "down"
+            return False
 
     async def close(self) -> None:
         """Close the Redis pool."""

@@ -88,6 +88,7 @@ def test_error_codes_are_the_documented_list():
         "engine_crash",  # added later: new codes go at the end
         "decode_timeout", "image_too_complex",
         "request_id_conflict", "image_uri_not_allowed",
+        "stage_crash",
     ]
 
 
