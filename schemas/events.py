@@ -47,6 +47,22 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
 
+class LineSegment(_Frozen):
+    """One piece of text as the engine found it: a part of a :class:`Line`.
+
+    Attributes:
+        text: The segment's text (for RapidOCR: the recogniser's, with the spaces it dropped
+            between words put back, see ``docs/lines.md``).
+        box: 4 corner points (x, y) in pixels of the upright page, as the engine's detector
+            drew them (rotated with the text), clockwise from top-left.
+        confidence: The engine's confidence score in [0, 1].
+    """
+
+    text: str
+    box: list[list[float]] = Field(min_length=4, max_length=4)
+    confidence: float = Field(ge=0.0, le=1.0)
+
+
 class Line(_Frozen):
     """One recognised text line.
 
@@ -55,20 +71,34 @@ class Line(_Frozen):
         box: 4 corner points (x, y) in pixels of the upright page, clockwise from top-left.
         confidence: Confidence score in [0, 1] (the engine's, averaged over merged segments).
         page: 1-based page (or frame) number the line is on.
+        segments: The engine's segments the line was assembled from, left to right, so a
+            consumer can assemble lines its own way (``docs/lines.md``); null in results made
+            before segments were kept.
     """
 
     text: str
     box: list[list[float]] = Field(min_length=4, max_length=4)
     confidence: float = Field(ge=0.0, le=1.0)
     page: int = Field(default=1, ge=1)
+    segments: list[LineSegment] | None = Field(
+        default=None, description="the engine's segments this line was assembled from, left to right "
+        "(docs/lines.md); null in results made before they were kept")
 
 
 class Page(_Frozen):
-    """Size of one page or frame of the input, in pixels of the upright image."""
+    """Size of one page or frame of the input, in pixels of the upright image.
+
+    ``alpha_background`` is the colour the page's transparent pixels were flattened onto
+    before OCR: ``black`` under light content (a white logo on a transparent PNG), ``white``
+    under dark content; null for a page without transparency (``docs/images.md``).
+    """
 
     index: int = Field(ge=1)
     width: int = Field(ge=1)
     height: int = Field(ge=1)
+    alpha_background: Literal["white", "black"] | None = Field(
+        default=None, description="colour the page's transparency was flattened onto, chosen to contrast with "
+        "its opaque content (black under light content, white under dark); null when the page has none")
 
 
 class ErrorInfo(_Frozen):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,6 @@ from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings
 from services.common.telemetry import Telemetry
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff", ".gif", ".bmp", ".webp", ".pdf", ".jp2", ".ppm", ".pgm", ".pbm"}
-
-
 @dataclass(frozen=True)
 class Submission:
     """One submitted file: its path and the request id it was given."""
@@ -33,7 +31,16 @@ class Submission:
 
 
 def collect_files(paths: list[Path]) -> list[Path]:
-    """Files named directly, plus image/PDF files (by suffix) found under named folders, sorted.
+    """Files named directly, plus every regular file found under named folders (each folder's
+    sorted by path).
+
+    A folder's files are taken whatever their names: formats are recognised from the bytes, so
+    a ``.heic``-named JPEG is read and a file that is no image ends with its own
+    ``unsupported_format`` result like any other. Names starting with ``.`` (hidden files and
+    folders: ``.DS_Store``, ``.git``) are skipped. Symbolic links to files are followed (the
+    file they point to is submitted under the link's name); links to folders are not entered
+    (no loops, nothing outside the folder by surprise); broken links, FIFOs and devices are
+    skipped.
 
     Raises:
         FileNotFoundError: a named path does not exist.
@@ -41,12 +48,21 @@ def collect_files(paths: list[Path]) -> list[Path]:
     out: list[Path] = []
     for p in paths:
         if p.is_dir():
-            out.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES))
+            out.extend(_folder_files(p))
         elif p.is_file():
             out.append(p)
         else:
             raise FileNotFoundError(f"no such file or folder: {p}")
     return out
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """Every regular file under ``folder`` (:func:`collect_files`' rules), sorted."""
+    found = []
+    for at, dirs, names in os.walk(folder, followlinks=False):  # links to folders are listed, not entered
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found.extend(Path(at) / n for n in names if not n.startswith(".") and (Path(at) / n).is_file())
+    return sorted(found)
 
 
 def _trace_headers(request_id: str) -> list[tuple[str, bytes]] | None:

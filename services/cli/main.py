@@ -88,7 +88,8 @@ def init() -> None:
 
 @app.command()
 def submit(
-    paths: list[Path] = typer.Argument(..., help="image files or folders (folders: image/PDF files inside)"),
+    paths: list[Path] = typer.Argument(..., help="image files or folders (folders: every file inside, hidden ones "
+                                       "skipped; links to files followed, links to folders not)"),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for every result"),
     out: Optional[Path] = typer.Option(None, "--out", help="folder for one result JSON per image"),
     timeout: float = typer.Option(600.0, help="seconds to wait for all results"),

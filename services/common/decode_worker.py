@@ -15,7 +15,9 @@ Requests (``op``) and answers:
 * ``plan`` (fds: input): ``{"info": [...], "sizes": [[w, h], ...]}`` (upright, per page).
 * ``decode`` (fds: input, output; ``sizes`` and byte ``offsets`` from the plan): every page is
   written as RGB ``uint8`` rows into the output file at its offset (``pwrite``, no pickling,
-  no copy through the socket), then ``{"page": i}``; ``{"done": n}`` after the last one.
+  no copy through the socket), then ``{"page": i, "background": b}`` (``b``: the colour the
+  page's transparency was flattened onto, ``"white"``/``"black"``, or null for an opaque page:
+  :func:`~services.common.imaging.iter_flattened`); ``{"done": n}`` after the last one.
 * any failure: ``{"error": code, "message": text}`` (an :class:`OcrError`'s code;
   ``image_too_complex`` for a ``MemoryError``; ``internal_error`` for anything else).
 
@@ -88,14 +90,14 @@ def _serve(sock: socket.socket, req: dict, fds: list[int]) -> None:
         elif op == "decode":
             sizes, offsets, out = req["sizes"], req["offsets"], fds[1]
             n = 0
-            for i, page in enumerate(imaging.iter_pages(src, px, pages)):
+            for i, (page, background) in enumerate(imaging.iter_flattened(src, px, pages)):
                 h, w = page.shape[:2]
                 if i >= len(sizes) or [w, h] != list(sizes[i]):
                     want = f"{sizes[i][0]}x{sizes[i][1]}" if i < len(sizes) else "no such page"
                     raise OcrError(ErrorCode.CORRUPT_IMAGE, f"page {i + 1} decodes to {w}x{h}, its header said {want}")
                 _pwrite_all(out, memoryview(page.reshape(-1)).cast("B"), int(offsets[i]))
                 del page
-                _send(sock, {"page": i})
+                _send(sock, {"page": i, "background": background})
                 n = i + 1
             if n != len(sizes):
                 raise OcrError(ErrorCode.CORRUPT_IMAGE, f"the image decodes to {n} pages, its header said {len(sizes)}")

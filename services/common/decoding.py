@@ -46,7 +46,7 @@ from opentelemetry import trace
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
-from services.common.imaging import ImageInfo
+from services.common.imaging import BACKGROUNDS, ImageInfo
 from services.common.settings import DecodeSettings, Limits
 
 log = logging.getLogger(__name__)
@@ -82,10 +82,16 @@ class DecodedPages:
     (copy-on-write), so writing into a page changes nothing another holder sees. Call
     :meth:`release` when done: the pages are dropped and the bytes given back to the budget they
     were taken from (the memory itself is freed when the last view goes).
+
+    ``backgrounds[i]`` is the colour page ``i``'s transparency was flattened onto (``"white"``
+    or ``"black"``), None for an opaque page (:func:`services.common.imaging.flatten`); it
+    stays after :meth:`release`.
     """
 
-    def __init__(self, plan: Plan, buf: mmap.mmap | None, on_release: Callable[[], None] | None = None):
+    def __init__(self, plan: Plan, buf: mmap.mmap | None, on_release: Callable[[], None] | None = None,
+                 backgrounds: tuple[str | None, ...] = ()):
         self.plan = plan
+        self.backgrounds = backgrounds or (None,) * len(plan.sizes)
         self._buf = buf
         self._on_release = on_release
         self.pages: list[np.ndarray] = []
@@ -488,12 +494,12 @@ class DecoderPool:
             tracer = trace.get_tracer("ocrstream")
             if trace.get_current_span().get_span_context().is_valid:
                 with tracer.start_as_current_span("decode", attributes={"ocrstream.pages": len(plan.sizes)}):
-                    await self._decode_call(plan, fd, out)
+                    backgrounds = await self._decode_call(plan, fd, out)
             else:
-                await self._decode_call(plan, fd, out)
+                backgrounds = await self._decode_call(plan, fd, out)
             buf = mmap.mmap(out, plan.nbytes, access=mmap.ACCESS_COPY)
             ok = True
-            return DecodedPages(plan, buf, on_release)
+            return DecodedPages(plan, buf, on_release, backgrounds)
         finally:
             os.close(out)
             if fd is not None:
@@ -501,9 +507,18 @@ class DecoderPool:
             if not ok and on_release is not None:
                 on_release()
 
-    async def _decode_call(self, plan: Plan, fd: int, out: int) -> None:
+    async def _decode_call(self, plan: Plan, fd: int, out: int) -> tuple[str | None, ...]:
+        """Run the decode request; every page's background as the worker reported it."""
         msg = {"op": "decode", "sizes": [list(s) for s in plan.sizes], "offsets": list(plan.offsets)}
-        await self._call(msg, [fd, out], timeout_s=self.cfg.timeout_s)
+        backgrounds: list[str | None] = [None] * len(plan.sizes)
+
+        def on_page(ans: dict) -> None:
+            i, bg = ans.get("page"), ans.get("background")
+            if isinstance(i, int) and 0 <= i < len(backgrounds) and bg in BACKGROUNDS:
+                backgrounds[i] = bg
+
+        await self._call(msg, [fd, out], on_step=on_page, timeout_s=self.cfg.timeout_s)
+        return tuple(backgrounds)
 
     async def decode_all(self, src: bytes | BinaryIO) -> DecodedPages:
         """:meth:`plan` then :meth:`decode`, taking no budget (callers that hold one image at a

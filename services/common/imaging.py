@@ -13,7 +13,10 @@ file (a PDF page whose content stream is unbounded work); the stages call them o
 Decoding rules (each fixes a whole class of inputs, see ``../shared/cases``):
 
 * EXIF orientation 1-8 is applied (``ImageOps.exif_transpose``); boxes refer to the upright image.
-* Alpha (LA, RGBA, PA, P or L with a transparency key) is composited onto white.
+* Alpha (LA, RGBA, PA, P/L/RGB/I;16 with a transparency key; 16-bit alpha as Pillow reduces
+  it to 8 bits) is composited onto white or black, whichever contrasts with the page's opaque
+  content: light content (a white logo on a transparent PNG) goes onto black, dark content
+  onto white (:func:`flatten`). The choice is reported per page (:func:`iter_flattened`).
 * 16-bit (I;16*) is scaled by its bit depth (value / 257); 32-bit int (I) and float (F) modes
   are scaled by their actual range (Pillow gives no bit depth for them).
 * CMYK, YCbCr, LAB, HSV, 1, L, P are converted to RGB with Pillow's colour conversion.
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, ImageStat
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
@@ -281,12 +284,43 @@ def _check_pixels(w: int, h: int, max_pixels: int) -> None:
         )
 
 
-def to_rgb(img: Image.Image) -> Image.Image:
-    """Convert one frame of any Pillow mode to 8-bit RGB, alpha composited onto white."""
+ALPHA_OPAQUE = 128
+"""Alpha from which a pixel counts as content when :func:`flatten` judges its brightness (the
+anti-aliased fringe of a glyph, half transparent or more, does not count)."""
+LIGHT_CONTENT = 127.5
+"""Mean luma (ITU-R BT.601, 0-255) of the opaque pixels above which content counts as light and
+goes onto black: whichever background is farther from the content's mean."""
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+BACKGROUNDS = ("white", "black")
+"""The colours :func:`flatten` composites transparent pixels onto."""
+
+
+def flatten(img: Image.Image) -> tuple[Image.Image, str | None]:
+    """Convert one frame of any Pillow mode to 8-bit RGB, transparency composited onto the
+    background that keeps its content visible.
+
+    The background is black when the mean luma of the frame's opaque pixels (alpha of at least
+    :data:`ALPHA_OPAQUE`; all non-transparent ones if none is) is above :data:`LIGHT_CONTENT`, white
+    otherwise (and for a frame with nothing opaque at all). Light text on a transparent
+    background thus stays light on black, dark text stays dark on white; a frame whose pixels
+    are all opaque is converted as it is.
+
+    Args:
+        img: One loaded frame, any mode.
+
+    Returns:
+        ``(rgb, background)``: the RGB image and ``"white"`` or ``"black"`` when the frame has
+        at least one pixel that is not fully opaque, else None.
+    """
     mode = img.mode
     if mode.startswith("I;16"):
-        arr = np.asarray(img, dtype=np.uint16).astype(np.float32) / 257.0
-        return Image.fromarray(arr.round().clip(0, 255).astype(np.uint8), "L").convert("RGB")
+        arr = np.asarray(img, dtype=np.uint16)
+        gray = Image.fromarray((arr.astype(np.float32) / 257.0).round().clip(0, 255).astype(np.uint8), "L")
+        key = img.info.get("transparency")
+        if isinstance(key, int) and not isinstance(key, bool):
+            alpha = Image.fromarray(np.where(arr == key, 0, 255).astype(np.uint8), "L")
+            return _composite(Image.merge("LA", (gray, alpha)).convert("RGBA"))
+        return gray.convert("RGB"), None
     if mode in ("I", "F"):
         arr = np.asarray(img, dtype=np.float64)
         lo, hi = float(arr.min()), float(arr.max())
@@ -298,15 +332,72 @@ def to_rgb(img: Image.Image) -> Image.Image:
             scaled = arr * 255.0
         else:
             scaled = (arr - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(arr)
-        return Image.fromarray(scaled.round().clip(0, 255).astype(np.uint8), "L").convert("RGB")
-    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
-    if has_alpha:
-        rgba = img.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
+        return Image.fromarray(scaled.round().clip(0, 255).astype(np.uint8), "L").convert("RGB"), None
+    if mode in _ALPHA_MODES or "transparency" in img.info:
+        return _composite(img.convert("RGBA"))
     if mode == "RGB":
-        return img
-    return img.convert("RGB")
+        return img, None
+    return img.convert("RGB"), None
+
+
+def _composite(rgba: Image.Image) -> tuple[Image.Image, str | None]:
+    """``rgba`` onto the background :func:`flatten` chooses (all in Pillow's C code: no
+    full-page float copies, so a 36 Mpx page costs a few bytes per pixel)."""
+    alpha = rgba.getchannel("A")
+    lo, _ = alpha.getextrema()
+    if lo == 255:
+        return rgba.convert("RGB"), None
+    luma = rgba.convert("RGB").convert("L")
+    mean = None
+    for cut in (ALPHA_OPAQUE, 1):
+        mask = alpha.point(lambda v, c=cut: 255 if v >= c else 0)
+        if mask.getbbox() is not None:
+            mean = ImageStat.Stat(luma, mask).mean[0]
+            break
+    background = "black" if mean is not None and mean > LIGHT_CONTENT else "white"
+    fill = (0, 0, 0, 255) if background == "black" else (255, 255, 255, 255)
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, fill), rgba).convert("RGB"), background
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Convert one frame of any Pillow mode to 8-bit RGB (:func:`flatten` without the choice)."""
+    return flatten(img)[0]
+
+
+def iter_flattened(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> Iterator[tuple[np.ndarray, str | None]]:
+    """:func:`iter_pages`, with the background each page's transparency was flattened onto.
+
+    Yields:
+        ``(page, background)`` per page in order: the page as :func:`iter_pages` yields it and
+        ``"white"``/``"black"`` (:func:`flatten`), or None for a page without transparency
+        (PDF pages are rendered onto white and report None).
+
+    Raises:
+        OcrError: as :func:`iter_pages`.
+    """
+    info = sniff(data, max_pixels, max_pages)
+    if info.format == "PDF":
+        for page in _render_pdf(data, max_pixels):
+            yield page, None
+        return
+    _, src = _head(data)
+    total = 0
+    try:
+        with Image.open(src, formats=ACCEPTED_FORMATS) as img:
+            for i in range(info.frames):
+                if i:
+                    img.seek(i)
+                _check_pixels(img.size[0], img.size[1], max_pixels)
+                total += img.size[0] * img.size[1]
+                _check_total(total, max_pixels)
+                img.load()
+                upright = ImageOps.exif_transpose(img) if i == 0 else img
+                rgb, background = flatten(upright)
+                yield np.asarray(rgb, dtype=np.uint8), background
+    except (OcrError, MemoryError):  # a MemoryError is the decoder's limit, not damage
+        raise
+    except Exception as exc:  # truncated data, bad Huffman tables, broken chunks ...
+        raise OcrError(ErrorCode.CORRUPT_IMAGE, f"{info.format} image data could not be decoded: {exc}") from exc
 
 
 def iter_pages(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> Iterator[np.ndarray]:
@@ -325,27 +416,8 @@ def iter_pages(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> Itera
         OcrError: as :func:`sniff`, plus ``corrupt_image`` when the pixel data cannot be
             decoded (truncated or damaged files).
     """
-    info = sniff(data, max_pixels, max_pages)
-    if info.format == "PDF":
-        yield from _render_pdf(data, max_pixels)
-        return
-    _, src = _head(data)
-    total = 0
-    try:
-        with Image.open(src, formats=ACCEPTED_FORMATS) as img:
-            for i in range(info.frames):
-                if i:
-                    img.seek(i)
-                _check_pixels(img.size[0], img.size[1], max_pixels)
-                total += img.size[0] * img.size[1]
-                _check_total(total, max_pixels)
-                img.load()
-                upright = ImageOps.exif_transpose(img) if i == 0 else img
-                yield np.asarray(to_rgb(upright), dtype=np.uint8)
-    except (OcrError, MemoryError):  # a MemoryError is the decoder's limit, not damage
-        raise
-    except Exception as exc:  # truncated data, bad Huffman tables, broken chunks ...
-        raise OcrError(ErrorCode.CORRUPT_IMAGE, f"{info.format} image data could not be decoded: {exc}") from exc
+    for page, _ in iter_flattened(data, max_pixels, max_pages):
+        yield page
 
 
 def decode(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> list[np.ndarray]:

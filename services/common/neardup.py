@@ -204,11 +204,19 @@ def scale_lines(lines: list[Line], src: tuple[int, int], dst: tuple[int, int]) -
         dst: ``(width, height)`` of the page to map them onto, in pixels.
 
     Returns:
-        New lines; each corner ``(x, y)`` becomes ``(x * dst_w / src_w, y * dst_h / src_h)``,
-        rounded to 0.01 px.
+        New lines; each corner ``(x, y)`` of a line and of its segments becomes
+        ``(x * dst_w / src_w, y * dst_h / src_h)``, rounded to 0.01 px.
     """
     sx, sy = dst[0] / src[0], dst[1] / src[1]
+
+    def scaled(box: list[list[float]]) -> list[list[float]]:
+        return [[round(x * sx, 2), round(y * sy, 2)] for x, y in box]
+
     return [
-        line.model_copy(update={"box": [[round(x * sx, 2), round(y * sy, 2)] for x, y in line.box]})
+        line.model_copy(update={
+            "box": scaled(line.box),
+            "segments": None if line.segments is None else
+            [seg.model_copy(update={"box": scaled(seg.box)}) for seg in line.segments],
+        })
         for line in lines
     ]

@@ -41,8 +41,8 @@ class KafkaSettings(BaseModel):
         description="producer batching delay, ms; 0 = send at once (messages sent while a request is in flight still batch)")
     max_request_size: int = Field(
         default=8_388_608, ge=1,
-        description="largest message produced, bytes (a result of ~30,000 text lines); `ocrstream init` creates topics "
-                    "with this max.message.bytes (brokers default to 1 MiB)")
+        description="largest message produced, bytes (a result of ~15,000 text lines with their segments); "
+                    "`ocrstream init` creates topics with this max.message.bytes (brokers default to 1 MiB)")
     session_timeout_ms: int = Field(default=30_000, ge=1, description="consumer group session timeout, ms")
     heartbeat_interval_ms: int = Field(default=3_000, ge=1, description="consumer heartbeat interval, ms")
     max_poll_interval_ms: int = Field(default=300_000, ge=1, description="max time between polls, ms (the runner keeps polling while a batch runs)")
@@ -179,7 +179,9 @@ class EngineIdentity(BaseModel):
     engine: Literal["rapidocr", "vllm", "openai"] = Field(default="rapidocr", description="engine name (part of the cache key)")
     model: str = Field(default="PP-OCRv4-ch", description="model id (part of the cache key)")
     model_revision: str = Field(default="rapidocr-onnxruntime-1.4.4", description="model revision (part of the cache key)")
-    preprocess_version: int = Field(default=1, ge=1, description="bump when decoding/preprocessing changes results")
+    preprocess_version: int = Field(
+        default=2, ge=1, description="bump when decoding/preprocessing changes results (2: contrast-keeping alpha, "
+        "spaces and columns in line assembly, tiles cut in gaps)")
     det_limit_side_len: int = Field(
         default=RAPIDOCR_DET_LIMIT_SIDE_LEN, ge=32, le=2048,
         description="rapidocr: the detector upscales the short side to at least this (px; RapidOCR's 736); "

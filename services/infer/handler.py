@@ -20,7 +20,7 @@ from aiokafka import ConsumerRecord
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, InferEvent, Line, Page, ResultEvent
+from schemas.events import ErrorInfo, InferEvent, Line, LineSegment, Page, ResultEvent
 from schemas.keys import CacheGeneration, split_cache_key
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
@@ -287,7 +287,10 @@ class InferHandler(Handler):
                 lines = []
                 for p in range(len(it.pages)):
                     for seg in group_lines(per_page.get((id(it), p), [])):
-                        lines.append(Line(text=seg.text, box=seg.box, confidence=round(seg.confidence, 4), page=p + 1))
+                        parts = [LineSegment(text=s.text.strip(), box=s.box,
+                                             confidence=round(min(1.0, max(0.0, s.confidence)), 4)) for s in seg.parts]
+                        lines.append(Line(text=seg.text, box=seg.box, confidence=round(seg.confidence, 4), page=p + 1,
+                                          segments=parts))
                 it.lines = lines
             post_ms = (time.perf_counter() - t1) * 1000
             total_w = sum(weight.get(id(it), 0.0) for it in items)
@@ -413,7 +416,9 @@ class InferHandler(Handler):
                 log.info("infer: %s[%d]@%d request %s failed: %s", it.record.topic, it.record.partition,
                          it.record.offset, req.request_id, it.error)
             else:
-                pages = [Page(index=i + 1, width=w, height=h) for i, (w, h) in enumerate(it.page_sizes)]
+                backgrounds = it.backgrounds or (None,) * len(it.page_sizes)
+                pages = [Page(index=i + 1, width=w, height=h, alpha_background=bg)
+                         for i, ((w, h), bg) in enumerate(zip(it.page_sizes, backgrounds))]
                 self.telemetry.requests_done.labels("infer", "ok", "").inc()
                 result = ResultEvent(status="ok", pages=pages, lines=it.lines, warnings=it.warnings, **common)
                 log.info("infer: %s[%d]@%d request %s: %d lines, inference %.0f ms%s", it.record.topic,

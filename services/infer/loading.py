@@ -48,6 +48,7 @@ class Item:
     data: bytes | None = None  # the image's bytes, kept until the request's result is made
     plan: Plan | None = None
     decoded: DecodedPages | None = None
+    backgrounds: tuple[str | None, ...] = ()  # per page, as decoded (kept after release)
     lines: list[Line] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # from the engine, once each, in order seen
     error: OcrError | None = None
@@ -72,6 +73,7 @@ class Item:
     def adopt(self, other: "Item") -> None:
         """Take over what a prefetch of the same record loaded."""
         self.data, self.plan, self.decoded, self.error = other.data, other.plan, other.decoded, other.error
+        self.backgrounds = other.backgrounds
         self.timings.update(other.timings)
         other.decoded = None
 
@@ -197,6 +199,7 @@ class Loader:
         try:
             with self.telemetry.span("infer.load", parent_headers=it.record.headers, attributes=record_attrs(it.record)):
                 it.decoded = await self.decoder.decode(it.data, it.plan, on_release=hold.release)
+                it.backgrounds = it.decoded.backgrounds
         except OcrError as err:
             it.error = err
         finally:

@@ -12,3 +12,26 @@ def test_submit_refuses_a_task_or_source_the_submit_event_cannot_carry(tmp_path)
     assert res.exit_code == 2 and "--task must be 1 to 64 characters, not 65" in res.output
     res = runner.invoke(app, ["submit", "--source", "", str(tmp_path)])
     assert res.exit_code == 2 and "--source must be 1 to 64 characters, not 0" in res.output
+
+
+def test_a_folder_gives_every_regular_file_whatever_its_name(tmp_path):
+    from services.cli.client import collect_files
+
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    (folder / ".hidden").mkdir()
+    names = ["a.png", "photo.HEIC", "noextension", "notes.txt", "sub/scan.tif"]
+    for n in names:
+        (folder / n).write_bytes(b"x")
+    (folder / ".DS_Store").write_bytes(b"x")
+    (folder / ".hidden" / "b.png").write_bytes(b"x")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "c.png").write_bytes(b"x")
+    (folder / "link.png").symlink_to(outside / "c.png")  # a link to a file: followed
+    (folder / "linked_dir").symlink_to(outside)  # a link to a folder: not entered
+    (folder / "broken.png").symlink_to(tmp_path / "missing.png")
+    got = collect_files([folder])
+    assert got == sorted(folder / n for n in names + ["link.png"])
+    # files named directly are taken as they are, after the folder's
+    assert collect_files([folder / "sub", folder / ".DS_Store"]) == [folder / "sub/scan.tif", folder / ".DS_Store"]

@@ -71,6 +71,21 @@ async def test_pages_from_the_worker_equal_in_process_decoding(pool):
     assert (await pool.sniff(samples()["tiff3"])).frames == 3
 
 
+async def test_each_page_says_what_its_transparency_was_flattened_onto(pool):
+    light = Image.new("RGBA", (60, 40), (0, 0, 0, 0))
+    light.paste((255, 255, 255, 255), (5, 5, 25, 15))
+    dark = Image.new("RGBA", (60, 40), (0, 0, 0, 0))
+    dark.paste((0, 0, 0, 255), (5, 5, 25, 15))
+    opaque = Image.new("RGBA", (60, 40), (200, 200, 200, 255))
+    tiff = encode(light, "TIFF", save_all=True, append_images=[dark, opaque])
+    got = await pool.decode_all(tiff)
+    assert got.backgrounds == ("black", "white", None)
+    assert got.pages[0][5:15, 5:25].min() == 255 and got.pages[0][20:, 30:].max() == 0
+    got.release()
+    assert got.backgrounds == ("black", "white", None)  # kept for the result after the pixels go
+    assert (await pool.decode_all(samples()["png"])).backgrounds == (None,)
+
+
 async def test_a_spooled_file_is_read_by_the_worker_through_its_descriptor(pool):
     data = samples()["tiff3"]
     with tempfile.TemporaryFile() as spool:

@@ -9,7 +9,8 @@ from PIL import Image
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
-from services.common.imaging import _render_pdf, decode, sniff
+from services.common.imaging import _render_pdf, decode, flatten, iter_flattened, iter_pages, sniff
+from tests.pages import png16
 
 BIG = 100_000_000
 
@@ -75,6 +76,62 @@ def test_transparent_background_is_composited_on_white():
     arr[5:15, 5:25] = (0, 0, 0, 255)  # opaque black text
     [page] = decode(encode(Image.fromarray(arr, "RGBA")), BIG, 5)
     assert page[5:15, 5:25].mean() < 10 and page[30:, 40:].mean() == 255
+
+
+def _light_on_transparent(mode: str) -> bytes:
+    """A 60x40 page, fully transparent (its colour black, where it has one) but for a white
+    20x10 block at (5, 5), in ``mode``."""
+    ink = np.zeros((40, 60), dtype=np.uint8)
+    ink[5:15, 5:25] = 255
+    if mode == "RGBA":
+        arr = np.zeros((40, 60, 4), dtype=np.uint8)
+        arr[..., :3] = ink[..., None]
+        arr[..., 3] = ink
+        return encode(Image.fromarray(arr, "RGBA"))
+    if mode == "LA":
+        return encode(Image.fromarray(np.stack([ink, ink], axis=-1), "LA"))
+    if mode == "P":
+        img = Image.fromarray((ink // 255).astype(np.uint8), "P")
+        img.putpalette([0, 0, 0, 255, 255, 255] + [0, 0, 0] * 254)
+        return encode(img, "PNG", transparency=0)
+    if mode == "I;16 key":
+        return encode(Image.fromarray(ink.astype(np.uint16) * 257), "PNG", transparency=0)
+    if mode == "RGBA 16-bit":  # transparent pixels white: only alpha tells the block from the ground
+        arr = np.full((40, 60, 4), 65535, dtype=np.uint16)
+        arr[..., 3] = ink.astype(np.uint16) * 257
+        return png16(arr, 6)
+    if mode == "LA 16-bit":
+        return png16(np.stack([np.full((40, 60), 65535, np.uint16), ink.astype(np.uint16) * 257], axis=-1), 4)
+    raise ValueError(mode)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P", "I;16 key", "RGBA 16-bit", "LA 16-bit"])
+def test_light_content_on_transparency_is_flattened_onto_black_and_says_so(mode):
+    [(page, background)] = list(iter_flattened(_light_on_transparent(mode), BIG, 5))
+    assert background == "black"
+    assert page[5:15, 5:25].min() == 255 and page[20:, 30:].max() == 0  # white stays white, the ground black
+    [same] = list(iter_pages(_light_on_transparent(mode), BIG, 5))
+    assert np.array_equal(same, page)
+
+
+def test_dark_content_on_transparency_goes_onto_white_and_opaque_pages_report_none():
+    arr = np.zeros((40, 60, 4), dtype=np.uint8)
+    arr[5:15, 5:25] = (0, 0, 0, 255)
+    assert [bg for _, bg in iter_flattened(encode(Image.fromarray(arr, "RGBA")), BIG, 5)] == ["white"]
+    arr[..., 3] = 255  # an alpha channel, every pixel opaque: nothing to flatten
+    assert [bg for _, bg in iter_flattened(encode(Image.fromarray(arr, "RGBA")), BIG, 5)] == [None]
+    assert [bg for _, bg in iter_flattened(encode(marker_image()), BIG, 5)] == [None]
+    nothing = Image.new("RGBA", (20, 20), (255, 255, 255, 0))  # fully transparent: white, nothing to read
+    rgb, background = flatten(nothing)
+    assert background == "white" and np.asarray(rgb).min() == 255
+
+
+def test_the_background_follows_the_opaque_pixels_not_the_half_transparent_fringe():
+    arr = np.zeros((40, 60, 4), dtype=np.uint8)
+    arr[5:15, 5:25] = (250, 250, 250, 255)  # light, opaque
+    arr[20:40, :] = (0, 0, 0, 100)  # a large dark haze, under half opaque: not content
+    rgb, background = flatten(Image.fromarray(arr, "RGBA"))
+    assert background == "black" and np.asarray(rgb)[5:15, 5:25].min() == 250
 
 
 def test_palette_with_transparency_key():

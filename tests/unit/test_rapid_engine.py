@@ -73,3 +73,29 @@ def test_detector_limit_setting_reaches_rapidocr():
             await engine.close()
 
     asyncio.run(run())
+
+
+def test_spaces_the_recogniser_drops_are_put_back_and_light_text_on_dark_too():
+    from io import BytesIO
+
+    from PIL import Image, ImageOps
+
+    from services.common.textlines import group_lines
+
+    lines = ["TICKET 5590", "ORDER NUMBER 3344"]
+    page = np.asarray(Image.open(BytesIO(text_image(lines))).convert("RGB"))
+    inverted = np.asarray(ImageOps.invert(Image.fromarray(page)))
+
+    async def run():
+        engine = RapidOcrEngine()
+        await engine.start()
+        try:
+            outs = await engine.ocr([page, inverted], timeout_s=120)
+            return outs, [str(r[1]) for r in engine._ocr(page)[0]]
+        finally:
+            await engine.close()
+
+    outs, raw_texts = asyncio.run(run())
+    assert "TICKET5590" in raw_texts, raw_texts  # RapidOCR alone drops the space
+    for out in outs:
+        assert [line.text for line in group_lines(out.segments)] == lines

@@ -1,6 +1,8 @@
 """Result assembly: grouping segments into lines, full text, CER."""
 
-from services.common.textlines import Segment, cer, group_lines, normalize_text
+import math
+
+from services.common.textlines import Segment, cer, group_lines, normalize_text, restore_spaces
 from schemas.events import Line
 from services.sink.handler import full_text
 
@@ -54,3 +56,80 @@ def test_cer():
     assert cer("TAN  CHAY\nYEE", "tan chay yee") == 0.0
     assert cer("", "") == 0.0 and cer("", "x") == 1.0
     assert normalize_text(" A\tB \n") == "a b"
+
+
+def column(x0, x1, y0, pitch, texts, h=27):
+    return [seg(x0, y0 + i * pitch, x1, y0 + i * pitch + h, t) for i, t in enumerate(texts)]
+
+
+def test_independent_columns_are_read_one_after_the_other_and_never_merged():
+    # the generated two-column form's layout: lines 60 px apart on the left, 90 on the right
+    left = column(42, 330, 36, 60, ["L1", "L2", "L3", "L4", "L5", "L6"])
+    right = column(630, 900, 36, 90, ["R1", "R2", "R3", "R4"])
+    title = seg(42, 0, 900, 27, "FORM TITLE")
+    lines = group_lines([title, *right, *left])
+    assert [l.text for l in lines] == ["FORM TITLE", "L1", "L2", "L3", "L4", "L5", "L6", "R1", "R2", "R3", "R4"]
+    assert all(len(l.parts) == 1 for l in lines)
+
+
+def test_three_independent_columns_are_read_left_to_right():
+    cols = [column(0, 200, 0, 60, ["A1", "A2", "A3", "A4"]), column(400, 600, 0, 90, ["B1", "B2", "B3"]),
+            column(800, 1000, 20, 70, ["C1", "C2", "C3", "C4"])]
+    lines = group_lines([s for col in reversed(cols) for s in col])
+    assert [l.text for l in lines] == ["A1", "A2", "A3", "A4", "B1", "B2", "B3", "C1", "C2", "C3", "C4"]
+
+
+def test_a_table_whose_rows_line_up_is_read_row_by_row():
+    # a receipt: item names on every row, a price on every other one, far to the right
+    names = column(40, 300, 100, 40, ["ITEM ONE", "  REF 11", "ITEM TWO", "  REF 22", "TOTAL"], h=30)
+    prices = [seg(600, 100 + i * 40, 680, 130 + i * 40, p) for i, p in ((0, "1.00"), (2, "2.00"), (4, "3.00"))]
+    lines = group_lines(names + prices)
+    assert [l.text for l in lines] == ["ITEM ONE 1.00", "REF 11", "ITEM TWO 2.00", "REF 22", "TOTAL 3.00"]
+    assert [p.text for p in lines[0].parts] == ["ITEM ONE", "1.00"]
+
+
+def test_a_skewed_table_still_lines_up():
+    # scanned 2 degrees off: the right cells sit 20 px lower than their row's left cell
+    t = math.tan(math.radians(2))
+
+    def tilted(x0, x1, y0, text):
+        box = [[x0, y0 + t * x0], [x1, y0 + t * x1], [x1, y0 + 30 + t * x1], [x0, y0 + 30 + t * x0]]
+        return Segment(box, text, 0.9)
+
+    rows = [tilted(40, 300, 100 + 45 * i, f"NAME {i}") for i in range(5)]
+    rows += [tilted(560, 640, 100 + 45 * i, f"{i}.00") for i in range(5)]
+    assert [l.text for l in group_lines(rows)] == [f"NAME {i} {i}.00" for i in range(5)]
+
+
+def test_a_line_keeps_its_segments_in_order():
+    [line] = group_lines([seg(400, 52, 600, 108, "4821"), seg(45, 55, 372, 108, "INVOICE")])
+    assert [(p.text, p.left) for p in line.parts] == [("INVOICE", 45), ("4821", 400)]
+
+
+def ink_profile(width, blanks):
+    """One bool per column: ink everywhere but in the ``(start, end)`` blank runs."""
+    ink = [True] * width
+    for a, b in blanks:
+        ink[a:b] = [False] * (b - a)
+    return ink
+
+
+def test_a_space_the_recogniser_dropped_comes_back_from_the_blank_between_the_words():
+    # "TICKET5590": characters 25-30 px apart, a 17 px blank between T and 5 (ink 29 px tall),
+    # 3-6 px blanks between letters (the measured DejaVu Sans Bold page)
+    centres = [10, 35, 60, 85, 110, 140, 185, 212, 240, 268]
+    letter_gaps = [(c + 10, c + 14) for c in centres[:-1]]
+    ink = ink_profile(290, letter_gaps + [(150, 167)])
+    assert restore_spaces("TICKET5590", centres, ink, 29) == "TICKET 5590"
+    # the same distances without a wide blank (a wide letter, not a space): unchanged
+    assert restore_spaces("TICKET5590", centres, ink_profile(290, letter_gaps), 29) == "TICKET5590"
+
+
+def test_restoring_spaces_keeps_what_is_there_and_leaves_what_it_cannot_judge():
+    centres = [10, 35, 60, 100, 125]
+    ink = ink_profile(140, [(70, 90)])
+    assert restore_spaces("ABCDE", centres, ink, 29) == "ABC DE"
+    assert restore_spaces("AB C DE", [10, 35, 47, 60, 80, 100, 125], ink, 29) == "AB C DE"  # kept as read
+    assert restore_spaces("ABCDE", centres[:4], ink, 29) == "ABCDE"  # positions do not match the text
+    assert restore_spaces("ABC", [10, 35, 60], ink, 29) == "ABC"  # too short to know its pitch
+    assert restore_spaces("西安东路口", centres, ink, 29) == "西安东路口"  # never between ideographs

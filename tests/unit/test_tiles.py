@@ -52,3 +52,57 @@ def test_boxes_map_back_with_each_axis_own_scale():
     assert t.image.shape[:2] == (150, 500) and (t.scale_x, t.scale_y) == (0.5, 150 / 301)
     [s] = map_back(t, [Segment([[0, 75], [500, 75], [500, 150], [0, 150]], "x", 0.9)], 1000, 301)
     assert s.box == [[0, 150.5], [1000, 150.5], [1000, 301], [0, 301]]
+
+
+def banner(words: list[tuple[int, int]], w: int = 6000, h: int = 160) -> np.ndarray:
+    """A white page with a black block (a "word") over each ``(x0, x1)``, rows 30-130."""
+    page = np.full((h, w, 3), 255, np.uint8)
+    for a, b in words:
+        page[30:130, a:b] = 0
+    return page
+
+
+def test_a_wide_page_is_cut_between_words_and_each_slice_padded_to_full_length():
+    # words 300-670 px long, 40 px apart: a cut at a fixed place would go through one
+    words, x = [], 200
+    for i in range(11):
+        n = 300 + 37 * i
+        words.append((x, x + n))
+        x += n + 40
+    assert x < 6000
+    page = banner(words)
+    tiles = make_tiles(page, max_aspect=3, max_side=2000)
+    assert len(tiles) >= 3 and all(t.y0 == 0 and t.scale == 1.0 for t in tiles)
+    assert all(t.image.shape == (160, 2000, 3) for t in tiles)  # one shape: one engine scale
+    for t, nxt in zip(tiles, tiles[1:]):
+        cut = t.core[1]
+        assert cut == nxt.core[0]
+        assert not any(a <= cut < b for a, b in words), cut  # in a gap, not through a word
+        # the slice stops within the gap: no piece of the word after the cut gets in
+        ink = np.flatnonzero((t.image[30:130, :, 0] == 0).any(axis=0)) + t.x0
+        assert not any(cut < a <= ink.max() for a, _ in words), (cut, ink.max())
+    # every word is owned by exactly one slice (its centre in the slice's core)
+    for a, b in words:
+        assert sum(t.core[0] <= (a + b) / 2 < t.core[1] for t in tiles) == 1
+
+
+def test_a_tall_page_is_cut_in_a_blank_row_and_keeps_the_full_overlap():
+    page = np.full((6000, 600, 3), 255, np.uint8)
+    lines = [(y, y + 34) for y in range(20, 6000 - 40, 52)]
+    for a, b in lines:
+        page[a:b, 40:500] = 0
+    tiles = make_tiles(page, max_aspect=3, max_side=2000)
+    assert len(tiles) >= 3 and all(t.x0 == 0 and t.image.shape[0] <= 2000 for t in tiles)
+    for t, nxt in zip(tiles, tiles[1:]):
+        cut = t.core[1]
+        assert not any(a <= cut < b for a, b in lines), cut
+        assert t.y0 + t.image.shape[0] - nxt.y0 >= 2 * 150 - 2  # the next row is another line: full overlap
+
+
+def test_a_page_with_no_blank_line_is_cut_at_full_length_with_the_fixed_overlap():
+    rng = np.random.default_rng(7)
+    page = rng.integers(0, 256, (100, 5000, 3), dtype=np.uint8)  # noise: no column is blank
+    tiles = make_tiles(page, max_aspect=3, max_side=2000)
+    assert [t.x0 for t in tiles] == [0, 1700, 3400]  # each reaching 150 px past its cut
+    assert [t.core for t in tiles] == [(0.0, 1850.0), (1850.0, 3550.0), (3550.0, 5000.0)]
+    assert np.array_equal(tiles[2].image[:, :1600], page[:, 3400:])  # the last, padded to full length

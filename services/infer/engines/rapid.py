@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN
-from services.common.textlines import Segment
+from services.common.textlines import Segment, restore_spaces
 from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
 
 
@@ -86,10 +86,15 @@ class RapidOcrEngine(OcrEngine):
             padded = np.full((ph, pw, 3), 255, dtype=np.uint8)
             padded[:h, :w] = image
             image = padded
-        result, _ = self._ocr(image)
+        # return_word_box: every character's box as well (RapidOCR 1.4.4 places them from the
+        # recogniser's CTC columns), from which the spaces it dropped are put back. Passing it
+        # makes RapidOCR set its detector's box_thresh/unclip_ratio and text_score to the given
+        # or default values (0.5, 1.6, 0.5: its config's own), the same from every thread.
+        result, _ = self._ocr(image, return_word_box=True)
+        grey = _grey(image) if result else None
         segs = [
-            Segment(box=[[float(x), float(y)] for x, y in box], text=str(text), confidence=float(score))
-            for box, text, score in (result or [])
+            Segment(box=[[float(x), float(y)] for x, y in row[0]], text=_spaced(row, grey), confidence=float(row[2]))
+            for row in (result or [])
         ]
         return EngineOutput(segs, (time.perf_counter() - started) * 1000)
 
@@ -117,3 +122,42 @@ class RapidOcrEngine(OcrEngine):
     async def close(self) -> None:
         """Stop the worker threads."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _grey(image: np.ndarray) -> np.ndarray:
+    """``image`` (RGB ``uint8``) as one grey channel (OpenCV's BT.601 weights)."""
+    import cv2  # RapidOCR's own dependency
+
+    return cv2.cvtColor(np.ascontiguousarray(image), cv2.COLOR_RGB2GRAY)
+
+
+def _spaced(row: list, grey: np.ndarray) -> str:
+    """A RapidOCR result row's text with the spaces its recogniser dropped put back.
+
+    ``row`` is ``[box, text, score, char_boxes, chars, char_scores]`` (``return_word_box``):
+    one 4-point box per character of ``text``, spaces included, in reading order, in pixels of
+    the image (``grey``, its grey channel). The segment's box is cut out upright (a perspective
+    warp, as RapidOCR crops it for its recogniser), binarised (Otsu; the minority colour is
+    ink) and each character's centre mapped into the crop; :func:`restore_spaces` decides.
+    """
+    import cv2
+
+    text = str(row[1])
+    if len(row) < 4 or not row[3] or len(row[3]) != len(text):
+        return text
+    quad = np.asarray(row[0], dtype=np.float32)
+    w = int(max(np.linalg.norm(quad[0] - quad[1]), np.linalg.norm(quad[2] - quad[3])))
+    h = int(max(np.linalg.norm(quad[0] - quad[3]), np.linalg.norm(quad[1] - quad[2])))
+    if w < 4 or h < 4:
+        return text
+    warp = cv2.getPerspectiveTransform(quad, np.float32([[0, 0], [w, 0], [w, h], [0, h]]))
+    crop = cv2.warpPerspective(grey, warp, (w, h), borderMode=cv2.BORDER_REPLICATE)
+    _, ink = cv2.threshold(crop, 0, 1, cv2.THRESH_BINARY_INV + cv2.THRESH_OTSU)
+    if ink.mean() > 0.5:  # light text on a dark ground
+        ink = 1 - ink
+    rows = np.flatnonzero(ink.any(axis=1))
+    if rows.size == 0:
+        return text
+    centres = np.asarray(row[3], dtype=np.float32).reshape(len(text), -1, 2).mean(axis=1)
+    along = cv2.perspectiveTransform(centres.reshape(-1, 1, 2), warp).reshape(-1, 2)[:, 0]
+    return restore_spaces(text, along.tolist(), ink.any(axis=0).tolist(), float(rows[-1] - rows[0] + 1))
