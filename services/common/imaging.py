@@ -228,9 +228,15 @@ def page_sizes(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> tuple
         return ImageInfo("PDF", *sizes[0], len(sizes)), sizes
     with img:
         w, h = img.size
-        orientation = img.getexif().get(0x0112, 1)
+        try:  # a PNG's EXIF may follow its pixels: Pillow decodes them to find it
+            orientation = img.getexif().get(0x0112, 1)
+        except MemoryError:
+            raise
+        except Exception as exc:  # truncated or damaged pixel data
+            raise OcrError(ErrorCode.CORRUPT_IMAGE, f"{fmt} image data could not be read: {exc}") from exc
         sizes = _frame_sizes(img, max_pixels, max_pages)
-    if orientation in _SWAPS_SIDES:
+    # Pillow's TIFF plugin already gives the upright size (and turns the pixels as it loads them)
+    if orientation in _SWAPS_SIDES and fmt != "TIFF":
         sizes[0] = (sizes[0][1], sizes[0][0])
     return ImageInfo(fmt, w, h, len(sizes)), sizes
 

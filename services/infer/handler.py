@@ -138,7 +138,12 @@ class InferHandler(Handler):
                 continue
             items.append(Item(rec, ev, {"queue_infer": queue_wait_ms(rec)}, span=self._request_span(rec)))
         try:
-            await asyncio.gather(*(self.loader.load(it) for it in items))
+            # every load ends before a failure is raised: one still running would adopt its
+            # prefetched pages after the release below, and their bytes would stay taken for good
+            failed = [r for r in await asyncio.gather(*(self.loader.load(it) for it in items), return_exceptions=True)
+                      if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
             async for wave in self.loader.waves([it for it in items if it.error is None]):
                 await self._infer([it for it in wave if it.error is None])
                 for it in wave:

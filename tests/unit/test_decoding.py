@@ -230,3 +230,41 @@ async def test_a_cancelled_decode_stops_its_worker_at_once(pool):
         await asyncio.sleep(0.05)
     assert [p.poll() is not None for p in busy].count(True) == 1  # the rendering one ended, the idle one not
     assert (await pool.sniff(samples()["png"])).format == "PNG"
+
+
+async def test_a_tiff_stored_sideways_is_planned_as_it_decodes_upright(pool):
+    """Pillow's TIFF plugin gives the upright size of a page with orientation 5-8 and turns its
+    pixels as it loads them: the plan must not turn page 1 once more (it ended corrupt_image)."""
+    stored = Image.new("RGB", (300, 100), "white")
+    stored.paste((0, 0, 0), (0, 0, 30, 30))  # the stored top-left corner
+    for orientation in (5, 6, 7, 8):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        tiff = encode(stored, "TIFF", exif=exif, save_all=True, append_images=[stored])
+        jpeg = encode(stored, "JPEG", exif=exif.tobytes(), quality=100)
+        plan = await pool.plan(tiff)
+        assert plan.sizes == ((100, 300), (100, 300)), orientation  # Pillow writes the tag on both pages
+        got = await pool.decode(tiff, plan)
+        like_jpeg = (await pool.decode_all(jpeg)).pages[0]
+        assert got.pages[0].shape == (300, 100, 3) == like_jpeg.shape
+        dark = got.pages[0].min(axis=2) < 128
+        assert (dark == (like_jpeg.min(axis=2) < 128)).mean() > 0.99, orientation  # turned as the JPEG is
+        assert int(dark.sum()) == 900
+        got.release()
+
+
+async def test_damaged_png_pixel_data_is_corrupt_image_at_the_plan(pool):
+    """A PNG's plan reads its EXIF, for which Pillow decodes the pixels: damaged or truncated
+    pixel data ends corrupt_image there (an internal_error failed infer's whole batch and sent
+    the record to the DLQ after three attempts)."""
+    png = encode(Image.effect_noise((200, 200), 64).convert("RGB"), "PNG")
+    assert (await pool.sniff(png[: len(png) // 2])).format == "PNG"  # the header alone is fine
+    damaged = bytearray(png)
+    damaged[len(png) // 2: len(png) // 2 + 16] = bytes(16)
+    for data in (png[: len(png) // 2], bytes(damaged)):
+        with pytest.raises(OcrError) as err:
+            await pool.plan(data)
+        assert err.value.code is ErrorCode.CORRUPT_IMAGE
+        assert err.value.message.startswith("PNG image data could not be read: ")
+    assert pool.restarts == {}  # the worker answered: nothing was killed
+    assert (await pool.plan(png)).sizes == ((200, 200),)

@@ -6,6 +6,7 @@ import asyncio
 import io
 
 import orjson
+import pytest
 from aiokafka import ConsumerRecord
 from PIL import Image
 
@@ -298,3 +299,37 @@ def test_prefetched_pages_give_their_bytes_back_to_the_batch_in_flight():
     assert [r.status for r in first + second] == ["ok"] * 6
     assert [r.pages[0].height for r in first + second] == [600, 601, 602, 603, 604, 605]
     assert max(engine.held) <= 2 << 20 and used == 0
+
+
+def test_a_batch_that_fails_to_load_leaves_no_pixels_held():
+    """One record of a prefetched batch fails to load (its image gone from S3: the runner retries
+    it) while another's prefetch is still decoding: that decode ends after the batch failed, and
+    its pages must be given back, not kept by an item nobody releases (the budget stayed
+    taken for good, and a later image that did not fit the rest waited for ever)."""
+    big = png(3000, 2000)  # 18,000,000 bytes of RGB: a prefetch that takes a moment to decode
+    objs = {"s3://b/big": big, "s3://b/small": png(300, 100)}
+
+    async def main():
+        handler = InferHandler(InferSettings(pixel_budget_mb=32), MemoryStore(objs), ScriptedEngine(),
+                               Telemetry("infer", TelemetrySettings()))
+        try:
+            batch = [record(1, "s3://b/gone"), record(2, "s3://b/big")]
+            handler.prefetch(batch)
+            await asyncio.sleep(0)
+            with pytest.raises(OcrError) as err:
+                await handler.handle(batch)
+            assert err.value.code is ErrorCode.MISSING_OBJECT
+            deadline = asyncio.get_running_loop().time() + 10
+            pool = handler.loader.decoder
+            while pool._slots.qsize() < pool.cfg.workers and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)  # until every decoder process is idle again (the prefetch ended)
+            await asyncio.sleep(0.1)
+            assert handler.loader.budget.used == 0
+            # the runner's retry one record at a time: the big image alone goes through
+            out = await asyncio.wait_for(handler.handle([record(2, "s3://b/big")]), 30)
+            assert [ResultEvent.model_validate(orjson.loads(o.value)).status for o in out] == ["ok"]
+            assert handler.loader.budget.used == 0
+        finally:
+            await handler.close()
+
+    asyncio.run(main())
