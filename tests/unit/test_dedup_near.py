@@ -176,7 +176,7 @@ def test_disabled_by_default():
 
 
 def test_with_cache_scope_key_a_look_alike_is_answered_from_its_own_tenants_results_only():
-    scoped = DedupSettings(near_dup={"enabled": True}, cache_scope="key")
+    scoped = S.model_copy(update={"cache_scope": "key"})  # not from the environment: a session's pipeline may have set it
     handler, store, cache, index = setup(scoped)
     original = text_image(["LEDGER 7731", "NET 88.10"], size=30, width=700)
     first = put_image(store, original).model_copy(update={"api_key_id": "aaaaaaaaaaaa"})
