@@ -83,20 +83,23 @@ class DecodedPages:
     :meth:`release` when done: the pages are dropped and the bytes given back to the budget they
     were taken from (the memory itself is freed when the last view goes).
 
+    ``sizes[i]`` is page ``i``'s ``(width, height)`` as decoded (upright: the plan's, or with the
+    sides swapped by page 1's EXIF orientation); it stays after :meth:`release`.
     ``backgrounds[i]`` is the colour page ``i``'s transparency was flattened onto (``"white"``
     or ``"black"``), None for an opaque page (:func:`services.common.imaging.flatten`); it
     stays after :meth:`release`.
     """
 
     def __init__(self, plan: Plan, buf: mmap.mmap | None, on_release: Callable[[], None] | None = None,
-                 backgrounds: tuple[str | None, ...] = ()):
+                 backgrounds: tuple[str | None, ...] = (), sizes: tuple[tuple[int, int], ...] = ()):
         self.plan = plan
         self.backgrounds = backgrounds or (None,) * len(plan.sizes)
+        self.sizes = sizes or plan.sizes  # as decoded: page 1 upright by its EXIF orientation
         self._buf = buf
         self._on_release = on_release
         self.pages: list[np.ndarray] = []
         if buf is not None:
-            for (w, h), off in zip(plan.sizes, plan.offsets):
+            for (w, h), off in zip(self.sizes, plan.offsets):
                 self.pages.append(np.frombuffer(buf, dtype=np.uint8, count=w * h * 3, offset=off).reshape(h, w, 3))
 
     @property
@@ -211,7 +214,11 @@ class _Worker:
     @classmethod
     def spawn(cls, cfg: DecodeSettings) -> "_Worker":
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   # glibc: pages up to 128 MiB come from the heap and freed heap is kept for the next
+                   # image (mallopt(3) M_MMAP_THRESHOLD, M_TRIM_THRESHOLD): no fresh page faults for
+                   # every image; the worker trims itself after a large one (decode_worker.TRIM_ABOVE_BYTES)
+                   MALLOC_MMAP_THRESHOLD_=str(128 << 20), MALLOC_TRIM_THRESHOLD_=str(512 << 20))
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "services.common.decode_worker", str(theirs.fileno()), str(cfg.memory_mb << 20)],
@@ -460,7 +467,7 @@ class DecoderPool:
         return ImageInfo(*ans["info"])
 
     async def plan(self, src: bytes | BinaryIO) -> Plan:
-        """The format check plus every page's upright size (:func:`~services.common.imaging.page_sizes`),
+        """The format check plus every page's size from its header (:func:`~services.common.imaging.page_sizes`),
         bounded as :meth:`sniff`."""
         fd = _input_fd(src)
         try:
@@ -494,12 +501,14 @@ class DecoderPool:
             tracer = trace.get_tracer("ocrstream")
             if trace.get_current_span().get_span_context().is_valid:
                 with tracer.start_as_current_span("decode", attributes={"ocrstream.pages": len(plan.sizes)}):
-                    backgrounds = await self._decode_call(plan, fd, out)
+                    backgrounds, sizes = await self._decode_call(plan, fd, out)
             else:
-                backgrounds = await self._decode_call(plan, fd, out)
-            buf = mmap.mmap(out, plan.nbytes, access=mmap.ACCESS_COPY)
+                backgrounds, sizes = await self._decode_call(plan, fd, out)
+            # private (copy-on-write) and populated at once: one call instead of a fault per 4 KiB
+            buf = mmap.mmap(out, plan.nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
             ok = True
-            return DecodedPages(plan, buf, on_release, backgrounds)
+            return DecodedPages(plan, buf, on_release, backgrounds, sizes)
         finally:
             os.close(out)
             if fd is not None:
@@ -507,18 +516,24 @@ class DecoderPool:
             if not ok and on_release is not None:
                 on_release()
 
-    async def _decode_call(self, plan: Plan, fd: int, out: int) -> tuple[str | None, ...]:
-        """Run the decode request; every page's background as the worker reported it."""
+    async def _decode_call(self, plan: Plan, fd: int, out: int) -> tuple[tuple[str | None, ...], tuple[tuple[int, int], ...]]:
+        """Run the decode request; every page's background and ``(width, height)`` as the worker
+        reported them."""
         msg = {"op": "decode", "sizes": [list(s) for s in plan.sizes], "offsets": list(plan.offsets)}
         backgrounds: list[str | None] = [None] * len(plan.sizes)
+        sizes: list[tuple[int, int]] = list(plan.sizes)
 
         def on_page(ans: dict) -> None:
-            i, bg = ans.get("page"), ans.get("background")
-            if isinstance(i, int) and 0 <= i < len(backgrounds) and bg in BACKGROUNDS:
+            i, bg, size = ans.get("page"), ans.get("background"), ans.get("size")
+            if not (isinstance(i, int) and 0 <= i < len(sizes)):
+                return
+            if bg in BACKGROUNDS:
                 backgrounds[i] = bg
+            if isinstance(size, list) and sorted(size) == sorted(plan.sizes[i]):
+                sizes[i] = (int(size[0]), int(size[1]))
 
         await self._call(msg, [fd, out], on_step=on_page, timeout_s=self.cfg.timeout_s)
-        return tuple(backgrounds)
+        return tuple(backgrounds), tuple(sizes)
 
     async def decode_all(self, src: bytes | BinaryIO) -> DecodedPages:
         """:meth:`plan` then :meth:`decode`, taking no budget (callers that hold one image at a

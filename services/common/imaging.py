@@ -57,8 +57,6 @@ PDF_RENDER_DPI = 200
 TOTAL_PIXELS_FACTOR = 2
 """All pages of one input together may hold at most this many times ``max_pixels`` (a small
 multi-page file must not decode to gigabytes)."""
-_SWAPS_SIDES = {5, 6, 7, 8}
-"""EXIF orientations that turn the image a quarter (CIPA DC-008-2019 section 4.6.4 A, tag 0x0112)."""
 
 
 @dataclass(frozen=True)
@@ -216,8 +214,10 @@ def sniff(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> ImageInfo:
 
 
 def page_sizes(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> tuple[ImageInfo, list[tuple[int, int]]]:
-    """:func:`sniff`, plus the ``(width, height)`` of every page as :func:`iter_pages` will give
-    it: upright (page 1 turned by its EXIF orientation), a PDF's at :data:`PDF_RENDER_DPI`.
+    """:func:`sniff`, plus the ``(width, height)`` of every page from its header, a PDF's at
+    :data:`PDF_RENDER_DPI`: what :func:`iter_pages` will give, except that page 1 may come out a
+    quarter turned by its EXIF orientation (the same pixels, the sides swapped). The orientation
+    is not read here: a PNG's EXIF may follow its pixels, and Pillow decodes them to find it.
 
     Raises:
         OcrError: as :func:`sniff`.
@@ -228,16 +228,7 @@ def page_sizes(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> tuple
         return ImageInfo("PDF", *sizes[0], len(sizes)), sizes
     with img:
         w, h = img.size
-        try:  # a PNG's EXIF may follow its pixels: Pillow decodes them to find it
-            orientation = img.getexif().get(0x0112, 1)
-        except MemoryError:
-            raise
-        except Exception as exc:  # truncated or damaged pixel data
-            raise OcrError(ErrorCode.CORRUPT_IMAGE, f"{fmt} image data could not be read: {exc}") from exc
         sizes = _frame_sizes(img, max_pixels, max_pages)
-    # Pillow's TIFF plugin already gives the upright size (and turns the pixels as it loads them)
-    if orientation in _SWAPS_SIDES and fmt != "TIFF":
-        sizes[0] = (sizes[0][1], sizes[0][0])
     return ImageInfo(fmt, w, h, len(sizes)), sizes
 
 

@@ -49,6 +49,7 @@ class Item:
     plan: Plan | None = None
     decoded: DecodedPages | None = None
     backgrounds: tuple[str | None, ...] = ()  # per page, as decoded (kept after release)
+    sizes: tuple[tuple[int, int], ...] = ()  # per page (width, height) as decoded (kept after release)
     lines: list[Line] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # from the engine, once each, in order seen
     error: OcrError | None = None
@@ -61,8 +62,8 @@ class Item:
 
     @property
     def page_sizes(self) -> tuple[tuple[int, int], ...]:
-        """Every page's upright ``(width, height)`` in pixels (from the plan: known after release)."""
-        return self.plan.sizes if self.plan is not None else ()
+        """Every page's upright ``(width, height)`` in pixels, as decoded (known after release)."""
+        return self.sizes or (self.plan.sizes if self.plan is not None else ())
 
     def release(self) -> None:
         """Give the decoded pages' bytes back to the budget (idempotent)."""
@@ -73,7 +74,7 @@ class Item:
     def adopt(self, other: "Item") -> None:
         """Take over what a prefetch of the same record loaded."""
         self.data, self.plan, self.decoded, self.error = other.data, other.plan, other.decoded, other.error
-        self.backgrounds = other.backgrounds
+        self.backgrounds, self.sizes = other.backgrounds, other.sizes
         self.timings.update(other.timings)
         other.decoded = None
 
@@ -199,7 +200,7 @@ class Loader:
         try:
             with self.telemetry.span("infer.load", parent_headers=it.record.headers, attributes=record_attrs(it.record)):
                 it.decoded = await self.decoder.decode(it.data, it.plan, on_release=hold.release)
-                it.backgrounds = it.decoded.backgrounds
+                it.backgrounds, it.sizes = it.decoded.backgrounds, it.decoded.sizes
         except OcrError as err:
             it.error = err
         finally:
