@@ -237,7 +237,12 @@ class Loader:
                         if not self.budget.try_acquire(it.plan.nbytes):
                             break
                         taken.append((it, Hold(self.budget, it.plan.nbytes)))
-                await asyncio.gather(*(self._decode(it, hold) for it, hold in taken))
+                # every decode ends before an error is raised: one still running would otherwise
+                # take its pages after the caller released this batch's items
+                done = await asyncio.gather(*(self._decode(it, hold) for it, hold in taken), return_exceptions=True)
+                first = next((r for r in done if isinstance(r, BaseException)), None)
+                if first is not None:
+                    raise first
             except BaseException:
                 for it, hold in taken:
                     if it.decoded is None:
