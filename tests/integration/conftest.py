@@ -6,8 +6,11 @@ import os
 import subprocess
 import sys
 
+import boto3
 import pytest
+from botocore.config import Config
 
+from services.common.settings import CommonSettings
 from tests.stack import API, REPO, Pipeline, namespace_env, stack_reachable
 
 API_MAX_BYTES = 1_000_000
@@ -62,3 +65,14 @@ def api(pipeline):
     st = pipeline.start(API, extra_env=API_ENV)
     st.url = f"http://127.0.0.1:{st.port}"
     return st
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A boto3 client of the local S3 server (path-style), with the project bucket in ``.bucket``."""
+    cfg = CommonSettings().s3
+    client = boto3.client("s3", endpoint_url=cfg.endpoint_url, aws_access_key_id=cfg.access_key,
+                          aws_secret_access_key=cfg.secret_key.get_secret_value(), region_name=cfg.region,
+                          config=Config(s3={"addressing_style": "path"}))
+    client.bucket = cfg.bucket
+    return client

@@ -12,13 +12,10 @@ import time
 import uuid
 import zlib
 
-import boto3
 import httpx
 import pytest
-from botocore.config import Config
 
 from services.common.s3 import staging_rule_id
-from services.common.settings import CommonSettings
 from services.ingest.api.uploads import MULTIPART_OVERHEAD
 from tests.conftest import text_image
 from tests.integration.conftest import API_BODY_TIMEOUT_S, API_ENV
@@ -46,16 +43,6 @@ def padded_png(lines: list[str], total_bytes: int) -> bytes:
     out = body + chunk + iend
     assert len(out) == total_bytes
     return out
-
-
-@pytest.fixture(scope="module")
-def s3():
-    cfg = CommonSettings().s3
-    client = boto3.client("s3", endpoint_url=cfg.endpoint_url, aws_access_key_id=cfg.access_key,
-                          aws_secret_access_key=cfg.secret_key.get_secret_value(), region_name=cfg.region,
-                          config=Config(s3={"addressing_style": "path"}))
-    client.bucket = cfg.bucket
-    return client
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,8 @@ import subprocess
 import sys
 import uuid
 
-import boto3
 import orjson
 import pytest
-from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from schemas.errors import ErrorCode
@@ -30,16 +28,6 @@ from tests.integration.test_request_ids import KafkaDoor, printable_tag, reads
 from tests.stack import REPO, metric_value
 
 pytestmark = pytest.mark.stack
-
-
-@pytest.fixture(scope="module")
-def s3():
-    cfg = CommonSettings().s3
-    client = boto3.client("s3", endpoint_url=cfg.endpoint_url, aws_access_key_id=cfg.access_key,
-                          aws_secret_access_key=cfg.secret_key.get_secret_value(), region_name=cfg.region,
-                          config=Config(s3={"addressing_style": "path"}))
-    client.bucket = cfg.bucket
-    return client
 
 
 @pytest.fixture
