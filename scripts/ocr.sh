@@ -10,4 +10,9 @@ OUT="${2:-$ROOT/results}"
 bash scripts/install.sh
 bash deploy/local/up.sh
 bash deploy/local/stages.sh start
+if [[ $# -eq 0 ]]; then
+  # the samples folder holds the documents and manifest.json (their true text lines): OCR the documents
+  mapfile -t FILES < <(find "$INPUT" -maxdepth 1 -type f ! -name manifest.json ! -name '.*' | sort)
+  exec .venv/bin/ocrstream submit "${FILES[@]}" --wait --out "$OUT"
+fi
 exec .venv/bin/ocrstream submit "$INPUT" --wait --out "$OUT"
