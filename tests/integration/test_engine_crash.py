@@ -76,8 +76,11 @@ async def test_an_image_that_takes_the_server_down_ends_with_engine_crash_and_th
     assert bad.error.message == "the OCR engine went away 2 times while reading this image alone; not retried"
     for d in good:
         assert d.status == "ok" and d.text == ANSWER, (d.status, d.error, d.text)
-    # two lone reads took it down; a third crash only if the first one came with the others in a batch
-    assert 2 <= crashing.crashes - crashes <= 3, crashing.crashes - crashes
+    # two lone reads took it down; a third crash only if the first one came with the others in a
+    # batch; a fourth only when, on a loaded machine, the engine's one retry of a dropped call came
+    # after the server was back (DOWN_S) and took it down again within the same read (seen once in
+    # a full run: infer logged 3 reads that lost the server, the server 4 deaths)
+    assert 2 <= crashing.crashes - crashes <= 4, crashing.crashes - crashes
     print(f"settled in {time.monotonic() - started:.1f} s with {crashing.crashes - crashes} crashes")
     # the outage before was retried, not counted as errors: nothing else failed
     assert metric_value(p.metrics("infer"), "ocrstream_requests_total", status="error") == 1
