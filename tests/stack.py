@@ -277,6 +277,19 @@ class JsonStubHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+def is_red_image(body: bytes) -> bool:
+    """Whether a chat-completions request body carries a red image (the tests' poison image)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    url = json.loads(body)["messages"][-1]["content"][0]["image_url"]["url"]
+    img = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+    r, g, b = img.getpixel((5, 5))
+    return r > 200 and g < 60 and b < 60
+
+
 class LoopbackOcrServer:
     """An OpenAI-compatible OCR server on 127.0.0.1:``port`` (a thread of this process) that answers
     every chat completion with ``answer`` as one text-spotting line, and every GET (``/health``,
@@ -286,16 +299,24 @@ class LoopbackOcrServer:
     server process would: the connection is dropped unanswered and the port closed at once, and
     it starts again on the same port ``down_s`` seconds later. ``posts`` counts the chat
     completions answered (the warm-up included), ``crashes`` the deaths.
+
+    ``hangs_on(body)``: for a body it returns True on, the request is held unanswered (a model
+    server wedged on it) until :meth:`stop`; ``holding`` is set and ``held`` counts them.
     """
 
-    def __init__(self, answer: str, dies_on: Callable[[bytes], bool] | None = None, down_s: float = 1.5):
+    def __init__(self, answer: str, dies_on: Callable[[bytes], bool] | None = None, down_s: float = 1.5,
+                 hangs_on: Callable[[bytes], bool] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.answer = answer
         self.dies_on = dies_on
+        self.hangs_on = hangs_on
         self.down_s = down_s
         self.posts = 0
         self.crashes = 0
+        self.held = 0
+        self.holding = threading.Event()
+        self.released = threading.Event()
         self.lock = threading.Lock()
         self.httpd: ThreadingHTTPServer | None = None
 
@@ -312,6 +333,12 @@ class LoopbackOcrServer:
                     srv._die()
                     self.close_connection = True
                     self.connection.close()  # no answer: the process died under it
+                    return
+                if srv.hangs_on is not None and srv.hangs_on(body):
+                    with srv.lock:
+                        srv.held += 1
+                    srv.holding.set()
+                    srv.released.wait(600)  # the client is killed meanwhile
                     return
                 with srv.lock:
                     srv.posts += 1
@@ -334,6 +361,8 @@ class LoopbackOcrServer:
         threading.Timer(self.down_s, self.start).start()
 
     def stop(self) -> None:
+        """Close the port (held requests are let go)."""
+        self.released.set()
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()

@@ -12,10 +12,8 @@ commit metadata.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import io
-import json
 import signal
 import threading
 import time
@@ -29,7 +27,7 @@ from schemas.errors import ErrorCode
 from schemas.events import DlqEvent, InferEvent
 from services.common.kafka import make_consumer
 from services.common.settings import CommonSettings
-from tests.stack import JsonStubHandler, free_port, db_rows, namespaced_pipeline
+from tests.stack import LoopbackOcrServer, db_rows, is_red_image, namespaced_pipeline
 
 pytestmark = pytest.mark.stack
 
@@ -48,54 +46,11 @@ def partition_of(image: bytes, partitions: int = 4) -> int:
     return (murmur2(hashlib.sha256(image).hexdigest().encode()) & 0x7FFFFFFF) % partitions
 
 
-def is_poison(body: bytes) -> bool:
-    """Whether the chat-completions request carries a red image."""
-    url = json.loads(body)["messages"][-1]["content"][0]["image_url"]["url"]
-    r, g, b = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB").getpixel((5, 5))
-    return r > 200 and g < 60 and b < 60
-
-
-class WedgingServer:
-    """Answers every image with ``ANSWER``, except a red one: that request is held unanswered
-    (``holding`` is set) until :meth:`stop`."""
-
-    def __init__(self):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.holding = threading.Event()
-        self.released = threading.Event()
-        self.held = 0
-        srv = self
-
-        class Handler(JsonStubHandler):
-            def do_GET(self):
-                self._send(200, {"data": [{"id": "tencent/HunyuanOCR"}]})
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if is_poison(body):
-                    srv.held += 1
-                    srv.holding.set()
-                    srv.released.wait(600)  # the client is killed meanwhile
-                    return
-                self._send(200, {"choices": [{"message": {"content": f"{ANSWER}(100,100),(900,400)"},
-                                              "finish_reason": "stop"}]})
-
-        from http.server import ThreadingHTTPServer
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def stop(self) -> None:
-        self.released.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture(scope="module")
 def wedging():
-    srv = WedgingServer()
+    """Answers every image with ``ANSWER``, except a red one: that request is held unanswered."""
+    srv = LoopbackOcrServer(ANSWER, hangs_on=is_red_image)
+    srv.start()
     yield srv
     srv.stop()
 

@@ -11,16 +11,14 @@ the real stack.
 
 from __future__ import annotations
 
-import base64
 import io
-import json
 import time
 
 import pytest
 from PIL import Image
 
 from schemas.errors import ErrorCode
-from tests.stack import LoopbackOcrServer, metric_value, namespaced_pipeline
+from tests.stack import LoopbackOcrServer, is_red_image, metric_value, namespaced_pipeline
 
 pytestmark = pytest.mark.stack
 
@@ -34,17 +32,9 @@ def solid(rgb: tuple[int, int, int], size=(240, 120)) -> bytes:
     return buf.getvalue()
 
 
-def is_poison(body: bytes) -> bool:
-    """Whether the chat-completions request carries a red image (the one that kills the server)."""
-    url = json.loads(body)["messages"][-1]["content"][0]["image_url"]["url"]
-    img = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
-    r, g, b = img.getpixel((5, 5))
-    return r > 200 and g < 60 and b < 60
-
-
 @pytest.fixture(scope="module")
 def crashing():
-    srv = LoopbackOcrServer(ANSWER, dies_on=is_poison, down_s=DOWN_S)
+    srv = LoopbackOcrServer(ANSWER, dies_on=is_red_image, down_s=DOWN_S)
     srv.start()
     yield srv
     srv.stop()
