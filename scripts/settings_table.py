@@ -1,7 +1,9 @@
-"""Print (or check) the README's configuration table: every OCRSTREAM_* variable, default, meaning.
+"""Print (or check) the configuration table of docs/configuration.md: every OCRSTREAM_* variable,
+its default and its meaning.
 
-Usage: python scripts/settings_table.py [--write README.md | --check README.md]
-The table sits between the markers ``<!-- settings:begin -->`` and ``<!-- settings:end -->``.
+Usage: python scripts/settings_table.py [--write [FILE] | --check [FILE]]   (FILE: docs/configuration.md)
+The table sits between the markers ``<!-- settings:begin -->`` and ``<!-- settings:end -->``; a file
+without both markers is refused (the table no longer lives in README.md).
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ from pathlib import Path
 
 from pydantic import BaseModel, SecretStr
 
-from services.common.settings import CommonSettings
-from services.dedup.settings import DedupSettings
-from services.infer.settings import InferSettings
-from services.ingest.api.settings import ApiSettings
-from services.ingest.settings import IngestSettings
-from services.sink.settings import SinkSettings
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's services/, not whichever one the venv's editable install names
+
+from services.common.settings import CommonSettings  # noqa: E402
+from services.dedup.settings import DedupSettings  # noqa: E402
+from services.infer.settings import InferSettings  # noqa: E402
+from services.ingest.api.settings import ApiSettings  # noqa: E402
+from services.ingest.settings import IngestSettings  # noqa: E402
+from services.sink.settings import SinkSettings  # noqa: E402
 
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
+DEFAULT_FILE = ROOT / "docs" / "configuration.md"
 STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings,
           "the HTTP door (`python -m services.ingest.api`; also reads the ingest settings)": ApiSettings}
 
@@ -73,20 +79,28 @@ def render() -> str:
 
 def main() -> int:
     table = render()
-    if len(sys.argv) == 3 and sys.argv[1] in ("--write", "--check"):
-        path = Path(sys.argv[2])
-        text = path.read_text()
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        new = f"{head}{BEGIN}\n{table}\n{END}{tail}"
-        if sys.argv[1] == "--check":
-            if new != text:
-                print(f"{path}: configuration table is stale; run python scripts/settings_table.py --write {path}")
-                return 1
-            return 0
-        path.write_text(new)
+    args = sys.argv[1:]
+    if not args:
+        print(table)
         return 0
-    print(table)
+    if args[0] not in ("--write", "--check") or len(args) > 2:
+        print(__doc__.strip().splitlines()[3], file=sys.stderr)
+        return 2
+    path = Path(args[1]) if len(args) == 2 else DEFAULT_FILE
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"{path}: no {BEGIN} ... {END} markers; the settings table lives in docs/configuration.md "
+              "(python scripts/settings_table.py --write)", file=sys.stderr)
+        return 2
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    new = f"{head}{BEGIN}\n{table}\n{END}{tail}"
+    if args[0] == "--check":
+        if new != text:
+            print(f"{path}: configuration table is stale; run python scripts/settings_table.py --write")
+            return 1
+        return 0
+    path.write_text(new)
     return 0
 
 
