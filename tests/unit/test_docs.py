@@ -57,3 +57,39 @@ def test_settings_table_refuses_a_file_without_markers(tmp_path):
     assert res.returncode == 2
     assert "no <!-- settings:begin -->" in res.stderr
     assert readme.read_text() == "# front page\n"
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for path in doc_files():
+        text = FENCE.sub("", path.read_text())
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            rel = dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest
+            if not dest.exists():
+                if str(rel) not in PENDING:
+                    broken.append(f"{path.relative_to(REPO)}: {target} (no {rel})")
+                continue
+            if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{path.relative_to(REPO)}: {target} (no heading #{anchor} in {rel})")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_docs_file_is_in_the_index():
+    index = (REPO / "docs" / "README.md").read_text()
+    missing = [p.name for p in sorted((REPO / "docs").glob("*.md"))
+               if p.name != "README.md" and f"]({p.name})" not in index]
+    assert not missing, f"docs/README.md does not link {missing}"
+
+
+def test_readme_is_a_front_page_with_the_two_commands():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    assert "bash scripts/ocr.sh" in text and "bash scripts/test.sh" in text
+    assert "exec bash scripts/test.sh" in (REPO / ".ci" / "run").read_text()  # the README says .ci/run calls it
+    setup = text.split("## The two commands", 1)[1].split("\n## ", 1)[0]
+    assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", re.sub(r"(?m)^== .*$", "", setup)), "a commit hash in the set-up"
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", setup), "a date in the set-up section"
