@@ -27,7 +27,7 @@ READY_TIMEOUT="${OCRSTREAM_READY_TIMEOUT:-60}"   # seconds per service
 KAFKA_VERSION="4.1.1"   # keep in sync with deploy/local/kafka/pom.xml
 # MinIO tags (RELEASE.*) are not semver, so Go resolves them to a pseudo-version.
 # This is what `go install github.com/minio/minio@latest` resolved to on
-# 2026-11-29 and was verified with the stack (see README.md).
+# 2026-11-29 and was verified with the stack (see docs/setup.md).
 MINIO_MODULE="github.com/minio/minio"
 MINIO_VERSION="${OCRSTREAM_MINIO_VERSION:-v0.0.0-20260212201848-7aac2a2c5b7c}"
 MINIO_BIN="$CACHE_DIR/bin/minio"

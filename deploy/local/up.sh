@@ -5,7 +5,7 @@
 # missing, starts what is not running (a live pid in $STATE_DIR/pids is reused),
 # waits until each port answers, binds to 127.0.0.1 only. With no arguments it
 # finally runs `.venv/bin/ocrstream init` (topics/bucket/migrations) if present.
-# State (data + logs + pids): ${OCRSTREAM_STATE_DIR:-<repo>/.state}. See README.md.
+# State (data + logs + pids): ${OCRSTREAM_STATE_DIR:-<repo>/.state}. See docs/setup.md.
 set -euo pipefail
 # shellcheck source=deploy/local/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -115,7 +115,7 @@ up_redis() {
   mkdir -p "$dir"
   start_detached redis "$logf" redis-server --bind 127.0.0.1 --port "$REDIS_PORT" \
     --protected-mode yes --daemonize no --dir "$dir" --logfile "" \
-    --appendonly yes --appendfsync everysec --maxmemory-policy noeviction  # waiters live only here: README
+    --appendonly yes --appendfsync everysec --maxmemory-policy noeviction  # waiters live only here: docs/single-flight.md
   log redis "started (pid $(<"$(pidfile redis)")), waiting for 127.0.0.1:$REDIS_PORT"
   redis_ready() { [[ "$(redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null)" == PONG ]]; }
   wait_ready redis "$logf" redis_ready
