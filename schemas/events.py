@@ -213,6 +213,16 @@ class InferEvent(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
+CACHE_TIERS = ("lru", "redis", "s3", "settled", "single_flight", "near")
+"""Where a cache hit was answered from (``cache_tier``): ``lru`` dedup's in-process memory (L1),
+``redis`` the Redis entry (L2), ``s3`` the stored result document (L3), ``settled`` dedup's window
+of keys settled a moment ago, ``single_flight`` the result of the copy that was computed while this
+one waited, ``near`` a verified near duplicate's result. Tiers as named in
+``design/ARCHITECTURE.md`` (L1 in-process, L2 Redis, L3 the object store)."""
+
+CacheTier = Literal["lru", "redis", "s3", "settled", "single_flight", "near"]
+
+
 class ResultEvent(_Frozen):
     """The outcome for one request on ``ocr.results`` (read by sink).
 
@@ -227,6 +237,7 @@ class ResultEvent(_Frozen):
     request: RequestEvent
     cache_key: str | None = None
     cache_hit: bool = False
+    cache_tier: CacheTier | None = Field(default=None, description="on a cache hit, where it was answered from (CACHE_TIERS)")
     near_duplicate_of: str | None = Field(
         default=None, description="SHA-256 of the image whose result was reused, boxes rescaled (near-duplicate hit)"
     )
@@ -242,7 +253,8 @@ class ResultEvent(_Frozen):
     cacheable: bool = Field(
         default=True,
         description="false: computed by an infer whose cache generation differs from cache_key's (a rolling "
-                    "upgrade); the sink completes the request and the key's waiters but stores nothing under the key",
+                    "upgrade); the sink completes the request but stores nothing under the key (its output goes "
+                    "to the request's own object, which the key's waiters are answered from)",
     )
     attempt: int = 1
     timings_ms: dict[str, float] = Field(default_factory=dict)
@@ -278,6 +290,7 @@ class ResultDocument(_Frozen):
     content_sha256: str | None = None
     cache_key: str | None = None
     cache_hit: bool = False
+    cache_tier: CacheTier | None = Field(default=None, description="on a cache hit, where it was answered from (CACHE_TIERS)")
     near_duplicate_of: str | None = Field(
         default=None, description="set when the result is another image's (a verified near duplicate: re-encoded "
         "or rescaled copy), boxes rescaled to this image: that image's SHA-256"
@@ -337,6 +350,46 @@ class OcrOutput(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
+class SettledEvent(_Frozen):
+    """A cache key's computation has ended: on ``ocr.settled``, keyed by content SHA-256 like the
+    request, so it reaches the dedup process that owns the key's partition (read with
+    ``ocr.requests`` in one consumer group, partition p of both to one member).
+
+    Emitted by the sink once the result is durable (S3 document, MariaDB rows, and the Redis entry
+    when Redis answers), for every result computed under a cache key (and every error of one),
+    never for a cache hit. Dedup completes the key's waiting copies from it.
+
+    Attributes:
+        cache_key: The key settled.
+        request_id: The request whose result this is (the holder's, normally).
+        status: ``ok`` or ``error``.
+        error: The error, on ``error``.
+        attempt: The attempt that produced it (``InferEvent.attempt``).
+        cacheable: False for output of another generation (it is not stored under the key).
+        result_uri: The stored output (``ok``): the key's result document, or with ``cacheable``
+            false the request's own output object.
+        near: True when the result was a near duplicate's (its image is not indexed itself).
+    """
+
+    schema_: Literal["ocr.settled.v1"] = Field(default="ocr.settled.v1", alias="schema")
+    event_id: str = Field(default_factory=new_id)
+    cache_key: str
+    content_sha256: str
+    request_id: str
+    status: Literal["ok", "error"]
+    error: ErrorInfo | None = None
+    attempt: int = Field(default=1, ge=1)
+    cacheable: bool = True
+    result_uri: str | None = None
+    engine: str | None = None
+    model: str | None = None
+    model_revision: str | None = None
+    near: bool = False
+    settled_at_ms: int = Field(default_factory=now_ms)
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
 class CompletedEvent(_Frozen):
     """One completion on ``ocr.completed`` (keyed by request id) for downstream systems.
 
@@ -383,4 +436,5 @@ ALL_EVENTS: dict[str, type[BaseModel]] = {
     "ocr.output.v1": OcrOutput,
     "ocr.completed.v1": CompletedEvent,
     "ocr.dlq.v1": DlqEvent,
+    "ocr.settled.v1": SettledEvent,
 }

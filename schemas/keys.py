@@ -99,3 +99,10 @@ def request_output_key(request_id: str) -> str:
     another cache generation, too large for its database row): ``results/requests/<sha256 of the
     request id>.json`` (a hash: any request id makes a valid key)."""
     return f"results/requests/{hashlib.sha256(request_id.encode()).hexdigest()}.json"
+
+
+def purge_fence_key(gen_id: str) -> str:
+    """S3 key of a generation's purge fence: ``fences/<gen_id>.json`` (``{"purged_at_ms": ...}``),
+    written by ``ocrstream cache purge``. A stored result document of that generation last
+    modified before the fence is not recalled from S3 (it is computed again, and overwritten)."""
+    return f"fences/{gen_id}.json"

@@ -16,14 +16,30 @@ class Topics(BaseModel):
     requests: str = "ocr.requests"
     """Accepted requests, image in S3, keyed by content SHA-256. Read by dedup."""
     infer: str = "ocr.infer"
-    """Cache misses that hold the in-flight lease, keyed by content SHA-256. Read by infer."""
+    """Cache misses, one per cache key in flight (the holder), keyed by content SHA-256. Read by infer."""
     results: str = "ocr.results"
     """Results from infer, cache hits from dedup and rejections from ingest. Read by sink."""
     completed: str = "ocr.completed"
     """One completion per request, keyed by request id. For downstream systems."""
     dlq: str = "ocr.dlq"
     """Messages no stage could process after bounded attempts, with the reason."""
+    settled: str = "ocr.settled"
+    """One event per computed (or failed) cache key, keyed by content SHA-256, from the sink once the
+    result is durable. Read by dedup with ``requests`` (same partition count; partition p of both to
+    one member)."""
+    dedup_changelog: str = "ocr.dedup-changelog"
+    """Dedup's keyed state (keys in flight, their waiting copies, keys settled a moment ago):
+    compacted, partition p holds the state of ``requests`` partition p. Written and read by dedup only."""
 
     def all(self) -> list[str]:
         """Every topic name, in flow order."""
-        return [self.submit, self.requests, self.infer, self.results, self.completed, self.dlq]
+        return [self.submit, self.requests, self.infer, self.results, self.completed, self.dlq, self.settled,
+                self.dedup_changelog]
+
+    def compacted(self) -> list[str]:
+        """The topics ``ocrstream init`` creates with ``cleanup.policy=compact`` (state changelogs)."""
+        return [self.dedup_changelog]
+
+    def copartitioned(self) -> list[str]:
+        """Topics that must have the same partition count (dedup's inputs and its changelog)."""
+        return [self.requests, self.settled, self.dedup_changelog]

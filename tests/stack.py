@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from schemas.events import ResultDocument
+from schemas.topics import Topics
 from services.cli.client import Submitter
 from services.common.completions import CompletionWatcher
 from services.common.settings import CommonSettings
@@ -47,6 +48,9 @@ def namespace_env(tag: str | None = None, partitions: int = 2) -> dict[str, str]
     env = {
         "OCRSTREAM_KAFKA__PARTITIONS": str(partitions),
         "OCRSTREAM_REDIS__KEY_PREFIX": ns,
+        # a bucket per namespace: dedup's S3 tier answers from stored result documents, so another
+        # namespace's (or an earlier run's) results of the same image must not be found
+        "OCRSTREAM_S3__BUCKET": ns,
         "OCRSTREAM_INGEST_GROUP_ID": f"{ns}-ingest",
         "OCRSTREAM_DEDUP_GROUP_ID": f"{ns}-dedup",
         "OCRSTREAM_INFER_GROUP_ID": f"{ns}-infer",
@@ -54,7 +58,7 @@ def namespace_env(tag: str | None = None, partitions: int = 2) -> dict[str, str]
         "OCRSTREAM_WEBHOOK_GROUP_ID": f"{ns}-webhooks",  # also owns the namespace's webhook_deliveries rows
         "OCRSTREAM_TELEMETRY__LOG_LEVEL": "INFO",
     }
-    for name in ("submit", "requests", "infer", "results", "completed", "dlq"):
+    for name in Topics.model_fields:
         env[f"OCRSTREAM_TOPICS__{name.upper()}"] = f"{ns}.ocr.{name}"
     return env
 

@@ -33,13 +33,10 @@ STAGES = ("ingest", "dedup", "infer", "sink")
 @app.command()
 def init() -> None:
     """Create the topics, the S3 bucket (with lifecycle rules on its staging and upload prefixes) and the
-    MariaDB tables (idempotent);
-    warn if Redis is not durable enough for single flight (:func:`services.common.cache.durability_problems`)."""
+    MariaDB tables (idempotent). Dedup's inputs and its changelog get the same partition count; the
+    changelog is compacted."""
     from botocore.exceptions import ClientError
 
-    from redis.exceptions import RedisError
-
-    from services.common.cache import ResultCache
     from services.common.db import Database
     from services.common.kafka import create_topics
     from services.common.s3 import ObjectStore
@@ -47,7 +44,7 @@ def init() -> None:
     s = load_settings(CommonSettings)
 
     async def _run() -> None:
-        created = await create_topics(s.kafka, s.topics.all())
+        created = await create_topics(s.kafka, s.topics.all(), compacted=s.topics.compacted())
         console.print(f"topics: {'created ' + ', '.join(created) if created else 'all present'} "
                       f"({s.kafka.partitions} partitions each)")
         store = ObjectStore(s.s3)
@@ -70,18 +67,6 @@ def init() -> None:
                 err.print(f"[yellow]warning:[/yellow] no lifecycle rule on {prefix} ({code}): {left}")
         applied = await Database(s.mysql, pool_size=1).migrate()
         console.print(f"mariadb: {'applied ' + ', '.join(applied) if applied else 'schema up to date'}")
-        cache = ResultCache(s.redis)
-        try:  # a warning, not a failure: a managed Redis may refuse CONFIG and still be set up right
-            problems = await cache.durability()
-        except (RedisError, OSError, TimeoutError) as exc:
-            problems = [f"settings not readable ({type(exc).__name__}: {exc}); make sure of AOF "
-                        "(appendonly yes, appendfsync everysec) and maxmemory-policy noeviction"]
-        finally:
-            await cache.close()
-        for p in problems:
-            err.print(f"[yellow]warning:[/yellow] redis: {p}", highlight=False)
-        if not problems:
-            console.print("redis: AOF on, maxmemory-policy noeviction")
 
     asyncio.run(_run())
 
@@ -271,35 +256,51 @@ def cache_purge(
     model: Optional[str] = typer.Option(None, "--model", help="model revision whose entries to delete"),
     generation: Optional[str] = typer.Option(None, "--generation", help="generation id to delete"),
 ) -> None:
-    """Delete the cache entries of one generation (by model revision or generation id)."""
+    """Delete the cache entries of one generation (by model revision or generation id) and fence its
+    stored results in S3 (``fences/<gen_id>.json``), so neither Redis nor the S3 tier answers from them."""
+    from redis.exceptions import RedisError
+
+    from schemas.keys import purge_fence_key
     from services.common.cache import ResultCache
+    from services.common.s3 import ObjectStore
 
     if not model and not generation:
         err.print("error: give --model REV or --generation ID")
         raise typer.Exit(2)
+    s = load_settings(CommonSettings)
 
-    async def _run() -> tuple[int, int]:
+    async def _run() -> tuple[list[str], int, BaseException | None]:
         # an operator's command scanning the whole keyspace: the stages' 100 ms per-call budget would
         # make a loaded Redis (or a loaded machine) fail it half way, so it waits up to 30 s per call
-        cfg = load_settings(CommonSettings).redis
-        cache = ResultCache(cfg.model_copy(update={"timeout_ms": max(cfg.timeout_ms, PURGE_TIMEOUT_MS)}))
+        cache = ResultCache(s.redis.model_copy(update={"timeout_ms": max(s.redis.timeout_ms, PURGE_TIMEOUT_MS)}))
+        gens: list[str] = []
+        deleted, failed = 0, None
         try:
-            return await cache.purge(model_revision=model, gen_id=generation)
+            gens, deleted = await cache.purge(model_revision=model, gen_id=generation)
+        except (RedisError, OSError) as exc:  # the S3 fences are still written: Redis is only a cache
+            failed = exc
         finally:
             await cache.close()
+        # generations Redis does not know (flushed, or down): the id given, or this deployment's own
+        known = {generation} if generation else {s.generation(t).gen_id for t in s.tasks
+                                                 if s.generation(t).model_revision == model}
+        gens = sorted(set(gens) | known)
+        store = ObjectStore(s.s3)
+        fence = orjson.dumps({"purged_at_ms": int(time.time() * 1000)})
+        for gid in gens:
+            await store.put(purge_fence_key(gid), fence, "application/json")
+        return gens, deleted, failed
 
-    from redis.exceptions import RedisError
-
-    try:
-        matched, deleted = asyncio.run(_run())
-    except (RedisError, OSError) as exc:
-        err.print(f"error: Redis (OCRSTREAM_REDIS__URL) did not answer the purge: {exc}")
-        raise typer.Exit(1) from None
-    if not matched:
+    gens, deleted, failed = asyncio.run(_run())
+    if failed is not None:
+        err.print(f"warning: Redis (OCRSTREAM_REDIS__URL) did not answer the purge ({failed}); its entries expire "
+                  "with their TTL")
+    if not gens:
         err.print(f"error: no cache generation has {'model revision ' + repr(model) if model else 'id ' + repr(generation)}"
                   " (generations are registered by dedup; see `ocrstream cache purge --help`)")
         raise typer.Exit(1)
-    console.print(f"deleted {deleted} cache entries of {matched} generation{'s' if matched != 1 else ''}")
+    console.print(f"deleted {deleted} cache entries of {len(gens)} generation{'s' if len(gens) != 1 else ''}; "
+                  f"fenced their stored results in S3 ({', '.join(gens)})")
 
 
 def _key_store():

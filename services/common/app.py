@@ -77,25 +77,30 @@ async def run_stage(
     *,
     stage: str,
     settings: CommonSettings,
-    topic: str,
+    topic: str | list[str],
     group_id: str,
     build_handler: Callable[[StageContext], Awaitable[Handler]],
     max_batch: int,
     max_wait_ms: int,
     max_poll_interval_ms: int | None = None,
+    assignors: tuple | None = None,
+    drain_on_revoke: bool = False,
 ) -> None:
     """Run one stage until SIGTERM/SIGINT, then finish the batch in flight, commit and exit.
 
     Args:
         stage: Stage name.
         settings: The stage's settings.
-        topic: Input topic.
+        topic: Input topic, or topics (read in one consumer group).
         group_id: Consumer group (each stage has its own).
         build_handler: Opens the stage's clients and returns its handler (after any warm-up).
         max_batch: Most records per batch.
         max_wait_ms: Longest wait for a batch to fill.
         max_poll_interval_ms: Override of the consumer's ``max.poll.interval.ms``.
+        assignors: The group's partition assignment strategy (:func:`~services.common.kafka.make_consumer`).
+        drain_on_revoke: See :class:`~services.common.runner.StageRunner`.
     """
+    topics = [topic] if isinstance(topic, str) else list(topic)
     setup_logging(stage, settings.telemetry.log_level)
     telemetry = Telemetry(stage, settings.telemetry)
     stop = asyncio.Event()
@@ -127,7 +132,8 @@ async def run_stage(
     ctx = StageContext(settings=settings, telemetry=telemetry, producer=producer)
     handler = await build_handler(ctx)
     consumer: AIOKafkaConsumer = make_consumer(
-        settings.kafka, [], group_id, client_id=f"ocrstream-{stage}", max_poll_interval_ms=max_poll_interval_ms
+        settings.kafka, [], group_id, client_id=f"ocrstream-{stage}", max_poll_interval_ms=max_poll_interval_ms,
+        assignors=assignors,
     )
     runner = StageRunner(
         stage=stage,
@@ -143,11 +149,12 @@ async def run_stage(
         size_limits=size_limits,
         poison_after_deaths=settings.poison_after_deaths,
         read_committed=admin_reader(admin, group_id) if admin is not None else None,
+        drain_on_revoke=drain_on_revoke,
     )
-    consumer.subscribe([topic], listener=runner.listener)  # before start: the first join already has it
+    consumer.subscribe(topics, listener=runner.listener)  # before start: the first join already has it
     await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)
     started.set()
-    log.info("%s: consuming %s as group %s", stage, topic, group_id)
+    log.info("%s: consuming %s as group %s", stage, ", ".join(topics), group_id)
     task = asyncio.create_task(runner.run(stop))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from dataclasses import dataclass, field
@@ -75,11 +76,14 @@ def make_consumer(
     client_id: str,
     max_poll_interval_ms: int | None = None,
     auto_offset_reset: str = "earliest",
+    assignors: tuple | None = None,
 ) -> AIOKafkaConsumer:
     """A consumer with manual commits (``enable_auto_commit=False``); offsets are committed
     by the runner only after everything a batch caused is durable.
 
     Call ``subscribe`` (done here when ``topics`` is given) then ``await start()``.
+    ``assignors``: the group's ``partition_assignment_strategy`` (aiokafka's default, round
+    robin, when None; dedup passes :class:`~services.common.assignor.CopartitionedAssignor`).
     """
     consumer = AIOKafkaConsumer(
         bootstrap_servers=cfg.bootstrap_servers,
@@ -91,6 +95,7 @@ def make_consumer(
         heartbeat_interval_ms=cfg.heartbeat_interval_ms,
         max_poll_interval_ms=max_poll_interval_ms or cfg.max_poll_interval_ms,
         request_timeout_ms=max(cfg.request_timeout_ms, cfg.session_timeout_ms + 5_000),
+        **({"partition_assignment_strategy": assignors} if assignors else {}),
         **_security_kwargs(cfg),
     )
     if topics:
@@ -137,12 +142,17 @@ async def topic_message_limits(cfg: KafkaSettings, topics: list[str]) -> dict[st
     return limits
 
 
-async def create_topics(cfg: KafkaSettings, names: list[str]) -> list[str]:
+async def create_topics(cfg: KafkaSettings, names: list[str], compacted: list[str] | None = None) -> list[str]:
     """Create the topics that do not exist yet, with ``cfg.partitions`` partitions each and
     ``max.message.bytes`` = ``cfg.max_request_size`` (brokers default to 1 MiB; a large result or
     completion must fit). Existing topics are left as they are: raise theirs with
     ``kafka-configs.sh --alter --entity-type topics --entity-name T --add-config max.message.bytes=N``
     (a message a topic refuses is replaced by a DLQ stub, :mod:`services.common.runner`).
+
+    Args:
+        cfg: Kafka settings (partitions, replication factor, message size).
+        names: The topics.
+        compacted: Those of ``names`` created with ``cleanup.policy=compact`` (state changelogs).
 
     Returns:
         The names that were created (empty when all existed).
@@ -156,10 +166,33 @@ async def create_topics(cfg: KafkaSettings, names: list[str]) -> list[str]:
             try:
                 await admin.create_topics(
                     [NewTopic(n, cfg.partitions, cfg.replication_factor,
-                              topic_configs={"max.message.bytes": str(cfg.max_request_size)}) for n in missing]
+                              topic_configs={"max.message.bytes": str(cfg.max_request_size),
+                                             **({"cleanup.policy": "compact"} if n in (compacted or ()) else {})})
+                     for n in missing]
                 )
             except TopicAlreadyExistsError:
                 pass
         return missing
     finally:
         await admin.close()
+
+
+async def check_copartitioned(cfg: KafkaSettings, names: list[str], timeout_s: float = 30.0) -> None:
+    """Refuse to run when co-partitioned topics (dedup's inputs and changelog) differ in partition
+    count or are missing: a request and its key's settlement would meet on different members.
+
+    Raises:
+        SystemExit: with a message naming each topic's count (fix: ``ocrstream init`` on an empty
+            cluster, or add partitions so they match).
+    """
+    admin = make_admin(cfg, "ocrstream-partition-check")
+    try:
+        async with asyncio.timeout(timeout_s):
+            await admin.start()
+            described = await admin.describe_topics(names)
+    finally:
+        await admin.close()
+    counts = {d["topic"]: len(d.get("partitions") or []) for d in described}
+    if any(counts.get(n, 0) == 0 for n in names) or len(set(counts.values())) != 1:
+        raise SystemExit(f"topics {', '.join(f'{n} ({counts.get(n, 0)} partitions)' for n in names)} must exist "
+                         "with the same partition count: run `ocrstream init`, or add partitions so they match")

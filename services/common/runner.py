@@ -125,6 +125,15 @@ class Handler(ABC):
         they will never be passed to :meth:`handle` (a new owner fetches them again). Called from
         the rebalance callback, only with records not yet handed to :meth:`handle`. Default: nothing."""
 
+    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        """Called from the rebalance callback with the partitions just assigned, before any record of
+        them is handed to :meth:`handle` (a stage with state restores it here). Default: nothing."""
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Called from the rebalance callback with the partitions being revoked, after the batch in
+        flight was committed when the runner drains on revocation (``drain_on_revoke``): drop their
+        state. Default: nothing."""
+
     async def dependencies_ok(self) -> bool | None:
         """Whether every store this handler writes to answers now (a fresh ping of each), asked
         after a batch failed with a retriable-looking error. True: the failure is the batch's own
@@ -155,16 +164,22 @@ class Revocations(ConsumerRebalanceListener):
         self._runner = runner
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Drop the runner's unhandled records of ``revoked``; bar the batch in flight from committing
-        them; clear their in-progress marks (a rebalance is not a death)."""
+        """With ``drain_on_revoke``, wait for the batch in flight to be committed first; then drop the
+        runner's unhandled records of ``revoked``; bar the batch in flight from committing them;
+        clear their in-progress marks (a rebalance is not a death); tell the handler."""
+        await self._runner._drain_for_revoke()
         self._runner._revoke(set(revoked))
         await self._runner._unmark(set(revoked))
+        try:
+            await self._runner.handler.on_revoked(set(revoked))
+        except Exception as exc:  # noqa: BLE001 - a failing cleanup must not break the rebalance
+            log.warning("%s: the handler's revocation hook failed: %r", self._runner.stage, exc)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         """Log the new assignment (partitions start at their committed offsets) and count the
         deaths their commit metadata records."""
         log.info("%s: assigned %s", self._runner.stage, sorted(assigned))
-        await self._runner._load_deaths(set(assigned))
+        await self._runner._assigned(set(assigned))
 
 
 class StageRunner:
@@ -191,6 +206,11 @@ class StageRunner:
             module docstring); 0 = off (no marks, no extra commit).
         read_committed: Reads the group's committed offsets with metadata
             (:func:`services.common.deaths.admin_reader`); required when ``poison_after_deaths`` > 0.
+        drain_on_revoke: The revocation callback first waits (at most ``drain_timeout_s``) for the
+            batch in flight to be produced and committed, as Kafka Streams commits a task before
+            it is revoked: for a stage with keyed state whose next owner must find every change
+            of it in the changelog (dedup). Only for short batches: the group waits meanwhile.
+        drain_timeout_s: Bound of that wait, s.
     """
 
     def __init__(
@@ -209,6 +229,8 @@ class StageRunner:
         size_limits: dict[str, int] | None = None,
         poison_after_deaths: int = 0,
         read_committed: ReadCommitted | None = None,
+        drain_on_revoke: bool = False,
+        drain_timeout_s: float = 30.0,
     ):
         self.stage = stage
         self.consumer = consumer
@@ -231,10 +253,16 @@ class StageRunner:
             raise ValueError("poison_after_deaths needs read_committed")
         self.deaths = DeathLedger(stage, poison_after_deaths, read_committed) if poison_after_deaths else None
         self._commit_lock = asyncio.Lock()  # marks, commits and the revocation's clearing, one at a time
-        # cleared by a revocation, set once the next assignment's deaths are read: aiokafka may hand
-        # out records of a new assignment before on_partitions_assigned has run (or returned)
-        self._deaths_read = asyncio.Event()
-        self._deaths_read.set()
+        # cleared by a revocation, set once the next assignment's deaths are read and the handler's
+        # on_assigned has returned: aiokafka may hand out records of a new assignment before
+        # on_partitions_assigned has run (or returned)
+        self._ready = asyncio.Event()
+        self._ready.set()
+        self.drain_on_revoke = drain_on_revoke
+        self.drain_timeout_s = drain_timeout_s
+        self._between_batches = asyncio.Event()  # set while no batch is in flight
+        self._between_batches.set()
+        self._revoking = False
 
     # -- public -------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -246,12 +274,15 @@ class StageRunner:
                 continue
             self.telemetry.batch_in(self.stage, records)
             started = time.perf_counter()
-            if self.deaths is not None:
-                await self._deaths_read.wait()
-            if self.deaths is not None and self.deaths.any_suspect(records):
-                await self._one_by_one(records, stop)
-            else:
-                await self._batch(records)
+            await self._ready.wait()
+            self._between_batches.clear()
+            try:
+                if self.deaths is not None and self.deaths.any_suspect(records):
+                    await self._one_by_one(records, stop)
+                else:
+                    await self._batch(records)
+            finally:
+                self._between_batches.set()
             self._in_flight = []
             self.telemetry.batch_done(self.stage, len(records), time.perf_counter() - started)
             await self._idle()  # housekeeping runs under load too (at most once a second)
@@ -319,7 +350,7 @@ class StageRunner:
         def gone(r: ConsumerRecord) -> bool:
             return TopicPartition(r.topic, r.partition) in revoked
 
-        self._deaths_read.clear()
+        self._ready.clear()
         dropped = [r for r in self._carry if gone(r)]
         self._carry = [r for r in self._carry if not gone(r)]
         in_flight = [r for r in self._in_flight if gone(r)]
@@ -338,14 +369,31 @@ class StageRunner:
         else:
             log.info("%s: partitions %s revoked (no records held)", self.stage, sorted(revoked))
 
-    async def _load_deaths(self, assigned: set[TopicPartition]) -> None:
-        """Assignment callback: read the deaths recorded in the commit metadata of ``assigned``;
-        no batch is taken until they are read."""
+    async def _assigned(self, assigned: set[TopicPartition]) -> None:
+        """Assignment callback: read the deaths recorded in the commit metadata of ``assigned`` and
+        let the handler restore its state (:meth:`Handler.on_assigned`, retried while it fails
+        transiently); no batch is taken until both are done."""
         try:
             if self.deaths is not None:
                 await self.deaths.load(assigned)
+            await self._retrying(lambda: self.handler.on_assigned(assigned))
         finally:
-            self._deaths_read.set()
+            self._ready.set()
+
+    async def _drain_for_revoke(self) -> None:
+        """Revocation callback, with ``drain_on_revoke``: wait for the batch in flight to finish
+        (produced, committed), at most ``drain_timeout_s``; the keepalive stops polling meanwhile
+        (a ``getmany`` during a rebalance waits for the new assignment)."""
+        if not self.drain_on_revoke or self._between_batches.is_set():
+            return
+        self._revoking = True
+        try:
+            await asyncio.wait_for(self._between_batches.wait(), self.drain_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("%s: the batch in flight did not finish within %.0fs of a revocation; its records are redone "
+                        "by the next owner", self.stage, self.drain_timeout_s)
+        finally:
+            self._revoking = False
 
     async def _mark(self, records: list[ConsumerRecord]) -> None:
         """Commit each partition of ``records`` where it is, naming them in progress (one commit).
@@ -428,6 +476,8 @@ class StageRunner:
                 done, _ = await asyncio.wait({task}, timeout=0.2)
                 if done:
                     return task.result()
+                if self._revoking:
+                    continue  # a revocation waits for this batch: no poll until it is done
                 assigned = self.consumer.assignment()
                 room = self.max_batch - len(self._carry)
                 if room > 0:

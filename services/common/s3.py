@@ -147,6 +147,21 @@ class ObjectStore:
                 return False
             raise
 
+    async def last_modified_ms(self, key: str) -> int | None:
+        """When the object at ``key`` was last written (epoch ms, from HEAD's ``LastModified``), or
+        None when it does not exist.
+
+        Raises:
+            ClientError: S3 refused the HEAD for another reason (a 403, a 5xx).
+        """
+        try:
+            meta = await self._call("head", self.client.head_object, Bucket=self.bucket, Key=key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return int(meta["LastModified"].timestamp() * 1000)
+
     async def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
         """Write ``data`` (bytes) at ``key``; overwrites."""
         await self._call("put", self.client.put_object, Bucket=self.bucket, Key=key, Body=data, ContentType=content_type)

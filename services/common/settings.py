@@ -319,11 +319,6 @@ class CommonSettings(BaseSettings):
                     "finishing it) this many times goes to ocr.dlq unhandled and its request ends with stage_crash; "
                     "counted across restarts in the consumer group's commit metadata (one more commit per batch); "
                     "0 = off")
-    lease_ms: int = Field(
-        default=600_000, ge=1,
-        description="in-flight lease, ms: when it has passed, dedup's reaper replaces the holder by a waiting copy only "
-                    "if the holder is no longer queued in ocr.infer or ocr.results (else it extends the lease by "
-                    "this much); the sink gives a promoted waiter this lease")
     shutdown_timeout_s: float = Field(default=20.0, gt=0, description="SIGTERM drain bound; below k8s grace period")
     retry_max_backoff_s: float = Field(default=10.0, gt=0, description="cap of the backoff while a store is down")
 

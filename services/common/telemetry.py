@@ -75,6 +75,10 @@ class Telemetry:
         self.errors = Counter("ocrstream_errors", "Records given up on (DLQ) by error code", ["stage", "code"], registry=r)
         self.engine_batch_seconds = Histogram("ocrstream_engine_batch_seconds", "Engine call wall time per batch", ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
         self.consumer_lag = Gauge("ocrstream_consumer_lag", "Records behind the partition end (highwater - position)", ["stage", "topic", "partition"], registry=r)
+        self.state_size = Gauge("ocrstream_dedup_state", "Dedup's keyed state now: keys in flight, waiting copies, "
+                                "settled keys", ["kind"], registry=r)
+        self.state_restored = Counter("ocrstream_dedup_restored", "Dedup state restored from the changelog on "
+                                      "assignment: keys in flight, waiting copies, settled keys", ["kind"], registry=r)
         self.probe_up = Gauge("ocrstream_dependency_up", "1 when the last readiness check of a dependency passed", ["stage", "dependency"], registry=r)
         self.ready_checks: list[Callable[[], bool]] = []
         self.live_checks: dict[str, Callable[[], bool]] = {}  # name -> False once the process cannot recover

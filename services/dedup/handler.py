@@ -1,333 +1,421 @@
-"""Dedup logic: cache lookup (LRU, then Redis) and single flight per cache key."""
+"""Dedup logic: answer repeats from the cache tiers, and compute each cache key once (single flight
+as keyed state, :mod:`services.dedup.state`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
-from aiokafka import ConsumerRecord
+import orjson
+from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, InferEvent, Page, RequestEvent, ResultEvent
-from services.common.cache import PROMOTED_MAX_SENDS, CacheEntry, CacheUnavailable, Promotion, ResultCache
+from schemas.events import (
+    ErrorInfo, InferEvent, Page, RequestEvent, ResultEvent, SettledEvent, now_ms,
+)
+from schemas.keys import purge_fence_key, result_object_key, split_cache_key
+from services.common.cache import CacheUnavailable, ResultCache
 from services.common.dlq import poison_messages
 from services.common.events import dumps, loads, queue_wait_ms
 from services.common.kafka import Outgoing
 from services.common.runner import Handler
+from services.common.s3 import ObjectStore
 from services.common.telemetry import SpanKind, Telemetry, record_attrs
-from services.dedup.backlog import BacklogUnknown, DownstreamBacklog
+from services.dedup.changelog import Changelog
 from services.dedup.lru import EntryLru
 from services.dedup.near import NearDupLookup, NearHit
 from services.dedup.settings import DedupSettings
+from services.dedup.state import PartitionState, Settled
 
 log = logging.getLogger(__name__)
 
 GEN_REREGISTER_S = 300.0
 """Seconds between re-registrations of a generation in ``ocr:gens`` (one HSET): its record comes
-back within this if it was lost (Redis without persistence restarted, a purge by an older CLI
-that deleted it), so ``cache purge`` finds the entries made since."""
+back within this if it was lost (Redis flushed or restarted empty), so ``cache purge`` finds the
+entries made since."""
+
+
+FENCE_READ_S = 2.0
+"""Time budget of one read of a purge fence, s (once per generation every ``fence_refresh_s``; the
+first S3 call of a fresh process may take a second on a loaded machine)."""
 
 
 class DedupHandler(Handler):
-    """For each request: hit -> ``ocr.results`` (cache_hit, no model call); miss -> claim the
-    in-flight lease and go to ``ocr.infer``; lease already held -> join the waiters, completed
-    by the sink together with the holder. Redis down -> a plain miss (no lease, no waiting).
+    """Reads ``ocr.requests`` and ``ocr.settled`` (one consumer group, partition p of both here).
 
-    Records are handled one after another, so copies of one image in one batch (same key, same
-    partition) find the lease taken by the first.
+    A request, after the task check:
 
-    With ``near_dup`` on (``near`` given), a request that took the lease is first looked up by
-    perceptual hash; a verified near duplicate goes to ``ocr.results`` as a hit carrying the
-    other image's lines rescaled to this one (the sink stores it under this image's key and
-    completes any waiters), otherwise the request goes to inference as usual.
+    1. its request id already in flight here: nothing (a replay);
+    2. its key settled a moment ago (the state's window): a hit, tier ``settled``;
+    3. its key in flight: it joins the waiters (no output), or past ``max_waiters`` goes to
+       inference on its own;
+    4. the LRU (L1), Redis (L2), the stored result document in S3 (L3, one HEAD within
+       ``s3_tier_timeout_ms``, fenced by ``cache purge``): a hit with that tier;
+    5. with near duplicates on, a verified look-alike: a hit (its result is stored under this key
+       by the sink, which settles the key);
+    6. otherwise it becomes the key's holder and goes to ``ocr.infer``.
+
+    A settlement completes the key's waiters with the holder's result (hits, tier
+    ``single_flight``, carrying the stored document's S3 pointer), promotes one after a retryable
+    failure, or shares a final error (:meth:`PartitionState.settle`). State changes go to the
+    changelog after the batch's messages are acknowledged, before its offsets are committed
+    (:meth:`after_produce`).
+
+    Args:
+        settings: The dedup settings.
+        cache: Redis (entries, generations, the near-duplicate index): never needed for correctness.
+        telemetry: Spans, ``ocrstream_cache_total`` and the state gauges.
+        store: S3, for the third tier and purge fences; None turns both off (unit tests).
+        changelog: Where the state is backed up; None keeps it in memory only (unit tests).
+        near: The near-duplicate lookup, or None (off).
     """
 
     def __init__(self, settings: DedupSettings, cache: ResultCache, telemetry: Telemetry,
-                 near: NearDupLookup | None = None, backlog: DownstreamBacklog | None = None):
-        """
-        Args:
-            settings: The dedup settings.
-            cache: The Redis cache (claims, leases, the reaper's promotions).
-            telemetry: Spans and the ``ocrstream_cache_total`` counters.
-            near: The near-duplicate lookup, or None (off).
-            backlog: What the reaper asks before it replaces a holder whose deadline passed;
-                None replaces such a holder at once (unit tests; the stage always passes one).
-        """
+                 store: ObjectStore | None = None, changelog: Changelog | None = None,
+                 near: NearDupLookup | None = None):
         self.s = settings
         self.cache = cache
         self.telemetry = telemetry
+        self.store = store
+        self.changelog = changelog
         self.near = near
-        self.backlog = backlog
-        self._marks: dict[str, list] = {}  # expired held key -> [topic, partition, offset the group must commit past]
-        self._gave_up: list[str] = []  # request ids whose give-up results the last on_idle returned
-        self._answered: dict[str, list[bytes]] = {}  # key -> waiters the last on_idle answered from its entry
+        self.states: dict[int, PartitionState] = {}
         self.lru = EntryLru(settings.lru_entries, settings.lru_bytes, settings.lru_ttl_s)
         self._known_gens: dict[str, float] = {}  # gen_id -> when registered (monotonic s)
+        self._fences: dict[str, tuple[float, int]] = {}  # gen_id -> (read at, monotonic s; purged_at_ms, 0 = none)
+        self._to_index: list[tuple[str, str, int]] = []  # (space, sha, hash) whose indexing failed: retried on idle
 
+    # -- partitions -------------------------------------------------------------------------
+    def _new_state(self, p: int) -> PartitionState:
+        return PartitionState(p, max_waiters=self.s.max_waiters, settled_window_ms=int(self.s.settled_window_s * 1000),
+                              settled_max_keys=self.s.settled_max_keys, max_attempts=self.s.max_attempts)
+
+    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        """Restore the state of each newly assigned partition number from the changelog."""
+        await self._ensure(sorted({tp.partition for tp in assigned}))
+
+    async def _ensure(self, partitions: list[int]) -> None:
+        new = [p for p in partitions if p not in self.states]
+        if not new:
+            return
+        started = time.perf_counter()
+        records = await self.changelog.restore(new) if self.changelog is not None else {p: {} for p in new}
+        totals = [0, 0, 0]
+        for p in new:
+            st = self._new_state(p)
+            for i, n in enumerate(st.restore(records[p])):
+                totals[i] += n
+            self.states[p] = st
+        for kind, n in zip(("in_flight", "waiters", "settled"), totals):
+            self.telemetry.state_restored.labels(kind).inc(n)
+        log.info("dedup: restored partitions %s from the changelog in %.0f ms: %d keys in flight, %d waiting "
+                 "copies, %d settled keys", new, (time.perf_counter() - started) * 1000, *totals)
+        self._gauge()
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Drop the state of the revoked partition numbers (its next owner restores it)."""
+        for p in sorted({tp.partition for tp in revoked}):
+            st = self.states.pop(p, None)
+            if st is not None and st.pending:
+                log.warning("dedup: partition %d revoked with %d changelog records unwritten", p, len(st.pending))
+        self._gauge()
+
+    def _gauge(self) -> None:
+        states = list(self.states.values())
+        self.telemetry.state_size.labels("in_flight").set(sum(len(s.inflight) for s in states))
+        self.telemetry.state_size.labels("waiters").set(sum(len(f.waiters) for s in states for f in s.inflight.values()))
+        self.telemetry.state_size.labels("settled").set(sum(len(s.settled) for s in states))
+
+    # -- records ----------------------------------------------------------------------------
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
-        """See :meth:`Handler.handle`."""
+        """See :meth:`Handler.handle`. A call that raises leaves the state as it was."""
+        await self._ensure(sorted({r.partition for r in records}))
         out: list[Outgoing] = []
-        for record in records:
-            req = loads(RequestEvent, record.value)
-            queued = queue_wait_ms(record)
-            with self.telemetry.span("dedup", parent_headers=record.headers, kind=SpanKind.CONSUMER,
-                                     attributes=record_attrs(record)):
-                msgs = await self._one(req, queued, self.telemetry.inject(record.headers))
-                log.info("dedup: %s[%d]@%d request %s -> %s", record.topic, record.partition, record.offset,
-                         req.request_id, ", ".join(m.topic for m in msgs) or "joined the in-flight request")
-            out.extend(msgs)
+        try:
+            for record in records:
+                with self.telemetry.span("dedup", parent_headers=record.headers, kind=SpanKind.CONSUMER,
+                                         attributes=record_attrs(record)):
+                    headers = self.telemetry.inject(record.headers)
+                    if record.topic == self.s.topics.settled:
+                        msgs = await self._settled(record, headers)
+                    else:
+                        msgs = await self._request(record, headers)
+                out.extend(msgs)
+        except BaseException:
+            for st in self.states.values():
+                st.rollback()
+            raise
+        for st in self.states.values():
+            st.keep()
+        self._gauge()
         return out
 
-    async def _one(self, req: RequestEvent, queued: float, headers) -> list[Outgoing]:
+    async def _request(self, record: ConsumerRecord, headers) -> list[Outgoing]:
+        req = loads(RequestEvent, record.value)
         started = time.perf_counter()
+        queued = queue_wait_ms(record)
 
         def timed(r: RequestEvent) -> RequestEvent:
             t = dict(r.timings_ms, queue_dedup=queued, dedup=(time.perf_counter() - started) * 1000)
             return r.model_copy(update={"timings_ms": t})
 
+        msgs, how = await self._decide(record, req, timed, headers)
+        log.info("dedup: %s[%d]@%d request %s -> %s", record.topic, record.partition, record.offset,
+                 req.request_id, how)
+        return msgs
+
+    async def _decide(self, record: ConsumerRecord, req: RequestEvent, timed, headers) -> tuple[list[Outgoing], str]:
+        """The messages for one request and a few words for the log line."""
         if (refused := self.s.task_error(req.task)) is not None:
             # ingest refuses these first; one can still arrive from an ingest or door with other
             # settings (a rolling upgrade): refused here too, before any generation or Redis call
             self.telemetry.requests_done.labels("dedup", "error", ErrorCode.INVALID_REQUEST.value).inc()
             ev = ResultEvent(request=timed(req), status="error",
                              error=ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=refused))
-            return [Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), headers)]
+            return [self._out(self.s.topics.results, req, ev, headers)], "refused (task)"
         gen = self.s.generation(req.task)
         key = self.s.cache_key_of(req.content_sha256, gen, req.api_key_id)
-
-        def near_hit(n: NearHit) -> list[Outgoing]:
-            self.telemetry.cache.labels("dedup", "hit", "near").inc()
-            ev = ResultEvent(request=timed(req), cache_key=key, cache_hit=True, status="ok", engine=gen.engine,
-                             model=gen.model, model_revision=gen.model_revision,
-                             pages=[Page(index=1, width=n.width, height=n.height)], lines=n.lines,
-                             near_duplicate_of=n.of_sha256, warnings=n.output.warnings)
-            return [Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), headers)]
-
-        def hit(entry: CacheEntry, tier: str) -> list[Outgoing]:
-            self.telemetry.cache.labels("dedup", "hit", tier).inc()
-            return [self._hit(timed(req), key, entry, headers)]
-
-        def to_infer() -> list[Outgoing]:
-            ev = InferEvent(request=timed(req), cache_key=key)
-            return [Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev), headers)]
-
         if not self.s.cache_enabled:
             self.telemetry.cache.labels("dedup", "miss", "disabled").inc()
-            return to_infer()
+            return [self._infer(timed(req), key, 1, headers)], "ocr.infer (cache off)"
+        st = self.states[record.partition]
+        fence = await self._fence(gen.gen_id)
+        found = st.lookup(key, req.request_id, now_ms())
+        if found.kind == "settled" and found.settled.at_ms <= fence:
+            st.forget_settled(key)  # purged since: as if never settled
+            found = st.lookup(key, req.request_id, now_ms())
+        if found.kind == "replay":
+            return [], "already in flight (replay)"
+        if found.kind == "settled":
+            return [self._hit(timed(req), key, found.settled, "settled", headers)], "hit (settled)"
+        if found.kind == "joinable":
+            self.telemetry.cache.labels("dedup", "joined", "state").inc()
+            st.join(key, record.offset, timed(req))
+            return [], "joined the copy in flight"
+        if found.kind == "full":
+            self.telemetry.cache.labels("dedup", "overflow", "state").inc()
+            return [self._infer(timed(req), key, 1, headers)], f"ocr.infer (over {self.s.max_waiters} waiting)"
+        hit = await self._cached(key, gen, fence)
+        if hit is not None:
+            settled, tier = hit
+            return [self._hit(timed(req), key, settled, tier, headers)], f"hit ({tier})"
+        near_hash, space = None, None
+        if self.near is not None:
+            found_near, near_hash, space = await self._near(req, gen)
+            if found_near is not None:
+                st.lead(key, timed(req))  # its result settles the key like a computed one
+                return [self._near_hit(timed(req), key, gen, found_near, headers)], "near-duplicate hit"
+        self.telemetry.cache.labels("dedup", "miss", "all").inc()
+        st.lead(key, timed(req), near_hash, space)
+        return [self._infer(timed(req), key, 1, headers)], "ocr.infer (holder)"
+
+    async def _cached(self, key: str, gen, fence: int) -> tuple[Settled, str] | None:
+        """The key's stored result from L1, L2 or L3, with the tier's name; None on a miss everywhere."""
         entry = self.lru.get(key)
-        if entry is not None:
-            return hit(entry, "lru")
+        if entry is not None and entry.created_at_ms > fence:
+            return Settled(entry.result_uri, entry.created_at_ms), "lru"
         try:
             now = time.monotonic()
             if now - self._known_gens.get(gen.gen_id, -GEN_REREGISTER_S) >= GEN_REREGISTER_S:
                 await self.cache.register_generation(gen)
                 self._known_gens[gen.gen_id] = now
-            claim = await self.cache.claim(key, req.request_id, dumps(timed(req)), self.s.lease_ms)
+            entry, ttl_ms = await self.cache.get_with_ttl(key)
         except CacheUnavailable as exc:
-            log.warning("dedup: Redis unavailable (%s); %s goes to inference without a lease", exc, req.request_id)
-            self.telemetry.cache.labels("dedup", "miss", "no-redis").inc()
-            return to_infer()
-        if claim.outcome == "hit":
-            self.lru.put(key, claim.entry, None if claim.ttl_ms is None else claim.ttl_ms / 1000)
-            return hit(claim.entry, "redis")
-        if claim.outcome == "lead":
-            found = await self._near(req, gen) if self.near is not None else None
-            if found is not None:
-                return near_hit(found)
-            self.telemetry.cache.labels("dedup", "miss", "redis").inc()
-            return to_infer()
-        self.telemetry.cache.labels("dedup", "joined", "redis").inc()
-        return []
+            self.telemetry.cache.labels("dedup", "error", "redis").inc()
+            log.debug("dedup: Redis unavailable (%s)", exc)
+            entry, ttl_ms = None, None
+        if entry is not None:
+            self.lru.put(key, entry, None if ttl_ms is None else ttl_ms / 1000)
+            return Settled(entry.result_uri, entry.created_at_ms), "redis"
+        uri = await self._s3_tier(key, fence)
+        return (Settled(uri, now_ms()), "s3") if uri is not None else None
 
-    async def _near(self, req: RequestEvent, gen) -> NearHit | None:
-        """The verified near duplicate of ``req``'s image, or None. Never raises: any trouble
-        (Redis, S3, an undecodable image) makes it a plain miss, and inference decides."""
-        if req.image_uri is None or req.size_bytes > self.s.near_dup.max_image_bytes:
+    async def _s3_tier(self, key: str, fence: int) -> str | None:
+        """The key's stored result document in S3 (one HEAD within ``s3_tier_timeout_ms``), unless
+        it was written before the generation's purge fence; None on a miss, a fence or any trouble."""
+        if self.store is None:
             return None
+        okey = result_object_key(key)
+        try:
+            async with asyncio.timeout(self.s.s3_tier_timeout_ms / 1000):
+                modified = await self.store.last_modified_ms(okey)
+        except Exception as exc:  # noqa: BLE001 - the third tier is an optimisation: a miss
+            self.telemetry.cache.labels("dedup", "error", "s3").inc()
+            log.info("dedup: S3 tier lookup of %s failed (%r); a miss", okey, exc)
+            return None
+        if modified is None or modified <= fence:
+            return None
+        return self.store.uri(okey)
+
+    async def resolve(self, key: str) -> str | None:
+        """A key's stored result document for the near-duplicate lookup: the settled window if this
+        process has it, else the S3 tier (fenced)."""
+        gen_id, _ = split_cache_key(key)
+        fence = await self._fence(gen_id)
+        for st in self.states.values():
+            s = st.settled.get(key)
+            if s is not None and s.at_ms > fence:
+                return s.result_uri
+        return await self._s3_tier(key, fence)
+
+    async def _fence(self, gen_id: str) -> int:
+        """The generation's purge fence (epoch ms; 0 = never purged), read from S3 at most every
+        ``fence_refresh_s`` (within :data:`FENCE_READ_S`); a failed read keeps the last value and is
+        tried again on the next request."""
+        if self.store is None:
+            return 0
+        now = time.monotonic()
+        read_at, fence = self._fences.get(gen_id, (-1e18, 0))
+        if now - read_at < self.s.fence_refresh_s:
+            return fence
+        try:
+            async with asyncio.timeout(FENCE_READ_S):
+                raw = await self.store.get(purge_fence_key(gen_id))
+            fence = int(orjson.loads(raw)["purged_at_ms"])
+        except Exception as exc:  # noqa: BLE001 - none yet (the usual case) or unreadable: keep the last
+            if getattr(exc, "code", None) != ErrorCode.MISSING_OBJECT:
+                log.warning("dedup: purge fence of %s unreadable (%r); trying again on the next request", gen_id, exc)
+                return fence
+        self._fences[gen_id] = (now, fence)
+        return fence
+
+    async def _near(self, req: RequestEvent, gen) -> tuple[NearHit | None, int | None, str | None]:
+        """The verified near duplicate of ``req``'s image (or None) and its hash for indexing. Never
+        raises: any trouble (Redis, S3, an undecodable image) makes it a plain miss."""
+        if req.image_uri is None or req.size_bytes > self.s.near_dup.max_image_bytes:
+            return None, None, None
         with self.telemetry.span("dedup.near_dup"):
             try:
-                found = await self.near.find(req.content_sha256, req.image_uri, req.frames, gen,
-                                             self.s.cache_scope_of(req.api_key_id))
+                found, h, space = await self.near.find(req.content_sha256, req.image_uri, req.frames, gen,
+                                                       self.s.cache_scope_of(req.api_key_id))
             except Exception as exc:  # noqa: BLE001 - near duplicates are an optimisation only
                 self.telemetry.cache.labels("dedup", "error", "near").inc()
                 log.warning("dedup: near-duplicate lookup of %s failed (%r); plain miss", req.request_id, exc)
-                return None
+                return None, None, None
         if found is not None:
             log.info("dedup: request %s is a near duplicate of %s (%d bits, worst window %.2f)", req.request_id,
                      found.of_sha256, found.distance, found.verdict.worst_block)
-        return found
+        return found, h, space
+
+    async def _settled(self, record: ConsumerRecord, headers) -> list[Outgoing]:
+        """Apply a settlement: complete, promote or fail the key's waiters."""
+        ev = loads(SettledEvent, record.value)
+        st = self.states[record.partition]
+        res = st.settle(ev)
+        out: list[Outgoing] = []
+        if res.promoted is not None:
+            self.telemetry.cache.labels("dedup", "promoted", "state").inc()
+            log.warning("dedup: %s failed (%s, attempt %d); promoting waiting request %s", ev.request_id,
+                        ev.error.code.value if ev.error else "?", ev.attempt, res.promoted.request_id)
+            out.append(self._infer(res.promoted, ev.cache_key, res.attempt, self.telemetry.inject(),
+                                   traced=True))
+        for w in res.answered:
+            if res.error is not None:
+                err = ResultEvent(request=w, cache_key=ev.cache_key, status="error", error=res.error,
+                                  attempt=ev.attempt)
+                out.append(self._out(self.s.topics.results, w, err, self.telemetry.inject(), traced=True))
+            elif res.settled is not None:
+                self.telemetry.cache.labels("dedup", "hit", "single_flight").inc()
+                out.append(self._hit(w, ev.cache_key, res.settled, "single_flight", self.telemetry.inject(),
+                                     cacheable=ev.cacheable, traced=True))
+            else:  # an ok result without a stored output (an older sink): computed on its own
+                out.append(self._infer(w, ev.cache_key, 1, self.telemetry.inject(), traced=True))
+        if res.index is not None and self.near is not None:
+            await self._index(*res.index)
+        log.info("dedup: %s settled by %s (%s): %d waiting copies answered%s", ev.cache_key, ev.request_id,
+                 ev.status, len(res.answered), f", {res.promoted.request_id} promoted" if res.promoted else "")
+        return out
+
+    async def _index(self, space: str, h: int, sha: str) -> None:
+        try:
+            await self.near.index(space, sha, h)
+        except CacheUnavailable:
+            if len(self._to_index) < 10_000:
+                self._to_index.append((space, sha, h))
+
+    # -- messages ---------------------------------------------------------------------------
+    def _out(self, topic: str, req: RequestEvent, ev, headers, traced: bool = False) -> Outgoing:
+        if traced:  # a waiter answered for its holder: its own trace
+            with self.telemetry.span("dedup.complete_waiter", traceparent=req.traceparent, root=True):
+                headers = self.telemetry.inject()
+        return Outgoing(topic, req.content_sha256, dumps(ev), headers)
+
+    def _infer(self, req: RequestEvent, key: str, attempt: int, headers, traced: bool = False) -> Outgoing:
+        return self._out(self.s.topics.infer, req, InferEvent(request=req, cache_key=key, attempt=attempt), headers, traced)
+
+    def _hit(self, req: RequestEvent, key: str, s: Settled, tier: str, headers, cacheable: bool = True,
+             traced: bool = False) -> Outgoing:
+        """``req`` answered from the stored result ``s``: a cache-hit result for the sink."""
+        if tier != "single_flight":
+            self.telemetry.cache.labels("dedup", "hit", tier).inc()
+        gen = self.s.generation(req.task)
+        ev = ResultEvent(request=req, cache_key=key, cache_hit=True, cache_tier=tier, status="ok",
+                         result_uri=s.result_uri, engine=s.engine or gen.engine, model=s.model or gen.model,
+                         model_revision=s.model_revision or gen.model_revision, cacheable=cacheable)
+        return self._out(self.s.topics.results, req, ev, headers, traced)
+
+    def _near_hit(self, req: RequestEvent, key: str, gen, n: NearHit, headers) -> Outgoing:
+        self.telemetry.cache.labels("dedup", "hit", "near").inc()
+        ev = ResultEvent(request=req, cache_key=key, cache_hit=True, cache_tier="near", status="ok", engine=gen.engine,
+                         model=gen.model, model_revision=gen.model_revision,
+                         pages=[Page(index=1, width=n.width, height=n.height)], lines=n.lines,
+                         near_duplicate_of=n.of_sha256, warnings=n.output.warnings)
+        return self._out(self.s.topics.results, req, ev, headers)
+
+    # -- housekeeping -----------------------------------------------------------------------
+    async def after_produce(self) -> None:
+        """The batch's messages are acknowledged: write its state changes to the changelog (before
+        the runner commits the batch's offsets)."""
+        for p, st in list(self.states.items()):
+            records = st.writes()
+            if records and self.changelog is not None:
+                try:
+                    await self.changelog.write(p, records)
+                except BaseException:
+                    st.pending = {**dict(records), **st.pending}  # written on the retry
+                    raise
 
     async def on_idle(self) -> list[Outgoing]:
-        """Reaper (about once a second): settle each key whose lease deadline has passed
-        (:meth:`_reap`), then end the promoted waiters given up after
-        :data:`~services.common.cache.PROMOTED_MAX_SENDS` sends with ``internal_error``
-        (:meth:`_give_up`). What it returns is acknowledged by Kafka before :meth:`after_produce`
-        removes it from Redis; if it fails half-way, nothing is removed."""
-        self._gave_up, self._answered = [], {}
-        try:
-            out = await self._reap()
-            out.extend(await self._give_up())
-        except BaseException:
-            self._gave_up, self._answered = [], {}
-            raise
+        """About once a second: evict settled keys past the window, answer or promote waiters
+        restored without their holder, retry failed near-duplicate indexing."""
+        out: list[Outgoing] = []
+        now = now_ms()
+        for st in self.states.values():
+            st.expire(now)
+            for key in st.unheld():
+                out.extend(self._resolve_unheld(st, key, now))
+            st.keep()
+        retry, self._to_index = self._to_index, []
+        for space, sha, h in retry:
+            await self._index(space, h, sha)
+        self._gauge()
+        if not out:
+            await self.after_produce()  # the runner calls it only after producing something
         return out
 
-    async def _give_up(self) -> list[Outgoing]:
-        """An ``internal_error`` result for each waiter in :meth:`ResultCache.given_up`.
-
-        They stay in Redis until :meth:`after_produce` (these results acknowledged by Kafka), so a
-        lost reply of the promotion that gave one up, or this process dying before its result is
-        produced, does not forget it: the next reaper pass, here or in another dedup, ends it.
-        Two reapers may both end one; the sink keeps a request's first final state.
-        """
-        try:
-            found = await self.cache.given_up()
-        except CacheUnavailable:
+    def _resolve_unheld(self, st: PartitionState, key: str, now: int) -> list[Outgoing]:
+        found = st.settled.get(key)
+        if found is not None:
+            return [self._hit(w, key, found, "single_flight", self.telemetry.inject(), traced=True)
+                    for w in st.answer_unheld(key)]
+        first = st.promote_unheld(key)
+        if first is None:
             return []
-        out: list[Outgoing] = []
-        for raw in found:
-            req = RequestEvent.model_validate_json(raw)
-            ev = ResultEvent(request=req, status="error", error=ErrorInfo(
-                code=ErrorCode.INTERNAL_ERROR,
-                message=f"sent to inference {PROMOTED_MAX_SENDS} times and no result came back"))
-            out.append(Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), self.telemetry.inject()))
-            self._gave_up.append(req.request_id)
-        return out
-
-    async def after_produce(self) -> None:
-        """The reaper's results were just acknowledged: forget the given-up waiters
-        (:meth:`_give_up`) and remove the waiters answered from a cached entry (:meth:`_settled`)."""
-        done, self._gave_up = self._gave_up, []
-        answered, self._answered = self._answered, {}
-        try:
-            if done:
-                await self.cache.forget_given_up(done)
-            for key, waiters in answered.items():
-                await self.cache.remove_waiters(key, waiters)
-        except CacheUnavailable:
-            log.warning("dedup: could not remove %d given-up and %d answered waiters in Redis; they are answered again",
-                        len(done), sum(map(len, answered.values())))
-
-    async def _reap(self) -> list[Outgoing]:
-        """Settle each key whose lease deadline has passed.
-
-        * Nobody holds the lease (it was released with waiters left, or its backstop expiry ran
-          out): the first waiter is promoted and re-sent to inference.
-        * The holder may still be on its way: the infer group has not yet committed past the end
-          offset its key's ``ocr.infer`` partition had when the deadline first passed, or the
-          sink group past the end offset of its ``ocr.results`` partition taken after that (see
-          :mod:`services.dedup.backlog`), or Kafka cannot tell. The deadline moves ``lease_ms``
-          on, so a backlog or a stopped infer never turns copies of one image into several
-          inferences, and steady traffic does not hold a lost holder's waiters back.
-        * Otherwise the holder's result was handled but the key never completed (a lost
-          completion): the first waiter is promoted and re-sent.
-
-        If a result is cached by then, its holder stored it and the sink completed the waiters
-        with it; only the stale lease and its in-flight mark are removed (:meth:`ResultCache.promote`).
-
-        A holder that was itself a promoted waiter may never have been sent (the promotion's
-        Redis reply was lost, or the process that promoted it died before producing its event):
-        it is sent again rather than passed over (a result cached meanwhile completes it as a
-        waiter, :meth:`ResultCache.complete_begin`). A duplicate send costs at most one
-        inference; the sink keeps the first final state of a request and re-emits that.
-        """
-        if not self.s.cache_enabled:
-            return []
-        out: list[Outgoing] = []
-        try:
-            held: list[str] = []
-            for key in await self.cache.expired_leases():
-                p = await self.cache.promote(key, self.s.lease_ms, unheld_only=True)
-                if p.outcome == "held":
-                    held.append(key)
-                else:
-                    out.extend(self._settled(key, p, "its lease was released with waiters left"))
-            for gone in set(self._marks) - set(held):
-                del self._marks[gone]  # completed, promoted or renewed elsewhere meanwhile
-            if not held:
-                return out
-            offsets = None
-            if self.backlog is not None:
-                try:
-                    offsets = await self.backlog.offsets()
-                except BacklogUnknown as exc:
-                    log.warning("dedup: cannot read the backlog after dedup (%s); %d expired leases kept", exc, len(held))
-            for key in held:
-                if self.backlog is not None and (offsets is None or self._maybe_on_its_way(key, offsets)):
-                    if await self.cache.extend(key, self.s.lease_ms):
-                        self.telemetry.cache.labels("dedup", "extended", "redis").inc()
-                    continue
-                self._marks.pop(key, None)
-                p = await self.cache.promote(key, self.s.lease_ms)
-                out.extend(self._settled(key, p, "its holder's result was handled but never completed the key"))
-        except CacheUnavailable:
-            pass
-        return out
-
-    def _maybe_on_its_way(self, key: str, offsets: dict[str, tuple[dict[int, int], dict[int, int]]]) -> bool:
-        """Advance ``key``'s mark (see :mod:`services.dedup.backlog`); True while the holder's event
-        or result may still be uncommitted in ``ocr.infer`` or ``ocr.results``."""
-        sha = key.rsplit(":", 1)[-1].encode()
-        infer_t, results_t = self.s.topics.infer, self.s.topics.results
-        mark = self._marks.get(key)
-        if mark is None:
-            p = self.backlog.partition(infer_t, sha)
-            mark = self._marks[key] = [infer_t, p, offsets[infer_t][0][p]]
-        if mark[0] == infer_t and offsets[infer_t][1][mark[1]] >= mark[2]:
-            p = self.backlog.partition(results_t, sha)
-            mark[:] = [results_t, p, offsets[results_t][0][p]]
-        return not (mark[0] == results_t and offsets[results_t][1][mark[1]] >= mark[2])
-
-    def _hit(self, req: RequestEvent, key: str, entry: CacheEntry, headers) -> Outgoing:
-        """``req`` answered from the cache entry ``entry`` of ``key``: a cache-hit result for the sink."""
-        gen = self.s.generation(req.task)
-        ev = ResultEvent(request=req, cache_key=key, cache_hit=True, status="ok", result_uri=entry.result_uri,
-                         engine=gen.engine, model=gen.model, model_revision=gen.model_revision)
-        return Outgoing(self.s.topics.results, req.content_sha256, dumps(ev), headers)
-
-    def _settled(self, key: str, p: Promotion, why: str) -> list[Outgoing]:
-        """What to send for a :meth:`ResultCache.promote` outcome of the reaper's: the promoted or
-        re-sent waiter to ``ocr.infer``, or a cache hit for each waiter left on a key whose result
-        is cached. A waiter given up is ended by :meth:`_give_up`."""
-        out: list[Outgoing] = []
-        if p.outcome == "hit" and p.waiters:
-            # The result is cached but these waiters were never completed (the sink that began
-            # completing them died with them deferred, or is stuck on a long outage): answered
-            # here like any cache hit; the sink keeps each request's first final state.
-            entry = CacheEntry.from_json(p.raw)
-            log.warning("dedup: %s is cached but %d waiting request(s) were never completed; answering them from "
-                        "the cache", key, len(p.waiters))
-            self.telemetry.cache.labels("dedup", "waiters_answered", "redis").inc(len(p.waiters))
-            out.extend(self._hit(RequestEvent.model_validate_json(raw), key, entry, self.telemetry.inject())
-                       for raw in p.waiters)
-            self._answered[key] = list(p.waiters)
-        if p.abandoned is not None:
-            req = RequestEvent.model_validate_json(p.abandoned)
-            self.telemetry.cache.labels("dedup", "abandoned", "redis").inc()
-            log.error("dedup: request %s was sent to inference %d times as the holder of %s and no result came "
-                      "back; ending it with internal_error", req.request_id, PROMOTED_MAX_SENDS, key)
-        if p.raw is None or p.outcome not in ("promoted", "resent"):
-            return out
-        req = RequestEvent.model_validate_json(p.raw)
-        self.telemetry.cache.labels("dedup", p.outcome, "redis").inc()
-        with self.telemetry.span("dedup.promote", traceparent=req.traceparent, root=True):  # the waiter's trace
-            if p.outcome == "resent":
-                log.warning("dedup: request %s was promoted on %s but never finished; sending it again",
-                            req.request_id, key)
-            else:
-                log.warning("dedup: lease on %s expired and %s; promoting waiting request %s", key, why, req.request_id)
-            ev = InferEvent(request=req, cache_key=key, attempt=p.attempt)
-            out.append(Outgoing(self.s.topics.infer, req.content_sha256, dumps(ev), self.telemetry.inject()))
-        return out
+        log.warning("dedup: waiting copies of %s were restored without their holder; %s computes it", key,
+                    first.request_id)
+        return [self._infer(first, key, 1, self.telemetry.inject(), traced=True)]
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
-        """DLQ the record and fail its request."""
-        return poison_messages(stage="dedup", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
+        """DLQ the record and fail its request (a settlement: the DLQ event only; its key's waiters
+        are answered by the next computation of the key, or fail with their own requests)."""
+        for st in self.states.values():
+            st.rollback()
+        out = poison_messages(stage="dedup", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
+        return out[:1] if record.topic == self.s.topics.settled else out
 
     async def close(self) -> None:
-        """Close the Redis pool and the backlog's Kafka clients."""
+        """Close the Redis pool and the near-duplicate decoders."""
         await self.cache.close()
-        if self.backlog is not None:
-            await self.backlog.close()
         if self.near is not None:
             await self.near.close()

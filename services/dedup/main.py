@@ -1,36 +1,44 @@
-"""Wires the dedup stage: settings, Redis cache, handler and the runner."""
+"""Wires the dedup stage: settings, the cache tiers, the keyed state and its changelog, the runner."""
 
 from __future__ import annotations
 
 from services.common.app import StageContext, run_stage
+from services.common.assignor import CopartitionedAssignor
 from services.common.cache import ResultCache
 from services.common.decoding import DecoderPool
+from services.common.kafka import check_copartitioned
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
-from services.dedup.backlog import DownstreamBacklog
+from services.dedup.changelog import Changelog
 from services.dedup.handler import DedupHandler
 from services.dedup.near import NearDupLookup
 from services.dedup.settings import DedupSettings
 
 
 async def main(settings: DedupSettings | None = None) -> None:
-    """Run dedup until SIGTERM: consume ``ocr.requests``; produce ``ocr.infer`` and ``ocr.results``.
+    """Run dedup until SIGTERM: consume ``ocr.requests`` and ``ocr.settled`` in one group (partition p
+    of both to one member); produce ``ocr.infer``, ``ocr.results`` and the changelog.
 
-    With ``OCRSTREAM_NEAR_DUP__ENABLED`` it also reads S3 (images and result documents)."""
+    Raises:
+        SystemExit: the co-partitioned topics have different partition counts (run ``ocrstream init``).
+    """
     s = settings or load_settings(DedupSettings)
 
     async def build(ctx: StageContext) -> DedupHandler:
+        await check_copartitioned(s.kafka, s.topics.copartitioned())
         cache = ResultCache(s.redis, ctx.telemetry, "dedup")
         ctx.telemetry.add_probe("redis", cache.ping)
-        near = None
+        store = ObjectStore(s.s3, ctx.telemetry)
+        ctx.telemetry.add_probe("s3", store.ping)
+        changelog = Changelog(s.kafka, s.topics.dedup_changelog, ctx.producer, s.restore_timeout_s)
+        handler = DedupHandler(s, cache, ctx.telemetry, store, changelog)
         if s.near_dup.enabled and s.cache_enabled:
-            store = ObjectStore(s.s3, ctx.telemetry)
-            ctx.telemetry.add_probe("s3", store.ping)
-            near = NearDupLookup(s.near_dup, DecoderPool(s.decode, s.limits), store, cache)
-        backlog = DownstreamBacklog(s.kafka, [(s.topics.infer, s.infer_group_id), (s.topics.results, s.sink_group_id)])
-        return DedupHandler(s, cache, ctx.telemetry, near, backlog)
+            handler.near = NearDupLookup(s.near_dup, DecoderPool(s.decode, s.limits), store, cache,
+                                         resolve=handler.resolve)
+        return handler
 
     await run_stage(
-        stage="dedup", settings=s, topic=s.topics.requests, group_id=s.dedup_group_id,
+        stage="dedup", settings=s, topic=[s.topics.requests, s.topics.settled], group_id=s.dedup_group_id,
         build_handler=build, max_batch=s.dedup_max_batch, max_wait_ms=s.dedup_max_wait_ms,
+        assignors=(CopartitionedAssignor,), drain_on_revoke=True,
     )

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from schemas.events import Line, OcrOutput
 from schemas.keys import CacheGeneration, cache_key, image_object_key
-from services.common.cache import ResultCache
+from services.common.cache import CacheUnavailable, ResultCache
 from services.common.decoding import DecoderPool
 from services.common.neardup import Verdict, phash64, scale_lines, verify
 from services.common.neardup_index import NearDupIndex
@@ -45,9 +46,9 @@ class NearHit:
 class NearDupLookup:
     """Looks up and indexes images by perceptual hash; verifies every candidate before use.
 
-    Only single-page images are looked up. Images that go to inference are indexed (under
-    their cache generation); near hits are not, so a chain of look-alikes never drifts away
-    from the image that was actually read.
+    Only single-page images are looked up. Images read by inference are indexed (under their
+    cache generation) once their result is settled; near hits are not, so a chain of
+    look-alikes never drifts away from the image that was actually read.
 
     Args:
         settings: Near-duplicate settings (thresholds, index bounds).
@@ -55,15 +56,18 @@ class NearDupLookup:
         store: Where the images and result documents are (S3).
         cache: The result cache (entries, and the Redis client for the index).
         index: The pHash index; by default a :class:`NearDupIndex` on ``cache``'s Redis.
+        resolve: A candidate's result document when Redis has no entry for it (dedup's S3 tier):
+            cache key -> ``s3://`` URI or None.
     """
 
     def __init__(self, settings: NearDupSettings, decoder: DecoderPool, store: ObjectStore, cache: ResultCache,
-                 index: NearDupIndex | None = None):
+                 index: NearDupIndex | None = None, resolve: Callable[[str], Awaitable[str | None]] | None = None):
         self.s = settings
         self.decoder = decoder
         self.store = store
         self.cache = cache
-        self.index = index or NearDupIndex(cache, settings.bucket_size, settings.index_ttl_s)
+        self.index_ = index or NearDupIndex(cache, settings.bucket_size, settings.index_ttl_s)
+        self.resolve = resolve
         self.params = settings.verify_params()
 
     async def _page(self, uri_or_key: str, is_uri: bool) -> np.ndarray | None:
@@ -79,8 +83,12 @@ class NearDupLookup:
         await self.decoder.close()
 
     async def find(self, content_sha256: str, image_uri: str, frames: int, gen: CacheGeneration,
-                   scope: str | None = None) -> NearHit | None:
-        """The verified near duplicate of this image under ``gen``, or None (then it is indexed).
+                   scope: str | None = None) -> tuple[NearHit | None, int | None, str]:
+        """The verified near duplicate of this image under ``gen``, if any, and the image's hash.
+
+        Nothing is indexed here: the caller indexes the image (:meth:`index`) once its own result
+        is settled, so a look-alike arriving later finds a candidate whose result exists, and a
+        slow Redis at the moment the first copy arrives does not keep it out of the index.
 
         Args:
             content_sha256: The new image's SHA-256 (an exact miss).
@@ -91,29 +99,53 @@ class NearDupLookup:
                 global. Candidates are indexed, and their entries looked up, in this scope only:
                 a tenant's look-alike is never answered from another tenant's result.
 
+        Returns:
+            ``(hit or None, the page's 64-bit pHash or None when not computed, index space)``.
+
         Raises:
             CacheUnavailable: Redis down or slow (the caller treats it as a miss).
             OcrError: The image could not be fetched or decoded (the caller treats it as a miss;
                 inference then reports the error properly).
         """
+        space = gen.gen_id if scope is None else f"{gen.gen_id}:{scope}"  # purge's nd:<gen_id>:* covers both
         if frames != 1:
-            return None
+            return None, None, space
         page = await self._page(image_uri, is_uri=True)
         if page is None:
-            return None
+            return None, None, space
         h = await asyncio.to_thread(phash64, page)
-        space = gen.gen_id if scope is None else f"{gen.gen_id}:{scope}"  # purge's nd:<gen_id>:* covers both
-        for distance, sha in (await self.index.candidates(space, h, self.s.max_hamming, exclude=content_sha256))[: self.s.max_candidates]:
+        try:
+            found = await self.index_.candidates(space, h, self.s.max_hamming, exclude=content_sha256)
+        except CacheUnavailable:
+            return None, h, space
+        for distance, sha in found[: self.s.max_candidates]:
             hit = await self._try(sha, distance, page, gen, scope)
             if hit is not None:
-                return hit
-        await self.index.add(space, content_sha256, h)
-        return None
+                return hit, h, space
+        return None, h, space
+
+    async def index(self, space: str, content_sha256: str, h: int) -> None:
+        """Index an image whose result is settled (from :meth:`find`'s hash and space).
+
+        Raises:
+            CacheUnavailable: Redis down or slow (the caller may try again).
+        """
+        await self.index_.add(space, content_sha256, h)
+
+    async def _result_uri(self, key: str) -> str | None:
+        """Where ``key``'s result document is: the Redis entry, else ``resolve`` (the S3 tier), else None."""
+        try:
+            entry = await self.cache.get(key)
+        except CacheUnavailable:
+            entry = None
+        if entry is not None:
+            return entry.result_uri
+        return await self.resolve(key) if self.resolve is not None else None
 
     async def _try(self, sha: str, distance: int, page: np.ndarray, gen: CacheGeneration,
                    scope: str | None = None) -> NearHit | None:
-        entry = await self.cache.get(cache_key(sha, gen, scope))
-        if entry is None:  # not done yet, failed, expired or purged
+        uri = await self._result_uri(cache_key(sha, gen, scope))
+        if uri is None:  # not done yet, failed, expired or purged
             return None
         try:
             other = await self._page(image_object_key(sha), is_uri=False)
@@ -127,7 +159,7 @@ class NearDupLookup:
                  verdict.reason, verdict.worst_block)
         if not verdict.match:
             return None
-        output = await self._output(entry.result_uri)
+        output = await self._output(uri)
         if output is None or len(output.pages) != 1:
             return None
         src = (output.pages[0].width, output.pages[0].height)

@@ -38,14 +38,6 @@ class DedupSettings(CommonSettings):
     """Settings of the dedup stage."""
 
     dedup_group_id: str = Field(default="ocrstream-dedup", description="consumer group of the dedup stage")
-    infer_group_id: str = Field(
-        default="ocrstream-infer",
-        description="consumer group of the infer stage: dedup's reaper keeps a lease whose holder may still be queued "
-                    "in ocr.infer for this group (same variable as infer's)")
-    sink_group_id: str = Field(
-        default="ocrstream-sink",
-        description="consumer group of the sink: dedup's reaper keeps a lease whose holder's result may still be "
-                    "queued in ocr.results for this group (same variable as the sink's)")
     dedup_max_batch: int = Field(default=64, ge=1, description="records per batch")
     dedup_max_wait_ms: int = Field(
         default=0, ge=0,
@@ -53,4 +45,26 @@ class DedupSettings(CommonSettings):
     lru_entries: int = Field(default=10_000, ge=0, description="in-process LRU in front of Redis: entries")
     lru_bytes: int = Field(default=8 * 1024 * 1024, ge=0, description="in-process LRU in front of Redis: bytes")
     lru_ttl_s: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="in-process LRU: entry age limit, s (bounds how long a purge takes to reach dedup)")
+    max_waiters: int = Field(
+        default=1000, ge=0,
+        description="copies of one image kept waiting on its computation (per cache key); a copy past it goes to "
+                    "inference on its own (computed once more; its result also answers the waiting copies)")
+    settled_window_s: float = Field(
+        default=600.0, ge=0, allow_inf_nan=False,
+        description="a cache key settled this long ago is still answered from dedup's state (no Redis or S3 call; "
+                    "also when Redis is down), s")
+    settled_max_keys: int = Field(
+        default=100_000, ge=0,
+        description="settled keys kept per partition for that window; past it the oldest goes first")
+    s3_tier_timeout_ms: int = Field(
+        default=500, ge=1,
+        description="time budget of the S3 tier lookup (HEAD of the stored result document) on a Redis miss, ms; "
+                    "past it the request goes to inference")
+    fence_refresh_s: float = Field(
+        default=5.0, gt=0, allow_inf_nan=False,
+        description="how often dedup re-reads a generation's purge fence in S3, s (bounds how long a "
+                    "`cache purge` takes to reach the S3 tier and the settled window)")
+    restore_timeout_s: float = Field(
+        default=120.0, gt=0, allow_inf_nan=False,
+        description="bound on restoring the state of newly assigned partitions from the changelog, s (retried)")
     near_dup: NearDupSettings = NearDupSettings()

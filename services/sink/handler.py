@@ -1,4 +1,4 @@
-"""Sink logic: every result becomes a final state per request (its own and its waiters')."""
+"""Sink logic: every result becomes a request's final state; every computed cache key is settled."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 import orjson
 from aiokafka import ConsumerRecord
 
-from schemas.errors import RETRYABLE_CODES, ErrorCode
+from schemas.errors import ErrorCode
 from schemas.events import (
-    CompletedEvent, InferEvent, OcrOutput, RequestEvent, ResultDocument, ResultEvent, now_ms,
+    CompletedEvent, ErrorInfo, OcrOutput, RequestEvent, ResultDocument, ResultEvent, SettledEvent, now_ms,
 )
 from schemas.keys import request_output_key, result_object_key
 from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
@@ -43,18 +43,22 @@ def full_text(lines) -> str:
 class SinkHandler(Handler):
     """Per result event, in order:
 
-    1. infer result (ok): result document to S3 (``results/<sha>/<gen>.json``), ``results`` row;
-    2. cache entry set (ok only) and the waiters on that key read (not yet removed);
-    3. one final state per request (the event's and each waiter's) inserted into ``requests``;
-    4. one ``ocr.completed`` per request; after Kafka acknowledged them, the waiters are removed
-       and the lease released (:meth:`after_produce`).
+    1. a computed result (ok, or a near-duplicate hit, whose lines dedup rescaled): the result
+       document to S3 (``results/<sha>/<gen>.json``), the ``results`` row, and the Redis entry
+       when Redis answers (no Redis: nothing waits for it, dedup's state and the S3 tier answer);
+    2. the request's final state inserted into ``requests`` (a request already there keeps its first);
+    3. its ``ocr.completed`` event, and for every result computed under a cache key (ok or error,
+       never a cache hit) an ``ocr.settled`` event keyed like the request, from which dedup
+       completes the copies waiting on the key (:mod:`services.dedup.state`). The runner produces
+       them only after 1 and 2 are durable, and commits only after Kafka acknowledged them.
 
-    A retryable error (``engine_error``, ``internal_error``) ends the holder's request but
-    promotes one waiter, re-sent to ``ocr.infer``; any other error is shared by every waiter.
-    A result marked ``cacheable=False`` (computed by an infer of another generation than its key's,
-    :class:`~services.infer.handler.InferHandler`) skips steps 1 and the cache entry of 2: the
-    request and its waiters are completed with it and the lease is released, nothing is stored.
-    Every step is idempotent, so a replay after a crash changes nothing.
+    A cache hit reads the stored document (through an in-memory LRU). A hit from the S3 tier warms
+    Redis again; a hit whose document is gone (a purged bucket) ends with ``missing_object``, its
+    Redis entry is deleted and a ``missing_object`` settlement drops the pointer dedup keeps. A
+    result marked ``cacheable=False`` (computed by an infer of another generation than its key's)
+    is stored under the request (:func:`~schemas.keys.request_output_key`), never under the key;
+    its settlement points there, so the waiting copies get it too. Every step is idempotent, so a
+    replay after a crash changes nothing.
     """
 
     def __init__(self, settings: SinkSettings, store: ObjectStore, db: Database, cache: ResultCache, telemetry: Telemetry):
@@ -64,29 +68,23 @@ class SinkHandler(Handler):
         self.cache = cache
         self.telemetry = telemetry
         self._outputs = OutputLru(store, settings.output_lru_entries, settings.output_lru_bytes)
-        self._pending_end: dict[str, int] = {}  # cache key -> waiters completed, released after the acks
-        # cache key -> (entry, ttl, result, output) of results whose waiters could not be read (Redis down)
-        self._deferred: dict[str, tuple[CacheEntry | None, int, ResultEvent, OcrOutput | None]] = {}
-        self._batch_pending: dict[str, int] = {}
-        self._spans: dict[str, Span] = {}  # request id -> its span in this batch (own or waiter's)
+        self._spans: dict[str, Span] = {}  # request id -> its span in this batch
+        self._settle: list[Outgoing] = []  # settlements of this batch
 
     # -- Handler API ----------------------------------------------------------------------
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
-        """See :meth:`Handler.handle`. Waiters are released only for batches that succeed."""
-        self._batch_pending = {}
-        self._spans = {}
+        """See :meth:`Handler.handle`: the batch's completions, then its settlements."""
+        self._spans, self._settle = {}, []
         docs: list[ResultDocument] = []
-        out: list[Outgoing] = []
         for rec in records:
             ev = loads(ResultEvent, rec.value)
             started = time.perf_counter()
             queued = queue_wait_ms(rec)
             with self.telemetry.span("sink", parent_headers=rec.headers, kind=SpanKind.CONSUMER,
                                      attributes=record_attrs(rec)):
-                d, extra = await self._one(ev, queued, started, self.telemetry.inject(rec.headers))
-            docs.extend(d)
-            out.extend(extra)
-        out.extend(await self._complete(docs))
+                docs.append(await self._one(ev, queued, started, self.telemetry.inject(rec.headers)))
+        out = await self._complete(docs)
+        out.extend(self._settle)
         return out
 
     async def _complete(self, docs: list[ResultDocument]) -> list[Outgoing]:
@@ -111,8 +109,6 @@ class SinkHandler(Handler):
             headers = self.telemetry.inject([], span=self._spans.get(final.request_id))
             out.append(Outgoing(self.s.topics.completed, final.request_id, dumps(ev), headers))
             self.telemetry.requests_done.labels("sink", final.status, final.error.code.value if final.error else "").inc()
-        for key, n in self._batch_pending.items():
-            self._pending_end[key] = max(n, self._pending_end.get(key, 0))
         return out
 
     async def _whole_in_s3(self, docs: list[ResultDocument]) -> list[ResultDocument]:
@@ -133,58 +129,26 @@ class SinkHandler(Handler):
             out.append(d)
         return out
 
-    async def on_idle(self) -> list[Outgoing]:
-        """Complete waiters whose holder finished while Redis was down, once Redis answers again.
-
-        A key leaves the deferred set only with its completions: if writing them fails (MariaDB
-        down, say), it goes back and the next pass begins it again (:meth:`ResultCache.complete_begin`
-        is safe to repeat: the waiters stay in Redis until :meth:`after_produce`)."""
-        if not self._deferred:
-            return []
-        self._batch_pending, self._spans = {}, {}
-        docs: list[ResultDocument] = []
-        taken: dict[str, tuple] = {}
-        for key, item in list(self._deferred.items()):
-            entry, ttl_s, ev, output = item
-            try:
-                raw = await self.cache.complete_begin(key, entry, ttl_s, holder=ev.request.request_id)
-            except CacheUnavailable:
-                break
-            taken[key] = self._deferred.pop(key)
-            if raw is None:  # another request holds the key now: its result completes the waiters
-                continue
-            self._batch_pending[key] = len(raw)
-            for w in raw:
-                docs.append(self._doc(RequestEvent.model_validate_json(w), output, ev, 0.0, time.perf_counter(),
-                                      cache_hit=output is not None))
-        if docs:
-            log.info("sink: Redis is back: completing %d waiting request(s)", len(docs))
-        try:
-            out = await self._complete(docs) if docs or self._batch_pending else []
-        except BaseException:
-            self._deferred.update(taken)  # tried again on the next pass
-            raise
-        if not out and self._pending_end:  # nobody was waiting: nothing to produce, release now
-            await self.after_produce()  # (the runner calls it only after producing something)
-        return out
-
-    async def after_produce(self) -> None:
-        """Completions are durable: remove the completed waiters and release the leases."""
-        pending, self._pending_end = self._pending_end, {}
-        for key, n in pending.items():
-            try:
-                await self.cache.complete_end(key, n)
-            except CacheUnavailable as exc:
-                log.warning("sink: could not release lease %s (%s); it expires on its own", key, exc)
-
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
-        """DLQ the record; fail its request unless the record already was an error result."""
+        """DLQ the record; fail its request unless the record already was an error result, and then
+        settle its cache key with ``internal_error`` (the copies waiting on it must not wait forever;
+        an ok result's error result comes back here and settles it)."""
         try:
-            already_error = orjson.loads(record.value).get("status") == "error"
+            value = orjson.loads(record.value)
+            already_error = value.get("status") == "error"
         except Exception:
-            already_error = False
+            value, already_error = {}, False
         out = poison_messages(stage="sink", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
-        return out[:1] if already_error else out
+        if not already_error:
+            return out
+        req, key = value.get("request") or {}, value.get("cache_key")
+        if isinstance(key, str) and isinstance(req, dict) and req.get("request_id") and req.get("content_sha256"):
+            ev = SettledEvent(cache_key=key, content_sha256=req["content_sha256"], request_id=req["request_id"],
+                              status="error", attempt=max(1, int(value.get("attempt") or 1)),
+                              error=ErrorInfo(code=ErrorCode.INTERNAL_ERROR,
+                                              message=f"the sink could not write this result: {exc!r}"[:500]))
+            out.append(Outgoing(self.s.topics.settled, ev.content_sha256, dumps(ev), []))
+        return out[:1] + out[2:]
 
     async def dependencies_ok(self) -> bool:
         """True when MariaDB and S3 both answer a fresh ping (the stores a result is written to;
@@ -199,79 +163,71 @@ class SinkHandler(Handler):
         await self.cache.close()
 
     # -- steps ----------------------------------------------------------------------------
-    async def _one(self, ev: ResultEvent, queued: float, started: float, headers) -> tuple[list[ResultDocument], list[Outgoing]]:
+    async def _one(self, ev: ResultEvent, queued: float, started: float, headers) -> ResultDocument:
         req = ev.request
-        key = ev.cache_key
-        extra: list[Outgoing] = []
+        if ev.status == "ok" and ev.cache_hit and ev.near_duplicate_of is None:  # exact hit: the document exists
+            try:
+                output = await self._outputs.load(ev.result_uri)
+            except OcrError as err:
+                if err.code != ErrorCode.MISSING_OBJECT:
+                    raise
+                return await self._gone(ev, queued, started)
+            if ev.cache_tier == "s3" and ev.cacheable:
+                await self._put_entry(ev, output, ev.result_uri)  # recalled from S3: Redis answers the next one
+            return self._doc(req, output, ev, queued, started, cache_hit=True)
         if ev.status == "ok":
-            if ev.cache_hit and ev.near_duplicate_of is None:  # exact hit: the document exists
-                try:
-                    output = await self._outputs.load(ev.result_uri)
-                except OcrError as err:
-                    if err.code != ErrorCode.MISSING_OBJECT:
-                        raise
-                    # The cached document vanished (purged bucket): compute it again.
-                    log.warning("sink: cached result %s is gone; re-sending %s to inference", ev.result_uri, req.request_id)
-                    return [], [Outgoing(self.s.topics.infer, req.content_sha256, dumps(InferEvent(request=req, cache_key=key)), headers)]
-                # No waiters and no lease to release: requests arriving while an entry exists are hits
-                # themselves (dedup's claim and complete_begin are atomic), and a lease on this key now
-                # (the entry expired since) belongs to another request's inference, not to this hit.
-                return [self._doc(req, output, ev, queued, started, cache_hit=True)], extra
             if not ev.cacheable:
-                # computed by an infer of another generation (rolling upgrade, InferHandler): the
-                # request and its waiters get it, nothing is stored under this key, the lease goes
+                # computed by an infer of another generation (rolling upgrade, InferHandler): stored
+                # under the request, never under the key; the waiting copies are answered from it
                 log.warning("sink: result for %s is not of %s's generation (%s @ %s); not cached",
-                            req.request_id, key, ev.model, ev.model_revision)
+                            req.request_id, ev.cache_key, ev.model, ev.model_revision)
                 output = self._output(ev)
-                waiters = await self._waiters(key, None, 0, ev, output)
-                return [self._doc(r, output, ev, queued, started, cache_hit=r is not req)
-                        for r in [req, *waiters]], extra
+                okey = request_output_key(req.request_id)
+                await self.store.put(okey, dumps(output), "application/json")
+                self._settled(ev, result_uri=self.store.uri(okey))
+                return self._doc(req, output, ev, queued, started, cache_hit=ev.cache_hit)
             # computed, or a near-duplicate hit (lines rescaled by dedup): stored under this key
-            output, entry = await self._store_output(ev)
-            waiters = await self._waiters(key, entry, self.s.ttl_for(req.source, req.task), ev, output)
-            docs = [self._doc(r, output, ev, queued, started, cache_hit=ev.cache_hit or r is not req)
-                    for r in [req, *waiters]]
-            return docs, extra
-        # error
-        waiters: list[RequestEvent] = []
-        if key:
-            code = ev.error.code if ev.error else ErrorCode.INTERNAL_ERROR
-            if code in RETRYABLE_CODES and ev.attempt < self.s.max_attempts:
-                try:
-                    p = await self.cache.promote(key, self.s.lease_ms, expected_holder=req.request_id,
-                                                 attempt=ev.attempt + 1)
-                    if p.outcome == "promoted" and p.raw:
-                        promoted = RequestEvent.model_validate_json(p.raw)
-                        log.warning("sink: %s failed (%s); promoting waiter %s", req.request_id, code.value, promoted.request_id)
-                        extra.append(Outgoing(self.s.topics.infer, promoted.content_sha256,
-                                              dumps(InferEvent(request=promoted, cache_key=key, attempt=p.attempt)), headers))
-                except CacheUnavailable:
-                    pass
-            else:
-                waiters = await self._waiters(key, None, 0, ev, None)
-        docs = [self._doc(r, None, ev, queued, started, cache_hit=False) for r in [req, *waiters]]
-        return docs, extra
+            output, uri = await self._store_output(ev)
+            await self._put_entry(ev, output, uri)
+            self._settled(ev, result_uri=uri)
+            return self._doc(req, output, ev, queued, started, cache_hit=ev.cache_hit)
+        if ev.cache_key:
+            self._settled(ev)
+        return self._doc(req, None, ev, queued, started, cache_hit=False)
 
-    async def _waiters(self, key: str | None, entry: CacheEntry | None, ttl_s: int, ev: ResultEvent,
-                       output: OcrOutput | None) -> list[RequestEvent]:
-        if not key:
-            return []
+    async def _gone(self, ev: ResultEvent, queued: float, started: float) -> ResultDocument:
+        """A cache hit whose document vanished (a purged bucket): its Redis entry goes, a
+        ``missing_object`` settlement drops dedup's pointer, and the request ends with that error
+        (submitting it again computes it)."""
+        log.warning("sink: cached result %s of %s is gone", ev.result_uri, ev.request.request_id)
         try:
-            raw = await self.cache.complete_begin(key, entry, ttl_s, holder=ev.request.request_id)
+            if ev.cache_key:
+                await self.cache.delete(ev.cache_key)
+        except CacheUnavailable:
+            pass
+        gone = ev.model_copy(update={"status": "error", "cache_hit": False, "error": ErrorInfo(
+            code=ErrorCode.MISSING_OBJECT,
+            message=f"the stored result {ev.result_uri} is gone (purged?); submit the image again to compute it")})
+        if ev.cache_key:
+            self._settled(gone)
+        return self._doc(ev.request, None, gone, queued, started, cache_hit=False)
+
+    def _settled(self, ev: ResultEvent, result_uri: str | None = None) -> None:
+        """Queue the ``ocr.settled`` event of ``ev``'s cache key (produced after this batch's writes)."""
+        req = ev.request
+        st = SettledEvent(cache_key=ev.cache_key, content_sha256=req.content_sha256, request_id=req.request_id,
+                          status=ev.status, error=ev.error, attempt=max(1, ev.attempt), cacheable=ev.cacheable,
+                          result_uri=result_uri, engine=ev.engine, model=ev.model, model_revision=ev.model_revision,
+                          near=ev.near_duplicate_of is not None)
+        self._settle.append(Outgoing(self.s.topics.settled, req.content_sha256, dumps(st), self.telemetry.inject()))
+
+    async def _put_entry(self, ev: ResultEvent, output: OcrOutput, uri: str) -> None:
+        """The key's Redis entry, when Redis answers (a cache: without it dedup's S3 tier answers)."""
+        entry = CacheEntry(uri, len(output.lines), len(output.text), output.created_at_ms)
+        try:
+            await self.cache.put(ev.cache_key, entry, self.s.ttl_for(ev.request.source, ev.request.task))
         except CacheUnavailable as exc:
-            # Completed from on_idle as soon as Redis answers (bounded: one entry per key); if this
-            # process dies first, the lease expires and dedup's reaper promotes a waiter instead.
-            if len(self._deferred) < self.s.deferred_max_keys:
-                self._deferred[key] = (entry, ttl_s, ev, output)
-            log.warning("sink: Redis unavailable (%s); waiters on %s will be completed when it is back", exc, key)
-            return []
-        if raw is None:
-            # not cached, and another request holds the lease (a promoted waiter, or a newer
-            # request after this result was first handled: a replay): its result completes them
-            log.info("sink: %s's waiters on %s belong to the current lease holder", ev.request.request_id, key)
-            return []
-        self._batch_pending[key] = len(raw)
-        return [RequestEvent.model_validate_json(w) for w in raw]
+            log.info("sink: Redis unavailable (%s); no cache entry for %s", exc, ev.cache_key)
 
     @staticmethod
     def _output(ev: ResultEvent) -> OcrOutput:
@@ -282,7 +238,7 @@ class SinkHandler(Handler):
             text=full_text(ev.lines), near_duplicate_of=ev.near_duplicate_of, warnings=ev.warnings,
         )
 
-    async def _store_output(self, ev: ResultEvent) -> tuple[OcrOutput, CacheEntry]:
+    async def _store_output(self, ev: ResultEvent) -> tuple[OcrOutput, str]:
         req = ev.request
         output = self._output(ev)
         okey = result_object_key(ev.cache_key)
@@ -295,7 +251,7 @@ class SinkHandler(Handler):
             text=output.text, created_at_ms=output.created_at_ms,
         )
         self._outputs.remember(uri, output, len(body))
-        return output, CacheEntry(uri, len(output.lines), len(output.text), output.created_at_ms)
+        return output, uri
 
     def _doc(self, req: RequestEvent, output: OcrOutput | None, ev: ResultEvent, queued: float,
              started: float, cache_hit: bool) -> ResultDocument:
@@ -319,6 +275,7 @@ class SinkHandler(Handler):
             content_sha256=req.content_sha256,
             cache_key=ev.cache_key,
             cache_hit=cache_hit,
+            cache_tier=ev.cache_tier if cache_hit else None,
             near_duplicate_of=output.near_duplicate_of if output else None,
             engine=ev.engine,
             model=ev.model,

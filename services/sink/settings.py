@@ -21,7 +21,6 @@ class SinkSettings(CommonSettings):
         description='TTL overrides per request source, s, JSON, e.g. {"screenshot": 600}',
     )
     cache_ttl_by_task: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict, description="TTL overrides per task, s, JSON")
-    deferred_max_keys: int = Field(default=10_000, ge=0, description="results kept to complete their waiters once Redis is back")
     output_lru_entries: int = Field(
         default=16_384, ge=0,
         description="result documents kept in memory for cache hits (a hit outside it reads S3, ~4 ms: bench/cache_bench.py)",

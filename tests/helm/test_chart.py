@@ -538,12 +538,10 @@ def test_notes_say_how_to_create_the_first_api_key_and_turn_webhooks_on(tmp_path
     assert "Webhooks may go to: hooks.example.com (public addresses only" in text
 
 
-def test_dedup_reads_the_infer_and_sink_group_ids_the_chart_gives_those_stages():
-    """Dedup's lease reaper compares the infer and sink groups' committed offsets: overriding a
-    group id for its stage must reach dedup too, or the reaper would watch a group nobody uses."""
-    docs = render(REQUIRED, sets=("infer.config.infer_group_id=gpu-infer", "sink.config.sink_group_id=sink-b"))
-    [dedup] = [w for w in workloads(docs) if component(w) == "dedup"]
-    env = _stage_env(docs, dedup)
-    assert env["OCRSTREAM_INFER_GROUP_ID"] == "gpu-infer" and env["OCRSTREAM_SINK_GROUP_ID"] == "sink-b"
-    [infer] = [w for w in workloads(docs) if component(w) == "infer"]
-    assert _stage_env(docs, infer)["OCRSTREAM_INFER_GROUP_ID"] == "gpu-infer"
+def test_sink_and_dedup_agree_on_the_settled_topic_and_dedup_has_its_changelog():
+    """The sink settles keys on the topic dedup reads with ocr.requests; overriding its name in
+    `config.topics` reaches both, and dedup gets its changelog's name."""
+    docs = render(REQUIRED, sets=("config.topics.settled=team-a.settled", "config.topics.dedup_changelog=team-a.state"))
+    env = {component(w): _stage_env(docs, w) for w in workloads(docs) if component(w) in ("dedup", "sink")}
+    assert env["dedup"]["OCRSTREAM_TOPICS__SETTLED"] == env["sink"]["OCRSTREAM_TOPICS__SETTLED"] == "team-a.settled"
+    assert env["dedup"]["OCRSTREAM_TOPICS__DEDUP_CHANGELOG"] == "team-a.state"

@@ -208,8 +208,8 @@ class LoggingRunner(StageRunner):
 
     loaded: list[dict]
 
-    async def _load_deaths(self, assigned):
-        await super()._load_deaths(assigned)
+    async def _assigned(self, assigned):
+        await super()._assigned(assigned)
         self.loaded = [*getattr(self, "loaded", []), self.deaths.snapshot()]
 
 

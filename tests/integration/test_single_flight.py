@@ -18,7 +18,7 @@ from tests.stack import db_rows, metric_value, namespaced_pipeline
 
 @pytest.fixture(scope="module")
 def sf_pipeline(stack_env, tmp_path_factory):
-    """A pipeline of its own (own topics and Redis prefix), default (long) in-flight lease."""
+    """A pipeline of its own (own topics and Redis prefix)."""
     with namespaced_pipeline(tmp_path_factory.mktemp("sf-logs")) as p:
         yield p
 
@@ -41,11 +41,11 @@ async def test_thousand_requests_over_hundred_images_cost_hundred_inferences(sf_
                    - metric_value(before, "ocrstream_cache_total", outcome=o) for o in ("joined", "hit"))
     assert joined + hit >= 900
     # all copies arrive together, far faster than 100 inferences: some copies find their twin in
-    # flight and join its lease (single flight proper), not just a cache entry already written
+    # flight and wait for it (single flight proper), not just a cache entry already written
     assert joined > 0, (joined, hit)
 
 
-async def test_waiters_complete_when_the_lease_holder_is_killed(sf_pipeline):
+async def test_waiters_complete_when_the_holders_infer_is_killed(sf_pipeline):
     data = (SAMPLES / "sroie_152.jpg").read_bytes()
     [infer] = [s for s in sf_pipeline.stages["infer"] if s.proc.poll() is None]
     seen = metric_value(sf_pipeline.metrics("infer"), "ocrstream_messages_in_total")
@@ -59,7 +59,7 @@ async def test_waiters_complete_when_the_lease_holder_is_killed(sf_pipeline):
     waiters = asyncio.create_task(sf_pipeline.run([(data, f"copy-{i}.jpg") for i in range(5)], timeout=300))
     deadline = time.time() + 60
     while metric_value(sf_pipeline.metrics("dedup"), "ocrstream_cache_total", outcome="joined") < joined + 5:
-        assert time.time() < deadline, "the copies never joined the dead holder's lease"
+        assert time.time() < deadline, "the copies never joined the dead holder"
         await asyncio.sleep(0.05)
     sf_pipeline.start("infer")  # the holder's event is redelivered; its result completes the waiters
     [holder] = await task
@@ -163,8 +163,7 @@ async def test_a_result_of_another_generation_completes_its_waiters_but_is_not_c
         [key] = {d.cache_key for d in docs}
         assert split_cache_key(key)[0] == split_cache_key(probe.cache_key)[0]  # dedup's generation
         assert all(d.result_uri is None for d in docs)
-        assert not r.exists(f"{prefix}:c:{key}") and not r.exists(f"{prefix}:lease:{key}")
-        assert r.zscore(f"{prefix}:inflight", key) is None and r.llen(f"{prefix}:wait:{key}") == 0
+        assert not r.exists(f"{prefix}:c:{key}")
         assert db_rows("SELECT COUNT(*) AS n FROM results WHERE cache_key = %s", key)[0]["n"] == 0
         assert metric_value(sf_pipeline.metrics("infer"), "ocrstream_cache_total", outcome="generation_mismatch") >= 1
         calls = sf_pipeline.engine_calls()

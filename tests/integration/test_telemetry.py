@@ -68,7 +68,8 @@ def _expected_spans(p: Pipeline) -> set[tuple[str, str]]:
     t = p.env
     return {("ingest", "ingest"), ("dedup", "dedup"), ("infer", "infer"), ("infer", "infer.load"),
             ("infer", "s3.get"), ("infer", "decode"), ("sink", "sink"), ("sink", "s3.put"),
-            ("sink", "mysql.write_result"), ("sink", "redis.complete_begin"),
+            ("sink", "mysql.write_result"), ("sink", "redis.set"),
+            ("sink", f"{t['OCRSTREAM_TOPICS__SETTLED']} publish"),
             ("ingest", f"{t['OCRSTREAM_TOPICS__REQUESTS']} publish"),
             ("dedup", f"{t['OCRSTREAM_TOPICS__INFER']} publish"),
             ("infer", f"{t['OCRSTREAM_TOPICS__RESULTS']} publish"),

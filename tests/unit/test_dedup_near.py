@@ -11,9 +11,9 @@ from aiokafka import ConsumerRecord
 from PIL import Image
 
 from schemas.errors import ErrorCode
-from schemas.events import InferEvent, Line, OcrOutput, Page, RequestEvent, ResultEvent
+from schemas.events import InferEvent, Line, OcrOutput, Page, RequestEvent, ResultEvent, SettledEvent
 from schemas.keys import cache_key, image_object_key
-from services.common.cache import CacheEntry, CacheUnavailable, Claim
+from services.common.cache import CacheEntry, CacheUnavailable
 from services.common.errors import OcrError
 from services.common.events import dumps
 from services.common.settings import TelemetrySettings
@@ -45,7 +45,7 @@ class MemoryStore:
 
 
 class MemoryCache:
-    """Claims always lead; entries from a dict; ``down`` makes every call fail."""
+    """Entries from a dict (an exact GET misses unless the test stored one); ``down`` makes every call fail."""
 
     def __init__(self):
         self.entries: dict[str, CacheEntry] = {}
@@ -55,12 +55,14 @@ class MemoryCache:
         if self.down:
             raise CacheUnavailable("down")
 
-    async def claim(self, key, request_id, waiter_json, lease_ms) -> Claim:
+    async def get_with_ttl(self, key):
         if self.down:
             raise CacheUnavailable("down")
-        return Claim("lead")
+        return self.entries.get(key), None
 
     async def get(self, key: str) -> CacheEntry | None:
+        if self.down:
+            raise CacheUnavailable("down")
         return self.entries.get(key)
 
 
@@ -71,12 +73,15 @@ class MemoryIndex:
         self.items: list[tuple[str, int]] = []
 
         self.spaces: list[str] = []  # the index namespace of each item (gen_id, or gen_id:scope)
+        self.down = False
 
     async def add(self, gen_id: str, sha: str, h: int) -> None:
         self.items.append((sha, h))
         self.spaces.append(gen_id)
 
     async def candidates(self, gen_id, h, max_hamming, exclude=None):
+        if self.down:
+            raise CacheUnavailable("down")
         return sorted(((h ^ x).bit_count(), s) for (s, x), space in zip(self.items, self.spaces)
                       if space == gen_id and s != exclude and (h ^ x).bit_count() <= max_hamming)
 
@@ -88,7 +93,7 @@ def sha(data: bytes) -> str:
 def setup(settings: DedupSettings = S):
     store, cache, index = MemoryStore(), MemoryCache(), MemoryIndex()
     near = NearDupLookup(settings.near_dup, DecoderPool(settings.decode, settings.limits), store, cache, index=index)
-    handler = DedupHandler(settings, cache, Telemetry("dedup", TelemetrySettings()), near)
+    handler = DedupHandler(settings, cache, Telemetry("dedup", TelemetrySettings()), near=near)
     return handler, store, cache, index
 
 
@@ -106,9 +111,10 @@ def handle(handler: DedupHandler, req: RequestEvent):
     return out.topic, orjson.loads(out.value)
 
 
-def done(store: MemoryStore, cache: MemoryCache, req: RequestEvent, text: str, settings: DedupSettings = S) -> None:
-    """Store a result for ``req`` as the sink would (under its key in its cache scope): one line
-    across the top half."""
+def done(handler: DedupHandler, store: MemoryStore, cache: MemoryCache, req: RequestEvent, text: str,
+         settings: DedupSettings = S) -> None:
+    """Store a result for ``req`` as the sink would (under its key in its cache scope: one line
+    across the top half), and hand dedup the sink's settlement of it (which indexes the image)."""
     key = settings.cache_key_of(req.content_sha256, GEN, req.api_key_id)
     w, h = req.width, req.height
     out = OcrOutput(cache_key=key, content_sha256=req.content_sha256, engine=GEN.engine, model=GEN.model,
@@ -116,6 +122,10 @@ def done(store: MemoryStore, cache: MemoryCache, req: RequestEvent, text: str, s
                     lines=[Line(text=text, box=[[0, 0], [w, 0], [w, h / 2], [0, h / 2]], confidence=0.9)], text=text)
     store.objects[f"results/{req.content_sha256}.json"] = dumps(out)
     cache.entries[key] = CacheEntry(f"s3://{BUCKET}/results/{req.content_sha256}.json", 1, len(text), 0)
+    settled = SettledEvent(cache_key=key, content_sha256=req.content_sha256, request_id=req.request_id, status="ok",
+                           result_uri=f"s3://{BUCKET}/results/{req.content_sha256}.json")
+    rec = ConsumerRecord(settings.topics.settled, 0, 0, 0, 0, None, dumps(settled), None, 0, 0, [])
+    assert asyncio.run(handler.handle([rec])) == []  # nobody waited
 
 
 def reencoded(data: bytes, scale: float = 1.0, quality: int = 70) -> bytes:
@@ -131,8 +141,9 @@ def test_rescaled_copy_is_a_near_hit_with_boxes_in_its_own_pixels():
     original = text_image(["INVOICE 40213", "TOTAL 237.60"], size=30, width=700)
     first = put_image(store, original)
     topic, _ = handle(handler, first)
-    assert topic == S.topics.infer and [s for s, _ in index.items] == [first.content_sha256]  # indexed on its miss
-    done(store, cache, first, "INVOICE 40213 TOTAL 237.60")
+    assert topic == S.topics.infer and index.items == []  # not indexed before its result is settled
+    done(handler, store, cache, first, "INVOICE 40213 TOTAL 237.60")
+    assert [s for s, _ in index.items] == [first.content_sha256]
     copy = put_image(store, reencoded(original, scale=1.2))
     topic, value = handle(handler, copy)
     assert topic == S.topics.results
@@ -150,10 +161,11 @@ def test_same_template_other_number_goes_to_inference():
     handler, store, cache, index = setup()
     first = put_image(store, text_image(["INVOICE 40213", "TOTAL 237.60"], size=30, width=700))
     handle(handler, first)
-    done(store, cache, first, "INVOICE 40213 TOTAL 237.60")
+    done(handler, store, cache, first, "INVOICE 40213 TOTAL 237.60")
     other = put_image(store, text_image(["INVOICE 40218", "TOTAL 237.60"], size=30, width=700))
     topic, value = handle(handler, other)
     assert topic == S.topics.infer and InferEvent.model_validate(value).request.request_id == other.request_id
+    done(handler, store, cache, other, "INVOICE 40218 TOTAL 237.60")
     assert len(index.items) == 2
 
 
@@ -161,13 +173,13 @@ def test_candidate_without_result_and_lookup_trouble_are_plain_misses():
     handler, store, cache, index = setup()
     original = text_image(["RECEIPT 77"], size=30)
     first = put_image(store, original)
-    handle(handler, first)  # indexed, but never completed: no cache entry
+    handle(handler, first)  # never completed: neither indexed nor cached
     copy = put_image(store, reencoded(original))
     assert handle(handler, copy)[0] == S.topics.infer
     gone = put_image(store, reencoded(original, quality=50))
     del store.objects[image_object_key(gone.content_sha256)]  # S3 trouble: a miss, inference reports it
     assert handle(handler, gone)[0] == S.topics.infer
-    cache.down = True  # Redis down: no lease, no lookup
+    cache.down = index.down = True  # Redis down: the lookup finds no candidate
     assert handle(handler, put_image(store, reencoded(original, quality=60)))[0] == S.topics.infer
 
 
@@ -182,8 +194,8 @@ def test_with_cache_scope_key_a_look_alike_is_answered_from_its_own_tenants_resu
     first = put_image(store, original).model_copy(update={"api_key_id": "aaaaaaaaaaaa"})
     topic, value = handle(handler, first)
     assert topic == S.topics.infer and value["cache_key"] == f"{GEN.gen_id}:kaaaaaaaaaaaa:{first.content_sha256}"
+    done(handler, store, cache, first, "LEDGER 7731 NET 88.10", scoped)
     assert index.spaces == [f"{GEN.gen_id}:kaaaaaaaaaaaa"]  # indexed in tenant A's scope
-    done(store, cache, first, "LEDGER 7731 NET 88.10", scoped)
     copy = put_image(store, reencoded(original, scale=1.2))
     other = copy.model_copy(update={"api_key_id": "bbbbbbbbbbbb", "request_id": "req-other"})
     topic, value = handle(handler, other)  # tenant B: A's look-alike is no candidate

@@ -98,19 +98,13 @@ kafka s3 redis mysql telemetry topics engine limits decode
 {{- end -}}
 
 {{/*
-The merged settings of one stage: `config` deep-merged with `<stage>.config` (the stage wins); dedup
-also gets `infer.config.infer_group_id` and `sink.config.sink_group_id` (its lease reaper reads those groups).
+The merged settings of one stage: `config` deep-merged with `<stage>.config` (the stage wins).
 Usage: include "ocrstream.stageConfig" (dict "component" "infer" "context" $) | fromYaml
 */}}
 {{- define "ocrstream.stageConfig" -}}
 {{- $common := deepCopy .context.Values.config -}}
 {{- $own := dict -}}
 {{- if .component -}}{{- $own = deepCopy (index .context.Values .component).config -}}{{- end -}}
-{{- if eq (toString .component) "dedup" -}}
-{{- /* dedup's reaper reads the infer and sink groups' committed offsets: the same ids as theirs */ -}}
-{{- with (index .context.Values "infer" "config" "infer_group_id") }}{{- $_ := set $own "infer_group_id" . -}}{{- end -}}
-{{- with (index .context.Values "sink" "config" "sink_group_id") }}{{- $_ := set $own "sink_group_id" . -}}{{- end -}}
-{{- end -}}
 {{- toYaml (mustMergeOverwrite $common $own) -}}
 {{- end -}}
 
