@@ -8,4 +8,6 @@ bash scripts/browser.sh
 bash scripts/k8s-tools.sh | sed '$d'  # its last line is the tools folder (for helm-check.sh), not news
 bash scripts/helm-check.sh
 bash deploy/local/up.sh
+# a missing stack or helm fails the run here instead of skipping (tests/stack.py strict_run)
+export OCRSTREAM_TEST_STRICT=1
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
