@@ -1,4 +1,10 @@
-"""Shared fixtures: paths to ../shared, generated text images."""
+"""Shared fixtures: paths to ../shared, generated text images; the test tiers' markers.
+
+Every test under tests/integration is marked ``integration``, under tests/fault ``fault``, under
+tests/helm ``helm``; integration and fault tests are also ``stack`` unless marked ``stackless``.
+A ``stack`` test skips with one line when the local stack is not up, and fails instead in CI or
+under scripts/test.sh (``tests.stack.strict_run``). tests/unit needs no stack.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 SAMPLES = SHARED / "samples"
 CASES = SHARED / "cases"
+#: Marker of each test tier, by the folder under tests/ that holds it.
+TIERS = {"integration": "integration", "fault": "fault", "helm": "helm"}
 
 FONT_PATHS = [
     "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf",
@@ -53,3 +61,26 @@ def manifest() -> list[dict]:
 def cases() -> list[dict]:
     """``../shared/cases/cases.json``'s case list."""
     return json.loads((CASES / "cases.json").read_text())["cases"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier (the folder under tests/) and integration/fault tests with ``stack``."""
+    tests_dir = REPO / "tests"
+    for item in items:
+        path = Path(item.path).resolve()
+        tier = TIERS.get(path.relative_to(tests_dir).parts[0]) if path.is_relative_to(tests_dir) else None
+        if tier is None:
+            continue
+        item.add_marker(tier)
+        if tier in ("integration", "fault") and item.get_closest_marker("stackless") is None \
+                and item.get_closest_marker("stack") is None:
+            item.add_marker("stack")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of a ``stack`` test: skip it (fail it in CI) when the local stack is not up."""
+    if item.get_closest_marker("stack") is not None:
+        from tests.stack import require_stack
+
+        require_stack()

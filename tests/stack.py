@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from schemas.events import ResultDocument
 from schemas.topics import Topics
@@ -63,15 +64,78 @@ def namespace_env(tag: str | None = None, partitions: int = 2) -> dict[str, str]
     return env
 
 
+#: Env var that makes a missing stack (or helm) fail the run instead of skipping; scripts/test.sh sets it.
+STRICT_ENV = "OCRSTREAM_TEST_STRICT"
+UP_HINT = "run `bash deploy/local/up.sh`"
+
+
+def stack_addresses() -> list[tuple[str, str, int]]:
+    """``(name, host, port)`` of Kafka (first bootstrap server), Redis, MariaDB and S3 from the settings.
+
+    They come from the ``OCRSTREAM_*`` env vars like the stages' own (defaults: the local stack on
+    127.0.0.1 ports 9092, 6379, 3306, 9000), so a test run pointed elsewhere checks what it will use.
+    Redis over a unix socket and S3 without an endpoint (AWS) are not checked.
+    """
+    cfg = CommonSettings()
+    host, _, port = cfg.kafka.bootstrap_servers.split(",")[0].strip().rpartition(":")
+    out = [("kafka", host or "127.0.0.1", int(port or 9092))]
+    r = urlsplit(cfg.redis.url)
+    if r.scheme != "unix":
+        out.append(("redis", r.hostname or "127.0.0.1", r.port or 6379))
+    out.append(("mariadb", cfg.mysql.host, cfg.mysql.port))
+    if cfg.s3.endpoint_url:
+        s3 = urlsplit(cfg.s3.endpoint_url)
+        out.append(("s3", s3.hostname or "127.0.0.1", s3.port or (443 if s3.scheme == "https" else 80)))
+    return out
+
+
 def stack_reachable() -> str | None:
-    """None if Kafka, Redis, MariaDB and S3 answer on their default ports, else what is missing."""
+    """None if Kafka, Redis, MariaDB and S3 accept a TCP connection (1 s each), else what is missing.
+
+    Returns:
+        e.g. ``"kafka 127.0.0.1:9092, redis 127.0.0.1:6379"``, or None when all answer.
+    """
     missing = []
-    for name, port in (("kafka", 9092), ("redis", 6379), ("mariadb", 3306), ("s3", 9000)):
+    for name, host, port in stack_addresses():
         with socket.socket() as s:
             s.settimeout(1)
-            if s.connect_ex(("127.0.0.1", port)) != 0:
-                missing.append(f"{name}:{port}")
+            if s.connect_ex((host, port)) != 0:
+                missing.append(f"{name} {host}:{port}")
     return ", ".join(missing) or None
+
+
+def strict_run() -> bool:
+    """True in CI (``CI`` set, not ``0``/``false``) or when scripts/test.sh set ``OCRSTREAM_TEST_STRICT=1``:
+    there a missing stack (or helm) fails the tests that need it instead of skipping them."""
+    def on(name: str) -> bool:
+        return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+    return on(STRICT_ENV) or on("CI")
+
+
+_stack_problem: list[str | None] = []
+
+
+def require_stack() -> None:
+    """Skip the calling test (or fixture) when the local stack is not up; fail it instead in CI.
+
+    The check runs once per session (its answer is kept). The message is one line, e.g.
+    ``the local stack is not up (kafka 127.0.0.1:9092): run `bash deploy/local/up.sh```.
+
+    Raises:
+        pytest.skip.Exception: the stack is missing and :func:`strict_run` is false.
+        pytest.fail.Exception: the stack is missing and :func:`strict_run` is true.
+    """
+    import pytest
+
+    if not _stack_problem:
+        _stack_problem.append(stack_reachable())
+    missing = _stack_problem[0]
+    if missing is None:
+        return
+    if strict_run():
+        pytest.fail(f"the local stack is not up ({missing}) and this run requires it "
+                    f"({STRICT_ENV}=1 or CI): {UP_HINT}", pytrace=False)
+    pytest.skip(f"the local stack is not up ({missing}): {UP_HINT}")
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -9,15 +9,13 @@ import pytest
 
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
-from tests.stack import REPO, namespaced_pipeline, stack_reachable
+from tests.stack import REPO, namespaced_pipeline, require_stack
 
 
 @pytest.fixture(scope="module")
 def fault_pipeline(tmp_path_factory):
     """Stages in a fresh namespace, short retry backoff and drain bound."""
-    missing = stack_reachable()
-    if missing:
-        pytest.fail(f"local stack not reachable ({missing}): run deploy/local/up.sh first", pytrace=False)
+    require_stack()
     extra = {"OCRSTREAM_RETRY_MAX_BACKOFF_S": "2", "OCRSTREAM_SHUTDOWN_TIMEOUT_S": "15",
              "OCRSTREAM_KAFKA__SESSION_TIMEOUT_MS": "10000", "OCRSTREAM_KAFKA__HEARTBEAT_INTERVAL_MS": "1000"}
     with namespaced_pipeline(tmp_path_factory.mktemp("fault-logs"), extra) as p:

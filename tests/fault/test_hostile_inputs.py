@@ -21,7 +21,7 @@ from services.common.kafka import make_consumer
 from services.common.settings import CommonSettings
 from tests.attacks import chained_header_tiff, eps_file, nested_xobject_pdf
 from tests.conftest import text_image
-from tests.stack import API, metric_value, namespaced_pipeline, stack_reachable
+from tests.stack import API, metric_value, namespaced_pipeline, require_stack
 
 BUDGET_MB = 256
 """Infer's pixel budget in this module (MiB): a 6000 x 6000 page is 103 MiB of RGB."""
@@ -30,9 +30,7 @@ BUDGET_MB = 256
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
     """A pipeline with a small pixel budget, plus the HTTP door (``.url``)."""
-    missing = stack_reachable()
-    if missing:
-        pytest.fail(f"local stack not reachable ({missing}): run deploy/local/up.sh first", pytrace=False)
+    require_stack()
     # the engine sees at most 1000 px (its ONNX arena for two 2000 px inputs at once is ~1.4 GB,
     # which would drown the pixels measured here); every stage must agree: part of the cache key
     extra = {"OCRSTREAM_PIXEL_BUDGET_MB": str(BUDGET_MB), "OCRSTREAM_RETRY_MAX_BACKOFF_S": "2",

@@ -11,7 +11,7 @@ import pytest
 from botocore.config import Config
 
 from services.common.settings import CommonSettings
-from tests.stack import API, REPO, Pipeline, namespace_env, stack_reachable
+from tests.stack import API, REPO, Pipeline, namespace_env, require_stack
 
 API_MAX_BYTES = 1_000_000
 WEBHOOK_SECRET = "test-webhook-secret"
@@ -36,9 +36,7 @@ API_ENV = {
 @pytest.fixture(scope="session")
 def stack_env(tmp_path_factory):
     """Namespace env for this session, applied to this process too; topics and schema created."""
-    missing = stack_reachable()
-    if missing:
-        pytest.fail(f"local stack not reachable ({missing}): run deploy/local/up.sh first", pytrace=False)
+    require_stack()
     env = namespace_env()
     os.environ.update(env)
     subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, env=dict(os.environ), check=True,

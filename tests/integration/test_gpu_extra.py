@@ -13,9 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.gpu import missing
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.stackless  # needs the package index, not the local stack
 
 
 def test_gpu_extra_resolves_with_the_base_dependencies(tmp_path):

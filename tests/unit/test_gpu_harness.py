@@ -8,9 +8,10 @@ import sys
 from types import SimpleNamespace
 
 from bench.gpu import throughput
+from services.common import telemetry
 
 
-async def test_fake_engine_run_goes_through_the_infer_handler(capsys, monkeypatch, caplog):
+async def test_fake_engine_run_goes_through_the_infer_handler(capsys, monkeypatch):
     calls = []  # per engine call: (images' shapes, calls in flight when it started, itself included)
     in_flight = 0
     real = throughput.fake_engine_class()
@@ -26,6 +27,14 @@ async def test_fake_engine_run_goes_through_the_infer_handler(capsys, monkeypatc
                 in_flight -= 1
 
     monkeypatch.setattr(throughput, "fake_engine_class", lambda: Counting)
+    made = []  # the run's Telemetry (its metrics registry)
+
+    class Kept(telemetry.Telemetry):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(telemetry, "Telemetry", Kept)
     args = SimpleNamespace(fake_engine=True, batches=[1, 4], min_images=4, timeout=30.0, model=None)
     assert await throughput.run(args) == 0
     out = capsys.readouterr().out
@@ -39,8 +48,12 @@ async def test_fake_engine_run_goes_through_the_infer_handler(capsys, monkeypatc
     peaks = [peak for _, peak in calls]
     assert max(peaks[:5]) == 1 and max(peaks[5:]) == 4, peaks
     assert "max_batch   4: 8 requests through InferHandler.handle" in out and "errors 0" in out
-    # records are keyed as dedup keys them for this engine: no generation-mismatch warnings
-    assert not [r for r in caplog.records if "not cached under that key" in r.getMessage()]
+    # records are keyed as dedup keys them for this engine: no generation mismatch counted
+    [tel] = made
+    sample = tel.registry.get_sample_value
+    assert sample("ocrstream_requests_total", {"stage": "infer", "status": "ok", "code": ""}) == 5 + 12  # every page above
+    assert sample("ocrstream_cache_total", {"stage": "infer", "outcome": "generation_mismatch", "tier": ""}) is None
+    assert "ocrstream_cache" in {m.name for m in tel.registry.collect()}
 
 
 def test_missing_lists_pinned_distributions(monkeypatch):

@@ -3,46 +3,40 @@
 import asyncio
 
 import numpy as np
+import pytest_asyncio
 
 from services.infer.engines.base import EngineTimeout
 from services.infer.engines.rapid import RapidOcrEngine
 from tests.conftest import text_image
 
 
-def test_thin_strips_are_handled_without_blowing_up_memory():
-    async def run():
-        engine = RapidOcrEngine()
-        await engine.start()
-        try:
-            white = lambda h, w: np.full((h, w, 3), 255, np.uint8)  # noqa: E731
-            out = await engine.ocr([white(1, 100_000), white(30, 1999), white(1999, 30)], timeout_s=120)
-            assert all(not isinstance(o, BaseException) and o.segments == [] for o in out), out
-        finally:
-            await engine.close()
-
-    asyncio.run(run())
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engine():
+    """One started default engine (one worker) for the tests below: starting one takes ~3 s (its warm-up)."""
+    eng = RapidOcrEngine()
+    await eng.start()
+    yield eng
+    await eng.close()
 
 
-def test_a_timed_out_image_does_not_eat_the_next_images_budget():
+async def test_thin_strips_are_handled_without_blowing_up_memory(engine):
+    white = lambda h, w: np.full((h, w, 3), 255, np.uint8)  # noqa: E731
+    out = await engine.ocr([white(1, 100_000), white(30, 1999), white(1999, 30)], timeout_s=120)
+    assert all(not isinstance(o, BaseException) and o.segments == [] for o in out), out
+
+
+async def test_a_timed_out_image_does_not_eat_the_next_images_budget(engine):
     from io import BytesIO
 
     from PIL import Image
 
     page = np.asarray(Image.open(BytesIO(text_image(["TIMEOUT CHECK 42"]))).convert("RGB"))
-
-    async def run():
-        engine = RapidOcrEngine(workers=1)
-        await engine.start()
-        try:
-            [first] = await engine.ocr([page], timeout_s=0.001)
-            assert isinstance(first, EngineTimeout)
-            [second] = await engine.ocr([page], timeout_s=60)
-            assert not isinstance(second, BaseException), second
-            assert " ".join(s.text for s in second.segments) == "TIMEOUT CHECK 42"
-        finally:
-            await engine.close()
-
-    asyncio.run(run())
+    assert engine.workers == 1
+    [first] = await engine.ocr([page], timeout_s=0.001)
+    assert isinstance(first, EngineTimeout)
+    [second] = await engine.ocr([page], timeout_s=60)
+    assert not isinstance(second, BaseException), second
+    assert " ".join(s.text for s in second.segments) == "TIMEOUT CHECK 42"
 
 
 def test_detector_limit_setting_reaches_rapidocr():
@@ -75,7 +69,7 @@ def test_detector_limit_setting_reaches_rapidocr():
     asyncio.run(run())
 
 
-def test_spaces_the_recogniser_drops_are_put_back_and_light_text_on_dark_too():
+async def test_spaces_the_recogniser_drops_are_put_back_and_light_text_on_dark_too(engine):
     from io import BytesIO
 
     from PIL import Image, ImageOps
@@ -86,16 +80,8 @@ def test_spaces_the_recogniser_drops_are_put_back_and_light_text_on_dark_too():
     page = np.asarray(Image.open(BytesIO(text_image(lines))).convert("RGB"))
     inverted = np.asarray(ImageOps.invert(Image.fromarray(page)))
 
-    async def run():
-        engine = RapidOcrEngine()
-        await engine.start()
-        try:
-            outs = await engine.ocr([page, inverted], timeout_s=120)
-            return outs, [str(r[1]) for r in engine._ocr(page)[0]]
-        finally:
-            await engine.close()
-
-    outs, raw_texts = asyncio.run(run())
+    outs = await engine.ocr([page, inverted], timeout_s=120)
+    raw_texts = [str(r[1]) for r in engine._ocr(page)[0]]
     assert "TICKET5590" in raw_texts, raw_texts  # RapidOCR alone drops the space
     for out in outs:
         assert [line.text for line in group_lines(out.segments)] == lines
