@@ -32,6 +32,7 @@ is lower with the faster engine, so the cache's advantage is understated, not ov
 then only the repeats are paced, so each repeat finds its result stored.
 
 Usage: python -m bench.cache_bench [--n 12000] [--dup-ratio 0.43] [--rate 10] [--warm-first] [--det-limit 96]
+       [--skip-disabled] [--redis-down]
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from services.cli.client import Submitter
 from services.common.completions import CompletionWatcher
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
-from tests.stack import Pipeline, namespace_env
+from tests.stack import Pipeline, free_port, namespace_env
 
 
 def make_workload(n: int, dup_ratio: float, seed: int = 11) -> tuple[list[bytes], int]:
@@ -193,7 +194,10 @@ def main() -> None:
                     help="submitted requests per second (10: below the engine's ~14 images/s at 96 px, so no backlog)")
     ap.add_argument("--det-limit", type=int, default=96,
                     help="engine detector limit in px (OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN; product default 736)")
-    ap.add_argument("--skip-disabled", action="store_true", help="only the cache-on run")
+    ap.add_argument("--skip-disabled", action="store_true", help="no cache-off run")
+    ap.add_argument("--redis-down", action="store_true",
+                    help="also a cache-on run whose stages point at a Redis that is not there (dedup's keyed state, "
+                         "its settled window and the S3 tier answer; exits 1 unless engine calls = unique keys)")
     ap.add_argument("--warm-first", action="store_true",
                     help="complete every distinct image first, then pace the repeats (repeat latency without a backlog)")
     args = ap.parse_args()
@@ -203,12 +207,19 @@ def main() -> None:
           f"{'distinct images completed first, ' if args.warm_first else ''}engine detector limit {args.det_limit} px")
     engine = {"OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN": str(args.det_limit)}  # part of the cache key
     calls, keys = run_setting("cache on", bodies, unique, args.rate, engine, args.warm_first)
+    failed = round(calls) != keys
+    if args.redis_down:
+        down = {**engine, "OCRSTREAM_REDIS__URL": f"redis://127.0.0.1:{free_port()}/0"}  # nothing listens there
+        down_calls, down_keys = run_setting("cache on, Redis down", bodies, unique, args.rate, down, args.warm_first)
+        print(f"{'OK' if round(down_calls) == down_keys else 'FAILED'}: with Redis down, engine calls "
+              f"{down_calls:.0f} {'==' if round(down_calls) == down_keys else '!='} unique cache keys {down_keys}")
+        failed = failed or round(down_calls) != down_keys
     if not args.skip_disabled:
         run_setting("cache off", bodies, unique, args.rate, {**engine, "OCRSTREAM_CACHE_ENABLED": "false"}, args.warm_first)
-    if round(calls) != keys:
-        print(f"FAILED: with the cache on, engine calls {calls:.0f} != unique cache keys {keys}")
+    print(f"{'FAILED' if round(calls) != keys else 'OK'}: with the cache on, engine calls {calls:.0f} "
+          f"{'!=' if round(calls) != keys else '=='} unique cache keys {keys}")
+    if failed:
         sys.exit(1)
-    print(f"OK: with the cache on, engine calls {calls:.0f} == unique cache keys {keys}")
 
 
 if __name__ == "__main__":

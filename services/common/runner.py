@@ -453,14 +453,18 @@ class StageRunner:
             return
         self._last_idle = now
         await self._report_lag()
+        self._between_batches.clear()  # a revocation with drain_on_revoke waits for housekeeping too
         try:
-            out = await self.handler.on_idle()
-        except Exception as exc:  # housekeeping must never stop the loop
-            log.warning("%s: idle housekeeping failed: %r", self.stage, exc)
-            return
-        if out:
-            await self._produce(out)
-            await self._retrying(self.handler.after_produce)
+            try:
+                out = await self.handler.on_idle()
+            except Exception as exc:  # housekeeping must never stop the loop
+                log.warning("%s: idle housekeeping failed: %r", self.stage, exc)
+                return
+            if out:
+                await self._produce(out)
+                await self._retrying(self.handler.after_produce)
+        finally:
+            self._between_batches.set()
 
     async def _with_keepalive(self, coro):
         """Run ``coro`` (the batch) while the consumer keeps polling.

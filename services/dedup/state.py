@@ -256,7 +256,7 @@ class PartitionState:
             return out
         code = ev.error.code if ev.error else ErrorCode.INTERNAL_ERROR
         if f is None or f.holder is None or f.holder.request_id != ev.request_id:
-            if f is None and code == ErrorCode.MISSING_OBJECT:
+            if f is None and code == ErrorCode.MISSING_OBJECT and key in self.settled:
                 self._evict(key)
             return out
         if code in RETRYABLE_CODES and ev.attempt < self.max_attempts and f.waiters:
