@@ -1,7 +1,7 @@
 """The HTTP door: cached-image latency, uploads/s, and what long-polling costs next to polling,
 each measured against the seed design in the same run.
 
-Starts a pipeline (ingest, dedup, infer, sink) and the HTTP door (``python -m services.ingest.api``)
+Starts a pipeline (ingest, dedup, infer, sink) and the HTTP door (``python -m services.api``)
 in a fresh namespace on the local stack (deploy/local/up.sh must have run), and the seed design's
 HTTP side (``bench/seed_design.py``: FastAPI ``UploadFile``, one Redis ``GET`` of the cache entry in
 the upload handler, Celery-style ``LPUSH`` + ``celery-task-meta-<id>`` keys, ``GET /result/{id}``)

@@ -12,16 +12,18 @@ from pathlib import Path
 
 from pydantic import BaseModel, SecretStr
 
-from services.common.settings import CommonSettings
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's services, not an installed copy
+
+from services.common.settings import CommonSettings  # noqa: E402
 from services.dedup.settings import DedupSettings
 from services.infer.settings import InferSettings
-from services.ingest.api.settings import ApiSettings
+from services.api.settings import ApiSettings
 from services.ingest.settings import IngestSettings
 from services.sink.settings import SinkSettings
 
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings,
-          "the HTTP door (`python -m services.ingest.api`; also reads the ingest settings)": ApiSettings}
+          "the HTTP door (`python -m services.api`)": ApiSettings}
 
 
 def _default(field) -> str:
