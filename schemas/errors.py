@@ -104,7 +104,9 @@ _ROWS = (
     ErrorSpec(_E.INVALID_REQUEST, 400, "The submission could not be parsed or failed its schema: on the Kafka door "
               "the submit event, on the HTTP door an option or parameter (the message names it; e.g. a `task` "
               "not in `OCRSTREAM_TASKS`, a `callback_url` while webhooks are disabled, a `request_id` on a batch)."),
-    ErrorSpec(_E.TIMEOUT, None, "Inference of the image took longer than `OCRSTREAM_LIMITS__INFER_TIMEOUT_S`."),
+    ErrorSpec(_E.TIMEOUT, None, "The request's inference took longer than `OCRSTREAM_LIMITS__INFER_TIMEOUT_S` in "
+              "all (one limit per request, over all its pages and tiles together), or one HTTP attempt of the "
+              "`openai` engine got no answer within `OCRSTREAM_OPENAI_TIMEOUT_S` (the message says which)."),
     ErrorSpec(_E.ENGINE_ERROR, None, "The OCR engine raised on this image."),
     ErrorSpec(_E.INTERNAL_ERROR, 500, "A bug or an unexpected failure after bounded retries; the message says more "
               "(as an HTTP answer: an unhandled exception, whose traceback is in the door's log)."),
