@@ -58,7 +58,10 @@ class SubmitFastPath:
 
     The endpoint is the same function FastAPI routes to (and documents in the spec); this only
     skips the layers between: route matching, FastAPI's request/response wrapper and parameter
-    solving, the exception and exit-stack middlewares (measured: bench/README.md, "HTTP door").
+    solving, the exception and exit-stack middlewares: 5-13 % of the door's CPU per cached request
+    (two runs of ``python -m bench.http_bench --routed``, bench/README.md: raw body 1.09 vs 1.20 and
+    0.79 vs 0.87 ms, multipart 1.02 vs 1.07 and 1.05 vs 1.21 ms). Off with ``http_fast_path`` false
+    (only to measure it).
     :class:`~services.api.errors.ApiError` is answered here in the one error shape; any
     other exception goes on to Starlette's server-error middleware (500 ``internal_error``,
     :func:`~services.api.errors.internal_error_handler`), as it would from the route.
@@ -112,8 +115,8 @@ def _submit_routes(app: FastAPI, clients: Clients, submits: SubmitService) -> No
         """Submit one image: 200 with the result when cached, else 202 with the request id."""
         return await submits.handle(request)
 
-    # the hot route skips the routing layers (added first: CORS, when on, wraps it)
-    app.add_middleware(SubmitFastPath, endpoint=submit)
+    if clients.s.http_fast_path:  # the hot route skips the routing layers (added first: CORS, when on, wraps it)
+        app.add_middleware(SubmitFastPath, endpoint=submit)
 
     @app.post("/v1/ocr/batch", response_model=p.BatchResponse, status_code=202, tags=["ocr"],
               summary="Submit many images in one multipart body",

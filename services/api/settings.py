@@ -87,6 +87,10 @@ class ApiSettings(CommonSettings):
         default=8 * 1024 * 1024, ge=0,
         description="bound on their JSON size, bytes (in memory ~8x: services/common/outputs.py); 0 = entries only",
     )
+    http_fast_path: bool = Field(
+        default=True,
+        description="POST /v1/ocr skips FastAPI's routing layers (same endpoint, same answers; 5-13 % less door "
+                    "CPU per cached request: bench/README.md); false only to measure it (bench/http_bench.py --routed)")
     http_cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty = closed")
 
     auth_required: bool = Field(default=False, description="require an API key (X-API-Key or Bearer) on /v1/ routes")
