@@ -22,13 +22,14 @@ class BrokenGuard:
     admit = check  # the submit route's first step
 
 
-@pytest.mark.parametrize("method, path", [
-    ("POST", "/v1/ocr"),  # the fast path (SubmitFastPath middleware)
-    ("POST", "/v1/ocr/batch"),  # routed
-    ("GET", "/v1/ocr/some-id"),
+@pytest.mark.parametrize("method, path, fast_path", [
+    ("POST", "/v1/ocr", True),  # the fast path (SubmitFastPath middleware)
+    ("POST", "/v1/ocr", False),  # the same endpoint through FastAPI's routing (OCRSTREAM_HTTP_FAST_PATH=false)
+    ("POST", "/v1/ocr/batch", True),  # routed
+    ("GET", "/v1/ocr/some-id", True),
 ])
-async def test_an_unexpected_exception_is_a_json_500_and_its_traceback_is_logged(method, path, caplog):
-    app = create_app(ApiSettings(webhook_enabled=False))
+async def test_an_unexpected_exception_is_a_json_500_and_its_traceback_is_logged(method, path, fast_path, caplog):
+    app = create_app(ApiSettings(webhook_enabled=False, http_fast_path=fast_path))
     app.state.clients.guard = BrokenGuard()
     caplog.set_level(logging.ERROR, logger="services.api.errors")
     # the ASGI app without its lifespan: nothing connects; the exception is still raised past the answer
