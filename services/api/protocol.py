@@ -229,5 +229,14 @@ EVENTS_TEXT = (
     "then the server closes the stream. An `EventSource` reconnects by itself: close it on `end`, or let it "
     "reconnect, which watches the requests still pending and gets 204 once none is."
 )
+#: One event of the ``GET /v1/events`` stream, as an SSE parser yields it (OpenAPI describes a
+#: ``text/event-stream`` body by the schema of each event); comment lines (keep-alives) are no events.
+EVENT_SCHEMA = {
+    "type": "object", "required": ["event", "data"],
+    "properties": {"event": {"type": "string", "enum": ["completed", "pending", "error", "end"]},
+                   "id": {"type": "string", "description": "the request id (none on `end`)"},
+                   "data": {"type": "string", "contentMediaType": "application/json",
+                            "description": "one line of JSON (see the answer's description)"}},
+}
 EVENTS_RECONNECT_TEXT = ("a reconnect (`Last-Event-ID` sent) after every request has finished: an `EventSource` "
                          "stops reconnecting")

@@ -137,7 +137,7 @@ def _read_routes(app: FastAPI, clients: Clients, reads: ReadService) -> None:
 
     @app.get("/v1/events", tags=["ocr"], summary="Watch requests finish (server-sent events)",
              response_class=Response,
-             responses={200: {"description": p.EVENTS_TEXT, "content": {MEDIA_TYPE: {"schema": {"type": "string"}}}},
+             responses={200: {"description": p.EVENTS_TEXT, "content": {MEDIA_TYPE: {"schema": p.EVENT_SCHEMA}}},
                         204: {"description": p.EVENTS_RECONNECT_TEXT}, **p.error_responses(*p.EVENTS_ERRORS)})
     async def events(
         request: Request,
