@@ -1,7 +1,7 @@
 """The HTTP door: cached-image latency, uploads/s, and what long-polling costs next to polling,
 each measured against the seed design in the same run.
 
-Starts a pipeline (ingest, dedup, infer, sink) and the HTTP door (``python -m services.ingest.api``)
+Starts a pipeline (ingest, dedup, infer, sink) and the HTTP door (``python -m services.api``)
 in a fresh namespace on the local stack (deploy/local/up.sh must have run), and the seed design's
 HTTP side (``bench/seed_design.py``: FastAPI ``UploadFile``, one Redis ``GET`` of the cache entry in
 the upload handler, Celery-style ``LPUSH`` + ``celery-task-meta-<id>`` keys, ``GET /result/{id}``)
@@ -28,8 +28,10 @@ Then, in one run:
 The seed's figures recorded elsewhere (1.6 ms p50 cached; polling at 0.2 s ~30 % of a 2-core
 machine) are printed as context only.
 
-Usage: python -m bench.http_bench [--n 2000] [--rounds 2] [--clients 50] [--seconds 10] [--uploads 200] [--concurrency 4] [--keyed]
-(``--keyed``: (a) also measures a second door with API keys required and a per-key rate limit, as the Helm values run it.)
+Usage: python -m bench.http_bench [--n 2000] [--rounds 2] [--clients 50] [--seconds 10] [--uploads 200] [--concurrency 4] [--keyed] [--routed]
+(``--keyed``: (a) also measures a second door with API keys required and a per-key rate limit, as the Helm values run it.
+``--routed``: (a) also measures a door without the ``POST /v1/ocr`` fast path, ``OCRSTREAM_HTTP_FAST_PATH=false``: what
+the fast path saves.)
 """
 
 from __future__ import annotations
@@ -385,6 +387,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent upload clients")
     ap.add_argument("--keyed", action="store_true",
                     help="also a door with keys required and a per-key rate limit (the Helm configuration) in (a)")
+    ap.add_argument("--routed", action="store_true",
+                    help="also a door without the POST /v1/ocr fast path (FastAPI routing only) in (a)")
     args = ap.parse_args()
 
     print(machine())
@@ -425,6 +429,13 @@ def main() -> None:
                 keyed = p.start(API, {"OCRSTREAM_AUTH_REQUIRED": "true"})
                 va.insert(1, Variant("ocrstream POST /v1/ocr, raw, API key + rate limit", keyed.port, keyed.proc.pid,
                                      "/v1/ocr", cached_img, RAW, door_hit, headers={"X-API-Key": api_key}))
+            if args.routed:  # the same door through FastAPI's routing: what the fast path saves
+                routed = p.start(API, {"OCRSTREAM_HTTP_FAST_PATH": "false"})
+                at = 1 + bool(args.keyed)
+                va[at:at] = [Variant("ocrstream raw, routed (no fast path)", routed.port, routed.proc.pid, "/v1/ocr",
+                                     cached_img, RAW, door_hit)]
+                va.insert(-1, Variant("ocrstream multipart, routed (no fast path)", routed.port, routed.proc.pid,
+                                      "/v1/ocr", form, MULTIPART, door_hit))
             cached_latency(va, args.n, args.rounds)
 
             p.stop(p.stages["infer"][0])  # from here on requests stay pending, and no OCR competes for the CPU
@@ -445,7 +456,9 @@ def main() -> None:
         finally:
             deleted = seed.stop()
 
-    raw, form_v, sd = va[0], va[-2], va[-1]
+    raw, sd = va[0], va[-1]
+    form_v = next(v for v in va if v.label == "ocrstream POST /v1/ocr, multipart")
+    routed_v = [v for v in va if "routed" in v.label]
     keyed_v = va[1] if args.keyed else None
     print()
     print(f"(a) cached image over loopback, {len(cached_img)} B PNG ({len(form)} B as multipart), {args.n} sequential "
@@ -462,6 +475,12 @@ def main() -> None:
     print(f"    target p50 <= 2 ms: ocrstream raw {raw.p(50):.2f} ms, multipart {form_v.p(50):.2f} ms"
           + (f", raw with an API key and a rate limit {keyed_v.p(50):.2f} ms (keyed/open p50 {keyed_v.p(50) / raw.p(50):.2f}, "
              f"server CPU {keyed_v.cpu_s / raw.cpu_s:.2f})" if keyed_v else ""))
+    if routed_v:
+        rr, rf = routed_v
+        print(f"    fast path vs routed, server CPU ms/req: raw {1000 * raw.cpu_s / len(raw.lat):.2f} vs "
+              f"{1000 * rr.cpu_s / len(rr.lat):.2f}, multipart {1000 * form_v.cpu_s / len(form_v.lat):.2f} vs "
+              f"{1000 * rf.cpu_s / len(rf.lat):.2f}; p50 ms: raw {raw.p(50):.2f} vs {rr.p(50):.2f}, "
+              f"multipart {form_v.p(50):.2f} vs {rf.p(50):.2f}")
     print()
     print(f"(c) {args.clients} clients waiting on pending requests for {args.seconds:.0f} s each "
           f"(CPU % of one core, from /proc; server = the door or the seed process)")

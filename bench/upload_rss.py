@@ -1,6 +1,6 @@
 """The HTTP door's memory during large uploads: whole body in memory vs streamed to S3.
 
-Starts the HTTP door alone (``python -m services.ingest.api``; no stages: accepted requests
+Starts the HTTP door alone (``python -m services.api``; no stages: accepted requests
 just wait on ``ocr.requests``) in a fresh namespace on the local stack (deploy/local/up.sh must
 have run), twice:
 

@@ -20,14 +20,14 @@ sys.path.insert(0, str(ROOT))  # this checkout's services/, not whichever one th
 from services.common.settings import CommonSettings  # noqa: E402
 from services.dedup.settings import DedupSettings  # noqa: E402
 from services.infer.settings import InferSettings  # noqa: E402
-from services.ingest.api.settings import ApiSettings  # noqa: E402
+from services.api.settings import ApiSettings  # noqa: E402
 from services.ingest.settings import IngestSettings  # noqa: E402
 from services.sink.settings import SinkSettings  # noqa: E402
 
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 DEFAULT_FILE = ROOT / "docs" / "configuration.md"
 STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings,
-          "the HTTP door (`python -m services.ingest.api`; also reads the ingest settings)": ApiSettings}
+          "the HTTP door (`python -m services.api`)": ApiSettings}
 
 
 def _default(field) -> str:

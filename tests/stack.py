@@ -33,7 +33,7 @@ from services.common.settings import CommonSettings
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("ingest", "dedup", "infer", "sink")
-API = "ingest.api"  # the HTTP front door: ``Pipeline.start(API)``
+API = "api"  # the HTTP front door: ``Pipeline.start(API)``
 
 
 def free_port() -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start or stop the four ocrstream stages in the background (pidfiles and logs in the state dir).
 #   stages.sh start         start ingest, dedup, infer, sink (each reused if already running); wait until ready
-#   stages.sh start --api   the same, plus the HTTP door (python -m services.ingest.api) on
+#   stages.sh start --api   the same, plus the HTTP door (python -m services.api) on
 #                           http://127.0.0.1:${OCRSTREAM_HTTP_PORT:-8080} (also: OCRSTREAM_LOCAL_API=1)
 #   stages.sh stop          SIGTERM them and the door (each drains and commits), SIGKILL after 30 s
 #   stages.sh status        show which are running
@@ -14,7 +14,7 @@ mkdir -p "$PIDS" "$LOGS"
 declare -A PORT=([ingest]=9310 [dedup]=9311 [infer]=9312 [sink]=9313 [api]="${OCRSTREAM_HTTP_PORT:-8080}")
 # the door serves /metrics, /healthz, /readyz on its HTTP port; the stages on their metrics port
 declare -A MODULE=([ingest]=services.ingest [dedup]=services.dedup [infer]=services.infer [sink]=services.sink
-                   [api]=services.ingest.api)
+                   [api]=services.api)
 declare -A PORT_VAR=([ingest]=OCRSTREAM_TELEMETRY__METRICS_PORT [dedup]=OCRSTREAM_TELEMETRY__METRICS_PORT
                      [infer]=OCRSTREAM_TELEMETRY__METRICS_PORT [sink]=OCRSTREAM_TELEMETRY__METRICS_PORT
                      [api]=OCRSTREAM_HTTP_PORT)

@@ -305,7 +305,7 @@ def cache_purge(
 
 def _key_store():
     from services.common.db import Database
-    from services.ingest.api.keys import KeyStore
+    from services.common.api_keys import KeyStore
 
     return KeyStore(Database(load_settings(CommonSettings).mysql, pool_size=1))
 

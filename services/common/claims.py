@@ -2,7 +2,7 @@
 
 Both doors call :func:`claim` when they accept a submission that names its own ``request_id``
 (the Kafka door, ``services.ingest.handler``, after reading the image; the HTTP door,
-``services.ingest.api.app``, after hashing the upload). The claim is a row of MariaDB's
+``services.api.serving_submit``, after hashing the upload). The claim is a row of MariaDB's
 ``request_claims`` (migration ``006_request_claims.sql``), written with a plain ``INSERT`` on
 the primary key ``request_id``: of any number of submissions racing for one id exactly one
 inserts it (InnoDB's unique-key check); every other reads the row that won and is compared with

@@ -25,7 +25,7 @@ from services.common.kafka import Outgoing
 from services.common.runner import Handler
 from services.common.s3 import ObjectStore, reference_problem
 from services.common.telemetry import SpanKind, Telemetry, record_attrs as _record_attrs
-from services.ingest.accept import accept_image
+from services.common.accept import accept_image
 from services.ingest.settings import IngestSettings
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from services.common.settings import CommonSettings
 from services.dedup.settings import DedupSettings
 from services.infer.settings import InferSettings
-from services.ingest.api.settings import ApiSettings
+from services.api.settings import ApiSettings
 from services.ingest.settings import IngestSettings
 from services.sink.settings import SinkSettings
 from tests.stack import STRICT_ENV, strict_run
@@ -30,8 +30,8 @@ REQUIRED = REPO / "tests" / "helm" / "required-values.yaml"
 EXAMPLES = sorted((REPO / "deploy").glob("values-*.yaml"))
 STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings,
           "api": ApiSettings}
-#: The module each component runs (``python -m``); the HTTP door is part of the ingest package.
-MODULES = {**{s: f"services.{s}" for s in STAGES}, "api": "services.ingest.api"}
+#: The module each component runs (``python -m``): the HTTP door is a package of its own, as the stages are.
+MODULES = {s: f"services.{s}" for s in STAGES}
 SECRET_FIELDS = {
     "OCRSTREAM_KAFKA__SASL_PASSWORD",
     "OCRSTREAM_S3__ACCESS_KEY",

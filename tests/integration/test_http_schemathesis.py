@@ -48,7 +48,7 @@ schema.config.generation.update(max_examples=MAX_EXAMPLES, database="none")
 def test_served_spec_is_the_committed_one(api):
     served = httpx.get(f"{api.url}/openapi.json", timeout=30)
     assert served.status_code == 200
-    assert served.json() == json.loads(SPEC_FILE.read_text()), "run python -m services.ingest.api.openapi"
+    assert served.json() == json.loads(SPEC_FILE.read_text()), "run python -m services.api.openapi"
 
 
 def _cap_wait(case) -> None:

@@ -66,7 +66,7 @@ def test_sigterm_right_after_a_burst_of_cached_answers_loses_no_row(pipeline):
         assert first["status"] == "ok", first
 
     answered = asyncio.run(_cached_burst(url, img, BURST))
-    pipeline.stop(door)  # SIGTERM at once: graceful shutdown of uvicorn, then FrontDoor.stop()
+    pipeline.stop(door)  # SIGTERM at once: graceful shutdown of uvicorn, then Clients.stop()
 
     assert len(answered) == BURST == len(set(answered))
     deadline = time.time() + 60

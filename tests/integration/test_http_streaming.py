@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from services.common.s3 import staging_rule_id
-from services.ingest.api.uploads import MULTIPART_OVERHEAD
+from services.api.uploads import MULTIPART_OVERHEAD
 from tests.conftest import text_image
 from tests.integration.conftest import API_BODY_TIMEOUT_S, API_ENV
 from tests.stack import API, metric_value

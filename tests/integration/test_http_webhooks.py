@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from services.ingest.api.signing import verify_signature
+from services.api.signing import verify_signature
 from tests.conftest import text_image
 from tests.integration.conftest import API_ENV, WEBHOOK_RETRY_FOR_S, WEBHOOK_SECRET
 from tests.stack import API, REPO, db_rows, metric_value
@@ -236,7 +236,7 @@ def test_finished_deliveries_are_deleted_after_the_retention_period_with_their_a
 
     from services.common.db import Database
     from services.common.settings import CommonSettings
-    from services.ingest.api.webhook_store import NewDelivery, WebhookStore
+    from services.api.webhook_store import NewDelivery, WebhookStore
 
     tag = uuid.uuid4().hex[:10]
     day = 86_400_000

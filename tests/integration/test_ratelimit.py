@@ -8,7 +8,7 @@ import pytest
 
 from services.common.cache import ResultCache
 from services.common.settings import RedisSettings
-from services.ingest.api.ratelimit import DAY_MS, RateLimiter
+from services.api.ratelimit import DAY_MS, RateLimiter
 
 pytestmark = pytest.mark.stack
 

@@ -7,8 +7,8 @@ import logging
 import httpx
 import pytest
 
-from services.ingest.api.app import create_app
-from services.ingest.api.settings import ApiSettings
+from services.api.router import create_app
+from services.api.settings import ApiSettings
 
 INTERNAL = {"error": {"code": "internal_error", "message": "internal server error (see the server log)"}}
 
@@ -22,15 +22,16 @@ class BrokenGuard:
     admit = check  # the submit route's first step
 
 
-@pytest.mark.parametrize("method, path", [
-    ("POST", "/v1/ocr"),  # the fast path (SubmitFastPath middleware)
-    ("POST", "/v1/ocr/batch"),  # routed
-    ("GET", "/v1/ocr/some-id"),
+@pytest.mark.parametrize("method, path, fast_path", [
+    ("POST", "/v1/ocr", True),  # the fast path (SubmitFastPath middleware)
+    ("POST", "/v1/ocr", False),  # the same endpoint through FastAPI's routing (OCRSTREAM_HTTP_FAST_PATH=false)
+    ("POST", "/v1/ocr/batch", True),  # routed
+    ("GET", "/v1/ocr/some-id", True),
 ])
-async def test_an_unexpected_exception_is_a_json_500_and_its_traceback_is_logged(method, path, caplog):
-    app = create_app(ApiSettings(webhook_enabled=False))
-    app.state.door.guard = BrokenGuard()
-    caplog.set_level(logging.ERROR, logger="services.ingest.api.errors")
+async def test_an_unexpected_exception_is_a_json_500_and_its_traceback_is_logged(method, path, fast_path, caplog):
+    app = create_app(ApiSettings(webhook_enabled=False, http_fast_path=fast_path))
+    app.state.clients.guard = BrokenGuard()
+    caplog.set_level(logging.ERROR, logger="services.api.errors")
     # the ASGI app without its lifespan: nothing connects; the exception is still raised past the answer
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://door") as c:
@@ -38,6 +39,6 @@ async def test_an_unexpected_exception_is_a_json_500_and_its_traceback_is_logged
     assert r.status_code == 500, r.text
     assert r.headers["content-type"] == "application/json"
     assert r.json() == INTERNAL
-    [rec] = [rec for rec in caplog.records if rec.name == "services.ingest.api.errors"]
+    [rec] = [rec for rec in caplog.records if rec.name == "services.api.errors"]
     assert rec.getMessage() == f"api: unhandled RuntimeError on {method} {path}"
     assert rec.exc_info[0] is RuntimeError and "secret detail" in str(rec.exc_info[1])

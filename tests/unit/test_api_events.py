@@ -10,8 +10,8 @@ import pytest
 
 from schemas.events import CompletedEvent, ResultDocument
 from services.common.settings import CommonSettings
-from services.ingest.api.events import KEEPALIVE, EventStream, Watch, encode, progress
-from services.ingest.api.hub import CompletionHub
+from services.api.events import KEEPALIVE, EventStream, Watch, encode, progress
+from services.api.hub import CompletionHub
 
 
 def doc(rid: str, text: str = "HELLO", key: str | None = None) -> ResultDocument:

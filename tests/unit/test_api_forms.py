@@ -1,4 +1,4 @@
-"""Reading ``multipart/form-data`` as a stream (services.ingest.api.forms): option fields, file
+"""Reading ``multipart/form-data`` as a stream (services.api.forms): option fields, file
 parts hashed and limited while they arrive, large file parts cut into S3 parts as they come
 (a recording store passed in), and nothing left staged when reading fails."""
 
@@ -10,9 +10,9 @@ import hashlib
 import pytest
 from starlette.requests import Request
 
-from services.ingest.api.errors import ApiError
-from services.ingest.api.forms import read_multipart
-from services.ingest.api.uploads import UploadBudget
+from services.api.errors import ApiError
+from services.api.forms import read_multipart
+from services.api.uploads import UploadBudget
 
 BOUNDARY = "b0undAry"
 

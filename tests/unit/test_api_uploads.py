@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from services.ingest.api.errors import ApiError
-from services.ingest.api.uploads import (
+from services.api.errors import ApiError
+from services.api.uploads import (
     STREAM_SLACK, BodyPace, PartSplitter, StagedBody, UploadBudget, UploadGate, expected_hold,
 )
 
@@ -149,7 +149,7 @@ def test_body_pace_picks_the_earliest_bound_and_leaves_the_doors_time_out():
 def test_a_trickling_body_is_cut_with_408_by_its_minimum_rate():
     from starlette.requests import Request
 
-    from services.ingest.api.uploads import limited_stream
+    from services.api.uploads import limited_stream
 
     async def receive():
         await asyncio.sleep(0.05)
@@ -322,7 +322,7 @@ def test_a_client_that_leaves_mid_body_is_a_499_not_a_server_error():
     own error, so the route counts it and no "Exception in ASGI application" traceback is logged."""
     from starlette.requests import Request
 
-    from services.ingest.api.uploads import read_raw
+    from services.api.uploads import read_raw
 
     messages = [{"type": "http.request", "body": b"\x89PNG" + b"x" * 100, "more_body": True},
                 {"type": "http.disconnect"}]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.ingest.api.auth import READ_FIRST_PER_KEY, Guard, Limit
-from services.ingest.api.errors import ApiError
-from services.ingest.api.ratelimit import Decision
-from services.ingest.api.settings import ApiSettings
+from services.api.serving_keys import READ_FIRST_PER_KEY, Guard, Limit
+from services.api.errors import ApiError
+from services.api.ratelimit import Decision
+from services.api.settings import ApiSettings
 
 LIMIT = Limit(key_id="k1", rate_per_s=1.0, burst=5, quota_per_day=0, quota=0)
 OTHER = Limit(key_id="k2", rate_per_s=1.0, burst=5, quota_per_day=0, quota=0)
@@ -25,7 +25,7 @@ def test_at_most_read_first_per_key_requests_of_one_key_are_read_before_their_li
 def test_a_refused_key_is_limited_first_until_its_retry_after(monkeypatch):
     guard = Guard(ApiSettings())
     clock = [1000.0]
-    monkeypatch.setattr("services.ingest.api.auth.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("services.api.serving_keys.time.monotonic", lambda: clock[0])
     try:
         guard.enforce(LIMIT, Decision(False, "rate_limited", retry_after_s=3))
         raise AssertionError("a refusal must raise")

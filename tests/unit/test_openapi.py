@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from services.ingest.api import openapi
+from services.api import openapi
 
 
 def test_committed_spec_matches_the_app():
-    """Fails when a route or model changed without `python -m services.ingest.api.openapi`."""
-    assert openapi.OUT.exists(), f"missing {openapi.OUT}: run python -m services.ingest.api.openapi"
+    """Fails when a route or model changed without `python -m services.api.openapi`."""
+    assert openapi.OUT.exists(), f"missing {openapi.OUT}: run python -m services.api.openapi"
     assert openapi.OUT.read_text() == openapi.render(), (
-        f"{openapi.OUT} is stale: run python -m services.ingest.api.openapi")
+        f"{openapi.OUT} is stale: run python -m services.api.openapi")
 
 
 def test_every_operation_has_summary_description_and_documented_errors():

@@ -11,7 +11,7 @@ from schemas.ids import REQUEST_ID_MAX_LENGTH, is_request_id, request_id_problem
 from services.common.claims import RequestClaim, compare
 from services.common.errors import OcrError
 from services.common.s3 import reference_problem
-from services.ingest.api.app import SubmitOptions
+from services.api.protocol import SubmitOptions
 
 SHA_A, SHA_B = "a" * 64, "b" * 64
 BAD_IDS = ["", "x" * 65, "a b", "tab\there", "nl\n", "nul\x00x", "bell\x07", "é", "a\ud800", ".", "..", "...",

@@ -71,7 +71,7 @@ def test_a_section_value_naming_a_secret_is_not_echoed(monkeypatch):
 
 def test_the_door_started_with_a_list_setting_that_is_not_json_exits_with_one_message():
     env = {**os.environ, "OCRSTREAM_HTTP_CORS_ORIGINS": "*"}
-    proc = subprocess.run([sys.executable, "-m", "services.ingest.api"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "services.api"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "OCRSTREAM_HTTP_CORS_ORIGINS='*': not valid JSON" in proc.stderr
@@ -164,8 +164,8 @@ def test_the_log_level_is_read_in_any_case_and_metrics_port_0_is_off(monkeypatch
 
 def test_the_door_refuses_a_task_the_deployment_does_not_list():
     from services.common.settings import CommonSettings
-    from services.ingest.api.app import SubmitOptions
-    from services.ingest.api.errors import ApiError
+    from services.api.protocol import SubmitOptions
+    from services.api.errors import ApiError
 
     s = CommonSettings(tasks=("ocr", "receipt"))
     assert SubmitOptions.parse({"task": "receipt"}, s).task == "receipt"

@@ -9,11 +9,11 @@ import ipaddress
 import pytest
 from pydantic import SecretStr
 
-from services.ingest.api.callbacks import CallbackRefused, address_refusal, check_callback, parse_callback_url
-from services.ingest.api.errors import ApiError
-from services.ingest.api.settings import ApiSettings
-from services.ingest.api.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify_signature
-from services.ingest.api.webhooks import backoff_s, delivery_id, validate_callback_url
+from services.api.callbacks import CallbackRefused, address_refusal, check_callback, parse_callback_url
+from services.api.errors import ApiError
+from services.api.settings import ApiSettings
+from services.api.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify_signature
+from services.api.serving_webhooks import backoff_s, delivery_id, validate_callback_url
 
 ALLOW = ["hooks.example.com", "*.partner.example", "127.0.0.1", "localhost", "169.254.169.254", "[::1]", "::1"]
 

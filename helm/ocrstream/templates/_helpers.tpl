@@ -225,7 +225,7 @@ successThreshold: 1
 {{- $api := eq .component "api" -}}
 {{- $portName := ternary "http" "metrics" $api -}}
 {{- $port := ternary (default 8080 $cfg.http_port) $cfg.telemetry.metrics_port $api -}}
-{{- $module := ternary "services.ingest.api" (printf "services.%s" .component) $api -}}
+{{- $module := printf "services.%s" .component -}}
 metadata:
   labels:
     {{- include "ocrstream.labels" . | nindent 4 }}

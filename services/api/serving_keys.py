@@ -31,9 +31,9 @@ import pymysql
 from prometheus_client import Counter
 from starlette.requests import Request
 
-from services.ingest.api.errors import ApiError
-from services.ingest.api.keys import KeyStore, MalformedKey, parse_key
-from services.ingest.api.ratelimit import Decision, RateLimiter
+from services.api.errors import ApiError
+from services.common.api_keys import KeyStore, MalformedKey, parse_key
+from services.api.ratelimit import Decision, RateLimiter
 
 REALM = 'Bearer realm="ocrstream"'
 READ_FIRST_PER_KEY = 8
@@ -78,7 +78,7 @@ BATCH_PATH = "/v1/ocr/batch"
 
 def _unauthorized(message: str, key_sent: bool) -> ApiError:
     challenge = REALM if not key_sent else f'{REALM}, error="invalid_token", error_description="{message}"'
-    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": challenge})
+    return ApiError("unauthorized", message, headers={"WWW-Authenticate": challenge})
 
 
 def presented_key(request: Request) -> str:
@@ -108,7 +108,7 @@ class Guard:
     """Authenticates a request and applies its key's rate limit and quota.
 
     Args:
-        settings: :class:`~services.ingest.api.settings.ApiSettings` (``auth_required``,
+        settings: :class:`~services.api.settings.ApiSettings` (``auth_required``,
             ``auth_cache_s``, the default ``rate_limit_per_s`` / ``rate_limit_burst`` /
             ``quota_per_day`` for keys that have none of their own).
         cache: The door's :class:`~services.common.cache.ResultCache` (its Redis pool and
@@ -165,12 +165,12 @@ class Guard:
             self.auth_total.labels("malformed").inc()
             raise _unauthorized(f"malformed API key: {exc}", True) from None
         if self.keys is None:
-            raise ApiError(503, "unavailable", "API keys are required but no key store is configured")
+            raise ApiError("unavailable", "API keys are required but no key store is configured")
         try:
             key = await self.keys.lookup(presented)
         except (pymysql.MySQLError, OSError) as exc:
             self.auth_total.labels("unavailable").inc()
-            raise ApiError(503, "unavailable", f"the key store (MariaDB) cannot be read: {exc!r}",
+            raise ApiError("unavailable", f"the key store (MariaDB) cannot be read: {exc!r}",
                            headers={"Retry-After": "1"}) from None
         if key is None:
             self.auth_total.labels("unknown").inc()
@@ -233,7 +233,7 @@ class Guard:
             return
         quota = limit.quota_per_day
         if quota > 0 and images > quota:
-            raise ApiError(400, "invalid_request", f"a batch counts one submission per image: {images} images exceed "
+            raise ApiError("invalid_request", f"a batch counts one submission per image: {images} images exceed "
                            f"API key {limit.key_id}'s whole daily quota of {quota}; send fewer per batch")
         d = await self.limiter.hit(limit.key_id, rate_per_s=limit.rate_per_s, burst=limit.burst,
                                    quota_per_day=quota, cost=images)
@@ -243,11 +243,11 @@ class Guard:
         # not remembered for read_first: a smaller request may still pass now
         headers = {"Retry-After": str(d.retry_after_s)}
         if d.outcome == "quota_exceeded":
-            raise ApiError(429, "quota_exceeded", f"a batch counts one submission per image: {images} images, but API "
+            raise ApiError("quota_exceeded", f"a batch counts one submission per image: {images} images, but API "
                            f"key {limit.key_id} has {max(0, int(d.tokens))} of its {quota} submissions of this "
                            f"UTC day left; retry after {d.retry_after_s} s", headers=headers)
         need = min(images, limit.burst)
-        raise ApiError(429, "rate_limited", f"a batch takes one token per image: {images} images need {need} "
+        raise ApiError("rate_limited", f"a batch takes one token per image: {images} images need {need} "
                        f"token{'s' if need != 1 else ''} in API key {limit.key_id}'s bucket (burst {limit.burst}, "
                        f"{limit.rate_per_s:g}/s), which holds {max(0.0, d.tokens):.1f}; nothing was taken; "
                        f"retry after {d.retry_after_s} s", headers=headers)
@@ -292,9 +292,9 @@ class Guard:
         self._remember_refusal(limit, d)
         headers = {"Retry-After": str(d.retry_after_s)}
         if d.outcome == "quota_exceeded":
-            raise ApiError(429, "quota_exceeded", f"API key {limit.key_id} has used its {limit.quota} submissions of "
+            raise ApiError("quota_exceeded", f"API key {limit.key_id} has used its {limit.quota} submissions of "
                            f"this UTC day; retry after {d.retry_after_s} s", headers=headers)
-        raise ApiError(429, "rate_limited", f"API key {limit.key_id} is limited to {limit.rate_per_s:g} requests/s "
+        raise ApiError("rate_limited", f"API key {limit.key_id} is limited to {limit.rate_per_s:g} requests/s "
                        f"(burst {limit.burst}); retry after {d.retry_after_s} s", headers=headers)
 
     def _remember_refusal(self, limit: Limit, d: Decision) -> None:

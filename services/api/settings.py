@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, SecretStr
 
-from services.ingest.settings import IngestSettings
+from services.common.settings import CommonSettings
 
 if TYPE_CHECKING:
-    from services.ingest.api.uploads import BodyPace
+    from services.api.uploads import BodyPace
 
 
-class ApiSettings(IngestSettings):
-    """Settings of ``python -m services.ingest.api`` (the ingest stage's HTTP door).
+class ApiSettings(CommonSettings):
+    """Settings of ``python -m services.api`` (the HTTP door; it reads no stage's settings).
 
     Off-by-default for local use: no API keys, no rate limits, CORS closed, webhooks only to
     hosts on an allow-list. The Helm values turn keys and limits on.
@@ -28,6 +28,8 @@ class ApiSettings(IngestSettings):
         default=300.0, gt=0, description="longest a GET /v1/events stream stays open (its `timeout` is capped to it), s")
     http_events_keepalive_s: float = Field(
         default=15.0, gt=0, description="silence on a GET /v1/events stream before a keep-alive comment line, s")
+    http_batch_concurrency: int = Field(
+        default=8, ge=1, description="images of one POST /v1/ocr/batch checked, stored and sent at once")
     http_batch_max_bytes: int = Field(default=128 * 1024 * 1024, ge=1, description="body bytes per POST /v1/ocr/batch")
     http_accepted_ttl_s: int = Field(default=7 * 86_400, ge=1, description="how long an accepted request id is remembered as pending, s")
     http_upload_budget_bytes: int = Field(
@@ -85,6 +87,10 @@ class ApiSettings(IngestSettings):
         default=8 * 1024 * 1024, ge=0,
         description="bound on their JSON size, bytes (in memory ~8x: services/common/outputs.py); 0 = entries only",
     )
+    http_fast_path: bool = Field(
+        default=True,
+        description="POST /v1/ocr skips FastAPI's routing layers (same endpoint, same answers; 5-13 % less door "
+                    "CPU per cached request: bench/README.md); false only to measure it (bench/http_bench.py --routed)")
     http_cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty = closed")
 
     auth_required: bool = Field(default=False, description="require an API key (X-API-Key or Bearer) on /v1/ routes")
@@ -129,8 +135,8 @@ class ApiSettings(IngestSettings):
     webhook_purge_interval_s: float = Field(default=3_600.0, gt=0, description="how often old callback rows are deleted, s")
 
     def body_pace(self) -> "BodyPace":
-        """How fast request bodies must arrive (:class:`~services.ingest.api.uploads.BodyPace`)."""
-        from services.ingest.api.uploads import BodyPace
+        """How fast request bodies must arrive (:class:`~services.api.uploads.BodyPace`)."""
+        from services.api.uploads import BodyPace
 
         return BodyPace(total_s=self.http_body_timeout_s, idle_s=self.http_body_idle_timeout_s,
                         min_rate=self.http_body_min_rate_bytes_per_s, grace_s=self.http_body_min_rate_grace_s)

@@ -1,6 +1,6 @@
 """Reading uploads with the byte limit enforced while reading, and hashing as the bytes arrive;
 a raw body larger than one S3 part is streamed to S3 (and a spool file) while it is read.
-``multipart/form-data`` bodies are read by :mod:`services.ingest.api.forms`, which streams
+``multipart/form-data`` bodies are read by :mod:`services.api.forms`, which streams
 large file parts the same way (:class:`PartSplitter`, :class:`StagedBody`)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from starlette.requests import ClientDisconnect, Request
 
 from services.common.s3 import MultipartUpload, ObjectStore
-from services.ingest.api.errors import ApiError
+from services.api.errors import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class UploadBudget:
 
     def full(self) -> ApiError:
         """503 ``overloaded``: the budget cannot take more now."""
-        return ApiError(503, "overloaded", f"uploads in progress already hold {self.used} bytes of the "
+        return ApiError("overloaded", f"uploads in progress already hold {self.used} bytes of the "
                         f"{self.name} budget (limit {self.limit}); retry shortly", {"Retry-After": "1"})
 
     def reservation(self, on_release: Callable[[], None] | None = None) -> "Reservation":
@@ -206,10 +206,10 @@ class UploadGate:
             return held
         client = request.client.host if request.client is not None else None
         if self.per_key and key_id is not None and self.by_key.get(key_id, 0) >= self.per_key:
-            raise ApiError(429, "too_many_uploads", f"API key {key_id} already has {self.per_key} uploads in progress "
+            raise ApiError("too_many_uploads", f"API key {key_id} already has {self.per_key} uploads in progress "
                            f"(OCRSTREAM_HTTP_UPLOADS_PER_KEY); retry once one has ended", {"Retry-After": "1"})
         if self.per_client and client and self.by_client.get(client, 0) >= self.per_client:
-            raise ApiError(429, "too_many_uploads", f"client {client} already has {self.per_client} uploads in progress "
+            raise ApiError("too_many_uploads", f"client {client} already has {self.per_client} uploads in progress "
                            f"(OCRSTREAM_HTTP_UPLOADS_PER_CLIENT); retry once one has ended", {"Retry-After": "1"})
         held = Reservation(self.budget)
         held.admit(expected)
@@ -325,7 +325,7 @@ def expected_hold(request: Request, limit: int, part_bytes: int = 0) -> int:
 
 def too_large(limit: int) -> ApiError:
     """413 ``input_too_large``: an upload (body or file part) passed ``limit`` bytes."""
-    return ApiError(413, "input_too_large", f"the upload exceeds the limit of {limit} bytes")
+    return ApiError("input_too_large", f"the upload exceeds the limit of {limit} bytes")
 
 
 def check_declared_length(request: Request, limit: int) -> None:
@@ -341,7 +341,7 @@ def check_declared_length(request: Request, limit: int) -> None:
     try:
         n = int(declared)
     except ValueError:
-        raise ApiError(400, "invalid_request", "Content-Length is not a number") from None
+        raise ApiError("invalid_request", "Content-Length is not a number") from None
     if n > limit:
         raise too_large(limit)
 
@@ -379,9 +379,9 @@ async def limited_stream(request: Request, limit: int, budget: Reservation | Non
         except StopAsyncIteration:
             return
         except TimeoutError:
-            raise ApiError(408, "request_timeout", why) from None
+            raise ApiError("request_timeout", why) from None
         except ClientDisconnect:  # not a server error: counted, no traceback logged, nothing answered
-            raise ApiError(499, "client_closed", "the client closed the connection before the body was complete") from None
+            raise ApiError("client_closed", "the client closed the connection before the body was complete") from None
         waited += loop.time() - now
         seen += len(chunk)
         if seen > limit:
@@ -429,7 +429,7 @@ def _s3_errors() -> Iterator[None]:
     except ApiError:
         raise
     except Exception as exc:  # noqa: BLE001 - S3 (or the spool disk) failed: nothing was promised yet
-        raise ApiError(503, "unavailable", f"the image could not be stored: {exc!r}") from None
+        raise ApiError("unavailable", f"the image could not be stored: {exc!r}") from None
 
 
 class StagedBody:
@@ -444,7 +444,7 @@ class StagedBody:
 
     Whoever made it must call :meth:`discard` when the request ends, in every case: it aborts
     the multipart upload unless it was completed (by
-    :func:`services.ingest.accept.accept_staged`) or already aborted, so no parts are left.
+    :func:`services.common.accept.accept_staged`) or already aborted, so no parts are left.
 
     Args:
         store: The object store.
@@ -587,5 +587,5 @@ async def read_raw(request: Request, limit: int, budget: Reservation | None = No
         return Upload(b"", h.hexdigest(), None, staged)
     buf = parts.rest()
     if not buf:
-        raise ApiError(400, "empty_input", "the request body is empty")
+        raise ApiError("empty_input", "the request body is empty")
     return Upload(bytes(buf), h.hexdigest(), None)

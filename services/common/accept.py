@@ -1,7 +1,7 @@
 """Accepting one image: check it from its header, store it once under its SHA-256, describe it.
 
-Shared by both doors of the ingest stage: the Kafka consumer of ``ocr.submit``
-(:mod:`services.ingest.handler`) and the HTTP front door (:mod:`services.ingest.api`).
+Shared by both doors: the ingest stage's Kafka consumer of ``ocr.submit``
+(``services.ingest.handler``) and the HTTP door (``services.api.serving_submit``).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ The body is cut into parts by python-multipart's ``MultipartParser`` (the parser
 form parser drives; the format is RFC 7578, "Returning Values from Forms: multipart/form-data").
 Its callbacks are synchronous, so :class:`FormReader` does what needs no waiting (hashing,
 limits, option fields) inside them and queues the S3 parts, which :func:`read_multipart` sends
-after each chunk: the same :class:`~services.ingest.api.uploads.PartSplitter` and
-:class:`~services.ingest.api.uploads.StagedBody` path as a raw body (:func:`read_raw`).
+after each chunk: the same :class:`~services.api.uploads.PartSplitter` and
+:class:`~services.api.uploads.StagedBody` path as a raw body (:func:`read_raw`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from python_multipart.multipart import parse_options_header
 from starlette.requests import Request
 
 from services.common.s3 import ObjectStore
-from services.ingest.api.errors import ApiError
-from services.ingest.api.uploads import (
+from services.api.errors import ApiError
+from services.api.uploads import (
     BodyPace, PartSplitter, Reservation, StagedBody, Upload, limited_stream, too_large,
 )
 
@@ -32,7 +32,7 @@ MAX_FIELD_BYTES = 64 * 1024
 
 
 def _rejected(why: str) -> ApiError:
-    return ApiError(400, "invalid_request", f"multipart body rejected: {why}")
+    return ApiError("invalid_request", f"multipart body rejected: {why}")
 
 
 def _decode(raw: bytes, charset: str) -> str:
@@ -160,7 +160,7 @@ class FormReader:
             self.fields[self._field_name] = _decode(bytes(self._field), self.charset)
             return
         if not f.size:
-            raise ApiError(400, "empty_input", f"file part {f.filename or f.name!r} is empty")
+            raise ApiError("empty_input", f"file part {f.filename or f.name!r} is empty")
         f.ended = True
         self.ready.append((f, None))
 
@@ -185,7 +185,7 @@ async def read_multipart(request: Request, image_limit: int, total_limit: int, m
         total_limit: Bytes of the whole body, enforced while reading.
         max_files: File parts accepted.
         budget: The request's share of the upload budget (chunks charged as read, S3 parts given back).
-        timeout_s: How fast the body must come (:class:`~services.ingest.api.uploads.BodyPace`, or
+        timeout_s: How fast the body must come (:class:`~services.api.uploads.BodyPace`, or
             the whole body's seconds).
         store: Where large file parts are streamed; None keeps every file in memory.
         part_bytes: S3 part size, bytes (>= 5 MiB); 0 keeps every file in memory.
@@ -238,7 +238,7 @@ async def read_multipart(request: Request, image_limit: int, total_limit: int, m
     if not uploads and cut:
         raise _rejected("its file part is cut off by the end of the body (no closing boundary)")
     if not uploads:
-        raise ApiError(400, "empty_input", "the multipart body has no file part")
+        raise ApiError("empty_input", "the multipart body has no file part")
     return uploads, form.fields
 
 

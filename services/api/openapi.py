@@ -1,7 +1,7 @@
-"""Write the HTTP door's OpenAPI spec to ``schemas/openapi.json`` (run: ``python -m services.ingest.api.openapi``).
+"""Write the HTTP door's OpenAPI spec to ``schemas/openapi.json`` (run: ``python -m services.api.openapi``).
 
 The spec is the one the running door serves at ``/openapi.json`` (FastAPI builds it from the
-routes in :mod:`services.ingest.api.app`); the committed copy lets clients and reviewers read it
+routes in :mod:`services.api.router`); the committed copy lets clients and reviewers read it
 without a running service. ``tests/unit/test_openapi.py`` fails when the copy drifts from the app.
 """
 
@@ -11,13 +11,13 @@ import json
 import sys
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[3] / "schemas" / "openapi.json"
+OUT = Path(__file__).resolve().parents[2] / "schemas" / "openapi.json"
 
 
 def spec() -> dict:
     """The OpenAPI 3.1 document of the door (no client connects: the app is built, not started)."""
-    from services.ingest.api.app import create_app
-    from services.ingest.api.settings import ApiSettings
+    from services.api.router import create_app
+    from services.api.settings import ApiSettings
 
     return create_app(ApiSettings()).openapi()
 

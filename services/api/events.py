@@ -8,7 +8,7 @@ written here is one line of compact JSON, so an event never needs more than one 
 
 This module holds the transport (:func:`encode`, :class:`EventStream`) and the event sequence
 (:func:`progress`); the door's admission checks (keys, ownership, limits) are in
-:meth:`services.ingest.api.app.FrontDoor.open_events`.
+:meth:`services.api.serving_read.ReadService.open_events`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Watch:
     """The hub waiters one stream holds: one future per request still pending.
 
     Args:
-        hub: The door's :class:`~services.ingest.api.hub.CompletionHub`.
+        hub: The door's :class:`~services.api.hub.CompletionHub`.
         futures: ``{request_id: future}`` from ``hub.register_many``.
     """
 

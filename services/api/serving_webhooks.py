@@ -49,11 +49,11 @@ from services.common.db import Database
 from services.common.events import loads
 from services.common.kafka import make_consumer
 from services.common.telemetry import Telemetry
-from services.ingest.api.callbacks import RESOLVE_TIMEOUT_S, CallbackRefused, check_callback
-from services.ingest.api.errors import ApiError
-from services.ingest.api.keys import KeyStore
-from services.ingest.api.signing import ATTEMPT_HEADER, sign, verify_signature
-from services.ingest.api.webhook_store import Claimed, NewDelivery, WebhookStore
+from services.api.callbacks import RESOLVE_TIMEOUT_S, CallbackRefused, check_callback
+from services.api.errors import ApiError
+from services.common.api_keys import KeyStore
+from services.api.signing import ATTEMPT_HEADER, sign, verify_signature
+from services.api.webhook_store import Claimed, NewDelivery, WebhookStore
 
 __all__ = ["WebhookDispatcher", "delivery_id", "validate_callback_url", "verify_signature"]
 
@@ -71,7 +71,7 @@ async def validate_callback_url(url: str, settings, key_id: str | None = None, e
 
     Args:
         url: The ``callback_url`` option.
-        settings: :class:`~services.ingest.api.settings.ApiSettings`.
+        settings: :class:`~services.api.settings.ApiSettings`.
         key_id: The submitting API key, or None.
 
         enabled: Whether this server delivers webhooks (``webhook_enabled``); checked after the
@@ -84,12 +84,12 @@ async def validate_callback_url(url: str, settings, key_id: str | None = None, e
     try:
         await check_callback(url, settings.webhook_allowed_hosts, settings.webhook_allow_private)
     except CallbackRefused as exc:
-        raise ApiError(400, "callback_not_allowed", exc.reason) from None
+        raise ApiError("callback_not_allowed", exc.reason) from None
     if not enabled:  # nothing here would ever send it: refuse rather than drop it silently
-        raise ApiError(400, "invalid_request", "callback_url is refused: webhooks are disabled on this server "
+        raise ApiError("invalid_request", "callback_url is refused: webhooks are disabled on this server "
                                                "(OCRSTREAM_WEBHOOK_ENABLED=false)")
     if key_id is None and settings.webhook_secret is None:
-        raise ApiError(400, "callback_not_allowed",
+        raise ApiError("callback_not_allowed",
                        "callbacks of requests without an API key cannot be signed: the server has no webhook_secret")
 
 
@@ -115,11 +115,11 @@ class WebhookDispatcher:
     module docstring). One per API process; started and stopped by the front door.
 
     Args:
-        settings: :class:`~services.ingest.api.settings.ApiSettings` (Kafka, topics, ``webhook_*``).
+        settings: :class:`~services.api.settings.ApiSettings` (Kafka, topics, ``webhook_*``).
         db: The MariaDB pool (deliveries and attempts; API keys' secrets).
         telemetry: The process's telemetry; metrics go to its registry.
         secret_of: Returns an API key's webhook secret (or None when the key is unknown),
-            sync or async. Defaults to :meth:`services.ingest.api.keys.KeyStore.secret_of`
+            sync or async. Defaults to :meth:`services.common.api_keys.KeyStore.secret_of`
             (``api_keys.webhook_secret``, read on every attempt: a rotated secret applies at once).
     """
 

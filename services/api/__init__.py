@@ -1,0 +1,1 @@
+"""The HTTP front door (FastAPI): ``python -m services.api``. A service of its own, beside the stages."""

@@ -1,0 +1,242 @@
+"""The HTTP door's protocol: request options and response bodies (pydantic), with the OpenAPI text
+that documents them. The routes (:mod:`services.api.router`) take their spec from here; the error
+answers of each route are built from the one error table, :data:`schemas.errors.ERRORS`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import orjson
+from pydantic import BaseModel, Field, ValidationError
+
+from schemas.errors import ERRORS, ErrorCode, HttpErrorCode
+from schemas.events import ResultDocument
+from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
+from services.api.errors import ApiError
+from services.common.settings import CommonSettings
+
+Status = Literal["pending", "ok", "error"]
+#: Most bytes of a submission's ``metadata`` (keys and values together).
+METADATA_MAX_BYTES = 16_384
+
+# -- request ------------------------------------------------------------------------------------
+
+
+class SubmitOptions(BaseModel):
+    """Options of one submission (query string for a raw body, form fields for multipart);
+    the same constraints as ``SubmitEvent``. The field descriptions are the OpenAPI parameters'
+    (:func:`submit_parameters`)."""
+
+    # the rule of both doors (schemas/ids.py): not only dots, "." and ".." are not path segments a client can GET
+    request_id: str | None = Field(
+        default=None, min_length=1, max_length=REQUEST_ID_MAX_LENGTH, pattern=REQUEST_ID_PATTERN,
+        description="your own id for the request: resubmitting it with the same image answers its state "
+                    "instead of sending it again; with a different image, 409 `request_id_conflict`")
+    task: str = Field(default="ocr", min_length=1, max_length=64,
+                      description="what to do with the image (part of the cache key): one of the deployment's tasks "
+                                  "(`OCRSTREAM_TASKS`), else 400 `invalid_request`; default `ocr`")
+    source: str = Field(default="http", min_length=1, max_length=64,
+                        description="where the image comes from (picks the cache TTL); default `http`")
+    filename: str | None = Field(default=None, max_length=512, description="the image's file name, kept with the result")
+    callback_url: str | None = Field(
+        default=None, max_length=2048,
+        description="webhook URL for the completion (its host must be on the allow-list; refused, 400 "
+                    "`invalid_request`, when the server's webhooks are disabled)")
+    metadata: dict[str, str] = Field(default_factory=dict,
+                                     description="JSON object of strings, kept with the result (16 KiB at most)")
+
+    @classmethod
+    def parse(cls, fields: dict[str, str], settings: CommonSettings) -> "SubmitOptions":
+        """From query/form fields; ``metadata`` is a JSON object of strings; ``task`` must be one
+        of ``settings.tasks``.
+
+        Raises:
+            ApiError: 400 ``invalid_request`` naming the bad field.
+        """
+        data: dict = {k: v for k, v in fields.items() if k in cls.model_fields and v != ""}
+        if "metadata" in data:
+            try:
+                data["metadata"] = orjson.loads(data["metadata"])
+            except orjson.JSONDecodeError:
+                raise ApiError(ErrorCode.INVALID_REQUEST, "metadata must be a JSON object of strings") from None
+        try:
+            opts = cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"{where}: {first['msg']}") from None
+        if sum(len(k) + len(v) for k, v in opts.metadata.items()) > METADATA_MAX_BYTES:
+            raise ApiError(ErrorCode.INVALID_REQUEST, "metadata is limited to 16 KiB")
+        if (refused := settings.task_error(opts.task)) is not None:
+            raise ApiError(ErrorCode.INVALID_REQUEST, refused)
+        return opts
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+class ApiErrorDetail(BaseModel):
+    """An error: a stable ``code`` (an image error code of the pipeline, or one of the HTTP door's
+    own such as ``rate_limited``: ``docs/errors.md``) and a human-readable ``message``."""
+
+    code: str
+    message: str
+
+
+class Links(BaseModel):
+    """Where to read the request's state: ``self`` (now) and ``wait`` (long-poll)."""
+
+    self: str
+    wait: str
+
+
+class OcrResponse(BaseModel):
+    """The state of one request.
+
+    ``status`` is ``pending`` until the result is stored, then the result's own ``ok`` or
+    ``error``; ``result`` is the full :class:`ResultDocument` once finished, else null.
+    """
+
+    request_id: str
+    status: Status
+    cache_hit: bool = False
+    result: ResultDocument | None = None
+    error: ApiErrorDetail | None = None
+    links: Links
+
+
+class BatchItem(OcrResponse):
+    """One file of a batch upload; a file rejected at upload has ``status`` ``error`` and no links."""
+
+    index: int = Field(ge=0, description="position of the file in the upload")
+    filename: str | None = None
+    links: Links | None = None  # type: ignore[assignment]
+
+
+class BatchLinks(BaseModel):
+    """Where to follow a whole batch: ``events``, the server-sent event stream
+    (``GET /v1/events``) of every item that has a request id; null when no item has one."""
+
+    events: str | None = None
+
+
+class BatchResponse(BaseModel):
+    """One item per uploaded file, in upload order, and links for the whole batch."""
+
+    items: list[BatchItem]
+    links: BatchLinks = Field(default_factory=BatchLinks)
+
+
+class ApiErrorBody(BaseModel):
+    """Body of every 4xx/5xx answer."""
+
+    error: ApiErrorDetail
+
+
+class Health(BaseModel):
+    """``/healthz`` and ``/readyz``: ``ok`` and, when not ready, what is missing."""
+
+    ok: bool
+    not_ready: list[str] = Field(default_factory=list)
+
+
+def finished(doc: ResultDocument, links: Links) -> OcrResponse:
+    """The answer for a finished request: its result's status, the document, its error if any."""
+    err = ApiErrorDetail(code=doc.error.code.value, message=doc.error.message) if doc.error else None
+    return OcrResponse(request_id=doc.request_id, status=doc.status, cache_hit=doc.cache_hit, result=doc,
+                       error=err, links=links)
+
+
+# -- OpenAPI text -------------------------------------------------------------------------------
+
+TITLE = "ocrstream"
+SUMMARY = "Streaming OCR over Kafka: submit images over HTTP, get results at once, by long-poll or webhook."
+DESCRIPTION = ("Submit an image with `POST /v1/ocr` (raw bytes or multipart): a cached image is answered "
+               "200 with its result, a new one 202 with its request id; read it with "
+               "`GET /v1/ocr/{request_id}?wait=S` (long-poll). Every error answers "
+               '`{"error": {"code", "message"}}` with a stable code (`docs/errors.md`).')
+
+_E, _H = ErrorCode, HttpErrorCode
+#: The error codes each route can answer (their statuses and meanings: the error table).
+SUBMIT_ERRORS = (_E.INVALID_REQUEST, _E.EMPTY_INPUT, _H.CALLBACK_NOT_ALLOWED, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT,
+                 _E.REQUEST_ID_CONFLICT, _E.INPUT_TOO_LARGE, _E.IMAGE_TOO_LARGE, _E.TOO_MANY_PAGES,
+                 _E.UNSUPPORTED_FORMAT, _E.CORRUPT_IMAGE, _E.DECODE_TIMEOUT, _E.IMAGE_TOO_COMPLEX, _H.RATE_LIMITED,
+                 _H.QUOTA_EXCEEDED, _H.TOO_MANY_UPLOADS, _H.UNAVAILABLE, _H.OVERLOADED)
+BATCH_ERRORS = (_E.INVALID_REQUEST, _E.EMPTY_INPUT, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT, _E.INPUT_TOO_LARGE,
+                _E.UNSUPPORTED_FORMAT, _H.RATE_LIMITED, _H.QUOTA_EXCEEDED, _H.TOO_MANY_UPLOADS, _H.UNAVAILABLE,
+                _H.OVERLOADED)
+READ_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.NOT_FOUND, _H.RATE_LIMITED, _H.UNAVAILABLE, _H.OVERLOADED)
+EVENTS_ERRORS = READ_ERRORS
+
+
+def error_responses(*codes: ErrorCode | HttpErrorCode) -> dict[int | str, dict]:
+    """OpenAPI ``responses`` entries for these codes, one per status, all with the ``ApiErrorBody``
+    shape; each description lists its codes and their meanings (:data:`schemas.errors.ERRORS`)."""
+    by_status: dict[int, list[str]] = {}
+    for code in codes:
+        row = ERRORS[code.value]
+        assert row.http_status is not None, code
+        by_status.setdefault(row.http_status, []).append(f"`{code.value}`: {row.meaning}")
+    return {st: {"model": ApiErrorBody, "description": "\n\n".join(lines)} for st, lines in sorted(by_status.items())}
+
+
+def submit_parameters(*, request_id: bool = True) -> list[dict]:
+    """``POST /v1/ocr``'s query options for a raw body (multipart sends them as form fields
+    instead), from :class:`SubmitOptions`' fields; without ``request_id`` for a batch."""
+    out = []
+    for name, field in SubmitOptions.model_fields.items():
+        if name == "request_id" and not request_id:
+            continue
+        limit = next((m.max_length for m in field.metadata if getattr(m, "max_length", None)), None)
+        schema = {"type": "string"} | ({"maxLength": limit} if limit else {})
+        out.append({"in": "query", "name": name, "required": False, "description": field.description,
+                    "schema": schema})
+    return out
+
+
+_BINARY = {"type": "string", "format": "binary"}
+
+
+def submit_body() -> dict:
+    """``POST /v1/ocr``'s request body: raw image bytes, or multipart with a ``file`` part and option fields."""
+    form = {"type": "object", "required": ["file"],
+            "properties": {"file": _BINARY, **{k: {"type": "string"} for k in SubmitOptions.model_fields}}}
+    return {"required": True, "content": {"image/*": {"schema": _BINARY}, "application/pdf": {"schema": _BINARY},
+                                          "application/octet-stream": {"schema": _BINARY},
+                                          "multipart/form-data": {"schema": form}}}
+
+
+def batch_body() -> dict:
+    """``POST /v1/ocr/batch``'s request body: multipart, every ``files`` part an image, options as fields."""
+    form = {"type": "object", "required": ["files"],
+            "properties": {"files": {"type": "array", "items": _BINARY},
+                           **{k: {"type": "string"} for k in SubmitOptions.model_fields if k != "request_id"}}}
+    return {"required": True, "content": {"multipart/form-data": {"schema": form}}}
+
+
+EVENT_IDS_TEXT = ("a request id; repeat the parameter for each request, at most `OCRSTREAM_HTTP_BATCH_MAX_FILES` "
+                  "(64) distinct ids (duplicates count once)")
+#: ``GET /v1/events``' 200 answer.
+EVENTS_TEXT = (
+    "`text/event-stream` (WHATWG HTML, server-sent events). First one event per id, in the order asked: "
+    "`completed` (already finished), `pending`, or `error` (`not_found`: unknown, or another key's). Then one "
+    "`completed` per request as it finishes. `id:` is the request id; `data:` is one line of JSON: for "
+    "`completed` and `pending` the body `GET /v1/ocr/{request_id}` answers, for `error` "
+    '`{"request_id", "error": {"code", "message"}}`. A `: keep-alive` comment line follows every '
+    "`OCRSTREAM_HTTP_EVENTS_KEEPALIVE_S` (15) seconds of silence. Last, `end` once no request is pending or "
+    'after `timeout`: `{"reason": "done"|"timeout", "completed": [ids], "pending": [ids], "not_found": [ids]}`; '
+    "then the server closes the stream. An `EventSource` reconnects by itself: close it on `end`, or let it "
+    "reconnect, which watches the requests still pending and gets 204 once none is."
+)
+#: One event of the ``GET /v1/events`` stream, as an SSE parser yields it (OpenAPI describes a
+#: ``text/event-stream`` body by the schema of each event); comment lines (keep-alives) are no events.
+EVENT_SCHEMA = {
+    "type": "object", "required": ["event", "data"],
+    "properties": {"event": {"type": "string", "enum": ["completed", "pending", "error", "end"]},
+                   "id": {"type": "string", "description": "the request id (none on `end`)"},
+                   "data": {"type": "string", "contentMediaType": "application/json",
+                            "description": "one line of JSON (see the answer's description)"}},
+}
+EVENTS_RECONNECT_TEXT = ("a reconnect (`Last-Event-ID` sent) after every request has finished: an `EventSource` "
+                         "stops reconnecting")

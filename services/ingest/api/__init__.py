@@ -1,1 +1,0 @@
-"""The HTTP front door of the ingest stage: ``python -m services.ingest.api``."""
