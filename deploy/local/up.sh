@@ -115,7 +115,7 @@ up_redis() {
   mkdir -p "$dir"
   start_detached redis "$logf" redis-server --bind 127.0.0.1 --port "$REDIS_PORT" \
     --protected-mode yes --daemonize no --dir "$dir" --logfile "" \
-    --appendonly yes --appendfsync everysec --maxmemory-policy noeviction  # waiters live only here: docs/single-flight.md
+    --appendonly yes --appendfsync everysec --maxmemory-policy noeviction  # hit rate only: Redis is a cache (docs/single-flight.md)
   log redis "started (pid $(<"$(pidfile redis)")), waiting for 127.0.0.1:$REDIS_PORT"
   redis_ready() { [[ "$(redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null)" == PONG ]]; }
   wait_ready redis "$logf" redis_ready
