@@ -73,6 +73,18 @@ async def kafka_reachable(bootstrap_servers: str, timeout_s: float = 2.0) -> boo
     return False
 
 
+async def _message_limits(stage: str, settings: CommonSettings) -> dict[str, int]:
+    """Each topic's ``max.message.bytes`` (5 tries), else Kafka's default for every topic."""
+    try:
+        async for attempt in AsyncRetrying(stop=stop_after_attempt(5), wait=wait_exponential(0.5, max=5), reraise=True):
+            with attempt:
+                return await topic_message_limits(settings.kafka, settings.topics.all())
+    except Exception as exc:  # noqa: BLE001 - the broker default is the safe guess
+        log.warning("%s: cannot read the topics' max.message.bytes (%r); assuming Kafka's default %d",
+                    stage, exc, BROKER_DEFAULT_MESSAGE_BYTES)
+    return dict.fromkeys(settings.topics.all(), BROKER_DEFAULT_MESSAGE_BYTES)
+
+
 async def run_stage(
     *,
     stage: str,
@@ -117,14 +129,7 @@ async def run_stage(
 
     producer = make_producer(settings.kafka, client_id=f"ocrstream-{stage}")
     await _start_with_retry(stage, producer.start, stop, settings.retry_max_backoff_s)
-    try:
-        async for attempt in AsyncRetrying(stop=stop_after_attempt(5), wait=wait_exponential(0.5, max=5), reraise=True):
-            with attempt:
-                size_limits = await topic_message_limits(settings.kafka, settings.topics.all())
-    except Exception as exc:  # noqa: BLE001 - the broker default is the safe guess
-        log.warning("%s: cannot read the topics' max.message.bytes (%r); assuming Kafka's default %d",
-                    stage, exc, BROKER_DEFAULT_MESSAGE_BYTES)
-        size_limits = dict.fromkeys(settings.topics.all(), BROKER_DEFAULT_MESSAGE_BYTES)
+    size_limits = await _message_limits(stage, settings)
     admin = None
     if settings.poison_after_deaths:  # reads the deaths recorded in the group's commit metadata
         admin = make_admin(settings.kafka, f"ocrstream-{stage}-offsets")

@@ -39,20 +39,14 @@ dependencies answer (:meth:`Handler.dependencies_ok` returns True: a packet the 
 refuses and drops the connection over, say) is the batch's own: it is split and counted the
 same way; only when a dependency does not answer (or the handler cannot tell) is it an outage.
 
-Deaths (``poison_after_deaths`` > 0, :mod:`services.common.deaths`): before a batch is handled,
-each of its partitions is committed at the offset it is already at, with commit metadata naming
-the batch's offsets *in progress* (one more commit per batch; the batch is handled as soon as
-that commit is sent, see :data:`MARK_SEND_TURNS`, and its own commit after it waits for the
-acknowledgement); the commit after the batch writes the next offset without it. A consumer assigned a partition whose metadata still names
-records in progress counts one *death* for each: the process that held them ended without
-committing (killed, out of memory, crashed, or stopped without finishing the batch within its
-drain bound). A batch holding a record with a death is handled one record at a time, each
-marked alone, so the record that kills the process again is the one counted; a record with
-``poison_after_deaths`` deaths is not handled at all: ``Handler.poison`` gets a
-``stage_crash`` error and the partition moves on. A rebalance is not a death: the revocation
-callback runs while this consumer still owns the partitions (eager protocol) and commits them
-back with nothing in progress. Marks, commits and that clearing commit are serialised by one
-lock, so a mark never lands after the clearing of its partition.
+Deaths (``poison_after_deaths`` > 0, :mod:`services.common.deaths`, docs/delivery.md "Poison
+records across restarts"): before a batch is handled, each of its partitions is committed where it
+is with commit metadata naming the batch's offsets in progress; a consumer assigned a partition
+whose metadata still names records in progress counts one death for each. A batch holding a record
+with a death is handled one record at a time; a record with ``poison_after_deaths`` deaths goes to
+``Handler.poison`` as ``stage_crash`` unhandled. A rebalance is not a death: the revocation callback
+commits the partitions back with nothing in progress. Marks, commits and that clearing commit are
+serialised by one lock.
 """
 
 from __future__ import annotations
@@ -60,17 +54,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from abc import ABC, abstractmethod
 from collections import defaultdict
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, MessageSizeTooLargeError
 
 from schemas.errors import ErrorCode
 from services.common.deaths import DeathLedger, ReadCommitted
 from services.common.dlq import key_bytes, oversized_messages, record_bytes
 from services.common.errors import OcrError, is_transient
+from services.common.handler import Handler
 from services.common.kafka import Outgoing
+from services.common.rebalance import Revocations
 from services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -91,95 +86,6 @@ coordinator is known; 10 leaves a margin. The batch's own commit waits for the a
 
 UNMARK_LOCK_S = 10.0
 """How long the revocation callback waits for a commit in flight before clearing marks, s."""
-
-
-class Handler(ABC):
-    """A stage's logic: records in, messages to produce out. Clients are passed to its constructor."""
-
-    @abstractmethod
-    async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
-        """Process a batch (in offset order per partition) and return every message it causes.
-
-        Called by the runner with 1..max_batch records. Must be idempotent: a batch may be
-        redelivered after a crash. Raise to fail the batch (see the module docstring).
-        """
-
-    @abstractmethod
-    def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
-        """Messages to produce for a record that failed ``attempts`` times with a permanent error.
-
-        Called once per poison record; returns the ``ocr.dlq`` event and, where the record
-        names a request, an error result so the request still ends in a final state.
-        """
-
-    async def on_idle(self) -> list[Outgoing]:
-        """Called about once a second when no records arrive (housekeeping). Default: nothing."""
-        return []
-
-    def prefetch(self, records: list[ConsumerRecord]) -> None:
-        """Called with records of the *next* batch while the current one runs; may start their
-        I/O (e.g. S3 gets). They are passed to :meth:`handle` later as usual. Default: nothing."""
-
-    def forget(self, records: list[ConsumerRecord]) -> None:
-        """Drop what :meth:`prefetch` started for ``records``: their partitions were revoked and
-        they will never be passed to :meth:`handle` (a new owner fetches them again). Called from
-        the rebalance callback, only with records not yet handed to :meth:`handle`. Default: nothing."""
-
-    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
-        """Called from the rebalance callback with the partitions just assigned, before any record of
-        them is handed to :meth:`handle` (a stage with state restores it here). Default: nothing."""
-
-    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Called from the rebalance callback with the partitions being revoked, after the batch in
-        flight was committed when the runner drains on revocation (``drain_on_revoke``): drop their
-        state. Default: nothing."""
-
-    async def dependencies_ok(self) -> bool | None:
-        """Whether every store this handler writes to answers now (a fresh ping of each), asked
-        after a batch failed with a retriable-looking error. True: the failure is the batch's own
-        and counts as an attempt (after ``max_attempts`` the record goes to the DLQ); False: an
-        outage, retried with backoff for as long as it lasts. Default None: cannot tell, an outage."""
-        return None
-
-    async def after_produce(self) -> None:
-        """Called once the messages of the last ``handle`` (or of ``on_idle``, when it returned any)
-        are acknowledged, before the commit. A handler may call it itself after an ``on_idle``
-        pass that has nothing to produce."""
-
-    async def close(self) -> None:
-        """Release the handler's clients (called once at shutdown)."""
-
-
-class Revocations(ConsumerRebalanceListener):
-    """The runner's rebalance listener: pass it to ``consumer.subscribe(..., listener=...)``.
-
-    Source: aiokafka 0.12 ``GroupCoordinator._on_join_prepare`` awaits ``on_partitions_revoked``
-    before rejoining, from its background task; ``_on_join_complete`` awaits
-    ``on_partitions_assigned`` after the new assignment is set, but the fetcher may already return
-    records of it meanwhile (seen on Kafka 4.1): the runner takes no batch until the callback has
-    returned.
-    """
-
-    def __init__(self, runner: "StageRunner"):
-        self._runner = runner
-
-    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        """With ``drain_on_revoke``, wait for the batch in flight to be committed first; then drop the
-        runner's unhandled records of ``revoked``; bar the batch in flight from committing them;
-        clear their in-progress marks (a rebalance is not a death); tell the handler."""
-        await self._runner._drain_for_revoke()
-        self._runner._revoke(set(revoked))
-        await self._runner._unmark(set(revoked))
-        try:
-            await self._runner.handler.on_revoked(set(revoked))
-        except Exception as exc:  # noqa: BLE001 - a failing cleanup must not break the rebalance
-            log.warning("%s: the handler's revocation hook failed: %r", self._runner.stage, exc)
-
-    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        """Log the new assignment (partitions start at their committed offsets) and count the
-        deaths their commit metadata records."""
-        log.info("%s: assigned %s", self._runner.stage, sorted(assigned))
-        await self._runner._assigned(set(assigned))
 
 
 class StageRunner:
