@@ -85,6 +85,7 @@ class DedupHandler(Handler):
         self._known_gens: dict[str, float] = {}  # gen_id -> when registered (monotonic s)
         self._fences: dict[str, tuple[float, int]] = {}  # gen_id -> (read at, monotonic s; purged_at_ms, 0 = none)
         self._to_index: list[tuple[str, str, int]] = []  # (space, sha, hash) whose indexing failed: retried on idle
+        self._revoked: set[int] = set()  # partition numbers revoked and not assigned back: never restored by handle
 
     # -- partitions -------------------------------------------------------------------------
     def _new_state(self, p: int) -> PartitionState:
@@ -92,8 +93,13 @@ class DedupHandler(Handler):
                               settled_max_keys=self.s.settled_max_keys, max_attempts=self.s.max_attempts)
 
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
-        """Restore the state of each newly assigned partition number from the changelog."""
-        await self._ensure(sorted({tp.partition for tp in assigned}))
+        """Restore the state of each newly assigned partition number from the changelog, afresh: a
+        state this process still holds for one of them predates its last owner's changes."""
+        ps = sorted({tp.partition for tp in assigned})
+        self._revoked.difference_update(ps)
+        for p in ps:
+            self.states.pop(p, None)
+        await self._ensure(ps)
 
     async def _ensure(self, partitions: list[int]) -> None:
         new = [p for p in partitions if p not in self.states]
@@ -116,6 +122,7 @@ class DedupHandler(Handler):
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Drop the state of the revoked partition numbers (its next owner restores it)."""
         for p in sorted({tp.partition for tp in revoked}):
+            self._revoked.add(p)
             st = self.states.pop(p, None)
             if st is not None and st.pending:
                 log.warning("dedup: partition %d revoked with %d changelog records unwritten", p, len(st.pending))
@@ -129,11 +136,18 @@ class DedupHandler(Handler):
 
     # -- records ----------------------------------------------------------------------------
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
-        """See :meth:`Handler.handle`. A call that raises leaves the state as it was."""
-        await self._ensure(sorted({r.partition for r in records}))
+        """See :meth:`Handler.handle`. A call that raises leaves the state as it was. A record of a
+        partition revoked meanwhile (a revocation whose drain timed out) is skipped: the runner does
+        not commit it and the partition's next owner handles it with the state it restored."""
+        await self._ensure(sorted({r.partition for r in records} - self._revoked))
+        live = dict(self.states)  # a partition revoked (and maybe restored afresh) meanwhile is not this batch's
         out: list[Outgoing] = []
         try:
             for record in records:
+                if (st := live.get(record.partition)) is None or self.states.get(record.partition) is not st:
+                    log.warning("dedup: %s[%d]@%d skipped: its partition was revoked during the batch",
+                                record.topic, record.partition, record.offset)
+                    continue
                 with self.telemetry.span("dedup", parent_headers=record.headers, kind=SpanKind.CONSUMER,
                                          attributes=record_attrs(record)):
                     headers = self.telemetry.inject(record.headers)
