@@ -239,7 +239,7 @@ class DedupHandler(Handler):
             self.telemetry.cache.labels("dedup", "error", "redis").inc()
             log.debug("dedup: Redis unavailable (%s)", exc)
             entry, ttl_ms = None, None
-        if entry is not None:
+        if entry is not None and entry.created_at_ms > fence:  # an entry a purge missed (Redis down) is fenced too
             self.lru.put(key, entry, None if ttl_ms is None else ttl_ms / 1000)
             return Settled(entry.result_uri, entry.created_at_ms), "redis"
         uri = await self._s3_tier(key, fence)

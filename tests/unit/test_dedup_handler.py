@@ -152,3 +152,32 @@ def test_a_partition_revoked_during_a_batch_is_not_brought_back_stale():
     assert h.states[0].inflight == {} and h.states[0].ids == {}
     [(topic, ev)] = handle(h, (S.topics.requests, dumps(request("r2"))))
     assert topic == S.topics.infer and ev["request"]["request_id"] == "r2"  # computed, not left waiting
+
+
+class FencedStore:
+    """S3 with one purge fence (``fences/<gen>.json``) and no stored result documents."""
+
+    def __init__(self, purged_at_ms: int):
+        self.purged_at_ms = purged_at_ms
+
+    async def get(self, key):
+        assert key.startswith("fences/")
+        return orjson.dumps({"purged_at_ms": self.purged_at_ms})
+
+    async def last_modified_ms(self, key):
+        return None
+
+    def uri(self, key):
+        return f"s3://b/{key}"
+
+
+def test_a_redis_entry_older_than_the_purge_fence_is_not_answered():
+    # `cache purge` with Redis down writes the fence but leaves the entries: they must not answer
+    old = CacheEntry("s3://b/results/old.json", 2, 10, created_at_ms=1_000)
+    h = DedupHandler(S, CountingCache(old), Telemetry("dedup", TelemetrySettings()), store=FencedStore(5_000))
+    [(topic, ev)] = handle(h, (S.topics.requests, dumps(request("r0"))))
+    assert topic == S.topics.infer and ev["request"]["request_id"] == "r0"
+    new = CacheEntry("s3://b/results/new.json", 2, 10, created_at_ms=6_000)  # computed again after the purge
+    h = DedupHandler(S, CountingCache(new), Telemetry("dedup", TelemetrySettings()), store=FencedStore(5_000))
+    [(topic, ev)] = handle(h, (S.topics.requests, dumps(request("r1"))))
+    assert topic == S.topics.results and ev["cache_tier"] == "redis" and ev["result_uri"] == new.result_uri
