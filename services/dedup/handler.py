@@ -26,7 +26,7 @@ from services.dedup.changelog import Changelog
 from services.dedup.lru import EntryLru
 from services.dedup.near import NearDupLookup, NearHit
 from services.dedup.settings import DedupSettings
-from services.dedup.state import PartitionState, Settled
+from services.dedup.state import PartitionState, Settled, Settlement
 
 log = logging.getLogger(__name__)
 
@@ -315,8 +315,16 @@ class DedupHandler(Handler):
     async def _settled(self, record: ConsumerRecord, headers) -> list[Outgoing]:
         """Apply a settlement: complete, promote or fail the key's waiters."""
         ev = loads(SettledEvent, record.value)
-        st = self.states[record.partition]
-        res = st.settle(ev)
+        res = self.states[record.partition].settle(ev)
+        out = self._answer(ev, res)
+        if res.index is not None and self.near is not None:
+            await self._index(*res.index)
+        log.info("dedup: %s settled by %s (%s): %d waiting copies answered%s", ev.cache_key, ev.request_id,
+                 ev.status, len(res.answered), f", {res.promoted.request_id} promoted" if res.promoted else "")
+        return out
+
+    def _answer(self, ev: SettledEvent, res: Settlement) -> list[Outgoing]:
+        """The messages of a settlement: the promoted waiter's inference, the waiters' results."""
         out: list[Outgoing] = []
         if res.promoted is not None:
             self.telemetry.cache.labels("dedup", "promoted", "state").inc()
@@ -335,10 +343,6 @@ class DedupHandler(Handler):
                                      cacheable=ev.cacheable, traced=True))
             else:  # an ok result without a stored output (an older sink): computed on its own
                 out.append(self._infer(w, ev.cache_key, 1, self.telemetry.inject(), traced=True))
-        if res.index is not None and self.near is not None:
-            await self._index(*res.index)
-        log.info("dedup: %s settled by %s (%s): %d waiting copies answered%s", ev.cache_key, ev.request_id,
-                 ev.status, len(res.answered), f", {res.promoted.request_id} promoted" if res.promoted else "")
         return out
 
     async def _index(self, space: str, h: int, sha: str) -> None:
@@ -421,12 +425,37 @@ class DedupHandler(Handler):
         return [self._infer(first, key, 1, self.telemetry.inject(), traced=True)]
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
-        """DLQ the record and fail its request (a settlement: the DLQ event only; its key's waiters
-        are answered by the next computation of the key, or fail with their own requests)."""
+        """DLQ the record and fail its request. A settlement that cannot be applied is applied as
+        an ``internal_error`` of its request instead (when its key and request id can be read), so
+        the copies waiting on the key are not left waiting: the first is promoted while attempts
+        are left, else all get the error."""
         for st in self.states.values():
             st.rollback()
         out = poison_messages(stage="dedup", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
-        return out[:1] if record.topic == self.s.topics.settled else out
+        if record.topic != self.s.topics.settled:
+            return out
+        return out[:1] + self._settle_failed(record, exc)
+
+    def _settle_failed(self, record: ConsumerRecord, exc: BaseException) -> list[Outgoing]:
+        st = self.states.get(record.partition)
+        try:
+            v = orjson.loads(record.value)
+            ev = SettledEvent(cache_key=v["cache_key"], content_sha256=v["content_sha256"], request_id=v["request_id"],
+                              status="error", attempt=max(1, int(v.get("attempt") or 1)), error=ErrorInfo(
+                                  code=ErrorCode.INTERNAL_ERROR,
+                                  message=f"dedup could not apply this image's settlement: {exc!r}"[:500]))
+        except Exception:  # noqa: BLE001 - unreadable: no key to end (the DLQ event keeps the record)
+            return []
+        if st is None:
+            return []
+        try:
+            out = self._answer(ev, st.settle(ev))
+        except Exception as err:  # noqa: BLE001 - a poison path must not raise
+            st.rollback()
+            log.error("dedup: the failed settlement of %s could not be applied either (%r)", ev.cache_key, err)
+            return []
+        st.keep()
+        return out
 
     async def close(self) -> None:
         """Close the Redis pool and the near-duplicate decoders."""

@@ -181,3 +181,18 @@ def test_a_redis_entry_older_than_the_purge_fence_is_not_answered():
     h = DedupHandler(S, CountingCache(new), Telemetry("dedup", TelemetrySettings()), store=FencedStore(5_000))
     [(topic, ev)] = handle(h, (S.topics.requests, dumps(request("r1"))))
     assert topic == S.topics.results and ev["cache_tier"] == "redis" and ev["result_uri"] == new.result_uri
+
+
+def test_a_settlement_sent_to_the_dlq_still_ends_its_key_for_the_waiting_copies():
+    h = handler(CountingCache(down=True))
+    out = handle(h, *[(S.topics.requests, dumps(request(f"r{i}"))) for i in range(3)])
+    key = out[0][1]["cache_key"]
+    settled = SettledEvent(cache_key=key, content_sha256=SHA, request_id="r0", status="ok", result_uri="s3://b/d.json")
+    msgs = h.poison(record(S.topics.settled, dumps(settled), 5), RuntimeError("cannot apply"), 3)
+    got = [(m.topic, orjson.loads(m.value)) for m in msgs]
+    assert [t for t, _ in got] == [S.topics.dlq, S.topics.infer]  # the first waiter computes it again
+    assert (got[1][1]["request"]["request_id"], got[1][1]["attempt"]) == ("r1", 2)
+    done = SettledEvent(cache_key=key, content_sha256=SHA, request_id="r1", status="ok", result_uri="s3://b/d.json",
+                        attempt=2)
+    out = handle(h, (S.topics.settled, dumps(done)))
+    assert [(ev["request"]["request_id"], ev["cache_tier"]) for _, ev in out] == [("r2", "single_flight")]
