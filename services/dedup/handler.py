@@ -26,7 +26,7 @@ from services.dedup.changelog import Changelog
 from services.dedup.lru import EntryLru
 from services.dedup.near import NearDupLookup, NearHit
 from services.dedup.settings import DedupSettings
-from services.dedup.state import PartitionState, Settled
+from services.dedup.state import PartitionState, Settled, Settlement
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class DedupHandler(Handler):
         self._known_gens: dict[str, float] = {}  # gen_id -> when registered (monotonic s)
         self._fences: dict[str, tuple[float, int]] = {}  # gen_id -> (read at, monotonic s; purged_at_ms, 0 = none)
         self._to_index: list[tuple[str, str, int]] = []  # (space, sha, hash) whose indexing failed: retried on idle
+        self._revoked: set[int] = set()  # partition numbers revoked and not assigned back: never restored by handle
 
     # -- partitions -------------------------------------------------------------------------
     def _new_state(self, p: int) -> PartitionState:
@@ -92,8 +93,13 @@ class DedupHandler(Handler):
                               settled_max_keys=self.s.settled_max_keys, max_attempts=self.s.max_attempts)
 
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
-        """Restore the state of each newly assigned partition number from the changelog."""
-        await self._ensure(sorted({tp.partition for tp in assigned}))
+        """Restore the state of each newly assigned partition number from the changelog, afresh: a
+        state this process still holds for one of them predates its last owner's changes."""
+        ps = sorted({tp.partition for tp in assigned})
+        self._revoked.difference_update(ps)
+        for p in ps:
+            self.states.pop(p, None)
+        await self._ensure(ps)
 
     async def _ensure(self, partitions: list[int]) -> None:
         new = [p for p in partitions if p not in self.states]
@@ -116,6 +122,7 @@ class DedupHandler(Handler):
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Drop the state of the revoked partition numbers (its next owner restores it)."""
         for p in sorted({tp.partition for tp in revoked}):
+            self._revoked.add(p)
             st = self.states.pop(p, None)
             if st is not None and st.pending:
                 log.warning("dedup: partition %d revoked with %d changelog records unwritten", p, len(st.pending))
@@ -129,11 +136,18 @@ class DedupHandler(Handler):
 
     # -- records ----------------------------------------------------------------------------
     async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
-        """See :meth:`Handler.handle`. A call that raises leaves the state as it was."""
-        await self._ensure(sorted({r.partition for r in records}))
+        """See :meth:`Handler.handle`. A call that raises leaves the state as it was. A record of a
+        partition revoked meanwhile (a revocation whose drain timed out) is skipped: the runner does
+        not commit it and the partition's next owner handles it with the state it restored."""
+        await self._ensure(sorted({r.partition for r in records} - self._revoked))
+        live = dict(self.states)  # a partition revoked (and maybe restored afresh) meanwhile is not this batch's
         out: list[Outgoing] = []
         try:
             for record in records:
+                if (st := live.get(record.partition)) is None or self.states.get(record.partition) is not st:
+                    log.warning("dedup: %s[%d]@%d skipped: its partition was revoked during the batch",
+                                record.topic, record.partition, record.offset)
+                    continue
                 with self.telemetry.span("dedup", parent_headers=record.headers, kind=SpanKind.CONSUMER,
                                          attributes=record_attrs(record)):
                     headers = self.telemetry.inject(record.headers)
@@ -225,7 +239,7 @@ class DedupHandler(Handler):
             self.telemetry.cache.labels("dedup", "error", "redis").inc()
             log.debug("dedup: Redis unavailable (%s)", exc)
             entry, ttl_ms = None, None
-        if entry is not None:
+        if entry is not None and entry.created_at_ms > fence:  # an entry a purge missed (Redis down) is fenced too
             self.lru.put(key, entry, None if ttl_ms is None else ttl_ms / 1000)
             return Settled(entry.result_uri, entry.created_at_ms), "redis"
         uri = await self._s3_tier(key, fence)
@@ -301,8 +315,16 @@ class DedupHandler(Handler):
     async def _settled(self, record: ConsumerRecord, headers) -> list[Outgoing]:
         """Apply a settlement: complete, promote or fail the key's waiters."""
         ev = loads(SettledEvent, record.value)
-        st = self.states[record.partition]
-        res = st.settle(ev)
+        res = self.states[record.partition].settle(ev)
+        out = self._answer(ev, res)
+        if res.index is not None and self.near is not None:
+            await self._index(*res.index)
+        log.info("dedup: %s settled by %s (%s): %d waiting copies answered%s", ev.cache_key, ev.request_id,
+                 ev.status, len(res.answered), f", {res.promoted.request_id} promoted" if res.promoted else "")
+        return out
+
+    def _answer(self, ev: SettledEvent, res: Settlement) -> list[Outgoing]:
+        """The messages of a settlement: the promoted waiter's inference, the waiters' results."""
         out: list[Outgoing] = []
         if res.promoted is not None:
             self.telemetry.cache.labels("dedup", "promoted", "state").inc()
@@ -321,10 +343,6 @@ class DedupHandler(Handler):
                                      cacheable=ev.cacheable, traced=True))
             else:  # an ok result without a stored output (an older sink): computed on its own
                 out.append(self._infer(w, ev.cache_key, 1, self.telemetry.inject(), traced=True))
-        if res.index is not None and self.near is not None:
-            await self._index(*res.index)
-        log.info("dedup: %s settled by %s (%s): %d waiting copies answered%s", ev.cache_key, ev.request_id,
-                 ev.status, len(res.answered), f", {res.promoted.request_id} promoted" if res.promoted else "")
         return out
 
     async def _index(self, space: str, h: int, sha: str) -> None:
@@ -407,12 +425,37 @@ class DedupHandler(Handler):
         return [self._infer(first, key, 1, self.telemetry.inject(), traced=True)]
 
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
-        """DLQ the record and fail its request (a settlement: the DLQ event only; its key's waiters
-        are answered by the next computation of the key, or fail with their own requests)."""
+        """DLQ the record and fail its request. A settlement that cannot be applied is applied as
+        an ``internal_error`` of its request instead (when its key and request id can be read), so
+        the copies waiting on the key are not left waiting: the first is promoted while attempts
+        are left, else all get the error."""
         for st in self.states.values():
             st.rollback()
         out = poison_messages(stage="dedup", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
-        return out[:1] if record.topic == self.s.topics.settled else out
+        if record.topic != self.s.topics.settled:
+            return out
+        return out[:1] + self._settle_failed(record, exc)
+
+    def _settle_failed(self, record: ConsumerRecord, exc: BaseException) -> list[Outgoing]:
+        st = self.states.get(record.partition)
+        try:
+            v = orjson.loads(record.value)
+            ev = SettledEvent(cache_key=v["cache_key"], content_sha256=v["content_sha256"], request_id=v["request_id"],
+                              status="error", attempt=max(1, int(v.get("attempt") or 1)), error=ErrorInfo(
+                                  code=ErrorCode.INTERNAL_ERROR,
+                                  message=f"dedup could not apply this image's settlement: {exc!r}"[:500]))
+        except Exception:  # noqa: BLE001 - unreadable: no key to end (the DLQ event keeps the record)
+            return []
+        if st is None:
+            return []
+        try:
+            out = self._answer(ev, st.settle(ev))
+        except Exception as err:  # noqa: BLE001 - a poison path must not raise
+            st.rollback()
+            log.error("dedup: the failed settlement of %s could not be applied either (%r)", ev.cache_key, err)
+            return []
+        st.keep()
+        return out
 
     async def close(self) -> None:
         """Close the Redis pool and the near-duplicate decoders."""

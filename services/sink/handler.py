@@ -132,15 +132,22 @@ class SinkHandler(Handler):
     def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the record; fail its request unless the record already was an error result, and then
         settle its cache key with ``internal_error`` (the copies waiting on it must not wait forever;
-        an ok result's error result comes back here and settles it)."""
+        an ok result's error result carries its request and cache key, comes back here and settles it)."""
         try:
             value = orjson.loads(record.value)
             already_error = value.get("status") == "error"
         except Exception:
             value, already_error = {}, False
-        out = poison_messages(stage="sink", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
         if not already_error:
-            return out
+            # the error result carries the request and its cache key: it comes back here, becomes the
+            # request's final state and settles the key, so the copies waiting on it are answered
+            try:
+                request, key = RequestEvent.model_validate(value["request"]), value.get("cache_key")
+            except Exception:  # noqa: BLE001 - not a result event we can read: the id only
+                request, key = None, None
+            return poison_messages(stage="sink", topics=self.s.topics, record=record, exc=exc, attempts=attempts,
+                                   request=request, cache_key=key if isinstance(key, str) else None)
+        out = poison_messages(stage="sink", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
         req, key = value.get("request") or {}, value.get("cache_key")
         if isinstance(key, str) and isinstance(req, dict) and req.get("request_id") and req.get("content_sha256"):
             ev = SettledEvent(cache_key=key, content_sha256=req["content_sha256"], request_id=req["request_id"],

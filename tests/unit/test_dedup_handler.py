@@ -94,3 +94,105 @@ def test_a_failed_call_leaves_the_state_as_it_was():
         raise AssertionError("a record that is not JSON must fail the call")
     [(topic, ev)] = handle(h, (S.topics.requests, dumps(request("r0"))))
     assert topic == S.topics.infer and ev["request"]["request_id"] == "r0"  # not taken for a replay
+
+
+class MemoryChangelog:
+    """The changelog topic in memory: ``write`` appends, ``restore`` replays (tombstones applied)."""
+
+    def __init__(self):
+        self.log: dict[int, list[tuple[bytes, bytes | None]]] = {}
+
+    async def restore(self, partitions):
+        out = {}
+        for p in partitions:
+            latest: dict[bytes, bytes] = {}
+            for k, v in self.log.get(p, []):
+                if v is None:
+                    latest.pop(k, None)
+                else:
+                    latest[k] = v
+            out[p] = latest
+        return out
+
+    async def write(self, partition, records):
+        self.log.setdefault(partition, []).extend(records)
+
+
+class RevokedMidBatch(CountingCache):
+    """Redis misses; the first GET is where a revocation (whose drain timed out) lands."""
+
+    def __init__(self):
+        super().__init__()
+        self.on_first_get = None
+
+    async def get_with_ttl(self, key):
+        self.calls.append("get")
+        if self.on_first_get is not None:
+            hook, self.on_first_get = self.on_first_get, None
+            await hook()
+        return None, None
+
+
+def test_a_partition_revoked_during_a_batch_is_not_brought_back_stale():
+    from aiokafka import TopicPartition
+
+    tps = {TopicPartition(S.topics.requests, 0), TopicPartition(S.topics.settled, 0)}
+    cache, changelog = RevokedMidBatch(), MemoryChangelog()
+    h = DedupHandler(S, cache, Telemetry("dedup", TelemetrySettings()), changelog=changelog)
+    asyncio.run(h.on_assigned(tps))
+    cache.on_first_get = lambda: h.on_revoked(tps)
+    other = RequestEvent(request_id="r1", content_sha256="cd" * 32, image_uri="s3://b/x", size_bytes=1)
+    # the revocation lands during r0's lookup: r1, of the revoked partition, is not this batch's
+    asyncio.run(h.handle([record(S.topics.requests, dumps(request("r0")), 0),
+                          record(S.topics.requests, dumps(other), 1)]))
+    assert h.states == {}  # nothing of partition 0 is kept (nor restored for r1)
+    # meanwhile another member owned partition 0 and settled both keys (its changelog is empty
+    # again); partition 0 comes back: restored from the changelog, not from what was kept here
+    asyncio.run(h.on_assigned(tps))
+    assert h.states[0].inflight == {} and h.states[0].ids == {}
+    [(topic, ev)] = handle(h, (S.topics.requests, dumps(request("r2"))))
+    assert topic == S.topics.infer and ev["request"]["request_id"] == "r2"  # computed, not left waiting
+
+
+class FencedStore:
+    """S3 with one purge fence (``fences/<gen>.json``) and no stored result documents."""
+
+    def __init__(self, purged_at_ms: int):
+        self.purged_at_ms = purged_at_ms
+
+    async def get(self, key):
+        assert key.startswith("fences/")
+        return orjson.dumps({"purged_at_ms": self.purged_at_ms})
+
+    async def last_modified_ms(self, key):
+        return None
+
+    def uri(self, key):
+        return f"s3://b/{key}"
+
+
+def test_a_redis_entry_older_than_the_purge_fence_is_not_answered():
+    # `cache purge` with Redis down writes the fence but leaves the entries: they must not answer
+    old = CacheEntry("s3://b/results/old.json", 2, 10, created_at_ms=1_000)
+    h = DedupHandler(S, CountingCache(old), Telemetry("dedup", TelemetrySettings()), store=FencedStore(5_000))
+    [(topic, ev)] = handle(h, (S.topics.requests, dumps(request("r0"))))
+    assert topic == S.topics.infer and ev["request"]["request_id"] == "r0"
+    new = CacheEntry("s3://b/results/new.json", 2, 10, created_at_ms=6_000)  # computed again after the purge
+    h = DedupHandler(S, CountingCache(new), Telemetry("dedup", TelemetrySettings()), store=FencedStore(5_000))
+    [(topic, ev)] = handle(h, (S.topics.requests, dumps(request("r1"))))
+    assert topic == S.topics.results and ev["cache_tier"] == "redis" and ev["result_uri"] == new.result_uri
+
+
+def test_a_settlement_sent_to_the_dlq_still_ends_its_key_for_the_waiting_copies():
+    h = handler(CountingCache(down=True))
+    out = handle(h, *[(S.topics.requests, dumps(request(f"r{i}"))) for i in range(3)])
+    key = out[0][1]["cache_key"]
+    settled = SettledEvent(cache_key=key, content_sha256=SHA, request_id="r0", status="ok", result_uri="s3://b/d.json")
+    msgs = h.poison(record(S.topics.settled, dumps(settled), 5), RuntimeError("cannot apply"), 3)
+    got = [(m.topic, orjson.loads(m.value)) for m in msgs]
+    assert [t for t, _ in got] == [S.topics.dlq, S.topics.infer]  # the first waiter computes it again
+    assert (got[1][1]["request"]["request_id"], got[1][1]["attempt"]) == ("r1", 2)
+    done = SettledEvent(cache_key=key, content_sha256=SHA, request_id="r1", status="ok", result_uri="s3://b/d.json",
+                        attempt=2)
+    out = handle(h, (S.topics.settled, dumps(done)))
+    assert [(ev["request"]["request_id"], ev["cache_tier"]) for _, ev in out] == [("r2", "single_flight")]
