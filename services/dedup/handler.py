@@ -276,7 +276,7 @@ class DedupHandler(Handler):
     async def _fence(self, gen_id: str) -> int:
         """The generation's purge fence (epoch ms; 0 = never purged), read from S3 at most every
         ``fence_refresh_s`` (within :data:`FENCE_READ_S`); a failed read keeps the last value and is
-        tried again on the next request."""
+        tried again a second later."""
         if self.store is None:
             return 0
         now = time.monotonic()
@@ -289,7 +289,8 @@ class DedupHandler(Handler):
             fence = int(orjson.loads(raw)["purged_at_ms"])
         except Exception as exc:  # noqa: BLE001 - none yet (the usual case) or unreadable: keep the last
             if getattr(exc, "code", None) != ErrorCode.MISSING_OBJECT:
-                log.warning("dedup: purge fence of %s unreadable (%r); trying again on the next request", gen_id, exc)
+                log.warning("dedup: purge fence of %s unreadable (%r); trying again in a second", gen_id, exc)
+                self._fences[gen_id] = (now - self.s.fence_refresh_s + 1.0, fence)  # not on every request
                 return fence
         self._fences[gen_id] = (now, fence)
         return fence
@@ -315,6 +316,8 @@ class DedupHandler(Handler):
     async def _settled(self, record: ConsumerRecord, headers) -> list[Outgoing]:
         """Apply a settlement: complete, promote or fail the key's waiters."""
         ev = loads(SettledEvent, record.value)
+        if ev.error is not None and ev.error.code == ErrorCode.MISSING_OBJECT:
+            self.lru.drop(ev.cache_key)  # its document is gone: not answered from memory either
         res = self.states[record.partition].settle(ev)
         out = self._answer(ev, res)
         if res.index is not None and self.near is not None:

@@ -63,6 +63,12 @@ class EntryLru:
             _, (_, sz, _) = self._data.popitem(last=False)
             self.bytes -= sz
 
+    def drop(self, key: str) -> None:
+        """Forget ``key`` (its document is gone)."""
+        old = self._data.pop(key, None)
+        if old:
+            self.bytes -= old[1]
+
     def clear(self) -> None:
         """Drop every entry."""
         self._data.clear()
