@@ -24,28 +24,30 @@ async def test_outage_mid_run_loses_nothing(fault_pipeline, service):
     expected = list(items)
     await asyncio.sleep(1.5)
     await asyncio.to_thread(stack, "down", service)
-    if service == "redis":
-        # more requests while Redis is down, and Redis stays down until dedup has looked some of
-        # them up and failed (or skipped, breaker open): the no-Redis path itself is exercised
-        def no_redis() -> float:
-            m = p.metrics("dedup")
-            return (metric_value(m, "ocrstream_cache_total", outcome="error", tier="redis")
-                    + metric_value(m, "ocrstream_cache_total", outcome="skipped", tier="breaker"))
+    try:
+        if service == "redis":
+            # more requests while Redis is down, and Redis stays down until dedup has looked some of
+            # them up and failed (or skipped, breaker open): the no-Redis path itself is exercised
+            def no_redis() -> float:
+                m = p.metrics("dedup")
+                return (metric_value(m, "ocrstream_cache_total", outcome="error", tier="redis")
+                        + metric_value(m, "ocrstream_cache_total", outcome="skipped", tier="breaker"))
 
-        before = no_redis()
-        during = distinct_images(10, "OUT REDIS DOWN")
-        expected += during
-        run_during = asyncio.create_task(p.run(during, timeout=600))
-        deadline = time.time() + 120
-        while no_redis() == before:
-            assert time.time() < deadline, "no request reached dedup while Redis was down"
-            await asyncio.sleep(0.1)
-        # and they complete while Redis is still down (the sink skips only the cache entry)
-        during_docs = await run_during
-        assert [d.status for d in during_docs] == ["ok"] * len(during), [d.error for d in during_docs]
-    else:
-        await asyncio.sleep(4)
-    await asyncio.to_thread(stack, "up", service)
+            before = no_redis()
+            during = distinct_images(10, "OUT REDIS DOWN")
+            expected += during
+            run_during = asyncio.create_task(p.run(during, timeout=600))
+            deadline = time.time() + 120
+            while no_redis() == before:
+                assert time.time() < deadline, "no request reached dedup while Redis was down"
+                await asyncio.sleep(0.1)
+            # and they complete while Redis is still down (the sink skips only the cache entry)
+            during_docs = await run_during
+            assert [d.status for d in during_docs] == ["ok"] * len(during), [d.error for d in during_docs]
+        else:
+            await asyncio.sleep(4)
+    finally:  # back up whatever failed meanwhile: the tests after this one need it
+        await asyncio.to_thread(stack, "up", service)
     docs = await run
     if service == "redis":
         docs += during_docs
