@@ -234,7 +234,7 @@ class RateLimiter:
                 entry = None
             return Decision(True, "unlimited", tokens=float(burst)), entry
         keys = [f"{self.prefix}:rl:{key_id}", f"{self.prefix}:quota:{key_id}",
-                cache._keys(cache_key)[0], f"{self.prefix}:req:{request_id}"]
+                cache.entry_key(cache_key), f"{self.prefix}:req:{request_id}"]
         args = [repr(float(rate_per_s)), int(burst), int(quota_per_day), "" if now_ms is None else repr(float(now_ms)),
                 1, marker, int(marker_ttl_s)]
         try:

@@ -97,7 +97,8 @@ class ResultCache:
         )
         self._get_and_mark = self.client.register_script(_GET_AND_MARK)
 
-    def _entry_key(self, key: str) -> str:
+    def entry_key(self, key: str) -> str:
+        """The Redis key of ``key``'s cache entry (``<prefix>:c:<key>``)."""
         return f"{self.p}:c:{key}"
 
     async def _call(self, op: str, coro):
@@ -152,15 +153,15 @@ class ResultCache:
 
     async def get(self, key: str) -> CacheEntry | None:
         """The entry for ``key`` or None. Raises :class:`CacheUnavailable`."""
-        raw = await self._call("get", self.client.get(self._entry_key(key)))
+        raw = await self._call("get", self.client.get(self.entry_key(key)))
         return CacheEntry.from_json(raw) if raw else None
 
     async def get_with_ttl(self, key: str) -> tuple[CacheEntry | None, int | None]:
         """The entry for ``key`` (or None) and its remaining time to live in ms (None: no expiry or
         no entry), in one round trip. Raises :class:`CacheUnavailable`."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.get(self._entry_key(key))
-        pipe.pttl(self._entry_key(key))
+        pipe.get(self.entry_key(key))
+        pipe.pttl(self.entry_key(key))
         raw, ttl = await self._call("get", pipe.execute())
         if not raw:
             return None, None
@@ -168,11 +169,11 @@ class ResultCache:
 
     async def put(self, key: str, entry: CacheEntry, ttl_s: int) -> None:
         """Store ``entry`` for ``key`` for ``ttl_s`` seconds (overwrites). Raises :class:`CacheUnavailable`."""
-        await self._call("set", self.client.set(self._entry_key(key), entry.to_json(), px=ttl_s * 1000))
+        await self._call("set", self.client.set(self.entry_key(key), entry.to_json(), px=ttl_s * 1000))
 
     async def delete(self, key: str) -> None:
         """Remove ``key``'s entry (its document is gone). Raises :class:`CacheUnavailable`."""
-        await self._call("delete", self.client.delete(self._entry_key(key)))
+        await self._call("delete", self.client.delete(self.entry_key(key)))
 
     async def register_generation(self, gen: CacheGeneration) -> None:
         """Record a generation so ``purge`` can find its entries by model revision."""
@@ -234,5 +235,5 @@ class ResultCache:
         ``request_id`` (``value`` empty: no marker), in one round trip (the HTTP door's cached
         path). Raises :class:`CacheUnavailable`."""
         raw = await self._call("get_and_mark", self._get_and_mark(
-            keys=[self._entry_key(key), f"{self.p}:req:{request_id}"], args=[value, ttl_s]))
+            keys=[self.entry_key(key), f"{self.p}:req:{request_id}"], args=[value, ttl_s]))
         return CacheEntry.from_json(raw) if raw else None
