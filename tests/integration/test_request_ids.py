@@ -73,10 +73,11 @@ def printable_tag() -> str:
 
 
 def reads(text: str, printed: str) -> bool:
-    """True if the OCR ``text`` is ``printed``, spaces aside and O/0, I/1 alike (the engine's occasional
-    slips; which request got which image is what these tests check)."""
+    """True if the OCR ``text`` is ``printed``, spaces and a stray colon aside and O/0, I/1 alike (the
+    engine's occasional slips, e.g. ``UPLOADED : 392683``; which request got which image is what these
+    tests check)."""
     def norm(t: str) -> str:
-        return t.upper().replace(" ", "").replace("O", "0").replace("I", "1")
+        return t.upper().replace(" ", "").replace(":", "").replace("O", "0").replace("I", "1")
     return norm(text) == norm(printed)
 
 

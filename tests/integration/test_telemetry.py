@@ -171,10 +171,15 @@ def test_metrics_count_every_request(tel_pipeline, run):
     n = len(docs)
     env = tel_pipeline.env
     m = {st: tel_pipeline.metrics(st) for st in ("ingest", "dedup", "infer", "sink")}
+    inputs = {"ingest": "SUBMIT", "dedup": "REQUESTS", "infer": "INFER", "sink": "RESULTS"}
     for st in m:
-        assert metric_value(m[st], "ocrstream_messages_in_total", stage=st) == n, st
+        topic = env[f"OCRSTREAM_TOPICS__{inputs[st]}"]
+        assert metric_value(m[st], "ocrstream_messages_in_total", stage=st, topic=topic) == n, st
+        # dedup also reads the settlements of the keys it sent to inference (one per computed request)
+        extra = sum(not d.cache_hit for d in docs) if st == "dedup" else 0
+        assert metric_value(m[st], "ocrstream_messages_in_total", stage=st) == n + extra, st
         assert metric_value(m[st], "ocrstream_batch_size_count", stage=st) >= 1
-        assert metric_value(m[st], "ocrstream_batch_size_sum", stage=st) == n
+        assert metric_value(m[st], "ocrstream_batch_size_sum", stage=st) == n + extra
         assert metric_value(m[st], "ocrstream_batch_seconds_count", stage=st) >= 1
         assert "ocrstream_consumer_lag{" in m[st], st
         # the gauge is refreshed at most once a second: it may still show the last record in flight
@@ -200,7 +205,10 @@ def test_metrics_count_every_request(tel_pipeline, run):
     # store call latency
     assert metric_value(m["infer"], "ocrstream_store_call_seconds_count", store="s3", op="get") >= n
     assert metric_value(m["sink"], "ocrstream_store_call_seconds_count", store="mysql", op="write_requests") >= 1
-    assert metric_value(m["dedup"], "ocrstream_store_call_seconds_count", store="redis", op="claim") == n
+    # each distinct image: one Redis lookup, then one HEAD of its result document (the S3 tier)
+    assert metric_value(m["dedup"], "ocrstream_store_call_seconds_count", store="redis", op="get") == n
+    assert metric_value(m["dedup"], "ocrstream_store_call_seconds_count", store="s3", op="head") == n
+    assert metric_value(m["sink"], "ocrstream_messages_out_total", topic=env["OCRSTREAM_TOPICS__SETTLED"]) == n
     for dep in ("s3", "mysql", "redis"):
         assert metric_value(m["sink"], "ocrstream_dependency_up", dependency=dep) == 1, dep
 

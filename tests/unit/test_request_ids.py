@@ -117,7 +117,8 @@ def test_a_whole_bucket_entry_and_an_empty_list():
 def test_the_allow_list_setting_defaults_to_the_upload_prefix_and_refuses_uris():
     from services.ingest.settings import IngestSettings
 
-    assert IngestSettings().allowed_prefixes() == ["ocrstream/uploads/"]
+    assert IngestSettings().allowed_prefixes() == [f"{IngestSettings().s3.bucket}/uploads/"]  # the tests' namespace bucket
+    assert IngestSettings(s3={"bucket": "ocrstream"}).allowed_prefixes() == ["ocrstream/uploads/"]
     assert IngestSettings(s3_allowed_prefixes=[]).allowed_prefixes() == []
     assert IngestSettings(s3_allowed_prefixes=["scans/in/", "b/"]).allowed_prefixes() == ["scans/in/", "b/"]
     for bad in ("s3://scans/in/", "scans", "/in/"):
