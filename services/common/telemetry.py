@@ -83,6 +83,7 @@ class Telemetry:
         self.ready_checks: list[Callable[[], bool]] = []
         self.live_checks: dict[str, Callable[[], bool]] = {}  # name -> False once the process cannot recover
         self._probes: dict[str, bool | None] = {}
+        self._optional: set[str] = set()  # probes readiness does not wait for
         self._probe_tasks: list[asyncio.Task] = []
         self._lag_tps: set[TopicPartition] = set()
         self.tracer = self._setup_tracing()
@@ -306,11 +307,14 @@ class Telemetry:
         span.end()
 
     # -- readiness probes -------------------------------------------------------------------
-    def add_probe(self, name: str, check: Callable[[], Awaitable[object]], interval_s: float | None = None) -> None:
+    def add_probe(self, name: str, check: Callable[[], Awaitable[object]], interval_s: float | None = None,
+                  required: bool = True) -> None:
         """Check a dependency every ``interval_s`` in the background (never per request).
 
         ``/readyz`` fails until the check has passed and while its last run failed (returned
-        falsy, raised or took longer than 3 s). Call from the running event loop.
+        falsy, raised or took longer than 3 s). With ``required`` False (a cache the stage works
+        without: Redis for dedup and the sink) only ``ocrstream_dependency_up`` shows it, and
+        readiness does not wait for it. Call from the running event loop.
         """
         interval = interval_s or self.cfg.probe_interval_s
         self._probes[name] = None
@@ -329,11 +333,14 @@ class Telemetry:
                 await asyncio.sleep(interval)
 
         self._probe_tasks.append(asyncio.get_running_loop().create_task(loop()))
-        self.ready_checks.append(lambda: self._probes.get(name) is True)
+        if required:
+            self.ready_checks.append(lambda: self._probes.get(name) is True)
+        else:
+            self._optional.add(name)
 
     def not_ready(self) -> list[str]:
-        """Names of the dependencies whose last check failed (or has not run yet)."""
-        return [n for n, ok in self._probes.items() if ok is not True]
+        """Names of the required dependencies whose last check failed (or has not run yet)."""
+        return [n for n, ok in self._probes.items() if ok is not True and n not in self._optional]
 
     def close(self) -> None:
         """Stop the probes and flush the span exporter."""

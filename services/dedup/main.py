@@ -27,7 +27,7 @@ async def main(settings: DedupSettings | None = None) -> None:
     async def build(ctx: StageContext) -> DedupHandler:
         await check_copartitioned(s.kafka, s.topics.copartitioned())
         cache = ResultCache(s.redis, ctx.telemetry, "dedup")
-        ctx.telemetry.add_probe("redis", cache.ping)
+        ctx.telemetry.add_probe("redis", cache.ping, required=False)  # a cache: dedup is ready without it
         store = ObjectStore(s.s3, ctx.telemetry)
         ctx.telemetry.add_probe("s3", store.ping)
         changelog = Changelog(s.kafka, s.topics.dedup_changelog, ctx.producer, s.restore_timeout_s)
