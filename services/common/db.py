@@ -207,10 +207,11 @@ class Database:
         return await self._run("migrate", self._migrate)
 
     # -- writes ---------------------------------------------------------------------------
-    def _write_requests(self, docs: list[ResultDocument]) -> None:
-        rows = []
+    def _write_requests(self, docs: list[ResultDocument]) -> dict[str, ResultDocument]:
+        rows, bounded = [], {}
         for full in docs:
             d, document_json = bound_document(full, self.cfg.row_max_bytes)
+            bounded.setdefault(d.request_id, (d, document_json))
             rows.append(
                 (
                     d.request_id,
@@ -235,13 +236,32 @@ class Database:
                 )
             )
         with self._conn() as conn, conn.cursor() as cur:
-            cur.executemany(_UPSERT_REQUEST, rows)
+            # one multi-row INSERT: each new row counts 1, each already recorded request 0
+            # (ON DUPLICATE KEY UPDATE that changes nothing; the client does not set CLIENT_FOUND_ROWS)
+            inserted = cur.executemany(_UPSERT_REQUEST, rows)
+            if inserted == len(rows) and len(bounded) == len(rows):
+                # every row is new: the database holds exactly these documents (the usual case,
+                # no second round trip)
+                return {rid: d for rid, (d, _) in bounded.items()}
+            # a replay (or a request twice in the batch): read back what the database holds
+            marks = ",".join(["%s"] * len(bounded))
+            cur.execute(f"SELECT request_id, document_json FROM requests WHERE request_id IN ({marks})",
+                        tuple(bounded))
+            return {rid: ResultDocument.model_validate_json(doc) for rid, doc in cur.fetchall()}
 
-    async def write_requests(self, docs: list[ResultDocument]) -> None:
+    async def write_requests(self, docs: list[ResultDocument]) -> dict[str, ResultDocument]:
         """Insert each request's final state; a request already recorded keeps its first state.
-        A document over ``row_max_bytes`` is stored as :func:`bound_document` cuts it."""
-        if docs:
-            await self._run("write_requests", self._write_requests, docs)
+        A document over ``row_max_bytes`` is stored as :func:`bound_document` cuts it.
+
+        Returns:
+            The final state the database holds for each request of ``docs``, by request id: when
+            every row was new, the (bounded) documents just written, with no read; otherwise what
+            one ``SELECT`` on the same connection reads back (a replayed result gets the first
+            final state). One worker-thread hop and one or two round trips to MariaDB in all.
+        """
+        if not docs:
+            return {}
+        return await self._run("write_requests", self._write_requests, docs)
 
     def _write_result(self, row: tuple) -> None:
         with self._conn() as conn, conn.cursor() as cur:

@@ -95,10 +95,10 @@ class SinkHandler(Handler):
         with self.telemetry.span("sink.write_requests", root=True, links=links,
                                  attributes={"ocrstream.batch_size": len(docs)}):
             docs = await self._whole_in_s3(docs)
-            await self.db.write_requests(docs)  # a document over the row bound keeps its summary there
-            # Emit what the database holds: a replayed result re-emits the first final state, so a
-            # duplicated completion carries the same request id and the same content.
-            stored = await self.db.get_requests([d.request_id for d in docs])
+            # Emit what the database holds (a document over the row bound keeps its summary there):
+            # a replayed result re-emits the first final state, so a duplicated completion carries
+            # the same request id and the same content.
+            stored = await self.db.write_requests(docs)
         emitted: set[str] = set()
         for doc in docs:
             if doc.request_id in emitted:

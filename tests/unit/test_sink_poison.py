@@ -29,6 +29,7 @@ class MemoryDb:
     async def write_requests(self, docs):
         for d in docs:
             self.rows.setdefault(d.request_id, d)
+        return {d.request_id: self.rows[d.request_id] for d in docs}
 
     async def get_requests(self, ids):
         return {i: self.rows[i] for i in ids if i in self.rows}
