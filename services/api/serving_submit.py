@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from schemas.errors import ErrorCode, HttpErrorCode, http_status
-from schemas.events import OcrOutput, RequestEvent, ResultDocument, ResultEvent, new_id, now_ms
+from schemas.events import OcrOutput, RequestEvent, ResultDocument, new_id, now_ms
 from schemas.keys import image_object_key
 from services.api.clients import Clients
 from services.api.errors import ApiError
@@ -42,6 +42,7 @@ from services.common.cache import CacheUnavailable
 from services.common.claims import RequestClaim
 from services.common.errors import OcrError
 from services.common.events import dumps
+from services.common.results import cache_hit_event, result_document
 from services.common.telemetry import SpanKind
 
 log = logging.getLogger(__name__)
@@ -317,19 +318,10 @@ class SubmitService:
         c = self.c
         elapsed = round((time.perf_counter() - started) * 1000, 3)
         req = base.model_copy(update={"timings_ms": {"http": elapsed}})
-        ev = ResultEvent(request=req, cache_key=key, cache_hit=True, cache_tier="redis", status="ok",
-                         result_uri=result_uri, engine=gen.engine, model=gen.model, model_revision=gen.model_revision)
+        ev = cache_hit_event(req, key, "redis", gen, result_uri=result_uri)
         c.hits.send(req.request_id, dumps(ev), key=req.content_sha256.encode(), headers=c.telemetry.inject())
-        first = output.pages[0] if output.pages else None
-        doc = ResultDocument(
-            request_id=req.request_id, status="ok", content_sha256=req.content_sha256, cache_key=key, cache_hit=True,
-            cache_tier="redis", engine=gen.engine, model=gen.model, model_revision=gen.model_revision,
-            width=first.width if first else None, height=first.height if first else None, pages=output.pages,
-            lines=output.lines, text=output.text, warnings=output.warnings, task=req.task, source=req.source,
-            filename=req.filename, result_uri=ev.result_uri, submitted_at_ms=req.submitted_at_ms, completed_at_ms=now_ms(),
-            timings_ms={"http": elapsed, "total": elapsed}, trace_id=c.telemetry.trace_id(),
-            callback_url=req.callback_url, api_key_id=req.api_key_id, metadata=req.metadata,
-        )
+        doc = result_document(req, ev, output, cache_hit=True, stored_uri=result_uri, completed_at_ms=now_ms(),
+                              trace_id=c.telemetry.trace_id(), total_ms=elapsed)
         return OcrResponse(request_id=req.request_id, status="ok", cache_hit=True, result=doc,
                            links=c.links(req.request_id))
 

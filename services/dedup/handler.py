@@ -19,6 +19,7 @@ from services.common.cache import CacheUnavailable, ResultCache
 from services.common.dlq import poison_messages
 from services.common.events import dumps, loads, queue_wait_ms
 from services.common.kafka import Outgoing
+from services.common.results import cache_hit_event
 from services.common.runner import Handler
 from services.common.s3 import ObjectStore
 from services.common.telemetry import SpanKind, Telemetry, record_attrs
@@ -371,17 +372,15 @@ class DedupHandler(Handler):
         if tier != "single_flight":
             self.telemetry.cache.labels("dedup", "hit", tier).inc()
         gen = self.s.generation(req.task)
-        ev = ResultEvent(request=req, cache_key=key, cache_hit=True, cache_tier=tier, status="ok",
-                         result_uri=s.result_uri, engine=s.engine or gen.engine, model=s.model or gen.model,
-                         model_revision=s.model_revision or gen.model_revision, cacheable=cacheable)
+        ev = cache_hit_event(req, key, tier, gen, result_uri=s.result_uri, engine=s.engine, model=s.model,
+                             model_revision=s.model_revision, cacheable=cacheable)
         return self._out(self.s.topics.results, req, ev, headers, traced)
 
     def _near_hit(self, req: RequestEvent, key: str, gen, n: NearHit, headers) -> Outgoing:
         self.telemetry.cache.labels("dedup", "hit", "near").inc()
-        ev = ResultEvent(request=req, cache_key=key, cache_hit=True, cache_tier="near", status="ok", engine=gen.engine,
-                         model=gen.model, model_revision=gen.model_revision,
-                         pages=[Page(index=1, width=n.width, height=n.height)], lines=n.lines,
-                         near_duplicate_of=n.of_sha256, warnings=n.output.warnings)
+        ev = cache_hit_event(req, key, "near", gen, near_duplicate_of=n.of_sha256,
+                             pages=[Page(index=1, width=n.width, height=n.height)], lines=n.lines,
+                             warnings=n.output.warnings)
         return self._out(self.s.topics.results, req, ev, headers)
 
     # -- housekeeping -----------------------------------------------------------------------

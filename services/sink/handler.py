@@ -20,24 +20,13 @@ from services.common.errors import OcrError
 from services.common.events import completion_event_id, dumps, loads, queue_wait_ms
 from services.common.kafka import Outgoing
 from services.common.outputs import OutputLru
+from services.common.results import document_output, ocr_output, result_document
 from services.common.runner import Handler
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Span, SpanKind, Telemetry, record_attrs
 from services.sink.settings import SinkSettings
 
 log = logging.getLogger(__name__)
-
-
-def full_text(lines) -> str:
-    """Lines joined by newlines, pages separated by a blank line."""
-    parts: list[str] = []
-    page = None
-    for line in lines:
-        if page is not None and line.page != page:
-            parts.append("")
-        parts.append(line.text)
-        page = line.page
-    return "\n".join(parts)
 
 
 class SinkHandler(Handler):
@@ -120,11 +109,7 @@ class SinkHandler(Handler):
             if (d.status == "ok" and d.result_uri is None and (d.lines or d.text)
                     and len(d.model_dump_json(by_alias=True).encode()) > self.s.mysql.row_max_bytes):
                 okey = request_output_key(d.request_id)
-                whole = OcrOutput(
-                    cache_key=d.cache_key or "", content_sha256=d.content_sha256 or "", engine=d.engine or "",
-                    model=d.model or "", model_revision=d.model_revision or "", task=d.task, pages=d.pages,
-                    lines=d.lines, text=d.text, near_duplicate_of=d.near_duplicate_of, warnings=d.warnings)
-                await self.store.put(okey, dumps(whole), "application/json")
+                await self.store.put(okey, dumps(document_output(d)), "application/json")
                 d = d.model_copy(update={"result_uri": self.store.uri(okey)})
             out.append(d)
         return out
@@ -188,7 +173,7 @@ class SinkHandler(Handler):
                 # under the request, never under the key; the waiting copies are answered from it
                 log.warning("sink: result for %s is not of %s's generation (%s @ %s); not cached",
                             req.request_id, ev.cache_key, ev.model, ev.model_revision)
-                output = self._output(ev)
+                output = ocr_output(ev)
                 okey = request_output_key(req.request_id)
                 await self.store.put(okey, dumps(output), "application/json")
                 self._settled(ev, result_uri=self.store.uri(okey))
@@ -236,18 +221,9 @@ class SinkHandler(Handler):
         except CacheUnavailable as exc:
             log.info("sink: Redis unavailable (%s); no cache entry for %s", exc, ev.cache_key)
 
-    @staticmethod
-    def _output(ev: ResultEvent) -> OcrOutput:
-        req = ev.request
-        return OcrOutput(
-            cache_key=ev.cache_key, content_sha256=req.content_sha256, engine=ev.engine or "", model=ev.model or "",
-            model_revision=ev.model_revision or "", task=req.task, pages=ev.pages, lines=ev.lines,
-            text=full_text(ev.lines), near_duplicate_of=ev.near_duplicate_of, warnings=ev.warnings,
-        )
-
     async def _store_output(self, ev: ResultEvent) -> tuple[OcrOutput, str]:
         req = ev.request
-        output = self._output(ev)
+        output = ocr_output(ev)
         okey = result_object_key(ev.cache_key)
         body = dumps(output)
         await self.store.put(okey, body, "application/json")
@@ -269,46 +245,15 @@ class SinkHandler(Handler):
             "sink.complete_waiter", traceparent=req.traceparent, root=True,
             links=self.telemetry.link(self.telemetry.current_span()))
         self._spans[req.request_id] = span
-        timings = dict(req.timings_ms if not own else ev.request.timings_ms)
-        timings["queue_sink"] = round(queued, 3) if own else 0.0
-        timings["write"] = round((time.perf_counter() - started) * 1000, 3)
-        timings["total"] = float(max(0, completed - req.submitted_at_ms))
-        pages = output.pages if output else ev.pages
-        first = pages[0] if pages else None
-        doc = ResultDocument(
-            request_id=req.request_id,
-            status=ev.status,
-            error=ev.error if ev.status == "error" else None,
-            content_sha256=req.content_sha256,
-            cache_key=ev.cache_key,
-            cache_hit=cache_hit,
-            cache_tier=ev.cache_tier if cache_hit else None,
-            near_duplicate_of=output.near_duplicate_of if output else None,
-            engine=ev.engine,
-            model=ev.model,
-            model_revision=ev.model_revision,
-            width=first.width if first else req.width,
-            height=first.height if first else req.height,
-            pages=pages,
-            lines=output.lines if output else [],
-            text=output.text if output else "",
-            warnings=output.warnings if output else ev.warnings,
-            task=req.task,
-            source=req.source,
-            filename=req.filename,
-            result_uri=(self.store.uri(result_object_key(ev.cache_key))
-                        if output and ev.cache_key and ev.cacheable else None),
-            submitted_at_ms=req.submitted_at_ms,
-            completed_at_ms=completed,
-            timings_ms=timings,
+        stored = self.store.uri(result_object_key(ev.cache_key)) if output is not None and ev.cache_key else None
+        doc = result_document(
+            req, ev, output, cache_hit=cache_hit, stored_uri=stored, completed_at_ms=completed,
             trace_id=self.telemetry.trace_id(span),
-            callback_url=req.callback_url,
-            api_key_id=req.api_key_id,
-            metadata=req.metadata,
-        )
+            timings_ms={"queue_sink": round(queued, 3) if own else 0.0,
+                        "write": round((time.perf_counter() - started) * 1000, 3)})
         with self.telemetry.use(span):
             log.info("sink: request %s completed: %s%s in %.0f ms", req.request_id, ev.status,
-                     " (cache hit)" if cache_hit else "", timings["total"])
+                     " (cache hit)" if cache_hit else "", doc.timings_ms["total"])
         if not own:
             span.end()
         return doc
