@@ -13,6 +13,10 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from services.common.prompts import SPOTTING_PROMPT  # noqa: E402 - after the repository root is on the path
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = (
@@ -23,7 +27,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CORPUS = [
-    "检测并识别图片中的文字，将文本坐标格式化输出。",
+    SPOTTING_PROMPT,  # the default prompt the VLM engines send
     "INVOICE No. 4821 TOTAL 97.50 EUR(100,50),(400,90)",
     "The quick brown fox jumps over the lazy dog 0123456789",
     "发票号码 金额(小写) 日期 2024-01-31 合计 ¥1,234.56",

@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from schemas.keys import CacheGeneration, cache_key
 from schemas.topics import Topics
+from services.common.prompts import SPOTTING_PROMPT
 
 
 class KafkaSettings(BaseModel):
@@ -164,10 +165,6 @@ VLM_MAX_SIDE = 2048
 the model's processor resizes to its own pixel budget anyway, and a 2048 px page is already
 about 4,100 image tokens."""
 
-HUNYUAN_PROMPT = "检测并识别图片中的文字，将文本坐标格式化输出。"
-"""HunyuanOCR's text-spotting prompt (its model card), the default of both VLM engines."""
-
-
 class EngineIdentity(BaseModel):
     """Which engine and model produce results; part of every cache key.
 
@@ -289,12 +286,12 @@ class CommonSettings(BaseSettings):
         default=None, ge=32,
         description="longest side (px) handed to the engine, larger is downscaled; unset = per engine: rapidocr "
                     "2000, vllm/openai 2048 (part of the cache key)")
-    vllm_prompt: str = Field(default=HUNYUAN_PROMPT, description="vllm: the prompt (part of the cache key)")
+    vllm_prompt: str = Field(default=SPOTTING_PROMPT, description="vllm: the prompt (part of the cache key)")
     vllm_prompt_template: str = Field(
         default="auto",
         description="vllm: auto | hunyuan | chat | a literal template containing {prompt} (part of the cache key)",
     )
-    openai_prompt: str = Field(default=HUNYUAN_PROMPT, description="openai: the prompt (part of the cache key)")
+    openai_prompt: str = Field(default=SPOTTING_PROMPT, description="openai: the prompt (part of the cache key)")
     tasks: tuple[Annotated[str, StringConstraints(min_length=1, max_length=64)], ...] = Field(
         default=("ocr",), min_length=1,
         description="the tasks a request may name (JSON list, must include ocr, the task of requests that name "

@@ -7,7 +7,9 @@ import json
 import numpy as np
 from PIL import Image
 
-from services.infer.engines import hunyuan
+from services.common.prompts import SPOTTING_JSON_PROMPT, SPOTTING_PROMPT
+from services.common.settings import CommonSettings
+from services.infer.engines import hunyuan, hunyuan_prompts
 from services.infer.engines.hunyuan import ParseStats, parse_spotting
 
 W, H = 2000, 1000  # x pixels = 2 * x_norm, y pixels = y_norm
@@ -197,17 +199,21 @@ def test_text_with_parenthesised_pairs_is_not_debris():
 
 
 def test_prompts_are_the_official_ones():
-    assert hunyuan.SPOTTING_PROMPT == "检测并识别图片中的文字，将文本坐标格式化输出。"
-    assert "[0, 1000]" in hunyuan.SPOTTING_JSON_PROMPT
-    raw = hunyuan.render_template(hunyuan.HUNYUAN_RAW_TEMPLATE, hunyuan.SPOTTING_PROMPT)
+    assert SPOTTING_PROMPT == "检测并识别图片中的文字，将文本坐标格式化输出。"
+    assert "[0, 1000]" in SPOTTING_JSON_PROMPT
+    raw = hunyuan_prompts.render_template(hunyuan_prompts.HUNYUAN_RAW_TEMPLATE, SPOTTING_PROMPT)
     assert raw.startswith("<｜hy_begin▁of▁sentence｜><｜hy_place▁holder▁no▁100｜>")
-    assert raw.endswith(hunyuan.SPOTTING_PROMPT + "<｜hy_User｜>")
+    assert raw.endswith(SPOTTING_PROMPT + "<｜hy_User｜>")
+    # the one definition is the engines' default and the settings' (so the default cache key's)
+    assert hunyuan_prompts.chat_messages("data:,")[1]["content"][1]["text"] == SPOTTING_PROMPT
+    fields = CommonSettings.model_fields
+    assert fields["vllm_prompt"].default is SPOTTING_PROMPT and fields["openai_prompt"].default is SPOTTING_PROMPT
 
 
 def test_build_messages_inline_png():
     img = np.zeros((20, 30, 3), dtype=np.uint8)
     img[:, :, 0] = 200
-    msgs = hunyuan.build_messages(img, "read")
+    msgs = hunyuan_prompts.build_messages(img, "read")
     assert msgs[0] == {"role": "system", "content": ""}
     image_part, text_part = msgs[1]["content"]
     assert text_part == {"type": "text", "text": "read"}
@@ -215,18 +221,18 @@ def test_build_messages_inline_png():
     assert image_part["type"] == "image_url" and url.startswith("data:image/png;base64,")
     back = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
     assert np.array_equal(back, img)
-    assert hunyuan.build_messages(img, "x", fmt="jpeg")[1]["content"][0]["image_url"]["url"].startswith("data:image/jpeg")
-    assert hunyuan.template_messages("p")[1]["content"] == [{"type": "image"}, {"type": "text", "text": "p"}]
+    assert hunyuan_prompts.build_messages(img, "x", fmt="jpeg")[1]["content"][0]["image_url"]["url"].startswith("data:image/jpeg")
+    assert hunyuan_prompts.template_messages("p")[1]["content"] == [{"type": "image"}, {"type": "text", "text": "p"}]
 
 
 def test_pad_for_vlm_keeps_pixels_in_place():
     thin = np.zeros((10, 4000, 3), dtype=np.uint8)
-    out = hunyuan.pad_for_vlm(thin)
+    out = hunyuan_prompts.pad_for_vlm(thin)
     assert out.shape == (32, 4000, 3) and (out[10:] == 255).all() and (out[:10] == 0).all()
     very_long = np.zeros((40, 9000, 3), dtype=np.uint8)
-    assert hunyuan.pad_for_vlm(very_long).shape == (60, 9000, 3)
+    assert hunyuan_prompts.pad_for_vlm(very_long).shape == (60, 9000, 3)
     normal = np.zeros((100, 200, 3), dtype=np.uint8)
-    assert hunyuan.pad_for_vlm(normal) is normal
+    assert hunyuan_prompts.pad_for_vlm(normal) is normal
 
 
 def test_an_answer_without_entries_is_one_whole_page_line_flagged():

@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 
 from services.common.errors import is_transient
+from services.common.prompts import SPOTTING_PROMPT
 from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable
-from services.infer.engines.hunyuan import SPOTTING_PROMPT
 from services.infer.engines.openai_engine import AttemptTimeout, OpenAiEngine, ServerError, parse_retry_after
 
 # A recorded-style HunyuanOCR text-spotting answer (0..1000 coordinates).

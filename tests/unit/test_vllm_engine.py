@@ -19,8 +19,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from services.infer.engines import hunyuan
 from services.common.errors import is_transient
+from services.common.prompts import SPOTTING_PROMPT
+from services.infer.engines import hunyuan, hunyuan_prompts
 from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable
 from services.infer.engines.vllm_engine import VllmEngine, _supported_args, select_device
 
@@ -200,7 +201,7 @@ async def started(model: str = "tencent/HunyuanOCR", **kw) -> VllmEngine:
 async def test_auto_prompt_for_hunyuan_is_the_raw_template(fake_vllm):
     eng = await started("/models/Hunyuan_OCR")  # any case, - and _ ignored
     assert eng.prompt_mode() == "hunyuan" and eng.ready
-    want = hunyuan.render_template(hunyuan.HUNYUAN_RAW_TEMPLATE, hunyuan.SPOTTING_PROMPT)
+    want = hunyuan_prompts.render_template(hunyuan_prompts.HUNYUAN_RAW_TEMPLATE, SPOTTING_PROMPT)
     assert fake_vllm.last.prompts == [want]  # the warm-up request
     assert fake_vllm.last.tok.calls == []
     await eng.close()
@@ -212,12 +213,12 @@ async def test_auto_prompt_for_other_models_uses_the_chat_template(fake_vllm):
     assert eng.prompt_mode() == "chat"
     assert fake_vllm.last.prompts == ["<chat>read it</chat>"]
     (messages, tokenize, gen_prompt), = fake_vllm.last.tok.calls
-    assert messages == hunyuan.template_messages("read it") and tokenize is False and gen_prompt is True
+    assert messages == hunyuan_prompts.template_messages("read it") and tokenize is False and gen_prompt is True
 
 
 async def test_explicit_modes_and_literal_template(fake_vllm):
     eng = await started("some/model", prompt_template="hunyuan")
-    assert fake_vllm.last.prompts[0].endswith(hunyuan.SPOTTING_PROMPT + "<｜hy_User｜>")
+    assert fake_vllm.last.prompts[0].endswith(SPOTTING_PROMPT + "<｜hy_User｜>")
     eng = await started("tencent/HunyuanOCR", prompt_template="chat", prompt="p")
     assert fake_vllm.last.prompts == ["<chat>p</chat>"]
     eng = await started("x", prompt_template="<s>{prompt}|{x}</s>", prompt="p")
@@ -275,7 +276,7 @@ def test_sampling_is_the_recipe_and_settings_reach_the_engine():
     eng = VllmEngine.from_settings(InferSettings(engine_kind="vllm"))
     assert eng.sampling_kwargs() == {"temperature": 0.0, "top_k": 1, "max_tokens": 4096,
                                      "repetition_penalty": 1.0, "skip_special_tokens": True}
-    assert eng.max_side == hunyuan.VLM_MAX_SIDE == 2048
+    assert eng.max_side == hunyuan_prompts.VLM_MAX_SIDE == 2048
     eng = VllmEngine.from_settings(InferSettings(engine_kind="vllm", engine_max_side=1536, vllm_max_tokens=99))
     assert eng.max_side == 1536 and eng.sampling_kwargs()["max_tokens"] == 99
 

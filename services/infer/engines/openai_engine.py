@@ -38,7 +38,8 @@ import numpy as np
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from schemas.events import WARNING_TRUNCATED_MAX_TOKENS
-from services.infer.engines import hunyuan
+from services.common.prompts import SPOTTING_PROMPT
+from services.infer.engines import hunyuan, hunyuan_prompts
 from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class OpenAiEngine(OcrEngine):
             HunyuanOCR recipe, which also sends ``top_k`` 1 with temperature 0).
         max_side: Longest image side in pixels handed to the server (the infer stage
             downscales or tiles larger pages); default
-            :data:`~services.infer.engines.hunyuan.VLM_MAX_SIDE`.
+            :data:`~services.infer.engines.hunyuan_prompts.VLM_MAX_SIDE`.
         extra_body: More request fields (merged last).
 
     An answer cut at ``max_tokens`` (``finish_reason`` "length") carries the warning
@@ -145,7 +146,7 @@ class OpenAiEngine(OcrEngine):
     """
 
     name = "openai"
-    max_side = hunyuan.VLM_MAX_SIDE
+    max_side = hunyuan_prompts.VLM_MAX_SIDE
 
     def __init__(
         self,
@@ -153,7 +154,7 @@ class OpenAiEngine(OcrEngine):
         model: str = "tencent/HunyuanOCR",
         *,
         api_key: str | None = None,
-        prompt: str = hunyuan.SPOTTING_PROMPT,
+        prompt: str = SPOTTING_PROMPT,
         max_tokens: int = 4096,
         request_timeout_s: float = 300.0,
         connect_timeout_s: float = 10.0,
@@ -167,7 +168,7 @@ class OpenAiEngine(OcrEngine):
         probe_timeout_s: float = 2.0,
         warmup_timeout_s: float = 300.0,
         image_format: str = "png",
-        repetition_penalty: float = hunyuan.DEFAULT_REPETITION_PENALTY,
+        repetition_penalty: float = hunyuan_prompts.DEFAULT_REPETITION_PENALTY,
         max_side: int | None = None,
         extra_body: dict[str, Any] | None = None,
     ):
@@ -350,11 +351,11 @@ class OpenAiEngine(OcrEngine):
         """The chat-completions request body for one image."""
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": hunyuan.build_messages(image, self.prompt, self.image_format),
+            "messages": hunyuan_prompts.build_messages(image, self.prompt, self.image_format),
             "max_tokens": self.max_tokens,
             "temperature": 0.0,
             "top_p": 1.0,
-            "top_k": hunyuan.DEFAULT_TOP_K,
+            "top_k": hunyuan_prompts.DEFAULT_TOP_K,
             "repetition_penalty": self.repetition_penalty,
             "skip_special_tokens": True,
             "stream": False,
@@ -424,7 +425,7 @@ class OpenAiEngine(OcrEngine):
 
     async def _one(self, image: np.ndarray, timeout_s: float, slots: asyncio.Semaphore) -> EngineOutput | BaseException:
         h, w = image.shape[:2]
-        padded = hunyuan.pad_for_vlm(image)
+        padded = hunyuan_prompts.pad_for_vlm(image)
         ph, pw = padded.shape[:2]
         async with slots:
             started = time.perf_counter()

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
-from services.infer.engines import hunyuan
+from services.common.prompts import SPOTTING_PROMPT
+from services.infer.engines import hunyuan, hunyuan_prompts
 from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class VllmEngine(OcrEngine):
         repetition_penalty: vLLM sampling repetition penalty (1.0 = off, the recipe's value).
         top_k: Sampling ``top_k`` (1 = greedy, the recipe's value; -1 or 0 = off).
         max_side: Longest image side in pixels handed to the engine (the infer stage downscales
-            or tiles larger pages); default :data:`~services.infer.engines.hunyuan.VLM_MAX_SIDE`.
+            or tiles larger pages); default :data:`~services.infer.engines.hunyuan_prompts.VLM_MAX_SIDE`.
         repeat_stop: Abort a request whose text ends in a loop.
         engine_args: Extra ``AsyncEngineArgs`` fields (``load_format``, ``enforce_eager``, ...),
             which override the ones built here.
@@ -112,7 +113,7 @@ class VllmEngine(OcrEngine):
     """
 
     name = "vllm"
-    max_side = hunyuan.VLM_MAX_SIDE
+    max_side = hunyuan_prompts.VLM_MAX_SIDE
     check_every = 256
     check_after = 512
     check_window = 6000
@@ -130,11 +131,11 @@ class VllmEngine(OcrEngine):
         max_num_batched_tokens: int = 32768,
         trust_remote_code: bool = True,
         enforce_eager: bool = False,
-        prompt: str = hunyuan.SPOTTING_PROMPT,
+        prompt: str = SPOTTING_PROMPT,
         prompt_template: str = "auto",
         max_tokens: int = 4096,
-        repetition_penalty: float = hunyuan.DEFAULT_REPETITION_PENALTY,
-        top_k: int = hunyuan.DEFAULT_TOP_K,
+        repetition_penalty: float = hunyuan_prompts.DEFAULT_REPETITION_PENALTY,
+        top_k: int = hunyuan_prompts.DEFAULT_TOP_K,
         max_side: int | None = None,
         repeat_stop: bool = True,
         engine_args: dict[str, Any] | None = None,
@@ -276,11 +277,11 @@ class VllmEngine(OcrEngine):
     async def _render_prompt(self) -> str:
         mode = self.prompt_mode()
         if mode == "hunyuan":
-            return hunyuan.render_template(hunyuan.HUNYUAN_RAW_TEMPLATE, self.prompt)
+            return hunyuan_prompts.render_template(hunyuan_prompts.HUNYUAN_RAW_TEMPLATE, self.prompt)
         if mode == "literal":
             if "{prompt}" not in self.prompt_template:
                 log.warning("vllm: prompt_template has no {prompt}; the instruction is not sent")
-            return hunyuan.render_template(self.prompt_template, self.prompt)
+            return hunyuan_prompts.render_template(self.prompt_template, self.prompt)
         tok = getattr(self._engine, "tokenizer", None)
         if tok is None and hasattr(self._engine, "get_tokenizer"):
             tok = self._engine.get_tokenizer()
@@ -291,7 +292,8 @@ class VllmEngine(OcrEngine):
             raise RuntimeError(
                 f"model {self.model!r} has no chat template; set vllm_prompt_template to a string with {{prompt}}"
             )
-        return tok.apply_chat_template(hunyuan.template_messages(self.prompt), tokenize=False, add_generation_prompt=True)
+        return tok.apply_chat_template(hunyuan_prompts.template_messages(self.prompt), tokenize=False,
+                                       add_generation_prompt=True)
 
     def dead(self, exc: BaseException | None = None) -> bool:
         """True when vLLM's engine core is gone: the engine says ``errored``, or ``exc`` is
@@ -369,7 +371,7 @@ class VllmEngine(OcrEngine):
 
     async def _one(self, image: np.ndarray, timeout_s: float) -> EngineOutput | BaseException:
         h, w = image.shape[:2]
-        padded = hunyuan.pad_for_vlm(image)
+        padded = hunyuan_prompts.pad_for_vlm(image)
         ph, pw = padded.shape[:2]
         request_id = f"ocr-{uuid.uuid4().hex}"
         started = time.perf_counter()
