@@ -43,6 +43,8 @@ class ErrorCode(str, Enum):
     REQUEST_ID_CONFLICT = "request_id_conflict"
     IMAGE_URI_NOT_ALLOWED = "image_uri_not_allowed"
     STAGE_CRASH = "stage_crash"
+    UNSUPPORTED_TASK = "unsupported_task"
+    UNPARSABLE_OUTPUT = "unparsable_output"
 
 
 class HttpErrorCode(str, Enum):
@@ -131,6 +133,12 @@ _ROWS = (
               "while it was in progress (killed, out of memory, crashed, or stopped without finishing it): it is "
               "not handled again and its record is sent to `ocr.dlq`. Not retried (the same record would take the "
               "stage down again)."),
+    ErrorSpec(_E.UNSUPPORTED_TASK, 422, "The engine of this deployment cannot do the request's task (e.g. `extract` "
+              "on the CPU engine): the message names the engines that can. Nothing is made up; submit it to a "
+              "deployment running one of those engines."),
+    ErrorSpec(_E.UNPARSABLE_OUTPUT, None, "The model's answer could not be read as the task's result (e.g. "
+              "`extract` answered with prose, not JSON): the raw answer is kept in the result's `raw_output` for "
+              "inspection. Not cached, so a later submission is read again."),
     ErrorSpec(_H.UNAUTHORIZED, 401, "API keys are required (`OCRSTREAM_AUTH_REQUIRED`) and the call carried none, or "
               "a malformed, unknown or revoked one (`X-API-Key` or `Authorization: Bearer`); the answer has "
               "`WWW-Authenticate`."),

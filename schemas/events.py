@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from schemas.tasks import TaskParams
 from schemas.errors import ErrorCode
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
 
@@ -126,6 +127,8 @@ class SubmitEvent(_Frozen):
     image_uri: str | None = Field(default=None, pattern=r"^s3://[^/]+/.+")
     filename: str | None = Field(default=None, max_length=512)
     task: str = Field(default="ocr", max_length=64)
+    task_params: TaskParams | None = Field(
+        default=None, description="the task's parameters (extract: fields; translate: target_lang); schemas/tasks.py")
     source: str = Field(default="default", max_length=64)
     callback_url: str | None = Field(default=None, max_length=2048)
     submitted_at_ms: int = Field(default_factory=now_ms)
@@ -178,6 +181,8 @@ class RequestEvent(_Frozen):
     height: int | None = None
     frames: int = 1
     task: str = "ocr"
+    task_params: TaskParams | None = Field(
+        default=None, description="the task's parameters (extract: fields; translate: target_lang); schemas/tasks.py")
     source: str = "default"
     filename: str | None = None
     callback_url: str | None = None
@@ -248,6 +253,14 @@ class ResultEvent(_Frozen):
     model_revision: str | None = None
     pages: list[Page] = Field(default_factory=list)
     lines: list[Line] = Field(default_factory=list)
+    markdown: str | None = Field(default=None, description="doc_parse, chart: the page as Markdown (tables as HTML, formulas as LaTeX)")
+    html: str | None = Field(default=None, description="table: the table(s) as HTML")
+    latex: str | None = Field(default=None, description="formula: the formula(s) as LaTeX")
+    fields: dict[str, str | None] | None = Field(
+        default=None, description="extract: each requested field, in the order asked, its value or null where absent")
+    translation: str | None = Field(default=None, description="translate: the text in task_params.target_lang")
+    raw_output: str | None = Field(
+        default=None, description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")
     warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
     result_uri: str | None = None
     cacheable: bool = Field(
@@ -303,8 +316,18 @@ class ResultDocument(_Frozen):
     pages: list[Page] = Field(default_factory=list)
     lines: list[Line] = Field(default_factory=list)
     text: str = ""
+    markdown: str | None = Field(default=None, description="doc_parse, chart: the page as Markdown (tables as HTML, formulas as LaTeX)")
+    html: str | None = Field(default=None, description="table: the table(s) as HTML")
+    latex: str | None = Field(default=None, description="formula: the formula(s) as LaTeX")
+    fields: dict[str, str | None] | None = Field(
+        default=None, description="extract: each requested field, in the order asked, its value or null where absent")
+    translation: str | None = Field(default=None, description="translate: the text in task_params.target_lang")
+    raw_output: str | None = Field(
+        default=None, description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")
     warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
     task: str = "ocr"
+    task_params: TaskParams | None = Field(
+        default=None, description="the task's parameters (extract: fields; translate: target_lang); schemas/tasks.py")
     source: str = "default"
     filename: str | None = None
     result_uri: str | None = None
@@ -338,9 +361,19 @@ class OcrOutput(_Frozen):
     model: str
     model_revision: str
     task: str
+    task_params: TaskParams | None = Field(
+        default=None, description="the task's parameters (extract: fields; translate: target_lang); schemas/tasks.py")
     pages: list[Page]
     lines: list[Line]
     text: str
+    markdown: str | None = Field(default=None, description="doc_parse, chart: the page as Markdown (tables as HTML, formulas as LaTeX)")
+    html: str | None = Field(default=None, description="table: the table(s) as HTML")
+    latex: str | None = Field(default=None, description="formula: the formula(s) as LaTeX")
+    fields: dict[str, str | None] | None = Field(
+        default=None, description="extract: each requested field, in the order asked, its value or null where absent")
+    translation: str | None = Field(default=None, description="translate: the text in task_params.target_lang")
+    raw_output: str | None = Field(
+        default=None, description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")
     created_at_ms: int = Field(default_factory=now_ms)
     near_duplicate_of: str | None = Field(
         default=None, description="SHA-256 of the image this output was copied from (near duplicate), boxes rescaled"

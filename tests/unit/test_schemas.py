@@ -89,6 +89,7 @@ def test_error_codes_are_the_documented_list():
         "decode_timeout", "image_too_complex",
         "request_id_conflict", "image_uri_not_allowed",
         "stage_crash",
+        "unsupported_task", "unparsable_output",
     ]
 
 
