@@ -158,7 +158,9 @@ def records(store: MemoryStore, pages: list[np.ndarray], tag: str, gen_id: str) 
 
     from schemas.events import InferEvent, RequestEvent
     from services.common.events import dumps
+    from services.common.records import Decoder
 
+    decode = Decoder({"ocr.infer": InferEvent})  # as the runner decodes them for InferHandler
     out = []
     now = int(time.time() * 1000)
     for i, img in enumerate(pages):
@@ -168,7 +170,8 @@ def records(store: MemoryStore, pages: list[np.ndarray], tag: str, gen_id: str) 
         store.put(uri, data)
         ev = InferEvent(request=RequestEvent(request_id=f"{tag}-{i}", content_sha256=sha, image_uri=uri),
                         cache_key=f"{gen_id}:{sha}")
-        out.append(ConsumerRecord("ocr.infer", 0, i, now, 0, None, dumps(ev), None, len(ev.request.request_id), 0, []))
+        out.append(decode(ConsumerRecord("ocr.infer", 0, i, now, 0, None, dumps(ev), None, len(ev.request.request_id),
+                                         0, [])))
     return out
 
 

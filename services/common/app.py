@@ -15,6 +15,7 @@ from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
 
 from services.common.deaths import admin_reader
 from services.common.kafka import BROKER_DEFAULT_MESSAGE_BYTES, make_admin, make_consumer, make_producer, topic_message_limits
+from services.common.retry import capped_backoff_s, retry_outages
 from services.common.runner import Handler, StageRunner
 from services.common.settings import CommonSettings
 from services.common.telemetry import Telemetry, TraceIdLogFilter
@@ -46,18 +47,14 @@ class StageContext:
 
 
 async def _start_with_retry(name: str, start: Callable[[], Awaitable[None]], stop: asyncio.Event, cap_s: float) -> None:
-    attempt = 0
-    while True:
-        try:
-            await start()
-            return
-        except (KafkaError, OSError) as exc:
-            attempt += 1
-            if stop.is_set():
-                raise
-            delay = min(cap_s, 0.5 * 2**attempt)
-            log.warning("%s: Kafka not reachable (%r); retry %d in %.1fs", name, exc, attempt, delay)
-            await asyncio.sleep(delay)
+    """``start()`` (a Kafka client's), retried while Kafka is not reachable (1 s doubling, at most
+    ``cap_s``) until ``stop`` is set."""
+
+    def on_retry(attempt: int, exc: BaseException, delay: float) -> None:
+        log.warning("%s: Kafka not reachable (%r); retry %d in %.1fs", name, exc, attempt, delay)
+
+    await retry_outages(start, outage=lambda exc: isinstance(exc, (KafkaError, OSError)), stop=stop,
+                        delay=lambda n: capped_backoff_s(n, cap_s, first_s=1.0), on_retry=on_retry)
 
 
 async def kafka_reachable(bootstrap_servers: str, timeout_s: float = 2.0) -> bool:

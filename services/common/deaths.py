@@ -36,8 +36,10 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 
 import orjson
-from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.structs import OffsetAndMetadata
+
+from services.common.records import Record
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +109,7 @@ def decode(metadata: str | None) -> tuple[tuple[int, int] | None, dict[int, int]
         return None, {}
 
 
-def _tp(r: ConsumerRecord) -> TopicPartition:
+def _tp(r: Record) -> TopicPartition:
     return TopicPartition(r.topic, r.partition)
 
 
@@ -175,16 +177,16 @@ class DeathLedger:
                             "finishing them: deaths now %s", self.stage, tp, first, last, _runs_text(deaths))
             self._deaths[tp] = deaths
 
-    def deaths(self, record: ConsumerRecord) -> int:
+    def deaths(self, record: Record) -> int:
         """Deaths counted for ``record`` (0 when it was never in progress at a death)."""
         return self._deaths.get(_tp(record), {}).get(record.offset, 0)
 
-    def any_suspect(self, records: Iterable[ConsumerRecord]) -> bool:
+    def any_suspect(self, records: Iterable[Record]) -> bool:
         """True if a record of ``records`` has at least one death: the batch is handled one record at a time."""
         return any(self.deaths(r) for r in records)
 
     # -- commits ---------------------------------------------------------------------------
-    def mark(self, records: list[ConsumerRecord]) -> dict[TopicPartition, OffsetAndMetadata]:
+    def mark(self, records: list[Record]) -> dict[TopicPartition, OffsetAndMetadata]:
         """What to commit before handling ``records``: per partition, its first offset in the batch
         (where the partition already is) with ``in_progress`` naming the batch's offsets."""
         spans: dict[TopicPartition, list[int]] = {}

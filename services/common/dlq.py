@@ -1,12 +1,11 @@
-"""Building ``ocr.dlq`` events and error results for messages a stage gives up on, and the stub
-that replaces a message too large for its topic."""
+"""Building ``ocr.dlq`` events and error results for records a stage gives up on, and what
+replaces a message too large for its topic (the stub, and the error result of an ``ok`` result)."""
 
 from __future__ import annotations
 
 import base64
 
 import orjson
-from aiokafka import ConsumerRecord
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
@@ -15,6 +14,7 @@ from schemas.ids import is_request_id
 from services.common.errors import OcrError
 from services.common.events import dumps
 from services.common.kafka import Outgoing
+from services.common.records import Record
 from schemas.topics import Topics
 
 
@@ -26,13 +26,13 @@ def _b64(raw: bytes | None) -> str | None:
     return base64.b64encode(raw[:DLQ_VALUE_MAX_BYTES]).decode() if raw is not None else None
 
 
-def request_id_of(record: ConsumerRecord) -> str | None:
+def request_id_of(record: Record) -> str | None:
     """Best-effort request id from a record's value (any of our event shapes), else None.
 
     Only an id that follows the request id rule (:mod:`schemas.ids`) counts: a longer one is
     never cut to 64 characters, which could name another request."""
     try:
-        value = orjson.loads(record.value)
+        value = orjson.loads(record.raw)
     except Exception:
         return None
     if not isinstance(value, dict):
@@ -45,7 +45,7 @@ def request_id_of(record: ConsumerRecord) -> str | None:
 
 
 def poison_messages(
-    *, stage: str, topics: Topics, record: ConsumerRecord, exc: BaseException, attempts: int,
+    *, stage: str, topics: Topics, record: Record, exc: BaseException, attempts: int,
     request: RequestEvent | None = None, cache_key: str | None = None,
 ) -> list[Outgoing]:
     """The DLQ event for ``record`` plus, when it names a request, an error result for it.
@@ -53,7 +53,7 @@ def poison_messages(
     Args:
         stage: The stage giving up.
         topics: Topic names.
-        record: The original record (its bytes and headers are preserved in the DLQ event).
+        record: The original record (its bytes, key and headers are preserved in the DLQ event).
         exc: The last error.
         attempts: How many times processing was tried.
         request: The request the record belongs to, if known (ingest: the submission's, under
@@ -69,11 +69,11 @@ def poison_messages(
         topic=record.topic,
         partition=record.partition,
         offset=record.offset,
-        key_b64=_b64(record.key),
-        value_b64=_b64(record.value),
+        key_b64=_b64(record.raw_key),
+        value_b64=_b64(record.raw),
         headers={k: base64.b64encode(v).decode() for k, v in (record.headers or [])},
         reason=(f"{type(exc).__name__}: {exc}"[:2000]
-                + (f" (value cut to {DLQ_VALUE_MAX_BYTES} bytes)" if record.value and len(record.value) > DLQ_VALUE_MAX_BYTES else "")),
+                + (f" (value cut to {DLQ_VALUE_MAX_BYTES} bytes)" if record.size_bytes > DLQ_VALUE_MAX_BYTES else "")),
         error_code=code,
         attempts=attempts,
         request_id=rid,
@@ -109,11 +109,10 @@ def record_bytes(msg: Outgoing, key: bytes | None) -> int:
     return len(msg.value) + len(key or b"") + headers + RECORD_OVERHEAD_BYTES
 
 
-def oversized_messages(stage: str, dlq_topic: str, msg: Outgoing, exc: BaseException) -> list[Outgoing]:
-    """What is produced instead of ``msg``, too large for its topic: a small DLQ event naming its
-    request (read from the message, else its key), and, for an ``ok`` result event, the same
-    result as an ``input_too_large`` error without its lines, so the request (and the copies
-    waiting on its image, which would read the same) still gets a final state."""
+def oversized_stub(stage: str, dlq_topic: str, msg: Outgoing, exc: BaseException) -> Outgoing:
+    """The small DLQ event produced instead of ``msg``, too large for its topic: it names the
+    message's request (its value's ``request_id`` or ``request.request_id``, else its key when that
+    is a request id) and the error, with ``input_too_large``."""
     key = key_bytes(msg)
     try:
         value = orjson.loads(msg.value)
@@ -127,14 +126,21 @@ def oversized_messages(stage: str, dlq_topic: str, msg: Outgoing, exc: BaseExcep
         rid = key.decode(errors="replace") if key else None
     stub = DlqEvent(stage=stage, topic=msg.topic, partition=-1, offset=-1, reason=f"message too large: {exc}"[:2000],
                     error_code=ErrorCode.INPUT_TOO_LARGE, request_id=rid if is_request_id(rid) else None)
-    out = [Outgoing(dlq_topic, key, dumps(stub), [])]
-    if isinstance(value, dict) and value.get("schema") == "ocr.result.v1" and value.get("status") == "ok":
-        try:
-            ev = ResultEvent.model_validate(value)
-        except ValidationError:
-            return out
-        failed = ev.model_copy(update={"status": "error", "lines": [], "pages": [], "error": ErrorInfo(
-            code=ErrorCode.INPUT_TOO_LARGE,
-            message=f"the OCR result ({len(msg.value)} bytes) is over the Kafka message limit: {exc}"[:1000])})
-        out.append(Outgoing(msg.topic, key, dumps(failed), list(msg.headers or [])))
-    return out
+    return Outgoing(dlq_topic, key, dumps(stub), [])
+
+
+def oversized_result(msg: Outgoing, exc: BaseException) -> list[Outgoing]:
+    """For ``msg`` an ``ok`` :class:`~schemas.events.ResultEvent` too large for its topic: the same
+    result as an ``input_too_large`` error without its lines and pages (same topic, key and
+    headers), so the request (and the copies waiting on its image, which would read the same)
+    still gets a final state. Empty for any other message (another event, an error result)."""
+    try:
+        ev = ResultEvent.model_validate_json(msg.value)
+    except ValidationError:
+        return []
+    if ev.status != "ok":
+        return []
+    failed = ev.model_copy(update={"status": "error", "lines": [], "pages": [], "error": ErrorInfo(
+        code=ErrorCode.INPUT_TOO_LARGE,
+        message=f"the OCR result ({len(msg.value)} bytes) is over the Kafka message limit: {exc}"[:1000])})
+    return [Outgoing(msg.topic, msg.key, dumps(failed), list(msg.headers or []))]

@@ -1,13 +1,11 @@
-"""Serialisation helpers for events on the wire (orjson) and timing helpers."""
+"""Serialisation helpers for events on the wire (orjson) and the ids derived from records."""
 
 from __future__ import annotations
 
 import hashlib
-import time
 from typing import TypeVar
 
 import orjson
-from aiokafka import ConsumerRecord
 from pydantic import BaseModel
 
 M = TypeVar("M", bound=BaseModel)
@@ -35,11 +33,6 @@ def loads(model: type[M], raw: bytes | None) -> M:
     if raw is None:
         raise ValueError("record has no value")
     return model.model_validate(orjson.loads(raw))
-
-
-def queue_wait_ms(record: ConsumerRecord) -> float:
-    """How long ``record`` waited in Kafka: now minus its (producer create) timestamp, in ms."""
-    return max(0.0, time.time() * 1000 - record.timestamp)
 
 
 def completion_event_id(request_id: str) -> str:

@@ -31,10 +31,19 @@ Results the old owner already produced for records of a lost partition stay: the
 redoes those records and every write downstream is idempotent (keyed by the content hash), so
 a request still ends with one final state.
 
+Records: every fetched record is decoded into a :class:`~services.common.records.Record` (its
+value parsed into the event model the handler declared for its topic, :meth:`Handler.consumes`);
+each hand-over to the handler gives every record a fresh consumer span (continuing the trace of
+its ``traceparent`` header) that the handler makes current with ``Record.traced`` and passes on
+with ``Record.trace_headers``; the runner ends the spans left open when the call returns. A record
+whose value does not decode goes to :meth:`Handler.undecodable` (default: it fails like a record
+the handler raised on). A message over its topic's ``max.message.bytes`` is replaced by what
+:meth:`Handler.oversize` returns (default: a small DLQ stub). The runner knows no event schema.
+
 Failures: a retriable error (store or broker down) is retried with capped exponential backoff
-for as long as it lasts (logged, counted). Any other error splits the batch into single
-records; a record failing ``max_attempts`` times is handed to ``Handler.poison`` (DLQ event and
-an error result) and the partition moves on. A retriable-looking error while the handler's
+for as long as it lasts (logged, counted; :func:`services.common.retry.retry_outages`). Any other
+error splits the batch into single records; a record failing ``max_attempts`` times is handed to
+``Handler.poison`` (DLQ event and an error result) and the partition moves on. A retriable-looking error while the handler's
 dependencies answer (:meth:`Handler.dependencies_ok` returns True: a packet the database
 refuses and drops the connection over, say) is the batch's own: it is split and counted the
 same way; only when a dependency does not answer (or the handler cannot tell) is it an outage.
@@ -56,16 +65,18 @@ import logging
 import time
 from collections import defaultdict
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, MessageSizeTooLargeError
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from schemas.errors import ErrorCode
 from services.common.deaths import DeathLedger, ReadCommitted
-from services.common.dlq import key_bytes, oversized_messages, record_bytes
 from services.common.errors import OcrError, is_transient
 from services.common.handler import Handler
 from services.common.kafka import Outgoing
+from services.common.producing import BatchProducer
 from services.common.rebalance import Revocations
+from services.common.records import Decoder, Record
+from services.common.retry import capped_backoff_s, retry_outages
 from services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -98,16 +109,16 @@ class StageRunner:
             listener the runner still skips partitions missing from ``assignment()`` at commit
             time, but cannot drop records fetched before a rebalance.
         producer: A started producer.
-        handler: The stage's logic.
+        handler: The stage's logic; its :meth:`Handler.consumes` is asked once, here.
         telemetry: Metrics and tracing hooks.
         max_batch: Most records per batch.
         max_wait_ms: Longest time to wait for a batch to fill; a lone record never waits longer.
         max_attempts: Attempts before a record is handed to ``Handler.poison``.
         max_backoff_s: Cap of the backoff between retries while a dependency is down.
-        dlq_topic: Where a stub goes in place of a message too large to produce.
+        dlq_topic: Where the stub of a message too large to produce goes (:meth:`Handler.oversize`).
         size_limits: Topic -> its ``max.message.bytes``
             (:func:`services.common.kafka.topic_message_limits`): a message over its topic's
-            limit is replaced by the stub before it is sent, never refused by the broker.
+            limit is replaced (:meth:`Handler.oversize`) before it is sent, never refused by the broker.
         poison_after_deaths: Deaths after which a record is sent to the DLQ unhandled (see the
             module docstring); 0 = off (no marks, no extra commit).
         read_committed: Reads the group's committed offsets with metadata
@@ -149,8 +160,12 @@ class StageRunner:
         self.max_backoff_s = max_backoff_s
         self.dlq_topic = dlq_topic
         self.size_limits = size_limits or {}
-        self._carry: list[ConsumerRecord] = []  # fetched, not yet handled (the batch being assembled, then the next)
-        self._in_flight: list[ConsumerRecord] = []  # the batch being handled, produced and committed
+        self._producing = BatchProducer(stage=stage, producer=producer, telemetry=telemetry,
+                                        size_limits=self.size_limits, dlq_topic=dlq_topic, max_attempts=max_attempts,
+                                        oversize=handler.oversize, delay=self._delay, on_retry=self._on_retry)
+        self._decode = Decoder(handler.consumes())
+        self._carry: list[Record] = []  # fetched, not yet handled (the batch being assembled, then the next)
+        self._in_flight: list[Record] = []  # the batch being handled, produced and committed
         self._lost: set[TopicPartition] = set()  # partitions revoked since the batch in flight was taken
         self.listener = Revocations(self)
         self._last_idle = 0.0
@@ -193,7 +208,7 @@ class StageRunner:
             self.telemetry.batch_done(self.stage, len(records), time.perf_counter() - started)
             await self._idle()  # housekeeping runs under load too (at most once a second)
 
-    async def _batch(self, records: list[ConsumerRecord]) -> None:
+    async def _batch(self, records: list[Record]) -> None:
         """Mark, handle, produce, commit."""
         await self._mark(records)
         outgoing = await self._with_keepalive(self._process(records))
@@ -201,7 +216,7 @@ class StageRunner:
         await self._retrying(self.handler.after_produce)
         await self._commit(records)
 
-    async def _one_by_one(self, records: list[ConsumerRecord], stop: asyncio.Event) -> None:
+    async def _one_by_one(self, records: list[Record], stop: asyncio.Event) -> None:
         """A batch holding a record with a death: each record alone, marked alone; a record with
         ``poison_after_deaths`` deaths goes to ``Handler.poison`` unhandled. Stops early when
         ``stop`` is set (the rest was never marked: redelivered, no death)."""
@@ -226,7 +241,7 @@ class StageRunner:
             await self._commit([rec])
 
     # -- steps --------------------------------------------------------------------------
-    async def _next_batch(self) -> list[ConsumerRecord]:
+    async def _next_batch(self) -> list[Record]:
         """Up to ``max_batch`` records; waits at most ``max_wait_ms`` after the first one arrives.
 
         Records are gathered in the carry buffer (so a revocation during the wait drops them
@@ -234,7 +249,7 @@ class StageRunner:
         """
         if not self._carry:
             got = await self.consumer.getmany(timeout_ms=1000, max_records=self.max_batch)
-            self._carry.extend(r for recs in got.values() for r in recs)
+            self._carry.extend(self._decode(r) for recs in got.values() for r in recs)
             if not self._carry:
                 return []
         deadline = time.monotonic() + self.max_wait_ms / 1000
@@ -243,7 +258,7 @@ class StageRunner:
             if remaining_ms <= 0:
                 break
             got = await self.consumer.getmany(timeout_ms=remaining_ms, max_records=self.max_batch - len(self._carry))
-            self._carry.extend(r for recs in got.values() for r in recs)
+            self._carry.extend(self._decode(r) for recs in got.values() for r in recs)
         records, self._carry = self._carry[: self.max_batch], self._carry[self.max_batch :]
         # Every record left in the carry was fetched under the current assignment (a revocation
         # drops the others), so the batch starts with no lost partitions.
@@ -253,7 +268,7 @@ class StageRunner:
     def _revoke(self, revoked: set[TopicPartition]) -> None:
         """Rebalance callback (see the module docstring): drop carried records of ``revoked`` and
         their prefetches; the batch in flight will not commit them."""
-        def gone(r: ConsumerRecord) -> bool:
+        def gone(r: Record) -> bool:
             return TopicPartition(r.topic, r.partition) in revoked
 
         self._ready.clear()
@@ -301,7 +316,7 @@ class StageRunner:
         finally:
             self._revoking = False
 
-    async def _mark(self, records: list[ConsumerRecord]) -> None:
+    async def _mark(self, records: list[Record]) -> None:
         """Commit each partition of ``records`` where it is, naming them in progress (one commit).
         Returns once it is acknowledged or after ``MARK_SEND_TURNS`` loop turns (sent by then);
         the batch's own commit takes the lock after it. A failed mark is logged: the batch runs unmarked (a death
@@ -314,7 +329,7 @@ class StageRunner:
                 break
             await asyncio.sleep(0)
 
-    async def _mark_commit(self, records: list[ConsumerRecord]) -> None:
+    async def _mark_commit(self, records: list[Record]) -> None:
         assert self.deaths is not None
         async with self._commit_lock:
             owned = self.consumer.assignment()
@@ -375,7 +390,7 @@ class StageRunner:
     async def _with_keepalive(self, coro):
         """Run ``coro`` (the batch) while the consumer keeps polling.
 
-        Up to one more batch of records is fetched meanwhile and handed to
+        Up to one more batch of records is fetched meanwhile and its decoded records handed to
         :meth:`Handler.prefetch` (pipelining: the next batch's I/O overlaps this batch's
         compute); once that buffer is full the partitions are paused, so memory stays bounded.
         Polling never stops, so ``max.poll.interval.ms`` is never exceeded.
@@ -395,10 +410,10 @@ class StageRunner:
                 else:
                     self.consumer.pause(*assigned)
                 got = await self.consumer.getmany(timeout_ms=0, max_records=max(1, room))
-                new = [r for recs in got.values() for r in recs]
-                if new:
-                    self._carry.extend(new)
-                    self.handler.prefetch(new)
+                new = [self._decode(r) for recs in got.values() for r in recs]
+                self._carry.extend(new)
+                if decoded := [r for r in new if r.error is None]:
+                    self.handler.prefetch(decoded)
         finally:
             if not task.done():
                 task.cancel()
@@ -416,39 +431,74 @@ class StageRunner:
             log.warning("%s: %r although every dependency answers: counted as a failure of the records", self.stage, exc)
         return ok is True
 
-    async def _process(self, records: list[ConsumerRecord]) -> list[Outgoing]:
-        """Handle the batch; on failure retry (an outage) or isolate poison records."""
-        attempt = 0
-        while True:
-            try:
-                return await self.handler.handle(records)
-            except Exception as exc:
-                if is_transient(exc) and not await self._dependencies_answer(exc):
-                    attempt += 1
-                    await self._backoff(attempt, exc)
-                    continue
-                if len(records) == 1:
-                    return await self._process_single(records[0], exc)
-                log.warning("%s: batch of %d failed (%r); retrying one by one", self.stage, len(records), exc)
-                out: list[Outgoing] = []
-                for rec in records:
-                    out.extend(await self._process_single(rec, None))
-                return out
+    async def _handle(self, records: list[Record]) -> list[Outgoing]:
+        """One call of the handler: every record with a fresh consumer span; the undecodable ones
+        to :meth:`Handler.undecodable` (together, each in its span), then the rest to
+        :meth:`Handler.handle`. Spans the handler left open are ended on return (with the
+        exception, when the call raised)."""
+        traced = [r.with_span(self.telemetry, self.stage) for r in records]
+        failure: BaseException | None = None
+        try:
+            out: list[Outgoing] = []
+            if bad := [r for r in traced if r.error is not None]:
+                for msgs in await asyncio.gather(*(self._undecodable(r) for r in bad)):
+                    out.extend(msgs)
+            if good := [r for r in traced if r.error is None]:
+                out.extend(await self.handler.handle(good))
+            return out
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            for r in traced:
+                r.trace.end(failure)
 
-    async def _process_single(self, record: ConsumerRecord, first_exc: BaseException | None) -> list[Outgoing]:
+    async def _undecodable(self, record: Record) -> list[Outgoing]:
+        with record.traced():
+            return await self.handler.undecodable(record, record.error)
+
+    async def _outage(self, exc: Exception) -> bool:
+        """Whether ``exc`` of a handler call is an outage (retried as long as it lasts)."""
+        return is_transient(exc) and not await self._dependencies_answer(exc)
+
+    async def _process(self, records: list[Record]) -> list[Outgoing]:
+        """Handle the batch; on failure retry (an outage) or isolate poison records."""
+        try:
+            return await retry_outages(lambda: self._handle(records), outage=self._outage, delay=self._delay,
+                                       on_retry=self._on_retry)
+        except Exception as exc:
+            if len(records) == 1:
+                return await self._process_single(records[0], exc)
+            log.warning("%s: batch of %d failed (%r); retrying one by one", self.stage, len(records), exc)
+            out: list[Outgoing] = []
+            for rec in records:
+                out.extend(await self._process_single(rec, None))
+            return out
+
+    async def _process_single(self, record: Record, first_exc: BaseException | None) -> list[Outgoing]:
+        """``record`` alone until it goes through, or fails ``max_attempts`` times in all (then
+        :meth:`Handler.poison`). An outage is retried as long as it lasts and is not an attempt; a
+        retriable-looking failure while the dependencies answer is one, after a pause. Both waits
+        grow with the retriable-looking failures so far."""
         attempts = 1 if first_exc is not None else 0
         last_exc = first_exc
         transient_tries = 0
+
+        async def outage(exc: Exception) -> bool:
+            nonlocal transient_tries
+            if not is_transient(exc):
+                return False
+            transient_tries += 1
+            return not await self._dependencies_answer(exc)
+
         while attempts < self.max_attempts:
             try:
-                return await self.handler.handle([record])
+                return await retry_outages(lambda: self._handle([record]), outage=outage,
+                                           delay=lambda _: self._delay(transient_tries),
+                                           on_retry=lambda _, exc, s: self._on_retry(transient_tries, exc, s))
             except Exception as exc:
-                if is_transient(exc):
-                    transient_tries += 1
-                    if not await self._dependencies_answer(exc):
-                        await self._backoff(transient_tries, exc)
-                        continue
-                    await asyncio.sleep(min(self.max_backoff_s, 0.2 * 2 ** min(transient_tries, 10)))
+                if is_transient(exc):  # the dependencies answer: the record's own failure, after a pause
+                    await asyncio.sleep(self._delay(transient_tries))
                 attempts += 1
                 last_exc = exc
                 log.warning(
@@ -463,74 +513,19 @@ class StageRunner:
 
     async def _retrying(self, fn) -> None:
         """Await ``fn()``, retrying while it fails with a transient error."""
-        attempt = 0
-        while True:
-            try:
-                return await fn()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                attempt += 1
-                await self._backoff(attempt, exc)
+        return await retry_outages(fn, delay=self._delay, on_retry=self._on_retry)
 
-    async def _backoff(self, attempt: int, exc: BaseException) -> None:
-        delay = min(self.max_backoff_s, 0.2 * 2 ** min(attempt, 10))
+    def _delay(self, attempt: int) -> float:
+        """Backoff before retry ``attempt`` (1, 2, ...), s: 0.4 doubling, at most ``max_backoff_s``."""
+        return capped_backoff_s(attempt, self.max_backoff_s)
+
+    def _on_retry(self, attempt: int, exc: BaseException, delay: float) -> None:
         self.telemetry.dependency_retry(self.stage, type(exc).__name__)
         log.warning("%s: dependency unavailable (%r); retry %d in %.1fs", self.stage, exc, attempt, delay)
-        await asyncio.sleep(delay)
 
     async def _produce(self, outgoing: list[Outgoing]) -> None:
-        """Send every message and wait for all acknowledgements (retrying while the broker is down)."""
-        if not outgoing:
-            return
-        attempt = 0
-        pending = list(outgoing)
-        while pending:
-            futures, spans = [], []
-            for msg in pending:
-                key = key_bytes(msg)
-                span, headers = self.telemetry.produce_span(msg.topic, msg.headers)  # traced messages only
-                spans.append(span)
-                try:
-                    limit = self.size_limits.get(msg.topic)
-                    size = record_bytes(msg, key)
-                    if limit is not None and size > limit and msg.topic != self.dlq_topic:
-                        raise MessageSizeTooLargeError(f"{size} bytes with its record overhead; the topic takes {limit}")
-                    futures.append(
-                        await self.producer.send(msg.topic, msg.value, key=key, headers=headers or None)
-                    )
-                except MessageSizeTooLargeError as exc:
-                    # Never crash-loop on one oversized message: a small DLQ stub takes its place.
-                    log.error("%s: %d-byte message for %s is over the size limit; sent to the DLQ instead",
-                              self.stage, len(msg.value), msg.topic)
-                    sends = [await self.producer.send(m.topic, m.value, key=key_bytes(m), headers=m.headers or None)
-                             for m in oversized_messages(self.stage, self.dlq_topic, msg, exc)]
-                    futures.append(asyncio.gather(*sends))
-            results = await asyncio.gather(*futures, return_exceptions=True)
-            for span, res in zip(spans, results):
-                self.telemetry.end_produce(span, res)
-            failed = []
-            for msg, res in zip(pending, results):
-                if isinstance(res, MessageSizeTooLargeError) and msg.topic != self.dlq_topic:
-                    # refused by the broker all the same (a limit lowered since the stage started):
-                    # the same stub. Later sends to that partition then fail on the sequence gap
-                    # the refused batch left, so the stage exits and restarts with the new limits.
-                    log.error("%s: the broker refused a %d-byte message for %s as too large; sent to the DLQ instead",
-                              self.stage, len(msg.value), msg.topic)
-                    failed.extend(oversized_messages(self.stage, self.dlq_topic, msg, res))
-                elif isinstance(res, BaseException):
-                    failed.append(msg)
-                else:
-                    self.telemetry.message_out(self.stage, msg.topic)
-            errors = [r for m, r in zip(pending, results) if isinstance(r, BaseException)
-                      and not (isinstance(r, MessageSizeTooLargeError) and m.topic != self.dlq_topic)]
-            if errors:
-                attempt += 1
-                err = errors[0]
-                if not is_transient(err) and attempt >= self.max_attempts:
-                    raise err
-                await self._backoff(attempt, err)
-            pending = failed
+        """Send every message and wait for all acknowledgements (:meth:`BatchProducer.produce`)."""
+        await self._producing.produce(outgoing)
 
     async def _report_lag(self) -> None:
         """Consumer lag per assigned partition (highwater - position), at most once a second."""
@@ -552,7 +547,7 @@ class StageRunner:
             lags[tp] = max(0, high - pos)
         self.telemetry.lag(self.stage, lags)
 
-    async def _commit(self, records: list[ConsumerRecord]) -> None:
+    async def _commit(self, records: list[Record]) -> None:
         """Commit the next offset of every partition in the batch that was not revoked while the
         batch was in flight and is still assigned."""
         last: dict[TopicPartition, int] = defaultdict(lambda: -1)

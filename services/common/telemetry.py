@@ -5,7 +5,8 @@ domain events (cache hits, engine batches) through the same object.
 
 Tracing: one trace per request. The submitter (or ingest, when a submission carries no
 ``traceparent``) starts it; every stage continues it from the record's ``traceparent`` Kafka
-header (:meth:`Telemetry.span` with ``parent_headers``), store calls open child spans
+header: the runner opens each record's consumer span (:meth:`services.common.records.Record.traced`,
+:meth:`Telemetry.start_span` with ``parent_headers``), store calls open child spans
 (:meth:`Telemetry.store_call`), the runner opens one ``publish`` span per produced message and
 re-injects it. Work done for many requests at once (an engine batch, a batched MySQL write) is
 one span in a trace of its own with a :class:`~opentelemetry.trace.Link` to every request.
@@ -27,7 +28,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import orjson
-from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka import TopicPartition
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -235,8 +236,8 @@ class Telemetry:
             self.store_seconds.labels(store, op).observe(time.perf_counter() - started)
 
     # -- runner hooks -------------------------------------------------------------------
-    def batch_in(self, stage: str, records: list[ConsumerRecord]) -> None:
-        """A batch of records was consumed."""
+    def batch_in(self, stage: str, records: Sequence) -> None:
+        """A batch of records (each with a ``topic``) was consumed."""
         for rec in records:
             self.messages_in.labels(stage, rec.topic).inc()
         self.batch_size.labels(stage).observe(len(records))
@@ -484,7 +485,9 @@ class TraceIdLogFilter(logging.Filter):
         return True
 
 
-def record_attrs(record: ConsumerRecord) -> dict:
-    """Span attributes naming a consumed record: ``topic[partition]@offset``."""
+def record_attrs(record) -> dict:
+    """Span attributes naming a consumed record (anything with ``topic``, ``partition`` and
+    ``offset``: a :class:`~services.common.records.Record`, an aiokafka ``ConsumerRecord``):
+    ``topic[partition]@offset``."""
     return {"messaging.system": "kafka", "messaging.source.name": record.topic,
             "messaging.kafka.partition": record.partition, "messaging.kafka.offset": record.offset}

@@ -8,7 +8,6 @@ import logging
 import time
 
 import orjson
-from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas.errors import ErrorCode
 from schemas.events import (
@@ -16,13 +15,12 @@ from schemas.events import (
 )
 from schemas.keys import purge_fence_key, result_object_key, split_cache_key
 from services.common.cache import CacheUnavailable, ResultCache
-from services.common.dlq import poison_messages
-from services.common.events import dumps, loads, queue_wait_ms
-from services.common.kafka import Outgoing
+from services.common.dlq import oversized_result, poison_messages
+from services.common.events import dumps
+from services.common.handler import Handler, Outgoing, Record, TopicPartition
 from services.common.results import cache_hit_event
-from services.common.runner import Handler
 from services.common.s3 import ObjectStore
-from services.common.telemetry import SpanKind, Telemetry, record_attrs
+from services.common.telemetry import Telemetry
 from services.dedup.changelog import Changelog
 from services.dedup.lru import EntryLru
 from services.dedup.near import NearDupLookup, NearHit
@@ -136,7 +134,12 @@ class DedupHandler(Handler):
         self.telemetry.state_size.labels("settled").set(sum(len(s.settled) for s in states))
 
     # -- records ----------------------------------------------------------------------------
-    async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
+    def consumes(self) -> dict[str, type[RequestEvent] | type[SettledEvent]]:
+        """``ocr.requests`` -> :class:`RequestEvent`, ``ocr.settled`` -> :class:`SettledEvent`
+        (see :meth:`Handler.consumes`; a value that does not decode fails like one that raises)."""
+        return {self.s.topics.requests: RequestEvent, self.s.topics.settled: SettledEvent}
+
+    async def handle(self, records: list[Record]) -> list[Outgoing]:
         """See :meth:`Handler.handle`. A call that raises leaves the state as it was. A record of a
         partition revoked meanwhile (a revocation whose drain timed out) is skipped: the runner does
         not commit it and the partition's next owner handles it with the state it restored."""
@@ -149,9 +152,8 @@ class DedupHandler(Handler):
                     log.warning("dedup: %s[%d]@%d skipped: its partition was revoked during the batch",
                                 record.topic, record.partition, record.offset)
                     continue
-                with self.telemetry.span("dedup", parent_headers=record.headers, kind=SpanKind.CONSUMER,
-                                         attributes=record_attrs(record)):
-                    headers = self.telemetry.inject(record.headers)
+                with record.traced():
+                    headers = record.trace_headers()
                     if record.topic == self.s.topics.settled:
                         msgs = await self._settled(record, headers)
                     else:
@@ -166,10 +168,10 @@ class DedupHandler(Handler):
         self._gauge()
         return out
 
-    async def _request(self, record: ConsumerRecord, headers) -> list[Outgoing]:
-        req = loads(RequestEvent, record.value)
+    async def _request(self, record: Record[RequestEvent], headers) -> list[Outgoing]:
+        req = record.value
         started = time.perf_counter()
-        queued = queue_wait_ms(record)
+        queued = record.queue_wait_ms()
 
         def timed(r: RequestEvent) -> RequestEvent:
             t = dict(r.timings_ms, queue_dedup=queued, dedup=(time.perf_counter() - started) * 1000)
@@ -180,7 +182,7 @@ class DedupHandler(Handler):
                  req.request_id, how)
         return msgs
 
-    async def _decide(self, record: ConsumerRecord, req: RequestEvent, timed, headers) -> tuple[list[Outgoing], str]:
+    async def _decide(self, record: Record[RequestEvent], req: RequestEvent, timed, headers) -> tuple[list[Outgoing], str]:
         """The messages for one request and a few words for the log line."""
         if (refused := self.s.task_error(req.task)) is not None:
             # ingest refuses these first; one can still arrive from an ingest or door with other
@@ -314,9 +316,9 @@ class DedupHandler(Handler):
                      found.of_sha256, found.distance, found.verdict.worst_block)
         return found, h, space
 
-    async def _settled(self, record: ConsumerRecord, headers) -> list[Outgoing]:
+    async def _settled(self, record: Record[SettledEvent], headers) -> list[Outgoing]:
         """Apply a settlement: complete, promote or fail the key's waiters."""
-        ev = loads(SettledEvent, record.value)
+        ev = record.value
         if ev.error is not None and ev.error.code == ErrorCode.MISSING_OBJECT:
             self.lru.drop(ev.cache_key)  # its document is gone: not answered from memory either
         res = self.states[record.partition].settle(ev)
@@ -426,7 +428,12 @@ class DedupHandler(Handler):
                     first.request_id)
         return [self._infer(first, key, 1, self.telemetry.inject(), traced=True)]
 
-    def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
+    def oversize(self, msg: Outgoing, exc: BaseException, stub: Outgoing) -> list[Outgoing]:
+        """A result too large for ``ocr.results`` (a near-duplicate hit carries its lines) also ends
+        its request, as ``input_too_large`` (:func:`~services.common.dlq.oversized_result`)."""
+        return [stub, *oversized_result(msg, exc)]
+
+    def poison(self, record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the record and fail its request. A settlement that cannot be applied is applied as
         an ``internal_error`` of its request instead (when its key and request id can be read), so
         the copies waiting on the key are not left waiting: the first is promoted while attempts
@@ -438,10 +445,10 @@ class DedupHandler(Handler):
             return out
         return out[:1] + self._settle_failed(record, exc)
 
-    def _settle_failed(self, record: ConsumerRecord, exc: BaseException) -> list[Outgoing]:
+    def _settle_failed(self, record: Record, exc: BaseException) -> list[Outgoing]:
         st = self.states.get(record.partition)
         try:
-            v = orjson.loads(record.value)
+            v = orjson.loads(record.raw)
             ev = SettledEvent(cache_key=v["cache_key"], content_sha256=v["content_sha256"], request_id=v["request_id"],
                               status="error", attempt=max(1, int(v.get("attempt") or 1)), error=ErrorInfo(
                                   code=ErrorCode.INTERNAL_ERROR,

@@ -16,20 +16,17 @@ import time
 from collections import OrderedDict
 
 import numpy as np
-from aiokafka import ConsumerRecord
-from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, InferEvent, Line, LineSegment, Page, ResultEvent
 from schemas.keys import CacheGeneration, split_cache_key
-from services.common.dlq import poison_messages
+from services.common.dlq import oversized_result, poison_messages
 from services.common.errors import OcrError
-from services.common.events import dumps, loads, queue_wait_ms
+from services.common.events import dumps
 from services.common.decoding import DecoderPool
-from services.common.kafka import Outgoing
-from services.common.runner import Handler
+from services.common.handler import Handler, Outgoing, Record
 from services.common.s3 import ObjectStore
-from services.common.telemetry import Span, SpanKind, StatusCode, Telemetry, record_attrs
+from services.common.telemetry import StatusCode, Telemetry
 from services.common.textlines import group_lines
 from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
 from services.infer.loading import Item, Loader
@@ -116,27 +113,35 @@ class InferHandler(Handler):
         self._crashes: OrderedDict[str, int] = OrderedDict()
         self._convicted: dict[str, float] = {}  # content SHA-256 -> until when copies fail at once (monotonic s)
 
-    def prefetch(self, records: list[ConsumerRecord]) -> None:
+    def consumes(self) -> dict[str, type[InferEvent]]:
+        """``ocr.infer`` -> :class:`InferEvent` (see :meth:`Handler.consumes`)."""
+        return {self.s.topics.infer: InferEvent}
+
+    async def undecodable(self, record: Record, exc: Exception) -> list[Outgoing]:
+        """An event that does not decode goes to the DLQ at once as ``invalid_request`` (and fails
+        its request when its id can be read); the rest of its batch goes on."""
+        return self.poison(record, OcrError(ErrorCode.INVALID_REQUEST, str(exc)[:500]), 1)
+
+    def oversize(self, msg: Outgoing, exc: BaseException, stub: Outgoing) -> list[Outgoing]:
+        """A result too large for ``ocr.results`` also ends its request (and, through the sink, the
+        copies waiting on its image) as ``input_too_large`` (:func:`~services.common.dlq.oversized_result`)."""
+        return [stub, *oversized_result(msg, exc)]
+
+    def prefetch(self, records: list[Record[InferEvent]]) -> None:
         """Start fetching the next batch's images, and decoding those that fit the pixel budget
         (:meth:`Loader.prefetch`); the runner hands over at most one batch ahead."""
         self.loader.prefetch(records)
 
-    def forget(self, records: list[ConsumerRecord]) -> None:
+    def forget(self, records: list[Record]) -> None:
         """Cancel the prefetches of ``records`` (their partitions were revoked; see :meth:`Handler.forget`)."""
         self.loader.forget(records)
 
-    async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
+    async def handle(self, records: list[Record[InferEvent]]) -> list[Outgoing]:
         """See :meth:`Handler.handle`: load every record, then the batch in waves that fit the
-        pixel budget through the engine, then one result per request in record order."""
+        pixel budget through the engine, then one result per request in record order. Each
+        request's span runs from here to its result."""
         out: list[Outgoing] = []
-        items: list[Item] = []
-        for rec in records:
-            try:
-                ev = loads(InferEvent, rec.value)
-            except (ValueError, ValidationError) as exc:
-                out.extend(self.poison(rec, OcrError(ErrorCode.INVALID_REQUEST, str(exc)[:500]), 1))
-                continue
-            items.append(Item(rec, ev, {"queue_infer": queue_wait_ms(rec)}, span=self._request_span(rec)))
+        items = [Item(rec, rec.value, {"queue_infer": rec.queue_wait_ms()}, span=rec.span) for rec in records]
         try:
             # every load ends before a failure is raised: one still running would adopt its
             # prefetched pages after the release below, and their bytes would stay taken for good
@@ -155,10 +160,6 @@ class InferHandler(Handler):
             out.append(self._result(it))
             it.data = None
         return out
-
-    def _request_span(self, rec: ConsumerRecord) -> Span:
-        return self.telemetry.start_span("infer", parent_headers=rec.headers, kind=SpanKind.CONSUMER,
-                                         attributes=record_attrs(rec))
 
     async def _infer(self, items: list[Item]) -> None:
         """``items`` through the engine, with an image that takes the engine down isolated.
@@ -397,7 +398,7 @@ class InferHandler(Handler):
         # The record's whole stay in this stage (Kafka timestamp -> now) = queue + own work +
         # waiting on the rest of the batch. Prefetched images were fetched and decoded while
         # still "queued", so the queue share is what the work does not explain.
-        stay = max(0.0, time.time() * 1000 - it.record.timestamp)
+        stay = max(0.0, time.time() * 1000 - it.record.timestamp_ms)
         work = sum(it.timings.get(k, 0.0) for k in ("fetch", "decode", "preprocess", "inference", "postprocess"))
         it.timings["queue_infer"] = min(it.timings.get("queue_infer", 0.0), max(0.0, stay - work))
         it.timings["batch_wait"] = max(0.0, stay - work - it.timings["queue_infer"])
@@ -414,7 +415,7 @@ class InferHandler(Handler):
             log.warning("infer: request %s has cache key %s but this process computes generation %s (%s @ %s): "
                         "result delivered, not cached under that key", req.request_id, ev.cache_key, own.gen_id,
                         own.model, own.model_revision)
-        with self.telemetry.use(it.span):
+        with it.record.traced() as span:  # the request's span ends with its result
             if it.error is not None:
                 self.telemetry.requests_done.labels("infer", "error", it.error.code.value).inc()
                 result = ResultEvent(status="error", error=ErrorInfo(code=it.error.code, message=it.error.message), **common)
@@ -429,11 +430,9 @@ class InferHandler(Handler):
                 log.info("infer: %s[%d]@%d request %s: %d lines, inference %.0f ms%s", it.record.topic,
                          it.record.partition, it.record.offset, req.request_id, len(it.lines),
                          it.timings.get("inference", 0.0), f" ({', '.join(it.warnings)})" if it.warnings else "")
-            headers = self.telemetry.inject(it.record.headers)
-        if it.span is not None:
-            if it.error is not None:
-                it.span.set_status(StatusCode.ERROR, it.error.code.value)
-            it.span.end()
+            headers = it.record.trace_headers()
+            if it.error is not None and span is not None:
+                span.set_status(StatusCode.ERROR, it.error.code.value)
         return Outgoing(self.s.topics.results, req.content_sha256, dumps(result), headers)
 
     def _generation(self, task: str) -> CacheGeneration:
@@ -443,12 +442,9 @@ class InferHandler(Handler):
             gen = self._gens[task] = self.s.generation(task)
         return gen
 
-    def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
+    def poison(self, record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the event and fail its request (and, through the sink, the requests waiting on its key)."""
-        try:
-            ev = loads(InferEvent, record.value)
-        except (ValueError, ValidationError):
-            ev = None
+        ev = record.value if isinstance(record.value, InferEvent) else None
         return poison_messages(stage="infer", topics=self.s.topics, record=record, exc=exc, attempts=attempts,
                                request=ev.request if ev else None, cache_key=ev.cache_key if ev else None)
 

@@ -25,14 +25,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
-from aiokafka import ConsumerRecord
-from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
 from schemas.events import InferEvent, Line
 from services.common.decoding import DecodedPages, DecoderPool, Hold, PixelBudget, Plan
 from services.common.errors import OcrError
-from services.common.events import loads
+from services.common.records import Record
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Span, Telemetry, record_attrs
 from services.infer.settings import InferSettings
@@ -42,7 +40,7 @@ from services.infer.settings import InferSettings
 class Item:
     """One request of the batch: its record and event, and what loading and inference made of it."""
 
-    record: ConsumerRecord
+    record: Record[InferEvent]
     event: InferEvent
     timings: dict[str, float] = field(default_factory=dict)
     data: bytes | None = None  # the image's bytes, kept until the request's result is made
@@ -114,14 +112,13 @@ class Loader:
         self._squeezing = False  # the batch in flight waits for bytes: prefetched pages give theirs back
 
     # -- prefetching ------------------------------------------------------------------------
-    def prefetch(self, records: list[ConsumerRecord]) -> None:
-        """Start loading the next batch's images (the runner hands over at most one batch ahead)."""
+    def prefetch(self, records: list[Record[InferEvent]]) -> None:
+        """Start loading the next batch's images (the runner hands over at most one batch ahead,
+        only records that decoded)."""
         for rec in records:
-            try:
-                ev = loads(InferEvent, rec.value)
-            except (ValueError, ValidationError):
-                continue  # handle() sends it to the DLQ
-            task = asyncio.ensure_future(self._prefetch_one(Item(rec, ev)))
+            if not isinstance(rec.value, InferEvent):
+                continue  # did not decode: the runner sends it to the DLQ
+            task = asyncio.ensure_future(self._prefetch_one(Item(rec, rec.value)))
             task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)  # no "never retrieved"
             self._prefetched[(rec.topic, rec.partition, rec.offset)] = task
 
@@ -133,7 +130,7 @@ class Loader:
                 it.release()
         return it
 
-    def forget(self, records: list[ConsumerRecord]) -> None:
+    def forget(self, records: list[Record]) -> None:
         """Cancel the prefetches of ``records`` (their partitions were revoked) and free their pages."""
         for rec in records:
             self._drop(self._prefetched.pop((rec.topic, rec.partition, rec.offset), None))

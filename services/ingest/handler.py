@@ -8,7 +8,6 @@ import logging
 import time
 
 import orjson
-from aiokafka import ConsumerRecord
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
@@ -20,11 +19,10 @@ from services.common.db import Database
 from services.common.decoding import DecoderPool
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
-from services.common.events import derived_request_id, dumps, queue_wait_ms
-from services.common.kafka import Outgoing
-from services.common.runner import Handler
+from services.common.events import derived_request_id, dumps
+from services.common.handler import Handler, Outgoing, Record
 from services.common.s3 import ObjectStore, reference_problem
-from services.common.telemetry import SpanKind, Telemetry, record_attrs as _record_attrs
+from services.common.telemetry import Telemetry
 from services.common.accept import accept_image
 from services.ingest.settings import IngestSettings
 
@@ -58,32 +56,44 @@ class IngestHandler(Handler):
         self.allowed = settings.allowed_prefixes()
         self._sem = asyncio.Semaphore(settings.ingest_concurrency)
 
-    async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
+    def consumes(self) -> dict[str, type[SubmitEvent]]:
+        """``ocr.submit`` -> :class:`SubmitEvent` (see :meth:`Handler.consumes`)."""
+        return {self.s.topics.submit: SubmitEvent}
+
+    async def handle(self, records: list[Record[SubmitEvent]]) -> list[Outgoing]:
         """See :meth:`Handler.handle`; records are processed concurrently, output kept in order."""
         results = await asyncio.gather(*(self._one(r) for r in records))
         return [msg for msgs in results for msg in msgs]
 
-    async def _one(self, record: ConsumerRecord) -> list[Outgoing]:
+    async def _one(self, record: Record[SubmitEvent]) -> list[Outgoing]:
         async with self._sem:
-            # continues the submitter's trace, or starts the request's trace when it sent none
-            with self.telemetry.span("ingest", parent_headers=record.headers, kind=SpanKind.CONSUMER,
-                                     attributes=_record_attrs(record)):
+            # its span continues the submitter's trace, or starts the request's trace when it sent none
+            with record.traced():
                 return await self._traced_one(record)
 
-    async def _traced_one(self, record: ConsumerRecord) -> list[Outgoing]:
-        queued = queue_wait_ms(record)
-        started = time.perf_counter()
-        headers = self.telemetry.inject(record.headers)
-        event, base, chosen, problem = _parse(record)
-        base = base.model_copy(update={"traceparent": self.telemetry.traceparent()})
-        if event is None:
-            # Not retried: the same bytes fail the same way. DLQ + error result under an id it may use.
+    async def undecodable(self, record: Record, exc: Exception) -> list[Outgoing]:
+        """A submission refused as it stands (not JSON, not an object, an invalid ``request_id``,
+        another schema error; :func:`_parse` says why). Not retried: the same bytes fail the same
+        way. Its DLQ event and an error result under an id it may use."""
+        async with self._sem:
+            _, base, chosen, problem = _parse(record)
+            base = base.model_copy(update={"traceparent": record.traceparent()})
             base, note = await self._own_or_derived(base, chosen, record)
             self.telemetry.requests_done.labels("ingest", "error", ErrorCode.INVALID_REQUEST.value).inc()
             return poison_messages(
                 stage="ingest", topics=self.s.topics, record=record, request=base,
-                exc=OcrError(ErrorCode.INVALID_REQUEST, f"{note}submit event rejected: {problem}"[:1000]), attempts=1,
+                exc=OcrError(ErrorCode.INVALID_REQUEST, f"{note}submit event rejected: {problem or exc}"[:1000]),
+                attempts=1,
             )
+
+    async def _traced_one(self, record: Record[SubmitEvent]) -> list[Outgoing]:
+        queued = record.queue_wait_ms()
+        started = time.perf_counter()
+        headers = record.trace_headers()
+        event = record.value
+        chosen = event.request_id
+        base = _request_of(event, chosen or derived_request_id(record.topic, record.partition, record.offset), record)
+        base = base.model_copy(update={"traceparent": record.traceparent()})
         rid = base.request_id
 
         def failed(request: RequestEvent, code: ErrorCode, message: str) -> list[Outgoing]:
@@ -117,7 +127,7 @@ class IngestHandler(Handler):
         return [Outgoing(self.s.topics.requests, req.content_sha256, dumps(req), headers)]
 
     async def _own_or_derived(self, base: RequestEvent, chosen: str | None,
-                              record: ConsumerRecord) -> tuple[RequestEvent, str]:
+                              record: Record) -> tuple[RequestEvent, str]:
         """For a submission refused before its image was read: ``base`` when it may end under its
         chosen id (it claims the id without content, or already held it: a redelivery), else
         ``base`` under its derived id and a note naming the id it asked for (prefix of the message).
@@ -161,7 +171,7 @@ class IngestHandler(Handler):
         """Stop the decoder processes."""
         await self.decoder.close()
 
-    def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
+    def poison(self, record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the submission and fail its request: the id it named (a missing object: claimed
         without content before it was retried), or the id derived from its offset (no id, an
         invalid one: the one its other outcomes use), with its callback URL and options, so its
@@ -171,29 +181,29 @@ class IngestHandler(Handler):
                                request=request)
 
 
-def _origin(record: ConsumerRecord) -> str:
+def _origin(record: Record) -> str:
     """The record's place in Kafka, ``topic/partition/offset``: the same for its redeliveries."""
     return f"{record.topic}/{record.partition}/{record.offset}"
 
 
-def _submitted_at(event: SubmitEvent | None, record: ConsumerRecord) -> int:
+def _submitted_at(event: SubmitEvent | None, record: Record) -> int:
     """When the request was submitted, ms: the event's ``submitted_at_ms`` when the submitter set
     it, else the record's Kafka timestamp (its producer's create time, or the broker's append
     time under ``LogAppendTime``), so ``total`` counts the wait in ``ocr.submit``."""
     if event is not None and "submitted_at_ms" in event.model_fields_set:
         return event.submitted_at_ms
-    return record.timestamp if record.timestamp and record.timestamp > 0 else now_ms()
+    return record.timestamp_ms if record.timestamp_ms and record.timestamp_ms > 0 else now_ms()
 
 
-def _request_of(event: SubmitEvent, rid: str, record: ConsumerRecord) -> RequestEvent:
+def _request_of(event: SubmitEvent, rid: str, record: Record) -> RequestEvent:
     """The request a submission starts, under ``rid``."""
     return RequestEvent(request_id=rid, task=event.task, source=event.source, filename=event.filename,
                         callback_url=event.callback_url, submitted_at_ms=_submitted_at(event, record),
                         metadata=event.metadata)
 
 
-def _parse(record: ConsumerRecord) -> tuple[SubmitEvent | None, RequestEvent, str | None, str | None]:
-    """``(event, request, chosen id, problem)`` of a submit record.
+def _parse(record: Record) -> tuple[SubmitEvent | None, RequestEvent, str | None, str | None]:
+    """``(event, request, chosen id, problem)`` of a submit record, from its bytes (``raw``).
 
     ``event`` is None when the record is refused as it stands (``problem`` says why): not JSON
     (e.g. a lone surrogate escape, which orjson refuses), not an object, an invalid
@@ -204,10 +214,10 @@ def _parse(record: ConsumerRecord) -> tuple[SubmitEvent | None, RequestEvent, st
     """
     derived = derived_request_id(record.topic, record.partition, record.offset)
     bare = RequestEvent(request_id=derived, submitted_at_ms=_submitted_at(None, record))
-    if record.value is None:
+    if record.raw is None:
         return None, bare, None, "the record has no value"
     try:
-        value = orjson.loads(record.value)
+        value = orjson.loads(record.raw)
     except orjson.JSONDecodeError as exc:
         return None, bare, None, f"not JSON: {exc}"
     if not isinstance(value, dict):

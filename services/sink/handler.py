@@ -6,7 +6,6 @@ import logging
 import time
 
 import orjson
-from aiokafka import ConsumerRecord
 
 from schemas.errors import ErrorCode
 from schemas.events import (
@@ -17,13 +16,12 @@ from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
 from services.common.db import Database
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
-from services.common.events import completion_event_id, dumps, loads, queue_wait_ms
-from services.common.kafka import Outgoing
+from services.common.events import completion_event_id, dumps
+from services.common.handler import Handler, Outgoing, Record
 from services.common.outputs import OutputLru
 from services.common.results import document_output, ocr_output, result_document
-from services.common.runner import Handler
 from services.common.s3 import ObjectStore
-from services.common.telemetry import Span, SpanKind, Telemetry, record_attrs
+from services.common.telemetry import Span, Telemetry
 from services.sink.settings import SinkSettings
 
 log = logging.getLogger(__name__)
@@ -61,17 +59,20 @@ class SinkHandler(Handler):
         self._settle: list[Outgoing] = []  # settlements of this batch
 
     # -- Handler API ----------------------------------------------------------------------
-    async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
+    def consumes(self) -> dict[str, type[ResultEvent]]:
+        """``ocr.results`` -> :class:`ResultEvent` (see :meth:`Handler.consumes`; a value that does
+        not decode fails like one that raises)."""
+        return {self.s.topics.results: ResultEvent}
+
+    async def handle(self, records: list[Record[ResultEvent]]) -> list[Outgoing]:
         """See :meth:`Handler.handle`: the batch's completions, then its settlements."""
         self._spans, self._settle = {}, []
         docs: list[ResultDocument] = []
         for rec in records:
-            ev = loads(ResultEvent, rec.value)
             started = time.perf_counter()
-            queued = queue_wait_ms(rec)
-            with self.telemetry.span("sink", parent_headers=rec.headers, kind=SpanKind.CONSUMER,
-                                     attributes=record_attrs(rec)):
-                docs.append(await self._one(ev, queued, started, self.telemetry.inject(rec.headers)))
+            queued = rec.queue_wait_ms()
+            with rec.traced():
+                docs.append(await self._one(rec.value, queued, started))
         out = await self._complete(docs)
         out.extend(self._settle)
         return out
@@ -114,12 +115,12 @@ class SinkHandler(Handler):
             out.append(d)
         return out
 
-    def poison(self, record: ConsumerRecord, exc: BaseException, attempts: int) -> list[Outgoing]:
+    def poison(self, record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the record; fail its request unless the record already was an error result, and then
         settle its cache key with ``internal_error`` (the copies waiting on it must not wait forever;
         an ok result's error result carries its request and cache key, comes back here and settles it)."""
         try:
-            value = orjson.loads(record.value)
+            value = orjson.loads(record.raw)
             already_error = value.get("status") == "error"
         except Exception:
             value, already_error = {}, False
@@ -155,7 +156,7 @@ class SinkHandler(Handler):
         await self.cache.close()
 
     # -- steps ----------------------------------------------------------------------------
-    async def _one(self, ev: ResultEvent, queued: float, started: float, headers) -> ResultDocument:
+    async def _one(self, ev: ResultEvent, queued: float, started: float) -> ResultDocument:
         req = ev.request
         if ev.status == "ok" and ev.cache_hit and ev.near_duplicate_of is None:  # exact hit: the document exists
             try:

@@ -6,10 +6,11 @@ import asyncio
 import os
 
 import orjson
-from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.admin import NewTopic
 
 from schemas.events import Line, Page, RequestEvent, ResultEvent
+from services.common.dlq import oversized_result
 from services.common.events import dumps
 from services.common.kafka import (
     BROKER_DEFAULT_MESSAGE_BYTES,
@@ -20,6 +21,7 @@ from services.common.kafka import (
     make_producer,
     topic_message_limits,
 )
+from services.common.records import Record
 from services.common.runner import Handler, Revocations, StageRunner
 from services.common.settings import CommonSettings, TelemetrySettings
 from services.common.telemetry import Telemetry
@@ -34,7 +36,7 @@ class SlowFirstBatch(Handler):
     def __init__(self):
         self.handled: list[int] = []
 
-    async def handle(self, records: list[ConsumerRecord]) -> list[Outgoing]:
+    async def handle(self, records: list[Record]) -> list[Outgoing]:
         if not self.handled:
             await asyncio.sleep(LONG_BATCH_S)
         self.handled += [r.offset for r in records]
@@ -42,6 +44,14 @@ class SlowFirstBatch(Handler):
 
     def poison(self, record, exc, attempts):  # pragma: no cover - nothing fails here
         return []
+
+
+class EndsResults(SlowFirstBatch):
+    """A stage whose results end requests (as infer's and dedup's do): an ``ok`` result too large
+    for its topic ends its request as ``input_too_large``."""
+
+    def oversize(self, msg, exc, stub):
+        return [stub, *oversized_result(msg, exc)]
 
 
 class CountingRevocations(Revocations):
@@ -112,8 +122,9 @@ async def test_a_large_message_fits_and_one_over_its_topics_limit_becomes_a_dlq_
     default to 1 MiB): a 3 MiB result goes through whole. A topic made elsewhere with the 1 MiB
     limit would refuse it, and a refused batch leaves a gap in the idempotent producer's sequence
     numbers that fails every later send to the partition: the runner knows each topic's limit
-    (``topic_message_limits``) and sends a small DLQ stub naming the message's key instead,
-    before the broker sees it, so the messages after it on the same partition still go."""
+    (``topic_message_limits``) and sends what ``Handler.oversize`` says instead (a small DLQ stub
+    naming the message's request; with it, for a handler whose results end requests, the result as
+    an error), before the broker sees it, so the messages after it on the same partition still go."""
     s = CommonSettings()
     ns = stack_env["OCRSTREAM_REDIS__KEY_PREFIX"]
     big, old, dlq = f"{ns}.big", f"{ns}.old-limit", f"{ns}.big-dlq"
@@ -129,7 +140,7 @@ async def test_a_large_message_fits_and_one_over_its_topics_limit_becomes_a_dlq_
     assert limits == {big: 8 << 20, old: 1 << 20, dlq: 8 << 20, f"{ns}.missing": BROKER_DEFAULT_MESSAGE_BYTES}
     producer = make_producer(s.kafka, "test-big")
     await producer.start()
-    runner = StageRunner(stage="test", consumer=None, producer=producer, handler=SlowFirstBatch(),  # type: ignore[arg-type]
+    runner = StageRunner(stage="test", consumer=None, producer=producer, handler=EndsResults(),  # type: ignore[arg-type]
                          telemetry=Telemetry("test", TelemetrySettings()), dlq_topic=dlq, size_limits=limits)
     value = os.urandom(3 << 20)
     sha = "c" * 64

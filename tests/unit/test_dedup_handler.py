@@ -12,6 +12,7 @@ from aiokafka import ConsumerRecord
 from schemas.events import RequestEvent, SettledEvent
 from services.common.cache import CacheEntry, CacheUnavailable
 from services.common.events import dumps
+from services.common.records import Decoder
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.dedup.handler import DedupHandler
@@ -49,8 +50,11 @@ def request(rid: str) -> RequestEvent:
     return RequestEvent(request_id=rid, content_sha256=SHA, image_uri=f"s3://b/images/{SHA}", size_bytes=10)
 
 
-def record(topic: str, value: bytes, offset: int = 0) -> ConsumerRecord:
-    return ConsumerRecord(topic, 0, offset, 0, 0, None, value, None, 0, 0, [])
+DECODE = Decoder({S.topics.requests: RequestEvent, S.topics.settled: SettledEvent})  # as DedupHandler.consumes
+
+
+def record(topic: str, value: bytes, offset: int = 0):
+    return DECODE(ConsumerRecord(topic, 0, offset, 0, 0, None, value, None, 0, 0, []))
 
 
 def handle(h: DedupHandler, *values: tuple[str, bytes]) -> list[tuple[str, dict]]:
@@ -84,14 +88,25 @@ def test_with_redis_down_copies_still_meet_and_the_settlement_answers_them():
     assert topic == S.topics.results and ev["cache_tier"] == "settled"
 
 
+class FailsSecondGet(CountingCache):
+    """Its second GET raises a bug (not an outage); every other call finds nothing."""
+
+    async def get_with_ttl(self, key):
+        await super().get_with_ttl(key)
+        if self.calls.count("get") == 2:
+            raise RuntimeError("a bug in the cache client")
+        return None, None
+
+
 def test_a_failed_call_leaves_the_state_as_it_was():
-    h = handler(CountingCache(down=True))
+    h = handler(FailsSecondGet())
+    other = request("r1").model_copy(update={"content_sha256": "cd" * 32})
     try:
-        handle(h, (S.topics.requests, dumps(request("r0"))), (S.topics.requests, b"not json"))
-    except Exception:  # noqa: BLE001 - the runner would now retry the records one by one
+        handle(h, (S.topics.requests, dumps(request("r0"))), (S.topics.requests, dumps(other)))
+    except RuntimeError:  # the runner would now retry the records one by one
         pass
     else:
-        raise AssertionError("a record that is not JSON must fail the call")
+        raise AssertionError("a record whose handling raises must fail the call")
     [(topic, ev)] = handle(h, (S.topics.requests, dumps(request("r0"))))
     assert topic == S.topics.infer and ev["request"]["request_id"] == "r0"  # not taken for a replay
 

@@ -14,6 +14,7 @@ from schemas.errors import ErrorCode
 from schemas.events import InferEvent, RequestEvent, ResultEvent
 from services.common.errors import OcrError
 from services.common.events import dumps
+from services.common.records import Decoder, Record
 from services.common.settings import Limits, TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.common.textlines import Segment
@@ -69,10 +70,13 @@ def png(w: int, h: int) -> bytes:
     return buf.getvalue()
 
 
-def record(i: int, uri: str) -> ConsumerRecord:
+DECODE = Decoder({"ocr.infer": InferEvent})  # as InferHandler.consumes
+
+
+def record(i: int, uri: str) -> Record:
     ev = InferEvent(request=RequestEvent(request_id=f"r{i}", content_sha256=f"{i:064d}", image_uri=uri),
                     cache_key=f"abcdefabcdef:{i:064d}")
-    return ConsumerRecord("ocr.infer", 0, i, 0, 0, None, dumps(ev), None, 0, 0, [])
+    return DECODE(ConsumerRecord("ocr.infer", 0, i, 0, 0, None, dumps(ev), None, 0, 0, []))
 
 
 def run(objects: dict[str, bytes], uris: list[str]):
@@ -82,7 +86,7 @@ def run(objects: dict[str, bytes], uris: list[str]):
     return [ResultEvent.model_validate(orjson.loads(o.value)) for o in out], engine
 
 
-async def handle_and_close(handler: InferHandler, records: list[ConsumerRecord]):
+async def handle_and_close(handler: InferHandler, records: list[Record]):
     """One batch, then the handler closed (its decoder processes stopped)."""
     try:
         return await handler.handle(records)
@@ -206,10 +210,10 @@ def test_copies_of_one_suspect_image_in_a_batch_are_each_settled():
     first copy's lone read clears or convicts the image, and the second copy follows it."""
     sha = "a" * 64
 
-    def copies() -> list[ConsumerRecord]:
+    def copies() -> list[Record]:
         evs = [InferEvent(request=RequestEvent(request_id=f"c{i}", content_sha256=sha, image_uri="s3://b/x"),
                           cache_key=f"abcdefabcdef:{sha}") for i in range(2)]
-        return [ConsumerRecord("ocr.infer", 0, i, 0, 0, None, dumps(ev), None, 0, 0, []) for i, ev in enumerate(evs)]
+        return [DECODE(ConsumerRecord("ocr.infer", 0, i, 0, 0, None, dumps(ev), None, 0, 0, [])) for i, ev in enumerate(evs)]
 
     # read through: the first copy's lone read clears it, the second is read (with the others)
     engine = DownOnBatchEngine()

@@ -10,6 +10,7 @@ from aiokafka import ConsumerRecord
 
 from schemas.events import Line, Page, RequestEvent, ResultEvent, SettledEvent
 from services.common.events import dumps
+from services.common.records import Decoder, Record
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.sink.handler import SinkHandler
@@ -35,8 +36,8 @@ class MemoryDb:
         return {i: self.rows[i] for i in ids if i in self.rows}
 
 
-def record(topic: str, value: bytes) -> ConsumerRecord:
-    return ConsumerRecord(topic, 0, 7, 0, 0, None, value, None, 0, 0, [])
+def record(topic: str, value: bytes) -> Record:
+    return Decoder({S.topics.results: ResultEvent})(ConsumerRecord(topic, 0, 7, 0, 0, None, value, None, 0, 0, []))
 
 
 def test_a_computed_result_sent_to_the_dlq_still_settles_its_key_with_an_error():
