@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from services.common.s3 import ObjectStore
 from services.api.errors import ApiError
+from services.api.protocol import repeated_fields
 from services.api.uploads import (
     BodyPace, PartSplitter, Reservation, StagedBody, Upload, limited_stream, too_large,
 )
@@ -88,6 +89,7 @@ class FormReader:
         self.max_fields = max_fields
         self.max_field_bytes = max_field_bytes
         self.fields: dict[str, str] = {}
+        self._field_list: list[str] = []  # the values of a repeated ``fields`` (extract's field names)
         self.files: list[FilePart] = []
         self.ready: list[tuple[FilePart, bytearray | None]] = []
         self._n_fields = 0
@@ -157,7 +159,11 @@ class FormReader:
     def on_part_end(self) -> None:
         f = self._file
         if f is None:
-            self.fields[self._field_name] = _decode(bytes(self._field), self.charset)
+            value = _decode(bytes(self._field), self.charset)
+            if self._field_name == "fields":  # repeated once per field name: one JSON list of them
+                self._field_list.append(value)
+                value = repeated_fields(self._field_list)
+            self.fields[self._field_name] = value
             return
         if not f.size:
             raise ApiError("empty_input", f"file part {f.filename or f.name!r} is empty")
