@@ -98,12 +98,7 @@ def submit(
         if not 1 <= len(value) <= 64:  # the limits of the submit event (schemas/events.py)
             err.print(f"[red]error:[/red] {name} must be 1 to 64 characters, not {len(value)}")
             raise typer.Exit(2)
-    given: dict = {"fields": list(parse_fields(fields)) if fields is not None else None, "target_lang": to}
-    try:  # refused here, before anything is sent: ingest would end each image invalid_request
-        params = s.check_task(task, {k: v for k, v in given.items() if v is not None} or None)
-    except TaskError as exc:
-        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2)
+    params = _task_params(s, task, fields, to)
     try:
         files = collect_files(paths)
     except FileNotFoundError as exc:
@@ -178,6 +173,22 @@ def submit(
         return 0 if failed == 0 and not too_large else 1
 
     raise typer.Exit(asyncio.run(_run()))
+
+
+def _task_params(s: CommonSettings, task: str, fields: str | None, to: str | None):
+    """``--task``'s parameters from ``--fields`` (comma-separated) and ``--to``, checked as
+    ingest checks them (:meth:`CommonSettings.check_task`), before anything is sent.
+
+    Raises:
+        typer.Exit: (2) after printing why they are refused (ingest would end each image
+            ``invalid_request``).
+    """
+    given = {"fields": list(parse_fields(fields)) if fields is not None else None, "target_lang": to}
+    try:
+        return s.check_task(task, {k: v for k, v in given.items() if v is not None} or None)
+    except TaskError as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
 
 
 def _print_result(res) -> None:
