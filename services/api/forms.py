@@ -20,6 +20,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 from starlette.requests import Request
 
+from schemas.tasks import MAX_FIELDS as TASK_MAX_FIELDS
 from services.common.s3 import ObjectStore
 from services.api.errors import ApiError
 from services.api.protocol import repeated_fields
@@ -134,6 +135,9 @@ class FormReader:
                 raise _rejected(f"Too many files. Maximum number of files is {self.max_files}.")
             self._file = FilePart(name, _decode(options[b"filename"], self.charset), self.part_bytes)
             self.files.append(self._file)
+        elif name == "fields" and len(self._field_list) <= TASK_MAX_FIELDS:
+            self._field_name = name  # extract's field names, one part each: bounded by the task (50, one more
+            # to be told so by the task's check), not by the form's other fields
         else:
             self._n_fields += 1
             if self._n_fields > self.max_fields:
