@@ -248,8 +248,9 @@ class Pipeline:
                         st.proc.kill()
 
     async def run(self, items: list[tuple[bytes, str]], timeout: float = 300, source: str = "test",
-                  task: str = "ocr") -> list[ResultDocument]:
-        """Submit ``(bytes, filename)`` items through ``ocr.submit`` and wait for every completion.
+                  task: str = "ocr", task_params=None) -> list[ResultDocument]:
+        """Submit ``(bytes, filename)`` items through ``ocr.submit`` (with ``task`` and its
+        ``task_params``, a :class:`schemas.tasks.TaskParams`) and wait for every completion.
 
         Returns:
             The result documents, in submission order.
@@ -260,7 +261,7 @@ class Pipeline:
         await watcher.start()
         await submitter.start()
         try:
-            ids = await submitter.submit_many(items, source=source, task=task)
+            ids = await submitter.submit_many(items, source=source, task=task, task_params=task_params)
         finally:
             await submitter.stop()
         done: dict[str, ResultDocument] = {}

@@ -20,8 +20,10 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 from starlette.requests import Request
 
+from schemas.tasks import MAX_FIELDS as TASK_MAX_FIELDS
 from services.common.s3 import ObjectStore
 from services.api.errors import ApiError
+from services.api.protocol import repeated_fields
 from services.api.uploads import (
     BodyPace, PartSplitter, Reservation, StagedBody, Upload, limited_stream, too_large,
 )
@@ -88,6 +90,7 @@ class FormReader:
         self.max_fields = max_fields
         self.max_field_bytes = max_field_bytes
         self.fields: dict[str, str] = {}
+        self._field_list: list[str] = []  # the values of a repeated ``fields`` (extract's field names)
         self.files: list[FilePart] = []
         self.ready: list[tuple[FilePart, bytearray | None]] = []
         self._n_fields = 0
@@ -132,6 +135,9 @@ class FormReader:
                 raise _rejected(f"Too many files. Maximum number of files is {self.max_files}.")
             self._file = FilePart(name, _decode(options[b"filename"], self.charset), self.part_bytes)
             self.files.append(self._file)
+        elif name == "fields" and len(self._field_list) <= TASK_MAX_FIELDS:
+            self._field_name = name  # extract's field names, one part each: bounded by the task (50, one more
+            # to be told so by the task's check), not by the form's other fields
         else:
             self._n_fields += 1
             if self._n_fields > self.max_fields:
@@ -157,7 +163,11 @@ class FormReader:
     def on_part_end(self) -> None:
         f = self._file
         if f is None:
-            self.fields[self._field_name] = _decode(bytes(self._field), self.charset)
+            value = _decode(bytes(self._field), self.charset)
+            if self._field_name == "fields":  # repeated once per field name: one JSON list of them
+                self._field_list.append(value)
+                value = repeated_fields(self._field_list)
+            self.fields[self._field_name] = value
             return
         if not f.size:
             raise ApiError("empty_input", f"file part {f.filename or f.name!r} is empty")

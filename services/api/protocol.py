@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Literal
 
 import orjson
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from schemas.errors import ERRORS, ErrorCode, HttpErrorCode
 from schemas.events import ResultDocument
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
+from schemas.tasks import TaskError, TaskParams, parse_fields
 from services.api.errors import ApiError
 from services.common.settings import CommonSettings
 
@@ -35,7 +36,19 @@ class SubmitOptions(BaseModel):
                     "instead of sending it again; with a different image, 409 `request_id_conflict`")
     task: str = Field(default="ocr", min_length=1, max_length=64,
                       description="what to do with the image (part of the cache key): one of the deployment's tasks "
-                                  "(`OCRSTREAM_TASKS`), else 400 `invalid_request`; default `ocr`")
+                                  "(`OCRSTREAM_TASKS`: ocr, doc_parse, table, formula, chart, extract, translate; "
+                                  "docs/tasks.md), else 400 `invalid_request`; default `ocr`")
+    fields: str | None = Field(
+        default=None, max_length=8192,
+        description="`task=extract`: the field names to extract, comma-separated (`invoice number,date,total`), "
+                    "a JSON list (`[\"invoice number\", \"date\"]`), or the parameter repeated once per field; 1 to "
+                    "50 names of at most 100 characters (part of the cache key, in any order), else 400 "
+                    "`invalid_request`")
+    to: str | None = Field(
+        default=None, max_length=16,
+        description="`task=translate`: the target language, an ISO 639-1 code (en, zh, ja, ko, fr, de, es, it, pt, "
+                    "ru, ar, vi, th; part of the cache key), else 400 `invalid_request`; `target_lang` is the same "
+                    "parameter")
     source: str = Field(default="http", min_length=1, max_length=64,
                         description="where the image comes from (picks the cache TTL); default `http`")
     filename: str | None = Field(default=None, max_length=512, description="the image's file name, kept with the result")
@@ -45,15 +58,29 @@ class SubmitOptions(BaseModel):
                     "`invalid_request`, when the server's webhooks are disabled)")
     metadata: dict[str, str] = Field(default_factory=dict,
                                      description="JSON object of strings, kept with the result (16 KiB at most)")
+    _task_params: TaskParams | None = PrivateAttr(default=None)
+
+    @property
+    def task_params(self) -> TaskParams | None:
+        """The task's parameters, checked and normalised (:meth:`CommonSettings.check_task`);
+        None for a task without any."""
+        return self._task_params
 
     @classmethod
     def parse(cls, fields: dict[str, str], settings: CommonSettings) -> "SubmitOptions":
         """From query/form fields; ``metadata`` is a JSON object of strings; ``task`` must be one
-        of ``settings.tasks``.
+        of ``settings.tasks`` and its parameters valid (``fields``: comma-separated or a JSON list,
+        see :func:`field_values`; ``to`` or ``target_lang``), kept normalised in :attr:`task_params`.
 
         Raises:
-            ApiError: 400 ``invalid_request`` naming the bad field.
+            ApiError: 400 ``invalid_request`` naming the bad field, or saying why the task's
+                parameters are refused.
         """
+        fields = dict(fields)
+        if fields.get("target_lang") and not fields.get("to"):
+            fields["to"] = fields["target_lang"]
+        elif fields.get("target_lang") and fields["target_lang"] != fields["to"]:
+            raise ApiError(ErrorCode.INVALID_REQUEST, "to and target_lang name two languages: give one")
         data: dict = {k: v for k, v in fields.items() if k in cls.model_fields and v != ""}
         if "metadata" in data:
             try:
@@ -68,9 +95,54 @@ class SubmitOptions(BaseModel):
             raise ApiError(ErrorCode.INVALID_REQUEST, f"{where}: {first['msg']}") from None
         if sum(len(k) + len(v) for k, v in opts.metadata.items()) > METADATA_MAX_BYTES:
             raise ApiError(ErrorCode.INVALID_REQUEST, "metadata is limited to 16 KiB")
-        if (refused := settings.task_error(opts.task)) is not None:
-            raise ApiError(ErrorCode.INVALID_REQUEST, refused)
+        params: dict = {}
+        if opts.fields is not None:
+            params["fields"] = field_values(opts.fields)
+        if opts.to is not None:
+            params["target_lang"] = opts.to
+        try:
+            opts._task_params = settings.check_task(opts.task, params or None)
+        except TaskError as exc:
+            raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         return opts
+
+
+def field_values(raw: str) -> list[str]:
+    """The field names of an HTTP ``fields`` value: a JSON list of strings when it starts with
+    ``[`` (what a repeated parameter becomes, :func:`repeated_fields`), else comma-separated
+    (:func:`schemas.tasks.parse_fields`).
+
+    Raises:
+        ApiError: 400 ``invalid_request``: a ``[`` value that is not a JSON list of strings.
+    """
+    if not raw.lstrip().startswith("["):
+        return list(parse_fields(raw))
+    try:
+        names = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ApiError(ErrorCode.INVALID_REQUEST, "fields: a JSON list of strings, or names separated by commas")
+    return names
+
+
+def query_options(query) -> dict[str, str]:
+    """The options of a query string (Starlette's ``QueryParams``): the last value of each, but
+    a repeated ``fields`` as one JSON list (:func:`repeated_fields`)."""
+    out = dict(query)
+    if "fields" in out:
+        out["fields"] = repeated_fields(query.getlist("fields"))
+    return out
+
+
+def repeated_fields(values: list[str]) -> str | None:
+    """One ``fields`` value from the values of a repeated ``fields`` parameter (query string or
+    form): None for none, the value itself for one, else a JSON list of them (one name each)."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return orjson.dumps(values).decode()
 
 
 # -- responses ----------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ from schemas.keys import image_object_key
 from services.api.clients import Clients
 from services.api.errors import ApiError
 from services.api.forms import read_multipart
-from services.api.protocol import ApiErrorDetail, BatchItem, BatchLinks, BatchResponse, OcrResponse, SubmitOptions
+from services.api.protocol import (
+    ApiErrorDetail, BatchItem, BatchLinks, BatchResponse, OcrResponse, SubmitOptions, query_options,
+)
 from services.api.serving_keys import Limit, Principal
 from services.api.serving_read import ReadService
 from services.api.serving_webhooks import validate_callback_url
@@ -97,7 +99,7 @@ class SubmitService:
         try:
             principal, limit = await c.guard.admit(request)
             ctype = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110 §8.3.1)
-            query = dict(request.query_params)
+            query = query_options(request.query_params)
             multipart = ctype.startswith("multipart/form-data")
             if multipart or ctype.startswith(RAW_TYPES) or not ctype:
                 # before its token: a client with its uploads in progress (429), or a full budget (503), costs nothing
@@ -236,14 +238,14 @@ class SubmitService:
                       rid: str, started: float, submitted: int,
                       limit: Limit | None) -> tuple[int, OcrResponse]:
         c, s = self.c, self.s
-        gen = s.generation(opts.task)
+        gen = s.generation(opts.task, opts.task_params)
         key = s.cache_key_of(up.sha256, gen, principal.key_id)  # the caller's cache scope
         parent = [("traceparent", traceparent.encode())] if traceparent else None
         with c.telemetry.span("api.submit", parent_headers=parent, kind=SpanKind.SERVER,
                               attributes={"ocrstream.request_id": rid}):
             base = RequestEvent(
                 request_id=rid, content_sha256=up.sha256, image_uri=c.store.uri(image_object_key(up.sha256)),
-                size_bytes=up.size_bytes, task=opts.task, source=opts.source,
+                size_bytes=up.size_bytes, task=opts.task, task_params=opts.task_params, source=opts.source,
                 filename=opts.filename or up.filename, callback_url=opts.callback_url, submitted_at_ms=submitted,
                 metadata=opts.metadata, traceparent=c.telemetry.traceparent(), api_key_id=principal.key_id,
             )
@@ -367,7 +369,7 @@ class SubmitService:
                                                s.http_batch_max_files, held, c.pace, store=c.store,
                                                part_bytes=s.http_stream_part_bytes, on_staged_end=c.count_staged)
             try:
-                fields = {**dict(request.query_params), **fields}  # as POST /v1/ocr: the query string, then the form
+                fields = {**query_options(request.query_params), **fields}  # as POST /v1/ocr: the query string, then the form
                 if fields.get("request_id"):  # empty = absent, as everywhere else
                     raise ApiError(ErrorCode.INVALID_REQUEST, "request_id names one image: each item of a batch "
                                                               "gets its own (POST /v1/ocr to choose one)")

@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from schemas.errors import ErrorCode
 from schemas.events import SubmitEvent
+from schemas.tasks import TaskParams
 from services.common.errors import OcrError
 from services.common.events import dumps
 
@@ -104,31 +105,37 @@ class Submitter:
             raise OcrError(ErrorCode.INPUT_TOO_LARGE, f"{name or 'the image'} is {size} bytes, over the limit of "
                            f"{limit} (OCRSTREAM_LIMITS__MAX_IMAGE_BYTES): not submitted, nothing uploaded")
 
-    async def _event(self, data: bytes, filename: str | None, task: str, source: str, rid: str) -> SubmitEvent:
+    async def _event(self, data: bytes, filename: str | None, task: str, source: str, rid: str,
+                     task_params: TaskParams | None = None) -> SubmitEvent:
         self.check_size(len(data), filename)
         if len(data) <= self.s.limits.inline_max_bytes:
             return SubmitEvent(request_id=rid, image_b64=base64.b64encode(data).decode(), filename=filename,
-                               task=task, source=source)
+                               task=task, task_params=task_params, source=source)
         # written again even when present: a rewrite restarts the object's time under the upload
         # prefix's lifecycle rule (S3Settings.upload_expiry_days), so it is not expired before ingest reads it
         key = f"{self.s.s3.upload_prefix}{hashlib.sha256(data).hexdigest()}"
         await self.store.put(key, data)
-        return SubmitEvent(request_id=rid, image_uri=self.store.uri(key), filename=filename, task=task, source=source)
+        return SubmitEvent(request_id=rid, image_uri=self.store.uri(key), filename=filename, task=task,
+                           task_params=task_params, source=source)
 
     async def submit_bytes(self, data: bytes, *, filename: str | None, task: str = "ocr", source: str = "cli",
-                           request_id: str | None = None) -> str:
+                           request_id: str | None = None, task_params: TaskParams | None = None) -> str:
         """Publish one image and wait for the broker's ack; returns its request id (a new UUID unless given).
+        ``task_params``: the task's parameters (``extract``'s fields, ``translate``'s target
+        language), sent as given: ingest checks them.
 
         Raises:
             OcrError: ``input_too_large`` (:meth:`check_size`): nothing sent or uploaded.
         """
         rid = request_id or uuid.uuid4().hex
-        ev = await self._event(data, filename, task, source, rid)
+        ev = await self._event(data, filename, task, source, rid, task_params)
         await self.producer.send_and_wait(self.s.topics.submit, dumps(ev), key=rid.encode(), headers=_trace_headers(rid))
         return rid
 
-    async def submit_many(self, items: list[tuple[bytes, str | None]], task: str = "ocr", source: str = "cli") -> list[str]:
-        """Publish ``(bytes, filename)`` items without waiting for each ack in turn (all acked on return).
+    async def submit_many(self, items: list[tuple[bytes, str | None]], task: str = "ocr", source: str = "cli",
+                          task_params: TaskParams | None = None) -> list[str]:
+        """Publish ``(bytes, filename)`` items without waiting for each ack in turn (all acked on return),
+        each with ``task`` and its parameters ``task_params``.
 
         Returns:
             The request ids, in order.
@@ -142,15 +149,16 @@ class Submitter:
         ids, acks = [], []
         for data, filename in items:
             rid = uuid.uuid4().hex
-            ev = await self._event(data, filename, task, source, rid)
+            ev = await self._event(data, filename, task, source, rid, task_params)
             acks.append(await self.producer.send(self.s.topics.submit, dumps(ev), key=rid.encode(),
                                                  headers=_trace_headers(rid)))
             ids.append(rid)
         await asyncio.gather(*acks)
         return ids
 
-    async def submit_files(self, files: list[Path], task: str = "ocr", source: str = "cli") -> list[Submission]:
+    async def submit_files(self, files: list[Path], task: str = "ocr", source: str = "cli",
+                           task_params: TaskParams | None = None) -> list[Submission]:
         """Publish every file (read one at a time); returns one :class:`Submission` each."""
         items = [(await asyncio.to_thread(f.read_bytes), f.name) for f in files]
-        ids = await self.submit_many(items, task=task, source=source)
+        ids = await self.submit_many(items, task=task, source=source, task_params=task_params)
         return [Submission(f, rid) for f, rid in zip(files, ids)]

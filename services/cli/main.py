@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from schemas.tasks import TaskError, parse_fields
 from services.common.settings import CommonSettings, load_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Streaming OCR over Kafka.")
@@ -78,7 +79,13 @@ def submit(
     wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for every result"),
     out: Optional[Path] = typer.Option(None, "--out", help="folder for one result JSON per image"),
     timeout: float = typer.Option(600.0, help="seconds to wait for all results"),
-    task: str = typer.Option("ocr", help="task (part of the cache key): one of the deployment's OCRSTREAM_TASKS"),
+    task: str = typer.Option("ocr", help="task (part of the cache key): one of the deployment's OCRSTREAM_TASKS: "
+                             "ocr, doc_parse, table, formula, chart, extract, translate (docs/tasks.md)"),
+    fields: Optional[str] = typer.Option(
+        None, "--fields", help='--task extract: the field names, comma-separated ("invoice number,date,total"; '
+        "1 to 50, each at most 100 characters)"),
+    to: Optional[str] = typer.Option(None, "--to", help="--task translate: the target language (en, zh, ja, ko, fr, "
+                                     "de, es, it, pt, ru, ar, vi, th)"),
     source: str = typer.Option("cli", help="source label (selects the cache TTL)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the text"),
 ) -> None:
@@ -91,6 +98,7 @@ def submit(
         if not 1 <= len(value) <= 64:  # the limits of the submit event (schemas/events.py)
             err.print(f"[red]error:[/red] {name} must be 1 to 64 characters, not {len(value)}")
             raise typer.Exit(2)
+    params = _task_params(s, task, fields, to)
     try:
         files = collect_files(paths)
     except FileNotFoundError as exc:
@@ -117,7 +125,7 @@ def submit(
             await watcher.start()
         await submitter.start()
         try:
-            subs = await submitter.submit_files(files, task=task, source=source)
+            subs = await submitter.submit_files(files, task=task, source=source, task_params=params)
         finally:
             await submitter.stop()
         if not watcher:
@@ -159,12 +167,43 @@ def submit(
             elif not quiet:
                 console.print(f"{head}  {len(res.lines)} lines, {res.timings_ms.get('total', 0):.0f} ms", highlight=False,
                               markup=False)
-                console.print(res.text or "(no text)", highlight=False, markup=False)
+                _print_result(res)
         console.print(f"{len(done)}/{len(subs)} completed, {failed} failed or missing"
                       + (f"; results in {out.resolve()}" if out else ""))
         return 0 if failed == 0 and not too_large else 1
 
     raise typer.Exit(asyncio.run(_run()))
+
+
+def _task_params(s: CommonSettings, task: str, fields: str | None, to: str | None):
+    """``--task``'s parameters from ``--fields`` (comma-separated) and ``--to``, checked as
+    ingest checks them (:meth:`CommonSettings.check_task`), before anything is sent.
+
+    Raises:
+        typer.Exit: (2) after printing why they are refused (ingest would end each image
+            ``invalid_request``).
+    """
+    given = {"fields": list(parse_fields(fields)) if fields is not None else None, "target_lang": to}
+    try:
+        return s.check_task(task, {k: v for k, v in given.items() if v is not None} or None)
+    except TaskError as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _print_result(res) -> None:
+    """One finished ok result as a person reads it: ``extract``'s fields as a two-column table
+    (``-`` where absent), every other task its text (``text``: the lines, or the task's
+    Markdown, HTML, LaTeX or translation)."""
+    if res.fields is not None:
+        from rich.table import Table
+
+        table = Table("field", "value", show_lines=False)
+        for name, value in res.fields.items():
+            table.add_row(escape(name), "-" if value is None else escape(value))
+        console.print(table)
+        return
+    console.print(res.text or "(no text)", highlight=False, markup=False)
 
 
 @app.command()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from collections.abc import Mapping
 from contextlib import contextmanager
 from importlib import resources
 
@@ -24,6 +25,10 @@ ON DUPLICATE KEY UPDATE request_id = request_id
 # A request's final state is written once: a replayed completion never overwrites the first
 # one, so a request has exactly one final state even if it was (wrongly) computed twice.
 
+_INSERT_FIELD = """
+INSERT INTO result_fields (cache_key, position, content_sha256, field_name, value, created_at_ms)
+VALUES (%s,%s,%s,%s,%s,%s)
+"""
 _UPSERT_RESULT = """
 INSERT INTO results (cache_key, content_sha256, engine, model, model_revision, task, result_uri,
   line_count, text, text_truncated, created_at_ms)
@@ -53,7 +58,8 @@ def bound_document(doc: ResultDocument, max_bytes: int) -> tuple[ResultDocument,
     """``doc`` as its ``requests`` row holds it, and that row's ``document_json``.
 
     Within ``max_bytes`` (bytes of UTF-8 JSON) it is unchanged. Over it, its ``lines`` are left
-    out (``lines_omitted`` counts them); still over, ``text`` keeps its longest prefix that fits
+    out (``lines_omitted`` counts them); still over, a task's ``markdown``/``html``/``latex``/
+    ``translation`` (which ``text`` repeats) are left out; still over, ``text`` keeps its longest prefix that fits
     (``text_truncated``; found by bisection on the prefix's JSON length, about 20 encodings of at
     most ``max_bytes``). A summary over the bound without lines or text (not possible with the
     field limits events carry) is returned as it is. The whole document is the OCR output at
@@ -64,6 +70,12 @@ def bound_document(doc: ResultDocument, max_bytes: int) -> tuple[ResultDocument,
         return doc, raw
     if doc.lines:
         doc = doc.model_copy(update={"lines": [], "lines_omitted": doc.lines_omitted + len(doc.lines)})
+        raw = doc.model_dump_json(by_alias=True)
+        if len(raw.encode()) <= max_bytes:
+            return doc, raw
+    slots = {k: None for k in ("markdown", "html", "latex", "translation") if getattr(doc, k) is not None}
+    if slots:  # a task's text is its ``text`` too (services/common/results.py): kept there, cut below
+        doc = doc.model_copy(update=slots)
         raw = doc.model_dump_json(by_alias=True)
         if len(raw.encode()) <= max_bytes:
             return doc, raw
@@ -267,16 +279,31 @@ class Database:
         with self._conn() as conn, conn.cursor() as cur:
             cur.execute(_UPSERT_RESULT, row)
 
+    @staticmethod
+    def _write_result_fields(cur, row: tuple, fields: list[tuple]) -> None:
+        cur.execute(_UPSERT_RESULT, row)
+        cur.execute("DELETE FROM result_fields WHERE cache_key = %s", (row[0],))
+        cur.executemany(_INSERT_FIELD, fields)
+
     async def write_result(
         self, *, cache_key: str, content_sha256: str, engine: str, model: str, model_revision: str,
         task: str, result_uri: str, line_count: int, text: str, created_at_ms: int,
+        fields: Mapping[str, str | None] | None = None,
     ) -> None:
         """Upsert the OCR output row of one cache key (idempotent). A ``text`` over ``row_max_bytes``
-        (UTF-8) keeps its first part, ``text_truncated`` = 1; the whole is at ``result_uri``."""
+        (UTF-8) keeps its first part, ``text_truncated`` = 1; the whole is at ``result_uri``.
+        ``fields`` (an ``extract`` result: field name -> value or None, in answer order): the key's
+        ``result_fields`` rows, one per field, replaced in the same transaction (a replay writes
+        the same rows)."""
         kept = cut_utf8(text, self.cfg.row_max_bytes)
         row = (cache_key, content_sha256, engine, model, model_revision, task, result_uri, line_count, kept,
                int(kept is not text), created_at_ms)
-        await self._run("write_result", self._write_result, row)
+        if fields is None:
+            await self._run("write_result", self._write_result, row)
+            return
+        rows = [(cache_key, i, content_sha256, name, value, created_at_ms)
+                for i, (name, value) in enumerate(fields.items())]
+        await self._run("write_result", self._transact, self._write_result_fields, (row, rows))
 
     # -- reads ----------------------------------------------------------------------------
     def _query(self, sql: str, args: tuple) -> list[dict]:

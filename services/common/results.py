@@ -17,8 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+import orjson
+
 from schemas.events import CacheTier, Line, OcrOutput, Page, RequestEvent, ResultDocument, ResultEvent
 from schemas.keys import CacheGeneration
+from schemas.tasks import TASKS
+
+#: The task output fields a result carries besides its lines (each task fills one: its slot,
+#: ``schemas.tasks.TASKS``), and ``raw_output``: copied as they are from the result event into
+#: the stored output and from the output into the document.
+TASK_OUTPUTS = ("markdown", "html", "latex", "fields", "translation", "raw_output")
 
 
 def full_text(lines: Iterable[Line]) -> str:
@@ -31,6 +39,26 @@ def full_text(lines: Iterable[Line]) -> str:
         parts.append(line.text)
         page = line.page
     return "\n".join(parts)
+
+
+def task_text(task: str, lines: Iterable[Line], outputs: Mapping[str, object]) -> str:
+    """``text`` of a result of ``task``: for ``ocr`` (slot ``lines``) the lines by
+    :func:`full_text`; for another task its slot's text (``markdown``, ``html``, ``latex``,
+    ``translation``) or, for ``extract``, its ``fields`` as one JSON object (UTF-8, in the order
+    asked), so a reader of ``text`` alone still sees the answer; the lines' text when the slot is
+    empty (an unknown task included)."""
+    spec = TASKS.get(task)
+    value = outputs.get(spec.slot) if spec is not None and spec.slot != "lines" else None
+    if isinstance(value, dict):
+        return orjson.dumps(value).decode()
+    if isinstance(value, str):
+        return value
+    return full_text(lines)
+
+
+def _outputs_of(x: ResultEvent | OcrOutput | ResultDocument) -> dict[str, object]:
+    """The task output fields of ``x`` (:data:`TASK_OUTPUTS`)."""
+    return {k: getattr(x, k) for k in TASK_OUTPUTS}
 
 
 def cache_hit_event(request: RequestEvent, cache_key: str, tier: CacheTier, gen: CacheGeneration, *,
@@ -75,13 +103,16 @@ def cache_hit_event(request: RequestEvent, cache_key: str, tier: CacheTier, gen:
 
 def ocr_output(ev: ResultEvent) -> OcrOutput:
     """The output to store (``ocr.output.v1``) of a computed result (ok, with its key), or of a
-    near-duplicate hit: its pages, lines and warnings, ``text`` by :func:`full_text`.
+    near-duplicate hit: its pages, lines, warnings, the request's task and ``task_params``, the
+    task's output fields (:data:`TASK_OUTPUTS`), ``text`` by :func:`task_text`.
     ``created_at_ms`` is now (the model's default)."""
     req = ev.request
+    outputs = _outputs_of(ev)
     return OcrOutput(
         cache_key=ev.cache_key, content_sha256=req.content_sha256, engine=ev.engine or "", model=ev.model or "",
-        model_revision=ev.model_revision or "", task=req.task, pages=ev.pages, lines=ev.lines,
-        text=full_text(ev.lines), near_duplicate_of=ev.near_duplicate_of, warnings=ev.warnings,
+        model_revision=ev.model_revision or "", task=req.task, task_params=req.task_params, pages=ev.pages,
+        lines=ev.lines, text=task_text(req.task, ev.lines, outputs), near_duplicate_of=ev.near_duplicate_of,
+        warnings=ev.warnings, **outputs,
     )
 
 
@@ -90,8 +121,9 @@ def document_output(doc: ResultDocument) -> OcrOutput:
     bound (its row then leaves the lines out and points here); missing identity fields are ``""``."""
     return OcrOutput(
         cache_key=doc.cache_key or "", content_sha256=doc.content_sha256 or "", engine=doc.engine or "",
-        model=doc.model or "", model_revision=doc.model_revision or "", task=doc.task, pages=doc.pages,
-        lines=doc.lines, text=doc.text, near_duplicate_of=doc.near_duplicate_of, warnings=doc.warnings)
+        model=doc.model or "", model_revision=doc.model_revision or "", task=doc.task, task_params=doc.task_params,
+        pages=doc.pages, lines=doc.lines, text=doc.text, near_duplicate_of=doc.near_duplicate_of,
+        warnings=doc.warnings, **_outputs_of(doc))
 
 
 def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None, *, cache_hit: bool,
@@ -103,9 +135,11 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
 
     - ``status`` and ``engine``/``model``/``model_revision`` are the event's; ``error`` only on
       an error result;
-    - the content (``pages``, ``lines``, ``text``, ``warnings``, ``near_duplicate_of``) is the
+    - the content (``pages``, ``lines``, ``text``, ``warnings``, ``near_duplicate_of``, the
+      task's output fields ``markdown``/``html``/``latex``/``fields``/``translation``) is the
       output's; without an output (an error, or a result whose output was not stored) the
-      event's pages and warnings and no lines;
+      event's pages, warnings and ``raw_output`` (an ``unparsable_output`` error keeps the
+      model's answer for inspection) and no lines;
     - ``width``/``height`` are page 1's, else the request's (an error before decoding: None);
     - ``cache_tier`` is the event's only when ``cache_hit``;
     - ``result_uri`` is ``stored_uri`` only when there is an output stored under the event's
@@ -113,7 +147,7 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
     - ``timings_ms``: the request's timings, then ``timings_ms``, then ``total``:
       ``total_ms``, or by default ``completed_at_ms - req.submitted_at_ms`` (never negative);
     - the request's identity and the submitter's fields (``task``, ``source``, ``filename``,
-      ``callback_url``, ``api_key_id``, ``metadata``, ``submitted_at_ms``) are ``req``'s.
+      ``callback_url``, ``api_key_id``, ``metadata``, ``submitted_at_ms``, ``task_params``) are ``req``'s.
 
     Args:
         req: The request completed: ``ev.request``, or a waiter answered with its holder's ``ev``.
@@ -130,6 +164,7 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
     first = pages[0] if pages else None
     timings = {**req.timings_ms, **(timings_ms or {})}
     timings["total"] = total_ms if total_ms is not None else float(max(0, completed_at_ms - req.submitted_at_ms))
+    outputs = _outputs_of(output) if output is not None else {"raw_output": ev.raw_output}
     return ResultDocument(
         request_id=req.request_id,
         status=ev.status,
@@ -149,6 +184,7 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
         text=output.text if output is not None else "",
         warnings=output.warnings if output is not None else ev.warnings,
         task=req.task,
+        task_params=req.task_params,
         source=req.source,
         filename=req.filename,
         result_uri=stored_uri if output is not None and ev.cache_key and ev.cacheable else None,
@@ -159,4 +195,5 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
         callback_url=req.callback_url,
         api_key_id=req.api_key_id,
         metadata=req.metadata,
+        **outputs,
     )

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, SecretStr, StringConstraints, ValidationE
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from schemas.keys import CacheGeneration, cache_key
+from schemas.tasks import DEFAULT_TASK, TASKS, TaskError, TaskParams, task_variant, validate_task
 from schemas.topics import Topics
 from services.common.prompts import SPOTTING_PROMPT
 
@@ -293,10 +294,12 @@ class CommonSettings(BaseSettings):
     )
     openai_prompt: str = Field(default=SPOTTING_PROMPT, description="openai: the prompt (part of the cache key)")
     tasks: tuple[Annotated[str, StringConstraints(min_length=1, max_length=64)], ...] = Field(
-        default=("ocr",), min_length=1,
-        description="the tasks a request may name (JSON list, must include ocr, the task of requests that name "
-                    "none; each is part of the cache key): ingest, the HTTP door and dedup refuse any other with "
-                    "invalid_request, so a typo or a made-up task never makes a cache generation of its own")
+        default=tuple(TASKS), min_length=1,
+        description="the tasks a request may name, drawn from the registry (schemas/tasks.py: ocr, doc_parse, "
+                    "table, formula, chart, extract, translate; JSON list, must include ocr, the task of requests "
+                    "that name none; each is part of the cache key): ingest, the HTTP door and dedup refuse any "
+                    "other, and bad task parameters, with invalid_request, so a typo or a made-up task never makes "
+                    "a cache generation of its own")
     cache_enabled: bool = Field(
         default=True,
         description="False: no request is answered from the cache (dedup sends every request to inference and "
@@ -321,8 +324,11 @@ class CommonSettings(BaseSettings):
 
     @field_validator("tasks")
     @classmethod
-    def _default_task_listed(cls, tasks: tuple[str, ...]) -> tuple[str, ...]:
-        if "ocr" not in tasks:
+    def _tasks_of_the_registry(cls, tasks: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"{', '.join(map(repr, unknown))} not in the task registry ({', '.join(TASKS)})")
+        if DEFAULT_TASK not in tasks:
             raise ValueError("must include 'ocr', the task of every request that names none")
         return tasks
 
@@ -333,17 +339,37 @@ class CommonSettings(BaseSettings):
             return None
         return f"task {task[:64]!r} is not one of this deployment's tasks: {', '.join(self.tasks)}"
 
-    def generation(self, task: str) -> CacheGeneration:
-        """The cache generation of ``task`` as this deployment computes it: :attr:`engine` plus
-        the engine actually run (``engine_kind``), rapidocr's ``engine_max_side`` and the VLM
-        prompt with its template. Every stage computes keys through this, so they agree."""
+    def check_task(self, task: str, params: TaskParams | dict | None) -> TaskParams | None:
+        """``task`` and its parameters checked at a door (ingest, the HTTP door, the CLI, dedup):
+        the task must be one of :attr:`tasks` and its parameters valid
+        (:func:`schemas.tasks.validate_task`). Returns the parameters normalised (field names
+        trimmed, duplicates dropped; None for a task without parameters): what ``RequestEvent``
+        carries and the cache key is computed from.
+
+        Raises:
+            TaskError: the task is not this deployment's, or a parameter is missing, unexpected
+                or invalid; the message says why (for ``invalid_request``).
+        """
+        if (refused := self.task_error(task)) is not None:
+            raise TaskError(refused)
+        return validate_task(task, params)
+
+    def generation(self, task: str, params: TaskParams | None = None) -> CacheGeneration:
+        """The cache generation of ``task`` with its (normalised) parameters ``params`` as this
+        deployment computes it: :attr:`engine` plus the engine actually run (``engine_kind``),
+        rapidocr's ``engine_max_side`` and the VLM prompt with its template. Its ``task`` is the
+        task variant (:func:`schemas.tasks.task_variant`: ``ocr``, ``extract:<12 hex>``,
+        ``translate:en``), so other fields or another language are another key and the same
+        fields in another order the same key; ``ocr`` (no parameters) is the generation it always was.
+        Every stage computes keys through this, so they agree."""
         kind = self.engine_kind or self.engine.engine
         prompt = ""
         if kind == "vllm":
             prompt = f"{self.vllm_prompt_template}\n{self.vllm_prompt}"
         elif kind == "openai":
             prompt = self.openai_prompt
-        return self.engine.generation(task, engine=kind, max_side=self.engine_max_side, prompt=prompt)
+        return self.engine.generation(task_variant(task, params), engine=kind, max_side=self.engine_max_side,
+                                      prompt=prompt)
 
     def cache_scope_of(self, api_key_id: str | None) -> str | None:
         """The cache scope of a request made with API key ``api_key_id``: None (the global

@@ -14,6 +14,7 @@ from schemas.events import (
     ErrorInfo, InferEvent, Page, RequestEvent, ResultEvent, SettledEvent, now_ms,
 )
 from schemas.keys import purge_fence_key, result_object_key, split_cache_key
+from schemas.tasks import TASKS, TaskError
 from services.common.cache import CacheUnavailable, ResultCache
 from services.common.dlq import oversized_result, poison_messages
 from services.common.events import dumps
@@ -184,14 +185,18 @@ class DedupHandler(Handler):
 
     async def _decide(self, record: Record[RequestEvent], req: RequestEvent, timed, headers) -> tuple[list[Outgoing], str]:
         """The messages for one request and a few words for the log line."""
-        if (refused := self.s.task_error(req.task)) is not None:
+        try:
+            params = self.s.check_task(req.task, req.task_params)
+        except TaskError as exc:
             # ingest refuses these first; one can still arrive from an ingest or door with other
             # settings (a rolling upgrade): refused here too, before any generation or Redis call
             self.telemetry.requests_done.labels("dedup", "error", ErrorCode.INVALID_REQUEST.value).inc()
             ev = ResultEvent(request=timed(req), status="error",
-                             error=ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=refused))
+                             error=ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=str(exc)))
             return [self._out(self.s.topics.results, req, ev, headers)], "refused (task)"
-        gen = self.s.generation(req.task)
+        if params != req.task_params:  # normalised as the door does (a door of another version)
+            req = req.model_copy(update={"task_params": params})
+        gen = self.s.generation(req.task, params)
         key = self.s.cache_key_of(req.content_sha256, gen, req.api_key_id)
         if not self.s.cache_enabled:
             self.telemetry.cache.labels("dedup", "miss", "disabled").inc()
@@ -218,7 +223,7 @@ class DedupHandler(Handler):
             settled, tier = hit
             return [self._hit(timed(req), key, settled, tier, headers)], f"hit ({tier})"
         near_hash, space = None, None
-        if self.near is not None:
+        if self.near is not None and TASKS[req.task].slot == "lines":  # a look-alike's lines, boxes rescaled
             found_near, near_hash, space = await self._near(req, gen)
             if found_near is not None:
                 st.lead(key, timed(req))  # its result settles the key like a computed one
@@ -373,7 +378,7 @@ class DedupHandler(Handler):
         """``req`` answered from the stored result ``s``: a cache-hit result for the sink."""
         if tier != "single_flight":
             self.telemetry.cache.labels("dedup", "hit", tier).inc()
-        gen = self.s.generation(req.task)
+        gen = self.s.generation(req.task, req.task_params)
         ev = cache_hit_event(req, key, tier, gen, result_uri=s.result_uri, engine=s.engine, model=s.model,
                              model_revision=s.model_revision, cacheable=cacheable)
         return self._out(self.s.topics.results, req, ev, headers, traced)

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
 from schemas.ids import request_id_problem
+from schemas.tasks import TaskError
 from services.common import claims
 from services.common.claims import RequestClaim
 from services.common.db import Database
@@ -146,8 +147,10 @@ class IngestHandler(Handler):
                 f"{outcome.reason}: this submission ends under its derived request id {derived}; ")
 
     async def _accept(self, event: SubmitEvent, base: RequestEvent) -> RequestEvent:
-        if (refused := self.s.task_error(event.task)) is not None:
-            raise OcrError(ErrorCode.INVALID_REQUEST, refused)
+        try:  # the task and its parameters, before the image is read (docs/tasks.md)
+            params = self.s.check_task(event.task, event.task_params)
+        except TaskError as exc:
+            raise OcrError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         limits = self.s.limits
         if event.image_b64 is not None:
             try:
@@ -163,7 +166,7 @@ class IngestHandler(Handler):
             update={
                 "content_sha256": acc.content_sha256, "image_uri": acc.image_uri, "size_bytes": acc.size_bytes,
                 "format": acc.info.format, "width": acc.info.width, "height": acc.info.height,
-                "frames": acc.info.frames,
+                "frames": acc.info.frames, "task_params": params,
             }
         )
 
@@ -197,7 +200,7 @@ def _submitted_at(event: SubmitEvent | None, record: Record) -> int:
 
 def _request_of(event: SubmitEvent, rid: str, record: Record) -> RequestEvent:
     """The request a submission starts, under ``rid``."""
-    return RequestEvent(request_id=rid, task=event.task, source=event.source, filename=event.filename,
+    return RequestEvent(request_id=rid, task=event.task, task_params=event.task_params, source=event.source, filename=event.filename,
                         callback_url=event.callback_url, submitted_at_ms=_submitted_at(event, record),
                         metadata=event.metadata)
 

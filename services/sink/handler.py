@@ -233,6 +233,7 @@ class SinkHandler(Handler):
             cache_key=ev.cache_key, content_sha256=req.content_sha256, engine=output.engine, model=output.model,
             model_revision=output.model_revision, task=req.task, result_uri=uri, line_count=len(output.lines),
             text=output.text, created_at_ms=output.created_at_ms,
+            fields=output.fields,  # extract: one result_fields row per field (migration 007)
         )
         self._outputs.remember(uri, output, len(body))
         return output, uri

@@ -10,9 +10,11 @@ import socket
 import time
 
 import httpx
+import json
 import pytest
 from PIL import Image, PngImagePlugin
 
+from schemas.tasks import TASKS
 from tests.conftest import text_image
 from tests.integration.conftest import API_BODY_TIMEOUT_S, API_MAX_BYTES
 
@@ -122,7 +124,7 @@ def test_bad_input_gets_a_specific_error_and_the_next_image_still_goes_through(a
                    params={"task": "layout"})
         assert r.status_code == 400 and r.json()["error"] == {
             "code": "invalid_request",
-            "message": "task 'layout' is not one of this deployment's tasks: ocr"}
+            "message": f"task 'layout' is not one of this deployment's tasks: {', '.join(TASKS)}"}
         r = c.post("/v1/ocr/batch", files=[("files", ("a.png", text_image(["X"]), "image/png"))],
                    data={"task": "layout"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
@@ -168,6 +170,34 @@ def _raw_http(port: int, head: bytes, body_chunks: list[bytes]) -> tuple[bytes, 
             sent += len(chunk)
         s.settimeout(10)
         return s.recv(4096).split(b"\r\n", 1)[0], sent
+
+
+def test_task_parameters_are_checked_at_the_door_with_the_reason(api):
+    """``fields`` (comma-separated, a JSON list, repeated) and ``to``: 400 ``invalid_request``
+    saying why, for a raw body, a multipart form and a batch alike; nothing is sent on."""
+    png = text_image(["TASK PARAMS 7"])
+    fifty_one = [f"field {i}" for i in range(51)]
+    with _client(api) as c:
+        cases = [
+            (dict(params={"task": "extract", "fields": ",".join(fifty_one)}), "fields: at most 50 fields (51 given)"),
+            (dict(params=[("task", "extract")] + [("fields", f) for f in fifty_one]), "at most 50 fields (51 given)"),
+            (dict(params={"task": "extract", "fields": json.dumps(fifty_one)}), "at most 50 fields (51 given)"),
+            (dict(params={"task": "extract"}), "task 'extract' needs fields"),
+            (dict(params={"task": "translate", "to": "xx"}), "target_lang 'xx' is not one of: en, zh"),
+            (dict(params={"task": "translate", "target_lang": "xx"}), "target_lang 'xx' is not one of: en, zh"),
+            (dict(params={"task": "ocr", "to": "en"}), "task 'ocr' takes no target_lang"),
+        ]
+        for kw, why in cases:
+            r = c.post("/v1/ocr", content=png, headers={"Content-Type": "image/png"}, **kw)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (kw, r.text)
+            assert why in r.json()["error"]["message"], (kw, r.json())
+        r = c.post("/v1/ocr", files=[("file", ("a.png", png, "image/png"))],
+                   data={"task": "extract", "fields": fifty_one})  # the form field repeated
+        assert r.status_code == 400 and "at most 50 fields (51 given)" in r.json()["error"]["message"]
+        r = c.post("/v1/ocr/batch", files=[("files", ("a.png", png, "image/png"))], data={"task": "translate", "to": "xx"})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "code": "invalid_request",
+            "message": "target_lang 'xx' is not one of: en, zh, ja, ko, fr, de, es, it, pt, ru, ar, vi, th"}
 
 
 def test_oversize_upload_is_refused_before_the_body_is_read(api):

@@ -9,6 +9,7 @@ import orjson
 
 from schemas.errors import ErrorCode
 from schemas.events import OcrOutput
+from schemas.tasks import TASKS
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings
 from services.common.textlines import cer
@@ -17,6 +18,8 @@ from tests.stack import db_rows
 
 CER_BOUNDS = json.loads((REPO / "tests" / "data" / "cer_bounds.json").read_text())
 BOUNDS = CER_BOUNDS["images"]
+
+ALL_TASKS = ", ".join(TASKS)  # the default OCRSTREAM_TASKS: every task of the registry
 
 
 async def test_samples_complete_with_bounded_cer_and_agree_everywhere(pipeline, manifest):
@@ -90,13 +93,34 @@ async def test_a_task_the_deployment_does_not_list_is_refused_and_the_next_goes_
     calls = pipeline.engine_calls()
     [refused] = await pipeline.run([(text_image(["MADE UP TASK 41"]), "layout.png")], task="layout")
     assert refused.status == "error" and refused.error.code is ErrorCode.INVALID_REQUEST
-    assert refused.error.message == "task 'layout' is not one of this deployment's tasks: ocr"
+    assert refused.error.message == f"task 'layout' is not one of this deployment's tasks: {ALL_TASKS}"
     assert refused.task == "layout" and refused.content_sha256 is None and pipeline.engine_calls() == calls
     [row] = db_rows("SELECT status, error_code FROM requests WHERE request_id = %s", refused.request_id)
     assert row == {"status": "error", "error_code": "invalid_request"}
     [ok] = await pipeline.run([(text_image(["LISTED TASK 42"]), "ocr.png")], task="ocr")
     assert ok.status == "ok" and ok.text == "LISTED TASK 42" and pipeline.engine_calls() == calls + 1
     assert "layout" not in _generation_tasks()
+
+
+async def test_bad_task_parameters_end_invalid_request_with_the_reason_and_the_next_goes_through(pipeline):
+    """An ``extract`` naming no fields, or 51, or a ``translate`` to a language not on the list:
+    ingest ends each ``invalid_request`` saying why, before its image is read (no engine call,
+    no generation of its own); the next image still completes."""
+    from schemas.tasks import TaskParams
+
+    calls = pipeline.engine_calls()
+    cases = [("extract", None, "task 'extract' needs fields"),
+             ("extract", TaskParams(fields=tuple(f"f{i}" for i in range(51))), "fields: at most 50 fields (51 given)"),
+             ("translate", TaskParams(target_lang="xx"), "target_lang 'xx' is not one of: en, zh"),
+             ("ocr", TaskParams(fields=("total",)), "task 'ocr' takes no fields")]
+    for i, (task, params, why) in enumerate(cases):
+        [refused] = await pipeline.run([(text_image([f"BAD PARAMS {i}"]), "bad.png")], task=task, task_params=params)
+        assert refused.status == "error" and refused.error.code is ErrorCode.INVALID_REQUEST, (task, refused.error)
+        assert why in refused.error.message and refused.content_sha256 is None and refused.task == task
+        [row] = db_rows("SELECT status, error_code FROM requests WHERE request_id = %s", refused.request_id)
+        assert row == {"status": "error", "error_code": "invalid_request"}
+    [ok] = await pipeline.run([(text_image(["AFTER BAD PARAMS 44"]), "ok.png")])
+    assert ok.status == "ok" and ok.text == "AFTER BAD PARAMS 44" and pipeline.engine_calls() == calls + 1
 
 
 def _generation_tasks() -> set[str]:
@@ -149,7 +173,7 @@ async def test_dedup_refuses_an_unlisted_task_that_got_past_an_ingest_with_other
     for rid, task in tasks.items():
         doc = docs[rid]
         assert doc.status == "error" and doc.error.code is ErrorCode.INVALID_REQUEST
-        assert doc.error.message == f"task {task[:64]!r} is not one of this deployment's tasks: ocr"
+        assert doc.error.message == f"task {task[:64]!r} is not one of this deployment's tasks: {ALL_TASKS}"
         assert "dedup" in doc.timings_ms and doc.task == task
         [row] = db_rows("SELECT status, error_code, task FROM requests WHERE request_id = %s", rid)
         assert row == {"status": "error", "error_code": "invalid_request", "task": task[:64]}

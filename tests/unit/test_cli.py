@@ -14,6 +14,21 @@ def test_submit_refuses_a_task_or_source_the_submit_event_cannot_carry(tmp_path)
     assert res.exit_code == 2 and "--source must be 1 to 64 characters, not 0" in res.output
 
 
+def test_submit_prints_why_task_parameters_are_refused_and_exits_non_zero(tmp_path, monkeypatch):
+    monkeypatch.delenv("OCRSTREAM_TASKS", raising=False)
+    (tmp_path / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    runner = CliRunner()
+    cases = [(["--task", "extract"], "error: task 'extract' needs fields"),
+             (["--task", "extract", "--fields", ",".join(f"f{i}" for i in range(51))],
+              "error: fields: at most 50 fields (51 given)"),
+             (["--task", "translate", "--to", "xx"], "error: target_lang 'xx' is not one of: en, zh"),
+             (["--task", "ocr", "--to", "en"], "error: task 'ocr' takes no target_lang"),
+             (["--task", "layout"], "error: task 'layout' is not one of this deployment's tasks: ocr, doc_parse")]
+    for args, why in cases:
+        res = runner.invoke(app, ["submit", *args, str(tmp_path)])
+        assert res.exit_code == 2 and why in " ".join(res.output.split()), (args, res.output)
+
+
 def test_a_folder_gives_every_regular_file_whatever_its_name(tmp_path):
     from services.cli.client import collect_files
 

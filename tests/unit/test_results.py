@@ -156,3 +156,67 @@ def test_a_documents_whole_output_for_the_row_bound():
         KEY, SHA, "rapidocr", "Hello\nworld\n\np2", PAGES)
     bare = document_output(doc.model_copy(update={"cache_key": None, "engine": None, "model": None}))
     assert (bare.cache_key, bare.engine, bare.model) == ("", "", "")
+
+
+def test_an_extract_result_carries_its_fields_and_parameters_and_text_is_their_json():
+    from schemas.tasks import TaskParams
+
+    req = request(task="extract", task_params=TaskParams(fields=("total", "date", "seller")))
+    ev = ResultEvent(request=req, cache_key=KEY, status="ok", engine="openai", model="HunyuanOCR",
+                     model_revision="rev-1", pages=PAGES[:1],
+                     fields={"total": "97.50 EUR", "date": "2024-03-01", "seller": None})
+    out = ocr_output(ev)
+    assert out.task == "extract" and out.task_params == TaskParams(fields=("total", "date", "seller"))
+    assert out.fields == {"total": "97.50 EUR", "date": "2024-03-01", "seller": None}
+    assert out.text == '{"total":"97.50 EUR","date":"2024-03-01","seller":null}' and out.lines == []
+    doc = result_document(req, ev, out, cache_hit=False, stored_uri=URI, completed_at_ms=1_250, trace_id=None)
+    assert doc.fields == out.fields and list(doc.fields) == ["total", "date", "seller"]
+    assert doc.task_params == req.task_params and doc.text == out.text and doc.raw_output is None
+    assert document_output(doc).fields == out.fields and document_output(doc).task_params == req.task_params
+
+
+@pytest.mark.parametrize("task,slot,value", [("doc_parse", "markdown", "# Invoice\n\n<table><tr><td>1</td></tr></table>"),
+                                             ("table", "html", "<table><tr><td>a</td></tr></table>"),
+                                             ("formula", "latex", "E = mc^2"),
+                                             ("chart", "markdown", "| x | y |\n|---|---|\n| 1 | 2 |")])
+def test_a_text_task_fills_its_slot_and_text(task, slot, value):
+    req = request(task=task)
+    ev = ResultEvent(request=req, cache_key=KEY, status="ok", engine="openai", model="m", model_revision="r",
+                     **{slot: value})
+    out = ocr_output(ev)
+    assert getattr(out, slot) == value and out.text == value
+    assert getattr(result_document(req, ev, out, cache_hit=False, stored_uri=URI, completed_at_ms=2_000,
+                                   trace_id=None), slot) == value
+
+
+def test_a_translation_is_its_text():
+    from schemas.tasks import TaskParams
+
+    req = request(task="translate", task_params=TaskParams(target_lang="en"))
+    ev = ResultEvent(request=req, cache_key=KEY, status="ok", engine="openai", model="m", model_revision="r",
+                     translation="Total: 97.50 EUR", lines=[line("Summe: 97,50 EUR")])
+    out = ocr_output(ev)
+    assert (out.translation, out.text, out.task_params.target_lang) == ("Total: 97.50 EUR", "Total: 97.50 EUR", "en")
+
+
+def test_an_unparsable_answer_keeps_its_raw_output_in_the_document_and_nothing_is_stored():
+    from schemas.tasks import TaskParams
+
+    req = request(task="extract", task_params=TaskParams(fields=("total",)))
+    ev = ResultEvent(request=req, cache_key=KEY, status="error", raw_output="I can see a receipt.",
+                     error=ErrorInfo(code=ErrorCode.UNPARSABLE_OUTPUT, message="not JSON"))
+    doc = result_document(req, ev, None, cache_hit=False, stored_uri=None, completed_at_ms=1_250, trace_id=None)
+    assert (doc.status, doc.error.code, doc.raw_output) == ("error", ErrorCode.UNPARSABLE_OUTPUT, "I can see a receipt.")
+    assert doc.result_uri is None and doc.fields is None and doc.text == ""
+    assert doc.task_params == TaskParams(fields=("total",))
+
+
+def test_a_task_document_over_the_row_bound_leaves_its_slot_out_and_cuts_text():
+    from schemas.events import ResultDocument
+    from services.common.db import bound_document
+
+    doc = ResultDocument(request_id="r1", status="ok", task="doc_parse", markdown="x" * 5000, text="x" * 5000)
+    bounded, raw = bound_document(doc, 3000)
+    assert bounded.markdown is None and bounded.text_truncated and len(raw.encode()) <= 3000
+    assert bounded.text == "x" * len(bounded.text) and len(bounded.text) > 2000
+    assert bound_document(doc, 20_000) == (doc, doc.model_dump_json(by_alias=True))

@@ -96,15 +96,20 @@ def test_tasks_come_from_the_environment_and_others_are_refused_by_name(monkeypa
 
     monkeypatch.delenv("OCRSTREAM_TASKS", raising=False)
     monkeypatch.delenv("OCRSTREAM_CACHE_TTL_BY_TASK", raising=False)
-    assert CommonSettings().tasks == ("ocr",) and CommonSettings().task_error("ocr") is None
-    monkeypatch.setenv("OCRSTREAM_TASKS", '["ocr", "receipt"]')
+    assert CommonSettings().tasks == ("ocr", "doc_parse", "table", "formula", "chart", "extract", "translate")
+    assert CommonSettings().task_error("extract") is None
+    monkeypatch.setenv("OCRSTREAM_TASKS", '["ocr", "extract"]')
     s = load_settings(CommonSettings)
-    assert s.tasks == ("ocr", "receipt") and s.task_error("receipt") is None
-    assert s.task_error("layout") == "task 'layout' is not one of this deployment's tasks: ocr, receipt"
-    monkeypatch.setenv("OCRSTREAM_CACHE_TTL_BY_TASK", '{"receipt": 3600}')
-    assert load_settings(SinkSettings).ttl_for("upload", "receipt") == 3600
+    assert s.tasks == ("ocr", "extract") and s.task_error("extract") is None
+    assert s.task_error("layout") == "task 'layout' is not one of this deployment's tasks: ocr, extract"
+    assert s.task_error("table") == "task 'table' is not one of this deployment's tasks: ocr, extract"
+    monkeypatch.setenv("OCRSTREAM_CACHE_TTL_BY_TASK", '{"extract": 3600}')
+    assert load_settings(SinkSettings).ttl_for("upload", "extract") == 3600
     for bad, why in [("[]", "OCRSTREAM_TASKS='[]': Tuple should have at least 1 item"),
-                     ('["receipt"]', """OCRSTREAM_TASKS='["receipt"]': Value error, must include 'ocr'"""),
+                     ('["extract"]', """OCRSTREAM_TASKS='["extract"]': Value error, must include 'ocr'"""),
+                     ('["ocr", "receipt"]', """OCRSTREAM_TASKS='["ocr", "receipt"]': Value error, 'receipt' not in """
+                                            "the task registry (ocr, doc_parse, table, formula, chart, extract, "
+                                            "translate)"),
                      ('["ocr", ""]', """OCRSTREAM_TASKS='["ocr", ""]': 1: String should have at least 1 character""")]:
         monkeypatch.setenv("OCRSTREAM_TASKS", bad)
         with pytest.raises(SystemExit) as exc:
@@ -112,10 +117,59 @@ def test_tasks_come_from_the_environment_and_others_are_refused_by_name(monkeypa
         assert why in str(exc.value), (bad, str(exc.value))
 
 
+def test_check_task_validates_the_allow_list_then_the_parameters(monkeypatch):
+    from schemas.tasks import TaskError, TaskParams
+    from services.common.settings import CommonSettings
+
+    monkeypatch.setenv("OCRSTREAM_TASKS", '["ocr", "extract", "translate"]')
+    s = load_settings(CommonSettings)
+    assert s.check_task("ocr", None) is None
+    assert s.check_task("extract", {"fields": [" date", "total", "date"]}) == TaskParams(fields=("date", "total"))
+    assert s.check_task("translate", TaskParams(target_lang="en")) == TaskParams(target_lang="en")
+    for task, params, why in [
+            ("table", None, "task 'table' is not one of this deployment's tasks: ocr, extract, translate"),
+            ("extract", None, "task 'extract' needs fields"),
+            ("extract", {"fields": [f"f{i}" for i in range(51)]}, "fields: at most 50 fields (51 given)"),
+            ("translate", {"target_lang": "xx"}, "target_lang 'xx' is not one of: en, zh, ja"),
+            ("ocr", {"target_lang": "en"}, "task 'ocr' takes no target_lang")]:
+        with pytest.raises(TaskError) as exc:
+            s.check_task(task, params)
+        assert why in str(exc.value), (task, str(exc.value))
+
+
+def test_the_cache_key_holds_the_task_variant_and_the_default_ocr_key_is_unchanged(monkeypatch):
+    from schemas.keys import CacheGeneration
+    from services.common.settings import CommonSettings
+
+    for var in ("OCRSTREAM_TASKS", "OCRSTREAM_ENGINE_KIND", "OCRSTREAM_ENGINE_MAX_SIDE", "OCRSTREAM_ENGINE",
+                "OCRSTREAM_ENGINE__ENGINE", "OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN", "OCRSTREAM_CACHE_SCOPE"):
+        monkeypatch.delenv(var, raising=False)
+    s = CommonSettings()
+    sha = "ab" * 32
+    # the default ocr generation, as it was before tasks had parameters (stored results depend on it)
+    assert s.generation("ocr").gen_id == "e34820258631" == CacheGeneration(
+        engine="rapidocr", model="PP-OCRv4-ch", model_revision="rapidocr-onnxruntime-1.4.4", task="ocr",
+        preprocess_version=2).gen_id
+    assert s.generation("ocr", None) == s.generation("ocr")
+
+    def key(task, params):
+        return s.cache_key_of(sha, s.generation(task, s.check_task(task, params)), None)
+
+    same = key("extract", {"fields": ["date", "total"]})
+    assert same == key("extract", {"fields": ["total", " date", "date"]})  # other order, a repeat: one key
+    assert s.generation("extract", s.check_task("extract", {"fields": ["date", "total"]})).task.startswith("extract:")
+    others = {same, key("extract", {"fields": ["date"]}), key("extract", {"fields": ["date", "total", "seller"]}),
+              key("translate", {"target_lang": "en"}), key("translate", {"target_lang": "zh"}),
+              key("doc_parse", None), key("ocr", None)}
+    assert len(others) == 7 and key("ocr", None) == f"e34820258631:{sha}"
+    assert s.generation("translate", s.check_task("translate", {"target_lang": "en"})).task == "translate:en"
+
+
 def test_a_ttl_for_a_task_no_request_can_carry_is_refused(monkeypatch):
     from services.sink.settings import SinkSettings
 
     monkeypatch.delenv("OCRSTREAM_TASKS", raising=False)
+    monkeypatch.setenv("OCRSTREAM_TASKS", '["ocr"]')
     monkeypatch.setenv("OCRSTREAM_CACHE_TTL_BY_TASK", '{"ocr": 7200, "recipt": 60}')
     with pytest.raises(SystemExit) as exc:
         load_settings(SinkSettings)
@@ -167,10 +221,38 @@ def test_the_door_refuses_a_task_the_deployment_does_not_list():
     from services.api.protocol import SubmitOptions
     from services.api.errors import ApiError
 
-    s = CommonSettings(tasks=("ocr", "receipt"))
-    assert SubmitOptions.parse({"task": "receipt"}, s).task == "receipt"
-    assert SubmitOptions.parse({}, s).task == "ocr"
+    s = CommonSettings(tasks=("ocr", "doc_parse"))
+    assert SubmitOptions.parse({"task": "doc_parse"}, s).task == "doc_parse"
+    assert SubmitOptions.parse({}, s).task == "ocr" and SubmitOptions.parse({}, s).task_params is None
     with pytest.raises(ApiError) as exc:
         SubmitOptions.parse({"task": "layout", "source": "form"}, s)
     assert (exc.value.status, exc.value.code) == (400, "invalid_request")
-    assert exc.value.message == "task 'layout' is not one of this deployment's tasks: ocr, receipt"
+    assert exc.value.message == "task 'layout' is not one of this deployment's tasks: ocr, doc_parse"
+
+
+def test_the_door_reads_fields_and_the_target_language_and_says_why_it_refuses_them():
+    from schemas.tasks import TaskParams
+    from services.api.errors import ApiError
+    from services.api.protocol import SubmitOptions, query_options
+    from services.common.settings import CommonSettings
+    from starlette.datastructures import QueryParams
+
+    s = CommonSettings()
+    ok = {"invoice number,date, total": ("invoice number", "date", "total"),
+          '["invoice number", "date"]': ("invoice number", "date"),
+          query_options(QueryParams("fields=a,b&fields=c&task=extract"))["fields"]: ("a,b", "c")}
+    for raw, want in ok.items():
+        assert SubmitOptions.parse({"task": "extract", "fields": raw}, s).task_params == TaskParams(fields=want)
+    assert SubmitOptions.parse({"task": "translate", "to": "en"}, s).task_params == TaskParams(target_lang="en")
+    assert SubmitOptions.parse({"task": "translate", "target_lang": "zh"}, s).task_params == TaskParams(target_lang="zh")
+    for fields, why in [({"task": "extract"}, "task 'extract' needs fields"),
+                        ({"task": "extract", "fields": ",".join(f"f{i}" for i in range(51))},
+                         "fields: at most 50 fields (51 given)"),
+                        ({"task": "extract", "fields": "[1, 2]"}, "fields: a JSON list of strings"),
+                        ({"task": "translate", "to": "xx"}, "target_lang 'xx' is not one of: en, zh"),
+                        ({"task": "translate", "to": "en", "target_lang": "zh"}, "to and target_lang name two"),
+                        ({"fields": "date"}, "task 'ocr' takes no fields")]:
+        with pytest.raises(ApiError) as exc:
+            SubmitOptions.parse(fields, s)
+        assert (exc.value.status, exc.value.code) == (400, "invalid_request")
+        assert why in exc.value.message, (fields, exc.value.message)
