@@ -44,6 +44,7 @@ class FakeServer:
         self.healthy_after = healthy_after
         self.flaky_failures = 0
         self.lock = threading.Lock()
+        self.canned: dict[str, tuple[str, str]] = {}  # prompt text -> (answer, finish_reason)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -110,6 +111,9 @@ class FakeServer:
                         fake.inflight -= 1
                 content, finish = {LENGTH: (CUT, "length"), LOOP: (LOOPING, "stop"),
                                    PROSE: (PROSE_ANSWER, "stop")}.get(kind, (ANSWER, "stop"))
+                prompt = body["messages"][1]["content"][1]["text"]
+                if prompt in fake.canned:  # a canned answer per task's prompt
+                    content, finish = fake.canned[prompt]
                 self._send(200, {
                     "id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
                     "choices": [{"index": 0, "finish_reason": finish,
