@@ -12,6 +12,7 @@ import numpy as np
 from PIL import Image, PngImagePlugin
 
 from services.common.imaging import decode
+from services.infer.engines.base import OCR
 
 SAMPLES = Path(__file__).resolve().parent.parent.parent / "shared" / "samples"
 
@@ -69,7 +70,7 @@ def raw_engine_rate(images: list[bytes], threads: int = 2) -> tuple[float, float
         pages = [decode(b, 10**9, 100)[0] for b in images]
         t0 = time.perf_counter()
         for page in pages:
-            [out] = await engine.ocr([page], 600)
+            [out] = await engine.ocr([page], OCR, 600)
             assert not isinstance(out, BaseException), out
         secs = time.perf_counter() - t0
         await engine.close()

@@ -17,6 +17,7 @@ import platform
 import time
 
 from bench.common import sample_files
+from services.infer.engines.base import OCR
 
 
 def _worker(paths: list[str], threads: int, start, ready, out) -> None:
@@ -32,7 +33,7 @@ def _worker(paths: list[str], threads: int, start, ready, out) -> None:
         ready.put(os.getpid())
         start.wait()
         for page in pages:
-            [res] = await engine.ocr([page], 600)
+            [res] = await engine.ocr([page], OCR, 600)
             assert not isinstance(res, BaseException), res
         out.put(time.perf_counter())
 

@@ -65,6 +65,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from services.infer.engines.base import OCR
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/infer_bench.py` as well as `python -m bench.infer_bench`
@@ -209,7 +210,7 @@ def _engine_worker(env: dict[str, str], images: list[bytes], batch: int, conn) -
             for i in range(0, len(pages), batch):
                 tiles = [t.image for page in pages[i:i + batch]
                          for t in make_tiles(page, s.tile_max_aspect, engine.max_side)]
-                outs = await engine.ocr(tiles, s.limits.infer_timeout_s)
+                outs = await engine.ocr(tiles, OCR, s.limits.infer_timeout_s)
                 bad = [o for o in outs if isinstance(o, BaseException)]
                 if bad:
                     raise RuntimeError(f"engine failed: {bad[0]!r}")

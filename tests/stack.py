@@ -371,6 +371,11 @@ class LoopbackOcrServer:
 
     ``hangs_on(body)``: for a body it returns True on, the request is held unanswered (a model
     server wedged on it) until :meth:`stop`; ``holding`` is set and ``held`` counts them.
+
+    ``replies``: instruction text -> ``(answer, finish_reason)``, a canned answer per task's prompt
+    (as it is, no spotting boxes added). ``received``: every chat completion's ``prompt`` (the
+    instruction text), ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` and
+    ``repetition_penalty``, in arrival order.
     """
 
     def __init__(self, answer: str, dies_on: Callable[[bytes], bool] | None = None, down_s: float = 1.5,
@@ -388,6 +393,8 @@ class LoopbackOcrServer:
         self.released = threading.Event()
         self.lock = threading.Lock()
         self.httpd: ThreadingHTTPServer | None = None
+        self.replies: dict[str, tuple[str, str]] = {}
+        self.received: list[dict] = []
 
     def start(self) -> None:
         srv = self
@@ -409,10 +416,17 @@ class LoopbackOcrServer:
                     srv.holding.set()
                     srv.released.wait(600)  # the client is killed meanwhile
                     return
+                req = json.loads(body)
+                try:
+                    prompt = req["messages"][-1]["content"][-1]["text"]
+                except (KeyError, IndexError, TypeError):
+                    prompt = None
                 with srv.lock:
                     srv.posts += 1
-                self._send(200, {"choices": [{"message": {"content": f"{srv.answer}(100,100),(900,400)"},
-                                              "finish_reason": "stop"}]})
+                    srv.received.append({"prompt": prompt, **{k: req.get(k) for k in (
+                        "temperature", "top_p", "top_k", "max_tokens", "repetition_penalty")}})
+                content, finish = srv.replies.get(prompt, (f"{srv.answer}(100,100),(900,400)", "stop"))
+                self._send(200, {"choices": [{"message": {"content": content}, "finish_reason": finish}]})
 
         httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         httpd.daemon_threads = True

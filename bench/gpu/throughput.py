@@ -39,6 +39,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from services.infer.engines.base import OCR  # noqa: E402
+
 # Qwen2-VL style literal prompt for the tiny model (one image placeholder, expanded by vLLM).
 QWEN_TEMPLATE = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
                  "<|vision_start|><|image_pad|><|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n")
@@ -106,7 +108,7 @@ def fake_engine_class():
         async def start(self) -> None:
             self.ready = True
 
-        async def ocr(self, images, timeout_s):
+        async def ocr(self, images, task, timeout_s):
             t0 = time.perf_counter()
             await asyncio.sleep(self.per_call_s + self.per_image_s * len(images))
             ms = (time.perf_counter() - t0) * 1000
@@ -217,12 +219,12 @@ async def engine_checks(engine) -> bool:
     answers afterwards."""
     from services.infer.engines.base import EngineOutput, EngineTimeout
 
-    (res,) = await engine.ocr(make_pages(1, seed=999), timeout_s=0.001)
+    (res,) = await engine.ocr(make_pages(1, seed=999), OCR, timeout_s=0.001)
     print(f"check: timeout -> {type(res).__name__}", flush=True)
     if not isinstance(res, EngineTimeout):
         print("FAIL: a 1 ms timeout did not give EngineTimeout", flush=True)
         return False
-    (res,) = await engine.ocr(make_pages(1, seed=998), timeout_s=60)
+    (res,) = await engine.ocr(make_pages(1, seed=998), OCR, timeout_s=60)
     if not isinstance(res, EngineOutput):
         print(f"FAIL: request after an abort failed: {res!r}", flush=True)
         return False

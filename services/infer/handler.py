@@ -28,7 +28,9 @@ from services.common.handler import Handler, Outgoing, Record
 from services.common.s3 import ObjectStore
 from services.common.telemetry import StatusCode, Telemetry
 from services.common.textlines import group_lines
-from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
+from schemas.tasks import TASKS
+from services.infer.engines.base import (EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine,
+                                          UnparsableOutput, UnsupportedTask)
 from services.infer.loading import Item, Loader
 from services.infer.settings import InferSettings
 from services.infer.tiles import Tile, make_tiles, map_back
@@ -56,6 +58,43 @@ def generation_matches(cache_key: str | None, own: CacheGeneration) -> bool:
     except ValueError:
         return False
     return gen_id == own.gen_id
+
+
+def item_task(it: Item) -> EngineTask:
+    """The engine task of ``it``'s request (``RequestEvent.task`` and ``task_params``)."""
+    req = it.event.request
+    return EngineTask(req.task, req.task_params)
+
+
+def engine_error(it: Item, exc: BaseException) -> OcrError:
+    """The error an image's engine exception ends its request with. :class:`UnsupportedTask`
+    (``unsupported_task``) and :class:`UnparsableOutput` (``unparsable_output``, its raw answer
+    kept in ``it.raw_output`` and its warnings in ``it.warnings``) are final, as are timeouts,
+    ``image_too_large`` (a MemoryError: deterministic) and ``engine_error``: none is retried."""
+    if isinstance(exc, UnsupportedTask):
+        return OcrError(ErrorCode.UNSUPPORTED_TASK, str(exc))
+    if isinstance(exc, UnparsableOutput):
+        it.raw_output = exc.raw
+        it.warnings.extend(w for w in exc.warnings if w not in it.warnings)
+        return OcrError(ErrorCode.UNPARSABLE_OUTPUT, str(exc))
+    code = (ErrorCode.TIMEOUT if isinstance(exc, EngineTimeout)
+            else ErrorCode.IMAGE_TOO_LARGE if isinstance(exc, MemoryError)
+            else ErrorCode.ENGINE_ERROR)
+    return OcrError(code, str(exc) or type(exc).__name__)
+
+
+def join_answers(answers: list, task: EngineTask) -> str | dict[str, str | None]:
+    """A request's answer from its pages' answers (in page order): text answers joined with a
+    blank line; ``extract``: each requested field the first page's value that is not None."""
+    if task.name == "extract":
+        fields = tuple(task.params.fields or ()) if task.params else ()
+        out: dict[str, str | None] = dict.fromkeys(fields)
+        for a in answers:
+            for f in fields:
+                if out[f] is None and isinstance(a, dict):
+                    out[f] = a.get(f)
+        return out
+    return "\n\n".join(a for a in answers if isinstance(a, str) and a)
 
 
 class InferHandler(Handler):
@@ -262,8 +301,15 @@ class InferHandler(Handler):
             t0 = time.perf_counter()
             jobs = []  # (item, page index, tile)
             for it in items:
+                task = item_task(it)
+                if not self.engine.supports(task):  # final: no page goes to the engine
+                    exc = self.engine.unsupported(task)
+                    it.error = OcrError(ErrorCode.UNSUPPORTED_TASK, str(exc))
+                    continue
+                # text spotting slices long pages into tiles; the other tasks read each page whole
+                aspect = self.s.tile_max_aspect if task.name == "ocr" else float("inf")
                 for p, page in enumerate(it.pages):
-                    for tile in make_tiles(page, self.s.tile_max_aspect, self.engine.max_side):
+                    for tile in make_tiles(page, aspect, self.engine.max_side):
                         jobs.append((it, p, tile))
             sp.set_attribute("ocrstream.tiles", len(jobs))
             t_engine = time.perf_counter()
@@ -273,22 +319,26 @@ class InferHandler(Handler):
             engine_ms = (t1 - t_engine) * 1000
             self.telemetry.engine_batch(self.engine.name, len(items), t1 - t_engine)
             per_page: dict[tuple[int, int], list] = {}
+            answers: dict[int, list] = {}  # item -> its pages' answers (tasks other than ocr), in page order
             weight: dict[int, float] = {}
             for (it, p, tile), res in zip(jobs, outputs):
                 if it.error is not None or res is None:
                     continue
                 if isinstance(res, BaseException):
-                    code = (ErrorCode.TIMEOUT if isinstance(res, EngineTimeout)
-                        else ErrorCode.IMAGE_TOO_LARGE if isinstance(res, MemoryError)  # deterministic: not retried
-                        else ErrorCode.ENGINE_ERROR)
-                    it.error = OcrError(code, str(res) or type(res).__name__)
+                    it.error = engine_error(it, res)
                     continue
                 weight[id(it)] = weight.get(id(it), 0.0) + res.inference_ms
                 it.warnings.extend(w for w in res.warnings if w not in it.warnings)
+                if res.answer is not None:
+                    answers.setdefault(id(it), []).append(res.answer)
+                    continue
                 h, w = it.pages[p].shape[:2]
                 per_page.setdefault((id(it), p), []).extend(map_back(tile, res.segments, w, h))
             for it in items:
                 if it.error is not None:
+                    continue
+                if it.event.request.task != "ocr":
+                    it.answer = join_answers(answers.get(id(it), []), item_task(it))
                     continue
                 lines = []
                 for p in range(len(it.pages)):
@@ -322,7 +372,7 @@ class InferHandler(Handler):
             Whatever ``engine.ocr`` raises (an engine that is down): the runner retries the batch.
         """
         timeout = self.s.limits.infer_timeout_s
-        tasks = [asyncio.ensure_future(self._engine_piece(tile.image, timeout)) for _, _, tile in jobs]
+        tasks = [asyncio.ensure_future(self._engine_piece(tile.image, item_task(it), timeout)) for it, _, tile in jobs]
         by_item: dict[int, list[int]] = {}
         for j, (it, _, _) in enumerate(jobs):
             by_item.setdefault(id(it), []).append(j)
@@ -339,9 +389,11 @@ class InferHandler(Handler):
                 outputs[j] = res
         return outputs
 
-    async def _engine_piece(self, image: np.ndarray, timeout_s: float) -> tuple[EngineOutput | BaseException, float]:
-        """One tile through the engine: its output (or exception) and when it came back (``time.monotonic``, s)."""
-        [res] = await self.engine.ocr([image], timeout_s)
+    async def _engine_piece(self, image: np.ndarray, task: EngineTask,
+                            timeout_s: float) -> tuple[EngineOutput | BaseException, float]:
+        """One tile (or page) through the engine for ``task``: its output (or exception) and when
+        it came back (``time.monotonic``, s)."""
+        [res] = await self.engine.ocr([image], task, timeout_s)
         return res, time.monotonic()
 
     @staticmethod
@@ -418,7 +470,8 @@ class InferHandler(Handler):
         with it.record.traced() as span:  # the request's span ends with its result
             if it.error is not None:
                 self.telemetry.requests_done.labels("infer", "error", it.error.code.value).inc()
-                result = ResultEvent(status="error", error=ErrorInfo(code=it.error.code, message=it.error.message), **common)
+                result = ResultEvent(status="error", error=ErrorInfo(code=it.error.code, message=it.error.message),
+                                     raw_output=it.raw_output, warnings=it.warnings, **common)
                 log.info("infer: %s[%d]@%d request %s failed: %s", it.record.topic, it.record.partition,
                          it.record.offset, req.request_id, it.error)
             else:
@@ -426,7 +479,8 @@ class InferHandler(Handler):
                 pages = [Page(index=i + 1, width=w, height=h, alpha_background=bg)
                          for i, ((w, h), bg) in enumerate(zip(it.page_sizes, backgrounds))]
                 self.telemetry.requests_done.labels("infer", "ok", "").inc()
-                result = ResultEvent(status="ok", pages=pages, lines=it.lines, warnings=it.warnings, **common)
+                slot = {TASKS[req.task].slot: it.answer} if req.task != "ocr" and req.task in TASKS else {}
+                result = ResultEvent(status="ok", pages=pages, lines=it.lines, warnings=it.warnings, **slot, **common)
                 log.info("infer: %s[%d]@%d request %s: %d lines, inference %.0f ms%s", it.record.topic,
                          it.record.partition, it.record.offset, req.request_id, len(it.lines),
                          it.timings.get("inference", 0.0), f" ({', '.join(it.warnings)})" if it.warnings else "")

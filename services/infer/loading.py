@@ -49,6 +49,8 @@ class Item:
     backgrounds: tuple[str | None, ...] = ()  # per page, as decoded (kept after release)
     sizes: tuple[tuple[int, int], ...] = ()  # per page (width, height) as decoded (kept after release)
     lines: list[Line] = field(default_factory=list)
+    answer: str | dict[str, str | None] | None = None  # a task other than ocr: its answer (all pages together)
+    raw_output: str | None = None  # the model's answer when it was unparsable_output
     warnings: list[str] = field(default_factory=list)  # from the engine, once each, in order seen
     error: OcrError | None = None
     span: Span | None = None  # the request's ``infer`` span, ended with its result

@@ -8,6 +8,7 @@ from services.common.app import StageContext, run_stage
 from services.common.decoding import DecoderPool
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
+from services.infer.engines import registry
 from services.infer.engines.base import OcrEngine
 from services.infer.handler import InferHandler
 from services.infer.settings import InferSettings
@@ -16,26 +17,13 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(s: InferSettings) -> OcrEngine:
-    """The engine named by ``engine_kind`` (default ``engine.engine``).
+    """The engine named by ``engine_kind`` (default ``engine.engine``), from the registry
+    (:data:`services.infer.engines.registry.ENGINES`).
 
     Raises:
         ValueError: for an engine this build does not have.
     """
-    kind = s.engine_kind or s.engine.engine
-    if kind == "rapidocr":
-        from services.infer.engines.rapid import RapidOcrEngine
-
-        return RapidOcrEngine(s.rapidocr_threads, s.rapidocr_workers, s.engine_max_side or RapidOcrEngine.max_side,
-                              s.engine.det_limit_side_len)
-    if kind == "vllm":
-        from services.infer.engines.vllm_engine import VllmEngine  # vllm itself is imported in start()
-
-        return VllmEngine.from_settings(s)
-    if kind == "openai":
-        from services.infer.engines.openai_engine import OpenAiEngine
-
-        return OpenAiEngine.from_settings(s)
-    raise ValueError(f"unknown engine {kind!r}: use rapidocr, vllm or openai")
+    return registry.build(s.engine_kind or s.engine.engine, s)
 
 
 async def main(settings: InferSettings | None = None) -> None:

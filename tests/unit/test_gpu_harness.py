@@ -17,12 +17,12 @@ async def test_fake_engine_run_goes_through_the_infer_handler(capsys, monkeypatc
     real = throughput.fake_engine_class()
 
     class Counting(real):
-        async def ocr(self, images, timeout_s):
+        async def ocr(self, images, task, timeout_s):
             nonlocal in_flight
             in_flight += 1
             calls.append(([img.shape for img in images], in_flight))
             try:
-                return await super().ocr(images, timeout_s)
+                return await super().ocr(images, task, timeout_s)
             finally:
                 in_flight -= 1
 

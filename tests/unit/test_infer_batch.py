@@ -48,7 +48,7 @@ class ScriptedEngine(OcrEngine):
     async def start(self) -> None:
         self.ready = True
 
-    async def ocr(self, images, timeout_s):
+    async def ocr(self, images, task, timeout_s):
         out = []
         for img in images:
             h, w = img.shape[:2]
@@ -162,7 +162,7 @@ class OneAtATimeEngine(OcrEngine):
     async def start(self) -> None:
         self.ready = True
 
-    async def ocr(self, images, timeout_s):
+    async def ocr(self, images, task, timeout_s):
         out = []
         for img in images:
             async with self._lock:
@@ -199,10 +199,10 @@ class DownOnBatchEngine(ScriptedEngine):
     async def health(self) -> bool:
         return True
 
-    async def ocr(self, images, timeout_s):
+    async def ocr(self, images, task, timeout_s):
         if len(images) > 1:
             raise EngineUnavailable("connection dropped", took_down=True)
-        return await super().ocr(images, timeout_s)
+        return await super().ocr(images, task, timeout_s)
 
 
 def test_copies_of_one_suspect_image_in_a_batch_are_each_settled():
@@ -245,9 +245,9 @@ class BudgetWatchingEngine(ScriptedEngine):
         self.handler: InferHandler | None = None
         self.held: list[int] = []
 
-    async def ocr(self, images, timeout_s):
+    async def ocr(self, images, task, timeout_s):
         self.held.append(self.handler.loader.budget.used)
-        return await super().ocr(images, timeout_s)
+        return await super().ocr(images, task, timeout_s)
 
 
 def budget_run(objs: dict[str, bytes], batches: list[list[str]], budget_mb: int, prefetch_next: bool = False):

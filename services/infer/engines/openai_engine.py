@@ -39,8 +39,9 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from schemas.events import WARNING_TRUNCATED_MAX_TOKENS
 from services.common.prompts import SPOTTING_PROMPT
-from services.infer.engines import hunyuan, hunyuan_prompts
-from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
+from schemas.tasks import TASKS
+from services.infer.engines import dialects, hunyuan, hunyuan_prompts
+from services.infer.engines.base import OCR, EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,11 @@ class OpenAiEngine(OcrEngine):
             downscales or tiles larger pages); default
             :data:`~services.infer.engines.hunyuan_prompts.VLM_MAX_SIDE`.
         extra_body: More request fields (merged last).
+        dialect: Prompts, sampling and parsers of the tasks other than ``ocr``
+            (:mod:`services.infer.engines.dialects`: ``auto``, ``hunyuan``, ``generic``). Task
+            ``ocr`` always sends ``prompt`` with the sampling above; another task sends the
+            dialect's instruction and sampling, ``max_tokens`` the smaller of the dialect's for
+            the task and this engine's.
 
     An answer cut at ``max_tokens`` (``finish_reason`` "length") carries the warning
     ``truncated_max_tokens``; one whose text ends in a runaway loop (trimmed by the parser)
@@ -146,6 +152,7 @@ class OpenAiEngine(OcrEngine):
     """
 
     name = "openai"
+    tasks = frozenset(TASKS)
     max_side = hunyuan_prompts.VLM_MAX_SIDE
 
     def __init__(
@@ -171,6 +178,7 @@ class OpenAiEngine(OcrEngine):
         repetition_penalty: float = hunyuan_prompts.DEFAULT_REPETITION_PENALTY,
         max_side: int | None = None,
         extra_body: dict[str, Any] | None = None,
+        dialect: str = "auto",
     ):
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -193,6 +201,7 @@ class OpenAiEngine(OcrEngine):
         if max_side:
             self.max_side = max_side
         self.extra_body = dict(extra_body or {})
+        self.dialect = dialects.dialect(dialect, model)
         self._started = False
         self._reachable = True
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-ocr")
@@ -224,6 +233,7 @@ class OpenAiEngine(OcrEngine):
             max_concurrency=s.openai_max_concurrency, ready_timeout_s=s.openai_ready_timeout_s,
             image_format=s.openai_image_format,
             repetition_penalty=s.openai_repetition_penalty, max_side=s.engine_max_side, extra_body=s.openai_extra_body,
+            dialect=s.vlm_dialect,
         )
 
     # ------------------------------------------------------------------ HTTP (in threads)
@@ -322,7 +332,7 @@ class OpenAiEngine(OcrEngine):
         warm = np.full((96, 384, 3), 255, dtype=np.uint8)
         warm[40:56, 24:340] = 0
         try:
-            (res,) = await self.ocr([warm], timeout_s=self.warmup_timeout_s)
+            (res,) = await self.ocr([warm], OCR, timeout_s=self.warmup_timeout_s)
         except EngineUnavailable as exc:
             raise RuntimeError(f"openai warm-up failed: {exc!r}") from exc
         if isinstance(res, BaseException):
@@ -347,16 +357,23 @@ class OpenAiEngine(OcrEngine):
 
     # ------------------------------------------------------------------ inference
 
-    def payload(self, image: np.ndarray) -> dict[str, Any]:
-        """The chat-completions request body for one image."""
+    def payload(self, image: np.ndarray, task: EngineTask = OCR) -> dict[str, Any]:
+        """The chat-completions request body for one image and ``task`` (see the class's ``dialect``)."""
+        if task.name == "ocr":
+            prompt, max_tokens, top_p = self.prompt, self.max_tokens, 1.0
+            extras: dict[str, Any] = {"top_k": hunyuan_prompts.DEFAULT_TOP_K, "repetition_penalty": self.repetition_penalty}
+            temperature = 0.0
+        else:
+            sp = self.dialect.sampling(task)
+            prompt, max_tokens, top_p, temperature = sp.prompt, min(sp.max_tokens, self.max_tokens), sp.top_p, sp.temperature
+            extras = {k: v for k, v in (("top_k", sp.top_k), ("repetition_penalty", sp.repetition_penalty)) if v is not None}
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": hunyuan_prompts.build_messages(image, self.prompt, self.image_format),
-            "max_tokens": self.max_tokens,
-            "temperature": 0.0,
-            "top_p": 1.0,
-            "top_k": hunyuan_prompts.DEFAULT_TOP_K,
-            "repetition_penalty": self.repetition_penalty,
+            "messages": hunyuan_prompts.build_messages(image, prompt, self.image_format),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            **extras,
             "skip_special_tokens": True,
             "stream": False,
         }
@@ -371,12 +388,12 @@ class OpenAiEngine(OcrEngine):
         base = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
         return base * random.uniform(0.5, 1.0)
 
-    async def _call(self, image: np.ndarray, deadline: float) -> tuple[str, tuple[str, ...]]:
+    async def _call(self, image: np.ndarray, deadline: float, task: EngineTask = OCR) -> tuple[str, tuple[str, ...]]:
         """One chat-completions call, attempted up to ``retries`` times (see :func:`_retryable`);
         returns the answer text and its warnings (``truncated_max_tokens`` when
         ``finish_reason`` is "length"). Raises the last attempt's error."""
         loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(self._pool, lambda: json.dumps(self.payload(image)).encode())
+        body = await loop.run_in_executor(self._pool, lambda: json.dumps(self.payload(image, task)).encode())
         url = f"{self.base_url}/chat/completions"
 
         dropped = False  # a connection carrying this image broke mid-exchange (the server went away under it)
@@ -423,21 +440,25 @@ class OpenAiEngine(OcrEngine):
             return text, (WARNING_TRUNCATED_MAX_TOKENS,)
         return text, ()
 
-    async def _one(self, image: np.ndarray, timeout_s: float, slots: asyncio.Semaphore) -> EngineOutput | BaseException:
+    async def _one(self, image: np.ndarray, task: EngineTask, timeout_s: float,
+                   slots: asyncio.Semaphore) -> EngineOutput | BaseException:
         h, w = image.shape[:2]
         padded = hunyuan_prompts.pad_for_vlm(image)
         ph, pw = padded.shape[:2]
         async with slots:
             started = time.perf_counter()
             try:
-                text, warnings = await asyncio.wait_for(self._call(padded, time.monotonic() + timeout_s), timeout_s)
+                text, warnings = await asyncio.wait_for(self._call(padded, time.monotonic() + timeout_s, task), timeout_s)
             except asyncio.TimeoutError:
                 return EngineTimeout(f"inference took longer than {timeout_s:g} s")
             except Exception as exc:  # AttemptTimeout included: it says which timeout fired
                 return exc
+        if task.name != "ocr":
+            return dialects.task_output(self.dialect, task, text, warnings, started)
         return hunyuan.answer_to_output(text, (pw, ph), (w, h), warnings, started)
 
-    async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
+    async def ocr(self, images: list[np.ndarray], task: EngineTask,
+                  timeout_s: float) -> list[EngineOutput | BaseException]:
         """See :meth:`OcrEngine.ocr`. The call's images are all in flight at once, up to
         ``max_concurrency`` requests over all concurrent calls (the infer handler sends each tile
         as its own call); an image's ``timeout_s`` starts when it gets one of those slots. A timed-out image's HTTP thread ends at its socket timeout (at most
@@ -449,10 +470,13 @@ class OpenAiEngine(OcrEngine):
         """
         if not images:
             return []
-        out = list(await asyncio.gather(*(self._one(img, timeout_s, self._slots) for img in images)))
+        if not self.supports(task):
+            return [self.unsupported(task) for _ in images]
+        out = list(await asyncio.gather(*(self._one(img, task, timeout_s, self._slots) for img in images)))
         down = next((o for o in out if isinstance(o, Unreachable)), None)
         if down is not None:
             self._mark(False, down)
             took_down = any(getattr(o, "took_down", False) for o in out if isinstance(o, Unreachable))
             raise EngineUnavailable(f"OCR server at {self.base_url} unreachable: {down}", took_down=took_down) from down
         return out
+

@@ -1,4 +1,9 @@
-"""RapidOCR on ONNX Runtime: the CPU engine. Its PP-OCR models ship inside the wheel."""
+"""RapidOCR on ONNX Runtime: the CPU engine. Its PP-OCR models ship inside the wheel.
+
+It does task ``ocr`` only: every other task (``doc_parse``, ``table``, ``formula``, ``chart``,
+``extract``, ``translate``) answers :class:`~services.infer.engines.base.UnsupportedTask` per
+image, naming the engines that can (the VLM engines), never a made-up answer. (Layout and table
+structure on CPU, e.g. ``rapid-layout``/``rapid-table`` on RapidOCR's lines, are not built.)"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import numpy as np
 
 from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN
 from services.common.textlines import Segment, restore_spaces
-from services.infer.engines.base import EngineOutput, EngineTimeout, OcrEngine
+from services.infer.engines.base import EngineOutput, EngineTask, EngineTimeout, OcrEngine
 
 
 MIN_SIDE = 8
@@ -44,6 +49,7 @@ class RapidOcrEngine(OcrEngine):
     """
 
     name = "rapidocr"
+    tasks = frozenset({"ocr"})
 
     def __init__(self, intra_op_threads: int = 1, workers: int = 1, max_side: int = 2000,
                  det_limit_side_len: int = RAPIDOCR_DET_LIMIT_SIDE_LEN):
@@ -54,6 +60,12 @@ class RapidOcrEngine(OcrEngine):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rapidocr")
         self._ocr = None
         self._slots = asyncio.Semaphore(workers)
+
+    @classmethod
+    def from_settings(cls, s) -> RapidOcrEngine:
+        """Build from :class:`~services.infer.settings.InferSettings`."""
+        return cls(s.rapidocr_threads, s.rapidocr_workers, s.engine_max_side or cls.max_side,
+                   s.engine.det_limit_side_len)
 
     async def start(self) -> None:
         """Load the ONNX models (from the wheel) and read a small warm-up image."""
@@ -71,7 +83,7 @@ class RapidOcrEngine(OcrEngine):
         self._ocr = await asyncio.get_running_loop().run_in_executor(self._pool, _load)
         warm = np.full((64, 256, 3), 255, dtype=np.uint8)
         warm[28:36, 20:200] = 0
-        await self.ocr([warm], timeout_s=120)
+        await self.ocr([warm], EngineTask(), timeout_s=120)
         self.ready = True
 
     def _one(self, image: np.ndarray) -> EngineOutput:
@@ -98,10 +110,14 @@ class RapidOcrEngine(OcrEngine):
         ]
         return EngineOutput(segs, (time.perf_counter() - started) * 1000)
 
-    async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
+    async def ocr(self, images: list[np.ndarray], task: EngineTask,
+                  timeout_s: float) -> list[EngineOutput | BaseException]:
         """See :meth:`OcrEngine.ocr`. At most ``workers`` images run at once; each image's
         timeout starts when it starts. A timed-out image's thread finishes in the background
-        (ONNX Runtime cannot be interrupted) and its result is discarded."""
+        (ONNX Runtime cannot be interrupted) and its result is discarded. A task other than
+        ``ocr``: :class:`~services.infer.engines.base.UnsupportedTask` for every image, no work."""
+        if not self.supports(task):
+            return [self.unsupported(task) for _ in images]
         loop = asyncio.get_running_loop()
 
         async def one(img: np.ndarray) -> EngineOutput | BaseException:

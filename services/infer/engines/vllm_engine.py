@@ -19,8 +19,9 @@ import numpy as np
 
 from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
 from services.common.prompts import SPOTTING_PROMPT
-from services.infer.engines import hunyuan, hunyuan_prompts
-from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
+from schemas.tasks import TASKS
+from services.infer.engines import dialects, hunyuan, hunyuan_prompts
+from services.infer.engines.base import OCR, EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +111,15 @@ class VllmEngine(OcrEngine):
             which override the ones built here.
         sampling_args: Extra ``SamplingParams`` fields (``ignore_eos`` for benchmarks, ...).
         warmup_timeout_s: Time limit of the warm-up request.
+        dialect: Prompts, sampling and parsers of the tasks other than ``ocr``
+            (:mod:`services.infer.engines.dialects`: ``auto``, ``hunyuan``, ``generic``); each
+            such instruction is wrapped as ``prompt`` is (:meth:`prompt_mode`), ``max_tokens``
+            is the smaller of the dialect's for the task and this engine's, and ``sampling_args``
+            apply over it. Task ``ocr`` is unchanged.
     """
 
     name = "vllm"
+    tasks = frozenset(TASKS)
     max_side = hunyuan_prompts.VLM_MAX_SIDE
     check_every = 256
     check_after = 512
@@ -141,6 +148,7 @@ class VllmEngine(OcrEngine):
         engine_args: dict[str, Any] | None = None,
         sampling_args: dict[str, Any] | None = None,
         warmup_timeout_s: float = 600.0,
+        dialect: str = "auto",
     ):
         self.model = model
         self.revision = revision
@@ -163,9 +171,12 @@ class VllmEngine(OcrEngine):
         self.engine_args = dict(engine_args or {})
         self.sampling_args = dict(sampling_args or {})
         self.warmup_timeout_s = warmup_timeout_s
+        self.dialect = dialects.dialect(dialect, model)
         self._engine = None
         self._sampling = None
+        self._sampling_cls: Any = None
         self._prompt_text: str | None = None
+        self._task_inputs: dict[EngineTask, tuple[str, Any, int]] = {}  # task -> (prompt, SamplingParams, max_tokens)
 
     @classmethod
     def from_settings(cls, s) -> VllmEngine:
@@ -183,7 +194,7 @@ class VllmEngine(OcrEngine):
             prompt=s.vllm_prompt, prompt_template=s.vllm_prompt_template, max_tokens=s.vllm_max_tokens,
             repetition_penalty=s.vllm_repetition_penalty, max_side=s.engine_max_side, repeat_stop=s.vllm_repeat_stop,
             engine_args=s.vllm_engine_args, sampling_args=s.vllm_sampling_args,
-            warmup_timeout_s=s.vllm_warmup_timeout_s,
+            warmup_timeout_s=s.vllm_warmup_timeout_s, dialect=s.vlm_dialect,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -242,6 +253,7 @@ class VllmEngine(OcrEngine):
         self._engine = Engine.from_engine_args(args)
         log.info("vllm: engine up in %.1f s", time.perf_counter() - t0)
 
+        self._sampling_cls = SamplingParams
         self._sampling = SamplingParams(**_supported_args(SamplingParams, self.sampling_kwargs()))
         self._prompt_text = await self._render_prompt()
         log.info("vllm: prompt %r", self._prompt_text[:300])
@@ -249,7 +261,7 @@ class VllmEngine(OcrEngine):
         warm = np.full((96, 384, 3), 255, dtype=np.uint8)
         warm[40:56, 24:340] = 0
         try:
-            (res,) = await self.ocr([warm], timeout_s=self.warmup_timeout_s)
+            (res,) = await self.ocr([warm], OCR, timeout_s=self.warmup_timeout_s)
         except EngineUnavailable as exc:
             raise RuntimeError(f"vllm warm-up failed: {exc!r}") from exc
         if isinstance(res, BaseException):
@@ -257,11 +269,22 @@ class VllmEngine(OcrEngine):
         log.info("vllm: warm-up answered in %.0f ms (%d segments)", res.inference_ms, len(res.segments))
         self.ready = True
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """The ``SamplingParams`` fields: greedy as vLLM's HunyuanOCR recipe (temperature 0,
-        ``top_k``, ``repetition_penalty``), ``max_tokens``, then ``sampling_args`` over them."""
-        kw: dict[str, Any] = dict(temperature=0.0, top_k=self.top_k, max_tokens=self.max_tokens,
-                                  repetition_penalty=self.repetition_penalty, skip_special_tokens=True)
+    def sampling_kwargs(self, task: EngineTask = OCR) -> dict[str, Any]:
+        """The ``SamplingParams`` fields. Task ``ocr``: greedy as vLLM's HunyuanOCR recipe
+        (temperature 0, ``top_k``, ``repetition_penalty``) and ``max_tokens``; another task: the
+        dialect's (:meth:`Dialect.sampling`), ``max_tokens`` capped at this engine's; then
+        ``sampling_args`` over them."""
+        if task.name == "ocr":
+            kw: dict[str, Any] = dict(temperature=0.0, top_k=self.top_k, max_tokens=self.max_tokens,
+                                      repetition_penalty=self.repetition_penalty, skip_special_tokens=True)
+        else:
+            sp = self.dialect.sampling(task)
+            kw = dict(temperature=sp.temperature, top_p=sp.top_p, max_tokens=min(sp.max_tokens, self.max_tokens),
+                      skip_special_tokens=True)
+            if sp.top_k is not None:
+                kw["top_k"] = sp.top_k
+            if sp.repetition_penalty is not None:
+                kw["repetition_penalty"] = sp.repetition_penalty
         kw.update(self.sampling_args)
         return kw
 
@@ -274,14 +297,16 @@ class VllmEngine(OcrEngine):
             return "hunyuan" if "hunyuanocr" in self.model.lower().replace("-", "").replace("_", "") else "chat"
         return mode if mode in ("hunyuan", "chat") else "literal"
 
-    async def _render_prompt(self) -> str:
+    async def _render_prompt(self, instruction: str | None = None) -> str:
+        """The whole prompt text for ``instruction`` (default ``prompt``), per :meth:`prompt_mode`."""
+        instruction = self.prompt if instruction is None else instruction
         mode = self.prompt_mode()
         if mode == "hunyuan":
-            return hunyuan_prompts.render_template(hunyuan_prompts.HUNYUAN_RAW_TEMPLATE, self.prompt)
+            return hunyuan_prompts.render_template(hunyuan_prompts.HUNYUAN_RAW_TEMPLATE, instruction)
         if mode == "literal":
             if "{prompt}" not in self.prompt_template:
                 log.warning("vllm: prompt_template has no {prompt}; the instruction is not sent")
-            return hunyuan_prompts.render_template(self.prompt_template, self.prompt)
+            return hunyuan_prompts.render_template(self.prompt_template, instruction)
         tok = getattr(self._engine, "tokenizer", None)
         if tok is None and hasattr(self._engine, "get_tokenizer"):
             tok = self._engine.get_tokenizer()
@@ -292,8 +317,21 @@ class VllmEngine(OcrEngine):
             raise RuntimeError(
                 f"model {self.model!r} has no chat template; set vllm_prompt_template to a string with {{prompt}}"
             )
-        return tok.apply_chat_template(hunyuan_prompts.template_messages(self.prompt), tokenize=False,
+        return tok.apply_chat_template(hunyuan_prompts.template_messages(instruction), tokenize=False,
                                        add_generation_prompt=True)
+
+    async def _inputs(self, task: EngineTask) -> tuple[str, Any, int]:
+        """The prompt text, ``SamplingParams`` and ``max_tokens`` for ``task`` (built once per task)."""
+        if task.name == "ocr":
+            return self._prompt_text, self._sampling, self.max_tokens
+        got = self._task_inputs.get(task)
+        if got is None:
+            kw = self.sampling_kwargs(task)
+            sampling = self._sampling_cls(**_supported_args(self._sampling_cls, kw))
+            got = (await self._render_prompt(self.dialect.sampling(task).prompt), sampling, kw["max_tokens"])
+            if len(self._task_inputs) < 1024:  # extract's field lists are many: keep a bounded few
+                self._task_inputs[task] = got
+        return got
 
     def dead(self, exc: BaseException | None = None) -> bool:
         """True when vLLM's engine core is gone: the engine says ``errored``, or ``exc`` is
@@ -348,13 +386,14 @@ class VllmEngine(OcrEngine):
         except Exception:  # pragma: no cover - finished requests may refuse
             log.debug("vllm: abort %s failed", request_id, exc_info=True)
 
-    async def _generate(self, image: np.ndarray, request_id: str) -> tuple[str, tuple[str, ...]]:
+    async def _generate(self, image: np.ndarray, request_id: str, task: EngineTask = OCR) -> tuple[str, tuple[str, ...]]:
         """One request; returns its (possibly early-stopped) text and its warnings."""
         from PIL import Image
 
-        inputs = {"prompt": self._prompt_text, "multi_modal_data": {"image": Image.fromarray(image[..., :3])}}
+        prompt, sampling, max_tokens = await self._inputs(task)
+        inputs = {"prompt": prompt, "multi_modal_data": {"image": Image.fromarray(image[..., :3])}}
         text, checked, finish = "", 0, None
-        async for out in self._engine.generate(inputs, self._sampling, request_id):
+        async for out in self._engine.generate(inputs, sampling, request_id):
             if out.outputs:
                 text = out.outputs[0].text
                 finish = getattr(out.outputs[0], "finish_reason", None) or finish
@@ -365,27 +404,30 @@ class VllmEngine(OcrEngine):
                     await self._abort(request_id)
                     return text, (WARNING_TRUNCATED_REPETITION,)
         if finish == "length":
-            log.info("vllm: %s cut at max_tokens=%d", request_id, self.max_tokens)
+            log.info("vllm: %s cut at max_tokens=%d", request_id, max_tokens)
             return text, (WARNING_TRUNCATED_MAX_TOKENS,)
         return text, ()
 
-    async def _one(self, image: np.ndarray, timeout_s: float) -> EngineOutput | BaseException:
+    async def _one(self, image: np.ndarray, task: EngineTask, timeout_s: float) -> EngineOutput | BaseException:
         h, w = image.shape[:2]
         padded = hunyuan_prompts.pad_for_vlm(image)
         ph, pw = padded.shape[:2]
         request_id = f"ocr-{uuid.uuid4().hex}"
         started = time.perf_counter()
         try:
-            text, warnings = await asyncio.wait_for(self._generate(padded, request_id), timeout_s)
+            text, warnings = await asyncio.wait_for(self._generate(padded, request_id, task), timeout_s)
         except asyncio.TimeoutError:
             await self._abort(request_id)
             return EngineTimeout(f"inference took longer than {timeout_s:g} s")
         except Exception as exc:
             await self._abort(request_id)
             return exc
+        if task.name != "ocr":
+            return dialects.task_output(self.dialect, task, text, warnings, started)
         return hunyuan.answer_to_output(text, (pw, ph), (w, h), warnings, started)
 
-    async def ocr(self, images: list[np.ndarray], timeout_s: float) -> list[EngineOutput | BaseException]:
+    async def ocr(self, images: list[np.ndarray], task: EngineTask,
+                  timeout_s: float) -> list[EngineOutput | BaseException]:
         """See :meth:`OcrEngine.ocr`. All images are in flight at once (vLLM batches them);
         each image's timeout starts at submission.
 
@@ -397,7 +439,9 @@ class VllmEngine(OcrEngine):
         """
         if self._engine is None:
             raise RuntimeError("vllm engine not started")
-        out = list(await asyncio.gather(*(self._one(np.ascontiguousarray(img), timeout_s) for img in images)))
+        if not self.supports(task):
+            return [self.unsupported(task) for _ in images]
+        out = list(await asyncio.gather(*(self._one(np.ascontiguousarray(img), task, timeout_s) for img in images)))
         failed = [o for o in out if isinstance(o, BaseException) and not isinstance(o, EngineTimeout)]
         dead = next((o for o in failed if self.dead(o)), None)
         if dead is None and failed and self.dead():
