@@ -26,3 +26,22 @@ SPOTTING_JSON_PROMPT = (
     '"text": "识别出的文字内容"。 '
     "注意：请直接输出 JSON 数组，不要包含任何多余的描述性文字。"
 )
+
+
+DIALECTS = ("hunyuan", "generic")
+"""The VLM dialects (prompts, sampling and parsers of the tasks other than ``ocr``:
+:mod:`services.infer.engines.dialects`); ``OCRSTREAM_VLM_DIALECT`` names one, or ``auto``."""
+
+
+def is_hunyuan(model: str) -> bool:
+    """True for a model named like HunyuanOCR (any case, ``-``/``_`` ignored)."""
+    return "hunyuanocr" in model.lower().replace("-", "").replace("_", "")
+
+
+def resolve_dialect(name: str, model: str) -> str:
+    """The dialect ``name`` names; ``auto``: ``hunyuan`` when ``model`` (the model the engine
+    runs) is named like HunyuanOCR, else ``generic``. The cache key of the tasks other than ``ocr``
+    names the dialect as configured (``OCRSTREAM_VLM_DIALECT``), next to the model."""
+    if name == "auto":
+        return "hunyuan" if is_hunyuan(model) else "generic"
+    return name

@@ -293,6 +293,10 @@ class CommonSettings(BaseSettings):
         description="vllm: auto | hunyuan | chat | a literal template containing {prompt} (part of the cache key)",
     )
     openai_prompt: str = Field(default=SPOTTING_PROMPT, description="openai: the prompt (part of the cache key)")
+    # Tasks other than ocr on the VLM engines (services/infer/engines/dialects)
+    vlm_dialect: Literal["auto", "hunyuan", "generic"] = Field(
+        default="auto", description="vllm/openai: prompts, sampling and parsers of the tasks other than ocr; auto = "
+                                    "hunyuan for a model named like HunyuanOCR, else generic (plain English prompts)")
     tasks: tuple[Annotated[str, StringConstraints(min_length=1, max_length=64)], ...] = Field(
         default=tuple(TASKS), min_length=1,
         description="the tasks a request may name, drawn from the registry (schemas/tasks.py: ocr, doc_parse, "
@@ -364,7 +368,11 @@ class CommonSettings(BaseSettings):
         Every stage computes keys through this, so they agree."""
         kind = self.engine_kind or self.engine.engine
         prompt = ""
-        if kind == "vllm":
+        if kind in ("vllm", "openai") and task != "ocr":
+            # the dialect's prompts, sampling and parsers (services/infer/engines/dialects) as
+            # configured: ``auto`` resolves by the engine's model name, which is in the key already
+            prompt = f"dialect={self.vlm_dialect}"
+        elif kind == "vllm":
             prompt = f"{self.vllm_prompt_template}\n{self.vllm_prompt}"
         elif kind == "openai":
             prompt = self.openai_prompt

@@ -28,7 +28,7 @@ from services.common.handler import Handler, Outgoing, Record
 from services.common.s3 import ObjectStore
 from services.common.telemetry import StatusCode, Telemetry
 from services.common.textlines import group_lines
-from schemas.tasks import TASKS
+from schemas.tasks import TASKS, TaskParams, task_variant
 from services.infer.engines.base import (EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine,
                                           UnparsableOutput, UnsupportedTask)
 from services.infer.loading import Item, Loader
@@ -455,7 +455,7 @@ class InferHandler(Handler):
         it.timings["queue_infer"] = min(it.timings.get("queue_infer", 0.0), max(0.0, stay - work))
         it.timings["batch_wait"] = max(0.0, stay - work - it.timings["queue_infer"])
         timings = dict(req.timings_ms, **{k: round(v, 3) for k, v in it.timings.items()})
-        own = self._generation(req.task)
+        own = self._generation(req.task, req.task_params)
         cacheable = generation_matches(ev.cache_key, own)
         common = dict(
             request=req.model_copy(update={"timings_ms": timings}), cache_key=ev.cache_key,
@@ -489,11 +489,13 @@ class InferHandler(Handler):
                 span.set_status(StatusCode.ERROR, it.error.code.value)
         return Outgoing(self.s.topics.results, req.content_sha256, dumps(result), headers)
 
-    def _generation(self, task: str) -> CacheGeneration:
-        """This process's cache generation for ``task`` (settings are fixed: remembered per task)."""
-        gen = self._gens.get(task)
+    def _generation(self, task: str, params: TaskParams | None = None) -> CacheGeneration:
+        """This process's cache generation for ``task`` with ``params`` (settings are fixed:
+        remembered per task variant, :func:`schemas.tasks.task_variant`)."""
+        variant = task_variant(task, params)
+        gen = self._gens.get(variant)
         if gen is None:
-            gen = self._gens[task] = self.s.generation(task)
+            gen = self._gens[variant] = self.s.generation(task, params)
         return gen
 
     def poison(self, record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:

@@ -64,7 +64,3 @@ class InferSettings(CommonSettings):
     openai_image_format: Literal["png", "jpeg"] = Field(default="png", description="encoding of the inline image (png lossless, jpeg quality 95)")
     openai_repetition_penalty: float = Field(default=1.0, gt=0, description="1.0 = off, as vLLM's HunyuanOCR recipe")
     openai_extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields (JSON)")
-    # Tasks other than ocr on the VLM engines (services/infer/engines/dialects)
-    vlm_dialect: Literal["auto", "hunyuan", "generic"] = Field(
-        default="auto", description="vllm/openai: prompts, sampling and parsers of the tasks other than ocr; auto = "
-                                    "hunyuan for a model named like HunyuanOCR, else generic (plain English prompts)")

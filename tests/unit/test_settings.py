@@ -256,3 +256,24 @@ def test_the_door_reads_fields_and_the_target_language_and_says_why_it_refuses_t
             SubmitOptions.parse(fields, s)
         assert (exc.value.status, exc.value.code) == (400, "invalid_request")
         assert why in exc.value.message, (fields, exc.value.message)
+
+
+def test_the_vlm_dialect_is_in_the_key_of_every_task_but_ocr(monkeypatch):
+    from services.common.settings import CommonSettings
+
+    for var in ("OCRSTREAM_TASKS", "OCRSTREAM_ENGINE_MAX_SIDE", "OCRSTREAM_VLM_DIALECT", "OCRSTREAM_OPENAI_PROMPT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OCRSTREAM_ENGINE_KIND", "openai")
+    auto = CommonSettings()
+    monkeypatch.setenv("OCRSTREAM_VLM_DIALECT", "generic")
+    generic = CommonSettings()
+    # ocr keeps the spotting prompt in its key: the dialect plays no part in it
+    assert auto.generation("ocr").gen_id == generic.generation("ocr").gen_id
+    assert "prompt=" in auto.generation("ocr").options
+    # every other task: the dialect as configured, so switching it is another key
+    assert auto.generation("doc_parse").gen_id != generic.generation("doc_parse").gen_id
+    assert auto.generation("doc_parse").options != auto.generation("ocr").options
+    # rapidocr has no dialect: its keys ignore the setting
+    monkeypatch.setenv("OCRSTREAM_ENGINE_KIND", "rapidocr")
+    assert CommonSettings().generation("doc_parse").gen_id == CommonSettings(vlm_dialect="auto").generation(
+        "doc_parse").gen_id

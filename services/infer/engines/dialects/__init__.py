@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from schemas.tasks import TASKS
+from services.common.prompts import is_hunyuan, resolve_dialect  # noqa: F401 - is_hunyuan re-exported
 from services.infer.engines.base import EngineOutput, EngineTask, UnparsableOutput
 from services.infer.engines.dialects import parsers
 
@@ -100,19 +101,13 @@ DIALECT_NAMES = ("hunyuan", "generic")
 """The dialects of this build (:func:`dialect` builds them)."""
 
 
-def is_hunyuan(model: str) -> bool:
-    """True for a model named like HunyuanOCR (any case, ``-``/``_`` ignored)."""
-    return "hunyuanocr" in model.lower().replace("-", "").replace("_", "")
-
-
 def dialect(name: str, model: str = "") -> Dialect:
     """The dialect ``name``; ``auto``: ``hunyuan`` when ``model`` is named like HunyuanOCR, else ``generic``.
 
     Raises:
         ValueError: an unknown dialect.
     """
-    if name == "auto":
-        name = "hunyuan" if is_hunyuan(model) else "generic"
+    name = resolve_dialect(name, model)
     cls = _dialects().get(name)
     if cls is None:
         raise ValueError(f"unknown dialect {name!r}: use auto, {', '.join(DIALECT_NAMES)}")
