@@ -7,7 +7,7 @@ import logging
 import ssl
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import TopicAlreadyExistsError
@@ -196,21 +196,3 @@ async def check_copartitioned(cfg: KafkaSettings, names: list[str], timeout_s: f
     if any(counts.get(n, 0) == 0 for n in names) or len(set(counts.values())) != 1:
         raise SystemExit(f"topics {', '.join(f'{n} ({counts.get(n, 0)} partitions)' for n in names)} must exist "
                          "with the same partition count: run `ocrstream init`, or add partitions so they match")
-
-
-async def consumer_lag(consumer: AIOKafkaConsumer) -> dict[TopicPartition, int]:
-    """Lag per assigned partition (highwater - position, records), skipping partitions without a
-    highwater or a position yet, and any revoked during the call (``highwater`` would assert)."""
-    lags: dict[TopicPartition, int] = {}
-    for tp in consumer.assignment():
-        if tp not in consumer.assignment():
-            continue  # revoked during an earlier ``await position``
-        high = consumer.highwater(tp)
-        if high is None:
-            continue
-        try:
-            pos = await asyncio.wait_for(consumer.position(tp), 0.5)
-        except Exception:  # noqa: BLE001 - no position yet (being reset) or a rebalance: skip this time
-            continue
-        lags[tp] = max(0, high - pos)
-    return lags

@@ -28,11 +28,9 @@ class Revocations(ConsumerRebalanceListener):
         self._runner = runner
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Let the last batch's commit finish; with ``drain_on_revoke``, wait for the batch in flight
-        to be committed too; then drop the
+        """With ``drain_on_revoke``, wait for the batch in flight to be committed first; then drop the
         runner's unhandled records of ``revoked``; bar the batch in flight from committing them;
         clear their in-progress marks (a rebalance is not a death); tell the handler."""
-        await self._runner._commit_before_revoke()
         await self._runner._drain_for_revoke()
         self._runner._revoke(set(revoked))
         await self._runner._unmark(set(revoked))

@@ -9,17 +9,27 @@ Delivery contract (at least once, idempotent writes downstream):
    (``fetcher_idle_time``), so the consumer never exceeds it however long a batch takes;
    heartbeats flow from aiokafka's background task.
 3. Every message the batch caused is produced and acknowledged (``acks=all``).
-4. Only then are offsets committed, and only for partitions this consumer still owns. The commit
-   is only *started*: the next batch is fetched and handled while the broker acknowledges it
-   (commits stay in order; the loop waits for it before the next commit, a revocation or a stop).
+4. Only then are offsets committed, and only for partitions this consumer still owns: after a
+   rebalance the old owner never commits for a partition it lost (see :class:`Revocations`).
 
-Rebalances (aiokafka 0.12, eager protocol; docs/delivery.md "Rebalances"): ``on_partitions_revoked``
-runs in aiokafka's coordination task, at any ``await`` of the loop, and does not wait for the batch
-in flight (a GPU batch may take minutes), except with ``drain_on_revoke``. Fetched records of
-revoked partitions not handled yet are dropped (their prefetches forgotten, ``Handler.forget``);
-the batch in flight finishes and is produced, but no offset of a revoked partition is committed
-for it, even if the partition comes back. The new owner redoes those records; every write
-downstream is idempotent (keyed by the content hash), so a request still ends with one final state.
+Rebalances (aiokafka 0.12, eager protocol): ``on_partitions_revoked`` runs in aiokafka's
+background coordination task, not inside ``getmany``, so it can run at any ``await`` of the
+loop -- while the handler runs, while the batch is produced, while the next batch is assembled.
+From the moment the revoke starts until the new assignment arrives, ``getmany`` does not return
+(it waits for the assignment), so every record fetched after the callback belongs to the new
+assignment. The callback does not wait for the batch in flight (a GPU batch may take minutes;
+the whole group would wait for it); instead:
+
+* records of revoked partitions that were fetched but not yet handled (the carry buffer and the
+  batch being assembled) are dropped, and their prefetches are forgotten (``Handler.forget``);
+  a partition that comes back is fetched again from its committed offset;
+* the batch in flight finishes and its messages are produced, but no offset of a revoked
+  partition is committed for it, even if the partition is assigned back meanwhile (its fetch
+  position restarts at the committed offset, before that batch's records).
+
+Results the old owner already produced for records of a lost partition stay: the new owner
+redoes those records and every write downstream is idempotent (keyed by the content hash), so
+a request still ends with one final state.
 
 Records: every fetched record is decoded into a :class:`~services.common.records.Record` (its
 value parsed into the event model the handler declared for its topic, :meth:`Handler.consumes`);
@@ -62,7 +72,7 @@ from schemas.errors import ErrorCode
 from services.common.deaths import DeathLedger, ReadCommitted
 from services.common.errors import OcrError, is_transient
 from services.common.handler import Handler
-from services.common.kafka import Outgoing, consumer_lag
+from services.common.kafka import Outgoing
 from services.common.producing import BatchProducer
 from services.common.rebalance import Revocations
 from services.common.records import Decoder, Record
@@ -171,83 +181,40 @@ class StageRunner:
         self._ready.set()
         self.drain_on_revoke = drain_on_revoke
         self.drain_timeout_s = drain_timeout_s
-        self._between_batches = asyncio.Event()  # set while no batch is in flight (produced but not committed counts)
+        self._between_batches = asyncio.Event()  # set while no batch is in flight
         self._between_batches.set()
-        self._unfinished = 0  # batches (and housekeeping rounds) begun and not yet committed
-        self._commit_task: asyncio.Future | None = None  # the last batch's commit, awaiting its acknowledgement
         self._revoking = False
 
     # -- public -------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         """Loop until ``stop`` is set. The batch in progress is finished and committed first."""
-        try:
-            while not stop.is_set():
-                records = await self._next_batch()
-                if not records:
-                    await self._idle()
-                    continue
-                self.telemetry.batch_in(self.stage, records)
-                started = time.perf_counter()
-                await self._ready.wait()
-                self._in_progress()
-                pipelined = False
-                try:
-                    if self.deaths is not None and self.deaths.any_suspect(records):
-                        await self._settle_commit()  # the one-by-one marks go out at once
-                        await self._one_by_one(records, stop)
-                    else:
-                        await self._batch(records, commit_now=False)
-                        pipelined = True
-                finally:
-                    if not pipelined:
-                        self._in_progress(-1)
-                self._in_flight = []
-                self.telemetry.batch_done(self.stage, len(records), time.perf_counter() - started)
-                await self._idle()  # housekeeping runs under load too (at most once a second)
-        finally:
-            await self._settle_commit()
+        while not stop.is_set():
+            records = await self._next_batch()
+            if not records:
+                await self._idle()
+                continue
+            self.telemetry.batch_in(self.stage, records)
+            started = time.perf_counter()
+            await self._ready.wait()
+            self._between_batches.clear()
+            try:
+                if self.deaths is not None and self.deaths.any_suspect(records):
+                    await self._one_by_one(records, stop)
+                else:
+                    await self._batch(records)
+            finally:
+                self._between_batches.set()
+            self._in_flight = []
+            self.telemetry.batch_done(self.stage, len(records), time.perf_counter() - started)
+            await self._idle()  # housekeeping runs under load too (at most once a second)
 
-    async def _batch(self, records: list[Record], commit_now: bool = True) -> None:
-        """Mark, handle, produce, commit. With ``commit_now`` false the commit is only started
-        (:meth:`_commit_later`): the next batch is handled while the broker acknowledges it
-        (``group.coordinator.append.linger.ms``, 5 ms on Kafka 4, and a round trip); commits keep their order."""
+    async def _batch(self, records: list[Record]) -> None:
+        """Mark, handle, produce, commit."""
         await self._mark(records)
         outgoing = await self._with_keepalive(self._process(records))
         await self._produce(outgoing)
         await self._retrying(self.handler.after_produce)
-        if commit_now:
-            await self._commit(records)
-        else:
-            await self._commit_later(records)
-
-    def _in_progress(self, n: int = 1) -> None:
-        """Count a batch (or housekeeping round) begun (``n`` = 1) or finished, committed included (-1)."""
-        self._unfinished = max(0, self._unfinished + n)
-        (self._between_batches.clear if self._unfinished else self._between_batches.set)()
-
-    async def _commit_later(self, records: list[Record]) -> None:
-        """Start the commit of ``records`` (after the previous one has finished, so an error in it
-        is raised here) and return; the batch counts as finished once the commit has."""
-        await self._settle_commit()
-        task = asyncio.ensure_future(self._commit(records, self._lost))
-        task.add_done_callback(lambda _t: self._in_progress(-1))
-        self._commit_task = task
-
-    async def _commit_before_revoke(self) -> None:
-        """Revocation callback: let the commit started by :meth:`_commit_later` finish (at most
-        ``drain_timeout_s``), so a finished batch is not redone by the next owner."""
-        if (task := self._commit_task) is None or task.done():
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(task), self.drain_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the rebalance goes on; the loop sees the error
-            log.warning("%s: the last batch's commit did not finish before a revocation: %r", self.stage, exc)
-
-    async def _settle_commit(self) -> None:
-        """Wait for the commit started by :meth:`_commit_later`, if any; re-raises its error."""
-        task, self._commit_task = self._commit_task, None
-        if task is not None:
-            await task
+        await self._commit(records)
 
     async def _one_by_one(self, records: list[Record], stop: asyncio.Event) -> None:
         """A batch holding a record with a death: each record alone, marked alone; a record with
@@ -407,7 +374,7 @@ class StageRunner:
             return
         self._last_idle = now
         await self._report_lag()
-        self._in_progress()  # a revocation with drain_on_revoke waits for housekeeping too
+        self._between_batches.clear()  # a revocation with drain_on_revoke waits for housekeeping too
         try:
             try:
                 out = await self.handler.on_idle()
@@ -418,7 +385,7 @@ class StageRunner:
                 await self._produce(out)
                 await self._retrying(self.handler.after_produce)
         finally:
-            self._in_progress(-1)
+            self._between_batches.set()
 
     async def _with_keepalive(self, coro):
         """Run ``coro`` (the batch) while the consumer keeps polling.
@@ -566,24 +533,33 @@ class StageRunner:
         if now - self._last_lag < 1.0:
             return
         self._last_lag = now
-        lags = await consumer_lag(self.consumer)
+        lags: dict[TopicPartition, int] = {}
+        for tp in self.consumer.assignment():
+            if tp not in self.consumer.assignment():
+                continue  # revoked during an earlier ``await position``: highwater() would assert
+            high = self.consumer.highwater(tp)
+            if high is None:
+                continue
+            try:
+                pos = await asyncio.wait_for(self.consumer.position(tp), 0.5)
+            except Exception:  # no position yet (being reset) or a rebalance: skip this time
+                continue
+            lags[tp] = max(0, high - pos)
         self.telemetry.lag(self.stage, lags)
 
-    async def _commit(self, records: list[Record], lost: set[TopicPartition] | None = None) -> None:
+    async def _commit(self, records: list[Record]) -> None:
         """Commit the next offset of every partition in the batch that was not revoked while the
-        batch was in flight (``lost``: the batch's set of revoked partitions, by default the
-        batch in flight's) and is still assigned."""
+        batch was in flight and is still assigned."""
         last: dict[TopicPartition, int] = defaultdict(lambda: -1)
         for r in records:
             tp = TopicPartition(r.topic, r.partition)
             last[tp] = max(last[tp], r.offset)
         async with self._commit_lock:
             owned = self.consumer.assignment()
-            lost = self._lost if lost is None else lost
-            offsets = {tp: off + 1 for tp, off in last.items() if tp in owned and tp not in lost}
-            if skipped := set(last) - set(offsets):
-                log.warning("%s: not committing %s: partitions were revoked during the batch", self.stage,
-                            sorted(skipped))
+            offsets = {tp: off + 1 for tp, off in last.items() if tp in owned and tp not in self._lost}
+            lost = set(last) - set(offsets)
+            if lost:
+                log.warning("%s: not committing %s: partitions were revoked during the batch", self.stage, sorted(lost))
             if not offsets:
                 return
             try:
