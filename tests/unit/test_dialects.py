@@ -149,3 +149,24 @@ async def test_openai_engine_max_tokens_capped_by_its_own():
         await eng.ocr([page(OK)], EngineTask("doc_parse"), timeout_s=10)
         assert srv.requests[-1]["body"]["max_tokens"] == 1000
         await eng.close()
+
+
+def test_cut_answer_with_a_raw_newline_or_a_bad_escape_keeps_the_other_pairs():
+    """A cut answer's pairs are read one by one: a value with a raw line break is read as it is
+    (JSON forbids it, models write it), a pair with an invalid escape is skipped; neither raises
+    (a ValueError out of the parser failed the whole engine batch)."""
+    cut = '{"address": "1 Main St\nSpringfield", "id": "A\\uZZ12", "total": "9.5", "date": "2024-'
+    f, w = parsers.parse_fields(cut, ("address", "id", "total", "date"), (WARNING_TRUNCATED_MAX_TOKENS,))
+    assert f == {"address": "1 Main St\nSpringfield", "id": None, "total": "9.5", "date": None}
+    assert w == (WARNING_TRUNCATED_MAX_TOKENS,)
+
+
+@pytest.mark.parametrize(("answer", "value"), [
+    ("{'a': b'x'}", "b'x'"), ("{'a': {1, 2}}", "{1, 2}"), ("{'a': ...}", "Ellipsis"), ("{'a': 1j}", "1j"),
+    ("{'a': {(1, 2): 'x'}}", "{(1, 2): 'x'}"),
+])
+def test_python_literal_values_json_cannot_write_are_kept_as_text(answer, value):
+    """A Python-literal answer may hold bytes, sets, complex numbers, Ellipsis or tuple keys:
+    each is the value's text, never a TypeError out of the parser."""
+    f, _ = parsers.parse_fields(answer, ("a",))
+    assert f == {"a": value}

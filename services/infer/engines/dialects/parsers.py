@@ -65,12 +65,16 @@ def parse_text(text: str, warnings: tuple[str, ...] = ()) -> tuple[str, tuple[st
 
 def _as_value(v) -> str | None:
     """A field's value as the result holds it: None stays None, strings as they are, numbers
-    and booleans as JSON writes them, lists and objects as compact JSON text."""
+    and booleans as JSON writes them, lists and objects as compact JSON text, a Python literal JSON
+    cannot write (bytes, a set, complex, a tuple key) as its ``str``."""
     if v is None:
         return None
     if isinstance(v, str):
         return v
-    return json.dumps(v, ensure_ascii=False)
+    try:
+        return json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):  # a Python literal JSON cannot write (bytes, a set, a tuple key): its text
+        return str(v)
 
 
 def _norm(key: str) -> str:
@@ -146,7 +150,12 @@ def parse_fields(text: str, fields: tuple[str, ...],
         if obj is not None:
             break
     if obj is None and (WARNING_TRUNCATED_MAX_TOKENS in warnings or trimmed):
-        pairs = {json.loads(f'"{k}"'): json.loads(v) for k, v in _PAIR.findall(body)}
+        pairs = {}
+        for k, v in _PAIR.findall(body):
+            try:  # strict=False: a raw line break inside a string, as models write them
+                pairs[json.loads(f'"{k}"', strict=False)] = json.loads(v, strict=False)
+            except ValueError:  # an invalid escape: that pair is not read
+                continue
         obj = pairs or None
     if obj is None:
         raise UnparsableOutput(f"extract: no JSON object in the model's answer of {len(text or '')} characters",
