@@ -170,3 +170,11 @@ def test_python_literal_values_json_cannot_write_are_kept_as_text(answer, value)
     each is the value's text, never a TypeError out of the parser."""
     f, _ = parsers.parse_fields(answer, ("a",))
     assert f == {"a": value}
+
+
+def test_a_complete_answer_with_a_raw_line_break_in_a_value_is_read():
+    """Models write a multi-line value (an address) with a raw line break inside the string: the
+    JSON is read anyway (not ``unparsable_output``)."""
+    f, w = parsers.parse_fields('```json\n{"address": "1 Main St\nSpringfield", "total": "9.5"}\n```',
+                                ("address", "total"))
+    assert f == {"address": "1 Main St\nSpringfield", "total": "9.5"} and w == ()

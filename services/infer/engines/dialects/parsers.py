@@ -100,7 +100,7 @@ def _load(candidate: str):
     if not s or s[0] not in "{[":
         return None
     try:
-        return json.loads(s)
+        return json.loads(s, strict=False)  # a raw line break inside a string, as models write them
     except (ValueError, RecursionError):
         pass
     try:
