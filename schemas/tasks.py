@@ -19,6 +19,7 @@ parser in each dialect that can do it (``docs/tasks.md``).
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 from dataclasses import dataclass
 from typing import Literal
 
@@ -78,7 +79,8 @@ class TaskParams(BaseModel):
 
     Attributes:
         fields: ``extract``: the field names, in the order the answer lists them (1 to
-            :data:`MAX_FIELDS`, each 1 to :data:`MAX_FIELD_CHARS` characters, trimmed).
+            :data:`MAX_FIELDS`, each 1 to :data:`MAX_FIELD_CHARS` characters, trimmed, no control
+            characters).
         target_lang: ``translate``: the target language, a code of :data:`LANGUAGES`.
     """
 
@@ -110,7 +112,9 @@ def validate_task(task: str, params: TaskParams | dict | None) -> TaskParams | N
 
     Raises:
         TaskError: unknown task, a missing or unexpected parameter, an empty or over-long field
-            list or field name, or a target language not in :data:`LANGUAGES`.
+            list or field name, a field name with a control character (a line break, ``\\x1f``:
+            the separator of the names in :func:`task_variant`), or a target language not in
+            :data:`LANGUAGES`.
     """
     spec = task_spec(task)
     if params is None:
@@ -139,6 +143,8 @@ def validate_task(task: str, params: TaskParams | dict | None) -> TaskParams | N
                 raise TaskError("fields: a field name is empty")
             if len(f) > MAX_FIELD_CHARS:
                 raise TaskError(f"fields: {f[:20]!r}... is longer than {MAX_FIELD_CHARS} characters")
+            if any(unicodedata.category(ch) == "Cc" for ch in f):  # \x1f joins the names in the cache key
+                raise TaskError(f"fields: {f[:20]!r} holds a control character")
         return TaskParams(fields=tuple(dict.fromkeys(names)))
     if p.target_lang is not None:
         if p.target_lang not in LANGUAGES:

@@ -47,3 +47,13 @@ def test_variant_puts_parameters_in_the_key_and_ignores_field_order():
     assert task_variant("translate", validate_task("translate", {"target_lang": "en"})) == "translate:en"
     assert task_variant("ocr", validate_task("ocr", None)) == "ocr"
     assert validate_task("doc_parse", None) is None
+
+
+@pytest.mark.parametrize("name", ["a\x1fb", "a\nb", "a\tb", "a\x00"])
+def test_a_field_name_with_a_control_character_is_refused(name):
+    """The variant joins the sorted names with \\x1f: ``["a\\x1fb"]`` and ``["a", "b"]`` would be one
+    cache key (one caller's answer served to the other); a line break or NUL would also reach the
+    prompt. Control characters are refused."""
+    with pytest.raises(TaskError) as exc:
+        validate_task("extract", {"fields": [name, "c"]})
+    assert "control character" in str(exc.value)
