@@ -178,3 +178,12 @@ def test_a_complete_answer_with_a_raw_line_break_in_a_value_is_read():
     f, w = parsers.parse_fields('```json\n{"address": "1 Main St\nSpringfield", "total": "9.5"}\n```',
                                 ("address", "total"))
     assert f == {"address": "1 Main St\nSpringfield", "total": "9.5"} and w == ()
+
+
+def test_a_key_one_field_names_exactly_is_never_copied_to_a_look_alike_field():
+    from services.infer.engines.dialects.parsers import parse_fields
+
+    fields, _ = parse_fields('{"ab": "1"}', ("a b", "ab"))
+    assert fields == {"a b": None, "ab": "1"}
+    fields, _ = parse_fields('{"Invoice Number": "INV-7"}', ("invoice number",))
+    assert fields == {"invoice number": "INV-7"}  # the loose match still reads a key in another case

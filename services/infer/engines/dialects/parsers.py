@@ -161,9 +161,13 @@ def parse_fields(text: str, fields: tuple[str, ...],
         raise UnparsableOutput(f"extract: no JSON object in the model's answer of {len(text or '')} characters",
                                text or "", warnings)
     exact = {str(k): v for k, v in obj.items()}
+    # a key another requested field names exactly is that field's alone: a loose match never
+    # copies it to a second field ("ab" answered, "a b" and "ab" asked: only "ab" gets it)
+    taken = {f for f in fields if f in exact}
     loose = {}
-    for k, v in obj.items():
-        loose.setdefault(_norm(k), v)
+    for k, v in exact.items():
+        if k not in taken:
+            loose.setdefault(_norm(k), v)
     out: dict[str, str | None] = {}
     for f in fields:
         v = exact[f] if f in exact else loose.get(_norm(f))
