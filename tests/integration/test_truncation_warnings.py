@@ -40,7 +40,7 @@ class CutEngine(OcrEngine):
     async def start(self) -> None:
         self.ready = True
 
-    async def ocr(self, images, timeout_s):
+    async def ocr(self, images, task, timeout_s):
         return [EngineOutput([Segment([[10, 10], [200, 10], [200, 40], [10, 40]], "CUT HERE", 1.0)], 1.0,
                              ("truncated_max_tokens",)) for _ in images]
 

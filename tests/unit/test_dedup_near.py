@@ -107,7 +107,7 @@ def put_image(store: MemoryStore, data: bytes) -> RequestEvent:
 
 
 def handle(handler: DedupHandler, req: RequestEvent):
-    rec = Decoder(handler.consumes())(ConsumerRecord("ocr.requests", 0, 0, 0, 0, None, dumps(req), None, 0, 0, []))
+    rec = Decoder(handler.consumes())(ConsumerRecord(handler.s.topics.requests, 0, 0, 0, 0, None, dumps(req), None, 0, 0, []))
     [out] = asyncio.run(handler.handle([rec]))
     return out.topic, orjson.loads(out.value)
 

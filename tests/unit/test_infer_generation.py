@@ -36,7 +36,7 @@ def _results(settings: InferSettings, key_settings: InferSettings) -> tuple[list
     handler = InferHandler(settings, MemoryStore({"s3://b/i": png(300, 100)}), ScriptedEngine(), telemetry)
     ev = InferEvent(request=RequestEvent(request_id="r1", content_sha256=SHA, image_uri="s3://b/i"),
                     cache_key=cache_key(SHA, key_settings.generation("ocr")))
-    rec = Decoder(handler.consumes())(ConsumerRecord("ocr.infer", 0, 0, 0, 0, None, dumps(ev), None, 0, 0, []))
+    rec = Decoder(handler.consumes())(ConsumerRecord(settings.topics.infer, 0, 0, 0, 0, None, dumps(ev), None, 0, 0, []))
     out = asyncio.run(handler.handle([rec]))
     return [ResultEvent.model_validate(orjson.loads(o.value)) for o in out], telemetry
 
