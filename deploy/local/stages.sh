@@ -31,7 +31,8 @@ case "${1:-}" in
       fi
       rm -f "$PIDS/stage-$st.pid"
       # the stage records its own pid (bash execs python), so stop signals the stage itself
-      (cd "$ROOT" && env "${PORT_VAR[$st]}=${PORT[$st]}" setsid nohup bash -c \
+      # exec: no bash waits on the stage holding the caller's stdout (a pipe would never close)
+      (cd "$ROOT" && exec env "${PORT_VAR[$st]}=${PORT[$st]}" setsid nohup bash -c \
         'echo $$ >"$0"; exec "$1" -m "$2"' "$PIDS/stage-$st.pid" "$PY" "${MODULE[$st]}" \
         >>"$LOGS/stage-$st.log" 2>&1 </dev/null &)
       for _ in $(seq 1 50); do [[ -s "$PIDS/stage-$st.pid" ]] && break; sleep 0.1; done
