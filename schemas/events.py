@@ -10,13 +10,13 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.tasks import TaskParams
 from schemas.errors import ErrorCode
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
+from schemas.tasks import TaskParams
 
 
 def new_id() -> str:
@@ -42,6 +42,21 @@ _WARNINGS_DOC = ("why an ok result may be incomplete: 'truncated_repetition' (ge
                  "runaway-repetition guard), 'truncated_max_tokens' (generation hit its token cap) or "
                  "'unparsed_output' (the model's answer had no text-with-box entry: its text is one line "
                  "boxing the whole page, confidence 0); empty when complete")
+
+
+# The task fields (schemas/tasks.py), defined once: on the submission and the request, and the
+# task's answer on the result event, the result document and the stored output.
+TaskParamsField = Annotated[TaskParams | None, Field(
+    description="the task's parameters (extract: fields; translate: target_lang); schemas/tasks.py")]
+Markdown = Annotated[str | None, Field(
+    description="doc_parse, chart: the page as Markdown (tables as HTML, formulas as LaTeX)")]
+Html = Annotated[str | None, Field(description="table: the table(s) as HTML")]
+Latex = Annotated[str | None, Field(description="formula: the formula(s) as LaTeX")]
+Fields = Annotated[dict[str, str | None] | None, Field(
+    description="extract: each requested field, in the order asked, its value or null where absent")]
+Translation = Annotated[str | None, Field(description="translate: the text in task_params.target_lang")]
+RawOutput = Annotated[str | None, Field(
+    description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")]
 
 
 class _Frozen(BaseModel):
@@ -127,8 +142,7 @@ class SubmitEvent(_Frozen):
     image_uri: str | None = Field(default=None, pattern=r"^s3://[^/]+/.+")
     filename: str | None = Field(default=None, max_length=512)
     task: str = Field(default="ocr", max_length=64)
-    task_params: TaskParams | None = Field(
-        default=None, description="the task's parameters (extract: fields; translate: target_lang); schemas/tasks.py")
+    task_params: TaskParamsField = None
     source: str = Field(default="default", max_length=64)
     callback_url: str | None = Field(default=None, max_length=2048)
     submitted_at_ms: int = Field(default_factory=now_ms)
@@ -181,8 +195,7 @@ class RequestEvent(_Frozen):
     height: int | None = None
     frames: int = 1
     task: str = "ocr"
-    task_params: TaskParams | None = Field(
-        default=None, description="the task's parameters (extract: fields; translate: target_lang); schemas/tasks.py")
+    task_params: TaskParamsField = None
     source: str = "default"
     filename: str | None = None
     callback_url: str | None = None
@@ -253,14 +266,12 @@ class ResultEvent(_Frozen):
     model_revision: str | None = None
     pages: list[Page] = Field(default_factory=list)
     lines: list[Line] = Field(default_factory=list)
-    markdown: str | None = Field(default=None, description="doc_parse, chart: the page as Markdown (tables as HTML, formulas as LaTeX)")
-    html: str | None = Field(default=None, description="table: the table(s) as HTML")
-    latex: str | None = Field(default=None, description="formula: the formula(s) as LaTeX")
-    fields: dict[str, str | None] | None = Field(
-        default=None, description="extract: each requested field, in the order asked, its value or null where absent")
-    translation: str | None = Field(default=None, description="translate: the text in task_params.target_lang")
-    raw_output: str | None = Field(
-        default=None, description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")
+    markdown: Markdown = None
+    html: Html = None
+    latex: Latex = None
+    fields: Fields = None
+    translation: Translation = None
+    raw_output: RawOutput = None
     warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
     result_uri: str | None = None
     cacheable: bool = Field(
@@ -316,18 +327,15 @@ class ResultDocument(_Frozen):
     pages: list[Page] = Field(default_factory=list)
     lines: list[Line] = Field(default_factory=list)
     text: str = ""
-    markdown: str | None = Field(default=None, description="doc_parse, chart: the page as Markdown (tables as HTML, formulas as LaTeX)")
-    html: str | None = Field(default=None, description="table: the table(s) as HTML")
-    latex: str | None = Field(default=None, description="formula: the formula(s) as LaTeX")
-    fields: dict[str, str | None] | None = Field(
-        default=None, description="extract: each requested field, in the order asked, its value or null where absent")
-    translation: str | None = Field(default=None, description="translate: the text in task_params.target_lang")
-    raw_output: str | None = Field(
-        default=None, description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")
+    markdown: Markdown = None
+    html: Html = None
+    latex: Latex = None
+    fields: Fields = None
+    translation: Translation = None
+    raw_output: RawOutput = None
     warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
     task: str = "ocr"
-    task_params: TaskParams | None = Field(
-        default=None, description="the task's parameters (extract: fields; translate: target_lang); schemas/tasks.py")
+    task_params: TaskParamsField = None
     source: str = "default"
     filename: str | None = None
     result_uri: str | None = None
@@ -361,19 +369,16 @@ class OcrOutput(_Frozen):
     model: str
     model_revision: str
     task: str
-    task_params: TaskParams | None = Field(
-        default=None, description="the task's parameters (extract: fields; translate: target_lang); schemas/tasks.py")
+    task_params: TaskParamsField = None
     pages: list[Page]
     lines: list[Line]
     text: str
-    markdown: str | None = Field(default=None, description="doc_parse, chart: the page as Markdown (tables as HTML, formulas as LaTeX)")
-    html: str | None = Field(default=None, description="table: the table(s) as HTML")
-    latex: str | None = Field(default=None, description="formula: the formula(s) as LaTeX")
-    fields: dict[str, str | None] | None = Field(
-        default=None, description="extract: each requested field, in the order asked, its value or null where absent")
-    translation: str | None = Field(default=None, description="translate: the text in task_params.target_lang")
-    raw_output: str | None = Field(
-        default=None, description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")
+    markdown: Markdown = None
+    html: Html = None
+    latex: Latex = None
+    fields: Fields = None
+    translation: Translation = None
+    raw_output: RawOutput = None
     created_at_ms: int = Field(default_factory=now_ms)
     near_duplicate_of: str | None = Field(
         default=None, description="SHA-256 of the image this output was copied from (near duplicate), boxes rescaled"
