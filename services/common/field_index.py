@@ -86,7 +86,8 @@ async def record_extraction(store: ObjectStore, cache_key: str, gen: CacheGenera
     return okey
 
 
-async def find_extractions(store: ObjectStore, cache_key: str, gen: CacheGeneration, fields: Iterable[str]) -> list[str]:
+async def find_extractions(store: ObjectStore, cache_key: str, gen: CacheGeneration,
+                           fields: Iterable[str]) -> list[str]:
     """The cache keys of the stored extractions of ``cache_key``'s image, in its scope and
     ``gen``'s family, that hold every one of ``fields``: fewest fields first, then newest. One
     LIST, then at most :data:`MAX_READ` GETs in parallel. The documents themselves are not

@@ -150,7 +150,8 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
     - the content (``pages``, ``lines``, ``text``, ``warnings``, ``near_duplicate_of``, the
       task's output fields ``markdown``/``html``/``latex``/``fields``/``translation``) is the
       output's, except that an ``extract`` request's ``fields`` (and ``text``) are the fields it
-      asks for, in its order (:func:`answer_fields`: the output may hold more, or another order); without an output (an error, or a result whose output was not stored) the
+      asks for, in its order (:func:`answer_fields`: the output may hold more, or another
+      order); without an output (an error, or a result whose output was not stored) the
       event's pages, warnings and ``raw_output`` (an ``unparsable_output`` error keeps the
       model's answer for inspection) and no lines;
     - ``width``/``height`` are page 1's, else the request's (an error before decoding: None);

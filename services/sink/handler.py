@@ -247,9 +247,10 @@ class SinkHandler(Handler):
     async def _index_fields(self, ev: ResultEvent, output: OcrOutput) -> None:
         """The field index entry of an ``extract`` result just stored
         (:func:`services.common.field_index.record_extraction`), so a request for some of its
-        fields is answered from it. Not for an answer cut short (``truncated_max_tokens``, ``truncated_repetition``: a null may be
-        the cut, not the page), nor for a key this sink's settings would not build (the family in
-        the entry's path must be the key's); a failed write only costs those answers (logged)."""
+        fields is answered from it. Not for an answer cut short (``truncated_max_tokens``,
+        ``truncated_repetition``: a null may be the cut, not the page), nor for a key this sink's
+        settings would not build (the family in the entry's path must be the key's); a failed
+        write only costs those answers (logged)."""
         req = ev.request
         if {WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION} & set(output.warnings):
             return
