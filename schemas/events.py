@@ -231,14 +231,15 @@ class InferEvent(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
-CACHE_TIERS = ("lru", "redis", "s3", "settled", "single_flight", "near")
+CACHE_TIERS = ("lru", "redis", "s3", "settled", "single_flight", "near", "fields")
 """Where a cache hit was answered from (``cache_tier``): ``lru`` dedup's in-process memory (L1),
 ``redis`` the Redis entry (L2), ``s3`` the stored result document (L3), ``settled`` dedup's window
 of keys settled a moment ago, ``single_flight`` the result of the copy that was computed while this
-one waited, ``near`` a verified near duplicate's result. Tiers as named in
+one waited, ``near`` a verified near duplicate's result, ``fields`` (``extract``) a stored extraction
+of the image holding every field asked (of another field list: ``docs/tasks.md``). Tiers as named in
 ``design/ARCHITECTURE.md`` (L1 in-process, L2 Redis, L3 the object store)."""
 
-CacheTier = Literal["lru", "redis", "s3", "settled", "single_flight", "near"]
+CacheTier = Literal["lru", "redis", "s3", "settled", "single_flight", "near", "fields"]
 
 
 class ResultEvent(_Frozen):

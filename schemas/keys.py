@@ -106,3 +106,32 @@ def purge_fence_key(gen_id: str) -> str:
     written by ``ocrstream cache purge``. A stored result document of that generation last
     modified before the fence is not recalled from S3 (it is computed again, and overwritten)."""
     return f"fences/{gen_id}.json"
+
+
+def field_family_id(generation: CacheGeneration) -> str:
+    """12 hex digits naming every ``extract`` generation that differs from ``generation`` only in
+    its field list: the id of the generation whose ``task`` is the bare task name (``extract``
+    for ``extract:<12 hex>``), the engine, model, revision, preprocessing and options unchanged.
+    An index of cached extractions groups them by it (:func:`field_index_prefix`)."""
+    task = generation.task.partition(":")[0]
+    return generation.model_copy(update={"task": task}).gen_id
+
+
+def field_index_prefix(content_sha256: str, family_id: str, scope: str | None = None) -> str:
+    """S3 prefix of the index entries of an image's cached extractions of one family
+    (:func:`field_family_id`) in one cache scope: ``fieldsets/<sha256>/<family>/`` (global) or
+    ``fieldsets/<sha256>/<family>.<scope>/``; one LIST of it finds them all."""
+    return f"fieldsets/{content_sha256}/{family_id}/" if scope is None else \
+        f"fieldsets/{content_sha256}/{family_id}.{scope}/"
+
+
+def field_index_key(cache_key_: str, family_id: str, field_count: int) -> str:
+    """S3 key of the index entry of the extraction stored under ``cache_key_``:
+    ``<field_index_prefix>/<field count>-<gen_id>.json`` (the count in the name lets a reader
+    skip, from the LIST alone, every extraction with fewer fields than it needs).
+
+    Raises:
+        ValueError: ``cache_key_`` is not a cache key (:func:`parse_cache_key`).
+    """
+    gen_id, scope, sha = parse_cache_key(cache_key_)
+    return f"{field_index_prefix(sha, family_id, scope)}{field_count}-{gen_id}.json"

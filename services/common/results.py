@@ -126,6 +126,18 @@ def document_output(doc: ResultDocument) -> OcrOutput:
         warnings=doc.warnings, **_outputs_of(doc))
 
 
+def answer_fields(req: RequestEvent, stored: Mapping[str, str | None] | None) -> dict[str, str | None] | None:
+    """The ``fields`` of ``req``'s answer from a stored extraction's ``stored`` fields: exactly
+    the fields ``req`` asks for, in its order, each with its stored value (None where the stored
+    answer lacks it); None when nothing changes (not an ``extract`` request, no stored fields, or
+    the same fields in the same order), so the stored ``text`` stands. A stored extraction may
+    hold more fields (a hit of tier ``fields``) or the same in another order (the same key)."""
+    asked = req.task_params.fields if req.task_params is not None else None
+    if req.task != "extract" or not asked or stored is None or list(stored) == list(asked):
+        return None
+    return {f: stored.get(f) for f in asked}
+
+
 def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None, *, cache_hit: bool,
                     stored_uri: str | None, completed_at_ms: int, trace_id: str | None,
                     timings_ms: Mapping[str, float] | None = None, total_ms: float | None = None) -> ResultDocument:
@@ -137,7 +149,9 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
       an error result;
     - the content (``pages``, ``lines``, ``text``, ``warnings``, ``near_duplicate_of``, the
       task's output fields ``markdown``/``html``/``latex``/``fields``/``translation``) is the
-      output's; without an output (an error, or a result whose output was not stored) the
+      output's, except that an ``extract`` request's ``fields`` (and ``text``) are the fields it
+      asks for, in its order (:func:`answer_fields`: the output may hold more, or another
+      order); without an output (an error, or a result whose output was not stored) the
       event's pages, warnings and ``raw_output`` (an ``unparsable_output`` error keeps the
       model's answer for inspection) and no lines;
     - ``width``/``height`` are page 1's, else the request's (an error before decoding: None);
@@ -165,6 +179,9 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
     timings = {**req.timings_ms, **(timings_ms or {})}
     timings["total"] = total_ms if total_ms is not None else float(max(0, completed_at_ms - req.submitted_at_ms))
     outputs = _outputs_of(output) if output is not None else {"raw_output": ev.raw_output}
+    text = output.text if output is not None else ""
+    if output is not None and (asked := answer_fields(req, output.fields)) is not None:
+        outputs["fields"], text = asked, task_text(req.task, output.lines, {"fields": asked})
     return ResultDocument(
         request_id=req.request_id,
         status=ev.status,
@@ -181,7 +198,7 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
         height=first.height if first else req.height,
         pages=pages,
         lines=output.lines if output is not None else [],
-        text=output.text if output is not None else "",
+        text=text,
         warnings=output.warnings if output is not None else ev.warnings,
         task=req.task,
         task_params=req.task_params,

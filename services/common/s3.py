@@ -162,6 +162,17 @@ class ObjectStore:
             raise
         return int(meta["LastModified"].timestamp() * 1000)
 
+    async def list_keys(self, prefix: str, max_keys: int = 1000) -> list[tuple[str, int]]:
+        """The objects under ``prefix`` (one LIST, at most ``max_keys``, in key order): ``(key,
+        last modified, epoch ms)`` each; empty when there is none.
+
+        Raises:
+            ClientError: S3 refused the LIST (a 403, a 5xx).
+        """
+        resp = await self._call("list", self.client.list_objects_v2, Bucket=self.bucket, Prefix=prefix,
+                                MaxKeys=max_keys)
+        return [(o["Key"], int(o["LastModified"].timestamp() * 1000)) for o in resp.get("Contents", ())]
+
     async def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
         """Write ``data`` (bytes) at ``key``; overwrites."""
         await self._call("put", self.client.put_object, Bucket=self.bucket, Key=key, Body=data, ContentType=content_type)

@@ -18,6 +18,7 @@ from schemas.tasks import TASKS, TaskError
 from services.common.cache import CacheUnavailable, ResultCache
 from services.common.dlq import oversized_result, poison_messages
 from services.common.events import dumps
+from services.common.field_index import find_extractions
 from services.common.handler import Handler, Outgoing, Record, TopicPartition
 from services.common.results import cache_hit_event
 from services.common.s3 import ObjectStore
@@ -52,6 +53,8 @@ class DedupHandler(Handler):
        inference on its own;
     4. the LRU (L1), Redis (L2), the stored result document in S3 (L3, one HEAD within
        ``s3_tier_timeout_ms``, fenced by ``cache purge``): a hit with that tier;
+       ``extract`` only: an extraction of the image holding every field asked (tier ``fields``,
+       :meth:`_fields`), its key and document, the sink answering only the fields asked;
     5. with near duplicates on, a verified look-alike: a hit (its result is stored under this key
        by the sink, which settles the key);
     6. otherwise it becomes the key's holder and goes to ``ocr.infer``.
@@ -222,6 +225,9 @@ class DedupHandler(Handler):
         if hit is not None:
             settled, tier = hit
             return [self._hit(timed(req), key, settled, tier, headers)], f"hit ({tier})"
+        if params is not None and params.fields is not None and (sup := await self._fields(key, gen, params.fields)):
+            of_key, settled = sup  # an extraction holding every field asked: answered from its document
+            return [self._hit(timed(req), of_key, settled, "fields", headers)], f"hit (fields of {of_key})"
         near_hash, space = None, None
         if self.near is not None and TASKS[req.task].slot == "lines":  # a look-alike's lines, boxes rescaled
             found_near, near_hash, space = await self._near(req, gen)
@@ -252,6 +258,27 @@ class DedupHandler(Handler):
             return Settled(entry.result_uri, entry.created_at_ms), "redis"
         uri = await self._s3_tier(key, fence)
         return (Settled(uri, now_ms()), "s3") if uri is not None else None
+
+    async def _fields(self, key: str, gen, fields: tuple[str, ...]) -> tuple[str, Settled] | None:
+        """An ``extract`` miss answered from another extraction of the image: the key and stored
+        document of the smallest one of the same family and scope whose fields include every one of
+        ``fields`` (:func:`services.common.field_index.find_extractions`, one LIST and a few GETs
+        within ``s3_tier_timeout_ms``), unless its generation's purge fence is newer (one HEAD, as
+        the S3 tier); None when there is none or on any trouble (a miss)."""
+        if self.store is None:
+            return None
+        try:
+            async with asyncio.timeout(self.s.s3_tier_timeout_ms / 1000):
+                found = await find_extractions(self.store, key, gen, fields)
+        except Exception as exc:  # noqa: BLE001 - an optimisation: a miss
+            self.telemetry.cache.labels("dedup", "error", "fields").inc()
+            log.info("dedup: field index lookup for %s failed (%r); a miss", key, exc)
+            return None
+        for of_key in found[:3]:
+            uri = await self._s3_tier(of_key, await self._fence(split_cache_key(of_key)[0]))
+            if uri is not None:
+                return of_key, Settled(uri, now_ms())
+        return None
 
     async def _s3_tier(self, key: str, fence: int) -> str | None:
         """The key's stored result document in S3 (one HEAD within ``s3_tier_timeout_ms``), unless

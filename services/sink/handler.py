@@ -9,7 +9,8 @@ import orjson
 
 from schemas.errors import ErrorCode
 from schemas.events import (
-    CompletedEvent, ErrorInfo, OcrOutput, RequestEvent, ResultDocument, ResultEvent, SettledEvent, now_ms,
+    WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION, CompletedEvent, ErrorInfo, OcrOutput, RequestEvent,
+    ResultDocument, ResultEvent, SettledEvent, now_ms,
 )
 from schemas.keys import request_output_key, result_object_key
 from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
@@ -17,6 +18,7 @@ from services.common.db import Database
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.events import completion_event_id, dumps
+from services.common.field_index import record_extraction
 from services.common.handler import Handler, Outgoing, Record
 from services.common.outputs import OutputLru
 from services.common.results import document_output, ocr_output, result_document
@@ -31,8 +33,10 @@ class SinkHandler(Handler):
     """Per result event, in order:
 
     1. a computed result (ok, or a near-duplicate hit, whose lines dedup rescaled): the result
-       document to S3 (``results/<sha>/<gen>.json``), the ``results`` row, and the Redis entry
-       when Redis answers (no Redis: nothing waits for it, dedup's state and the S3 tier answer);
+       document to S3 (``results/<sha>/<gen>.json``), the ``results`` row (and ``result_fields``
+       rows), an ``extract`` result's field index entry (:mod:`services.common.field_index`), and
+       the Redis entry when Redis answers (no Redis: nothing waits for it, dedup's state and the
+       S3 tier answer);
     2. the request's final state inserted into ``requests`` (a request already there keeps its first);
     3. its ``ocr.completed`` event, and for every result computed under a cache key (ok or error,
        never a cache hit) an ``ocr.settled`` event keyed like the request, from which dedup
@@ -236,7 +240,28 @@ class SinkHandler(Handler):
             fields=output.fields,  # extract: one result_fields row per field (migration 007)
         )
         self._outputs.remember(uri, output, len(body))
+        if output.fields is not None:
+            await self._index_fields(ev, output)
         return output, uri
+
+    async def _index_fields(self, ev: ResultEvent, output: OcrOutput) -> None:
+        """The field index entry of an ``extract`` result just stored
+        (:func:`services.common.field_index.record_extraction`), so a request for some of its
+        fields is answered from it. Not for an answer cut short (``truncated_max_tokens``,
+        ``truncated_repetition``: a null may be the cut, not the page), nor for a key this sink's
+        settings would not build (the family in the entry's path must be the key's); a failed
+        write only costs those answers (logged)."""
+        req = ev.request
+        if {WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION} & set(output.warnings):
+            return
+        gen = self.s.generation(req.task, req.task_params)
+        if self.s.cache_key_of(req.content_sha256, gen, req.api_key_id) != ev.cache_key:
+            log.info("sink: %s is not of this sink's generation; its fields are not indexed", ev.cache_key)
+            return
+        try:
+            await record_extraction(self.store, ev.cache_key, gen, output.fields)
+        except Exception as exc:  # noqa: BLE001 - the index is an optimisation: a miss later, not an error now
+            log.warning("sink: field index entry of %s not written (%r)", ev.cache_key, exc)
 
     def _doc(self, req: RequestEvent, output: OcrOutput | None, ev: ResultEvent, queued: float,
              started: float, cache_hit: bool) -> ResultDocument:

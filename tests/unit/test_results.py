@@ -175,6 +175,30 @@ def test_an_extract_result_carries_its_fields_and_parameters_and_text_is_their_j
     assert document_output(doc).fields == out.fields and document_output(doc).task_params == req.task_params
 
 
+def test_a_stored_extraction_answers_only_the_fields_asked_in_the_order_asked():
+    """A hit of tier ``fields`` (a stored extraction of more fields) and a hit of the same fields
+    in another order: the document lists exactly the request's fields, values as stored, and
+    ``text`` is their JSON; the stored output is untouched."""
+    from schemas.tasks import TaskParams
+    from services.common.results import answer_fields
+
+    stored_req = request(task="extract", task_params=TaskParams(fields=("seller", "total", "date")))
+    ev = ResultEvent(request=stored_req, cache_key=KEY, status="ok", engine="openai", model="HunyuanOCR",
+                     model_revision="rev-1", fields={"seller": "ACME", "total": "97.50 EUR", "date": None})
+    out = ocr_output(ev)
+    sub = request(request_id="r2", task="extract", task_params=TaskParams(fields=("date", "seller")))
+    hit = cache_hit_event(sub, KEY, "fields", GEN, result_uri=URI)
+    doc = result_document(sub, hit, out, cache_hit=True, stored_uri=URI, completed_at_ms=1_250, trace_id=None)
+    assert list(doc.fields.items()) == [("date", None), ("seller", "ACME")]
+    assert doc.text == '{"date":null,"seller":"ACME"}' and doc.cache_tier == "fields" and doc.cache_key == KEY
+    assert doc.task_params == TaskParams(fields=("date", "seller")) and doc.result_uri == URI
+    assert list(out.fields) == ["seller", "total", "date"]  # the stored answer as it was
+    again = request(request_id="r3", task="extract", task_params=TaskParams(fields=("total", "date", "seller")))
+    assert list(answer_fields(again, out.fields).items()) == [("total", "97.50 EUR"), ("date", None), ("seller", "ACME")]
+    assert answer_fields(stored_req, out.fields) is None  # the same order: the stored text stands
+    assert answer_fields(request(), out.fields) is None and answer_fields(sub, None) is None
+
+
 @pytest.mark.parametrize("task,slot,value", [("doc_parse", "markdown", "# Invoice\n\n<table><tr><td>1</td></tr></table>"),
                                              ("table", "html", "<table><tr><td>a</td></tr></table>"),
                                              ("formula", "latex", "E = mc^2"),
