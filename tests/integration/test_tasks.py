@@ -184,7 +184,7 @@ async def test_prose_instead_of_json_is_unparsable_output_and_the_next_image_goe
 @pytest.mark.parametrize("task,params,sp,slot,answer,warnings,max_tokens", [
     ("table", None, TABLE, "html", TABLE_HTML, [], 4096),  # in an ```html fence: the fence goes
     ("formula", None, FORMULA, "latex", LATEX, [], 2048),
-    ("chart", None, CHART, "markdown", MERMAID, [], 4096),  # in a ```mermaid fence: the fence goes
+    ("chart", None, CHART, "markdown", f"```mermaid\n{MERMAID}\n```", [], 4096),  # the mermaid fence stays
     # looping on a repeated tail: cut to one copy, marked
     ("translate", TaskParams(target_lang="en"), TRANSLATE, "translation",
      "Invoice INV-7\nTotal: 97.50 EUR\nThank you for your order.", ["truncated_repetition"], 4096),

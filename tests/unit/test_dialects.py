@@ -31,6 +31,12 @@ def test_markdown_with_html_table_is_unfenced():
     assert w == ()
 
 
+def test_a_mermaid_fence_is_kept_as_the_markdown_that_marks_the_diagram():
+    chart = "```mermaid\ngraph TD\n  A --> B\n```"
+    assert parsers.parse_text(f"\n{chart}\n") == (chart, ())
+    assert parsers.parse_text("```markdown\n| a | b |\n```") == ("| a | b |", ())
+
+
 def test_repeated_tail_is_trimmed_and_flagged():
     md, w = parsers.parse_text(LOOPING)
     assert md == "# Title\n\nSome text.\n| a | b | c |"

@@ -2,7 +2,8 @@
 (text), and ``extract``'s JSON fields. Shared by every dialect; plain text, no network.
 
 What is done to every answer: a Markdown code fence around the whole answer is removed
-(```` ```markdown ... ``` ````, ```` ```html ````, ...), and a runaway loop at its end is cut to
+(```` ```markdown ... ``` ````, ```` ```html ````, ...; a ```` ```mermaid ```` fence is kept, since
+inside Markdown it is what says the block is a Mermaid diagram and how renderers draw one), and a runaway loop at its end is cut to
 one copy with the repeat guard of the spotting parser
 (:func:`services.infer.engines.hunyuan.trim_repeated_tail`: a unit of 3+ distinct characters
 repeated 8+ times over 256+ characters, or 12 identical last lines), which adds the warning
@@ -37,8 +38,10 @@ _PAIR = re.compile(r'"((?:[^"\\]|\\.)*)"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)
 
 def strip_fence(text: str) -> str:
     """``text`` without a code fence around the whole of it (the opening fence may name a
-    language; a missing closing fence, as in an answer cut short, is fine); otherwise as is."""
-    if not _OPEN_FENCE.match(text):
+    language; a missing closing fence, as in an answer cut short, is fine); otherwise as is.
+    A ```` ```mermaid ```` fence stays: it is the Markdown that marks a Mermaid diagram."""
+    m = _OPEN_FENCE.match(text)
+    if not m or m.group(0).strip().lower() == "```mermaid":
         return text
     body = _OPEN_FENCE.sub("", text, count=1)
     return _CLOSE_FENCE.sub("", body)
