@@ -22,7 +22,7 @@ from rich.markdown import Markdown
 from rich.table import Table
 from rich.text import Text
 
-_TABLE = re.compile(r"<table\b.*?</table\s*>", re.IGNORECASE | re.DOTALL)
+_TABLE_TAG = re.compile(r"<(/?)table\b[^>]*>", re.IGNORECASE)
 _MAX_SPAN = 100  # a colspan/rowspan above this is read as 1 (a model's typo must not build a huge grid)
 
 
@@ -65,10 +65,12 @@ class _TableParser(HTMLParser):
             self._depth += 1
             if self._depth == 1:
                 self._rows = []
+            elif self._cell is not None:
+                self._cell.append(" ")
             return
         if self._depth != 1 or self._rows is None:
-            if tag == "br" and self._cell is not None:
-                self._cell.append("\n")
+            if self._cell is not None and tag in ("br", "tr", "td", "th"):
+                self._cell.append("\n" if tag in ("br", "tr") else " ")  # a nested table's text, flattened
             return
         if tag == "thead":
             self._thead = True
@@ -166,17 +168,36 @@ def rich_table(t: HtmlTable) -> Table:
     return table
 
 
+def table_spans(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of each outermost ``<table>…</table>`` in ``text``, nested tables inside
+    it; an unclosed one runs to the end."""
+    spans: list[tuple[int, int]] = []
+    depth = start = 0
+    for m in _TABLE_TAG.finditer(text):
+        if not m.group(1):
+            if depth == 0:
+                start = m.start()
+            depth += 1
+        elif depth > 0:
+            depth -= 1
+            if depth == 0:
+                spans.append((start, m.end()))
+    if depth > 0:
+        spans.append((start, len(text)))
+    return spans
+
+
 def markdown_with_tables(markdown: str) -> list[RenderableType]:
     """Markdown as rich renderables in order: the text between tables as :class:`Markdown`, each
     ``<table>`` element as a :class:`Table` (rich's Markdown would drop it)."""
     out: list[RenderableType] = []
     pos = 0
-    for m in _TABLE.finditer(markdown):
-        before = markdown[pos:m.start()]
+    for start, end in table_spans(markdown):
+        before = markdown[pos:start]
         if before.strip():
             out.append(Markdown(before))
-        out.extend(rich_table(t) for t in parse_tables(m.group(0)))
-        pos = m.end()
+        out.extend(rich_table(t) for t in parse_tables(markdown[start:end]))
+        pos = end
     rest = markdown[pos:]
     if rest.strip():
         out.append(Markdown(rest))

@@ -89,6 +89,11 @@ def test_table_html_with_spans_becomes_a_grid():
     # a table without <th> has no header; an absurd span counts as 1; two tables give two
     two = parse_tables("<table><tr><td colspan=\"9999\">a</td><td>b</td></tr></table><p>x</p><table><tr><td>c</td></tr></table>")
     assert two == [HtmlTable(header=[], body=[["a", "b"]]), HtmlTable(header=[], body=[["c"]])]
+    # a table in a cell: its text flattened into that cell, its rows on lines of their own
+    nested = "<table><tr><td>a<table><tr><td>in</td><td>ner</td></tr><tr><td>x</td></tr></table></td><td>b</td></tr></table>"
+    assert parse_tables(nested) == [HtmlTable(header=[], body=[["a\nin ner\nx", "b"]])]
+    parts = renderables(_doc("doc_parse", markdown=f"before\n\n{nested}\n\nafter"))
+    assert [type(p) for p in parts] == [Markdown, Table, Markdown]
 
 
 def test_latex_translation_and_ocr_text_are_printed_as_they_are():

@@ -135,14 +135,31 @@ function markdownBlocks(parent, text) {
   flush();
 }
 
+/** [start, end) of each outermost <table>...</table> in `text` (nested tables inside it; an
+ *  unclosed one runs to the end). */
+function tableSpans(text) {
+  const re = /<(\/?)table\b[^>]*>/gi;
+  const spans = [];
+  let depth = 0;
+  let start = 0;
+  for (const m of text.matchAll(re)) {
+    if (!m[1]) {
+      if (depth++ === 0) start = m.index;
+    } else if (depth > 0 && --depth === 0) {
+      spans.push([start, m.index + m[0].length]);
+    }
+  }
+  if (depth > 0) spans.push([start, text.length]);
+  return spans;
+}
+
 /** Markdown whose tables may be HTML (HunyuanOCR's doc_parse), appended to `parent`. */
 function renderMarkdown(parent, text) {
-  const re = /<table\b[\s\S]*?<\/table\s*>/gi;
   let last = 0;
-  for (const m of text.matchAll(re)) {
-    markdownBlocks(parent, text.slice(last, m.index));
-    for (const t of safeTables(m[0])) parent.append(t);
-    last = m.index + m[0].length;
+  for (const [start, end] of tableSpans(text)) {
+    markdownBlocks(parent, text.slice(last, start));
+    for (const t of safeTables(text.slice(start, end))) parent.append(t);
+    last = end;
   }
   markdownBlocks(parent, text.slice(last));
   return parent;
