@@ -425,7 +425,8 @@ def test_a_task_result_shows_its_tables_and_fields_beside_the_image_and_never_ru
     assert answer.locator("ul li").all_inner_texts() == ["cash", "card"] and answer.locator("li code").count() == 1
     # the model's markup outside the table is text; nothing it wrote became an element that runs or loads
     assert "<script>window.__pwned = 'md'</script>" in answer.locator("p").first.inner_text()
-    assert card.locator("script, img, a, [onclick], [onerror]").count() == 0
+    assert card.locator("script, img, iframe, [onclick], [onerror], [onmouseover]").count() == 0
+    assert answer.locator("a, [href], [src], [style]").count() == 0  # the card's own link is Download JSON
     answer.locator("thead th").nth(1).click()
     assert page.evaluate("window.__pwned") is None
     expect(card.locator("canvas")).to_have_attribute("data-drawn", "true")

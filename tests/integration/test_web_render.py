@@ -103,3 +103,14 @@ def test_fields_latex_and_translation(page):
     assert render(page, {"task": "ocr", "lines": []}) == (None, "")
     assert json.loads(page.evaluate("JSON.stringify(window.__pwned ?? null)")) is None
     assert page.requests == [] and page.errors == []
+
+
+def test_tricky_markup_stays_text_and_odd_tables_still_render(page):
+    html = ("<TABLE><TR><TD title=\"a>b\" onclick=\"window.__pwned='q'\">&#x3C;script&#x3E;x&lt;/script&gt; &amp;amp; &bogus;</TD>"
+            "<td><!-- <script>window.__pwned='c'</script> -->c<SCRIPT>window.__pwned='S'</SCRIPT><textarea><td>t</td>"
+            "</textarea></td></tr><tr><th colspan='2'>h <img src=x onerror=window.__pwned=1</th>")  # one img tag; never closed
+    slot, out = render(page, {"task": "table", "html": html})
+    assert slot == "html"
+    assert out == ("<table><tbody><tr><td>&lt;script&gt;x&lt;/script&gt; &amp;amp; &amp;bogus;</td><td>c</td></tr>"
+                   "<tr><th colspan=\"2\">h </th></tr></tbody></table>")
+    assert page.evaluate("window.__pwned") is None and page.requests == [] and page.errors == []

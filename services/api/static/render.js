@@ -1,14 +1,18 @@
 // ocrstream web page: a task's answer (docs/tasks.md) as DOM nodes, safely. Nothing the model wrote is
 // ever parsed into this page as HTML: text goes in as text nodes (textContent), Markdown is read by the
 // small subset below (headings, paragraphs, lists, bold, inline code, code blocks, pipe tables), and the
-// model's HTML tables are parsed in an inert document (DOMParser runs no script, loads nothing) and
-// rebuilt here from an allow-list: table, thead, tbody, tr, th, td, and colspan/rowspan as numbers.
+// model's HTML tables are read by a small tokenizer here (never by the browser's HTML parser) and built
+// from an allow-list: table, thead, tbody, tr, th, td, br, and colspan/rowspan as numbers up to 100.
 // Everything else is dropped (script and style with their content; other tags keep their text).
 "use strict";
 
-const TABLE_TAGS = new Set(["TABLE", "THEAD", "TBODY", "TR", "TH", "TD"]);
-const DROPPED = new Set(["SCRIPT", "STYLE", "TEMPLATE", "NOSCRIPT", "IFRAME", "OBJECT", "TITLE", "HEAD"]);
+(() => {  // nothing here is global but window.ocrRender (app.js has functions of its own names)
+const TABLE_TAGS = new Set(["table", "thead", "tbody", "tr", "th", "td"]);
+const DROPPED = new Set(["script", "style", "template", "noscript", "iframe", "object", "title", "textarea", "xmp"]);
 const MAX_SPAN = 100;
+// a tag (attribute values may hold ">" inside quotes), a comment, or a run of text
+const TOKEN = /<!--[\s\S]*?(?:-->|$)|<(\/?)([a-zA-Z][a-zA-Z0-9-]*)((?:[^>"']|"[^"]*"|'[^']*')*)>|[^<]+|</g;
+const ENTITIES = { amp: "&", lt: "<", gt: ">", quot: "\"", apos: "'", nbsp: "\u00a0" };
 
 function el(tag, text) {
   const node = document.createElement(tag);
@@ -16,38 +20,80 @@ function el(tag, text) {
   return node;
 }
 
-/** Copy what is allowed of `src` (a node of the inert document) under `dst` (a node of this page). */
-function copySafe(src, dst) {
-  for (const child of src.childNodes) {
-    if (child.nodeType === Node.TEXT_NODE) {
-      dst.append(document.createTextNode(child.data));
-    } else if (child.nodeType === Node.ELEMENT_NODE) {
-      const tag = child.tagName;
-      if (DROPPED.has(tag)) continue;
-      if (tag === "BR") { dst.append(el("br")); continue; }
-      if (!TABLE_TAGS.has(tag)) { copySafe(child, dst); continue; }  // its text, not the tag
-      const copy = el(tag.toLowerCase());
-      for (const name of ["colspan", "rowspan"]) {
-        const n = Number.parseInt(child.getAttribute(name) || "", 10);
-        if ((tag === "TD" || tag === "TH") && n > 1 && n <= MAX_SPAN) copy.setAttribute(name, String(n));
-      }
-      copySafe(child, copy);
-      dst.append(copy);
-    }
-  }
+/** Character references of HTML text: the named ones above and numeric ones; others stay as written. */
+function decode(text) {
+  return text.replace(/&(#[xX][0-9a-fA-F]{1,6}|#[0-9]{1,7}|[a-zA-Z]{2,8});/g, (whole, ref) => {
+    if (ref[0] !== "#") return ENTITIES[ref.toLowerCase()] ?? whole;
+    const code = ref[1] === "x" || ref[1] === "X" ? parseInt(ref.slice(2), 16) : parseInt(ref.slice(1), 10);
+    return code > 0 && code <= 0x10ffff && !(code >= 0xd800 && code <= 0xdfff) ? String.fromCodePoint(code) : "\ufffd";
+  });
 }
 
-/** The `<table>` elements of a piece of model HTML, rebuilt from the allow-list. */
-function safeTables(html) {
-  const inert = new DOMParser().parseFromString(`<body>${html}</body>`, "text/html");
-  const out = [];
-  for (const table of inert.body.querySelectorAll("table")) {
-    if (table.parentElement && table.parentElement.closest("table")) continue;  // nested: its text goes in the cell
-    const holder = document.createDocumentFragment();
-    copySafe({ childNodes: [table] }, holder);
-    out.push(holder.firstElementChild);
+/** The span attribute `name` from a tag's attribute text, as a number 2..MAX_SPAN, else null. */
+function span(attrs, name) {
+  const m = attrs.match(new RegExp(`(?:^|\\s)${name}\\s*=\\s*["']?\\s*(\\d+)`, "i"));
+  const n = m ? Number(m[1]) : 1;
+  return n > 1 && n <= MAX_SPAN ? String(n) : null;
+}
+
+/** One model <table>...</table> (nested tables inside it) built as DOM elements by a tokenizer of
+ *  our own, so the browser's HTML parser never sees the model's markup (and never compiles an
+ *  event handler attribute). Only TABLE_TAGS and <br> become elements, with colspan/rowspan alone;
+ *  DROPPED tags go with their content; any other tag is skipped and its text kept. */
+function safeTable(html) {
+  const root = document.createDocumentFragment();
+  const stack = [];  // open allowed elements
+  const top = () => stack[stack.length - 1];
+  const open = (tag) => { const node = el(tag); (top() || root).append(node); stack.push(node); return node; };
+  const closeTo = (tags) => {  // pop up to and including the nearest open element named in tags
+    const at = stack.map((n) => n.localName).findLastIndex((t) => tags.includes(t));
+    if (at >= 0) stack.length = at;
+    return at >= 0;
+  };
+  let skip = null;  // inside a DROPPED element: its name
+  for (const m of html.matchAll(TOKEN)) {
+    const [token, closing, rawName, attrs = ""] = m;
+    const name = rawName ? rawName.toLowerCase() : null;
+    if (skip) { if (closing && name === skip) skip = null; continue; }
+    if (token.startsWith("<!--")) continue;
+    if (!name) {  // text
+      const cell = stack.findLast((n) => n.localName === "td" || n.localName === "th");
+      if (cell) cell.append(document.createTextNode(decode(token)));
+      continue;
+    }
+    if (DROPPED.has(name)) { if (!closing && !/\/\s*$/.test(attrs)) skip = name; continue; }
+    if (name === "br" && !closing) {
+      const cell = stack.findLast((n) => n.localName === "td" || n.localName === "th");
+      if (cell) cell.append(el("br"));
+      continue;
+    }
+    if (!TABLE_TAGS.has(name)) continue;
+    if (closing) {
+      if (name === "table") { closeTo(["table"]); if (!stack.length) break; } else closeTo([name]);
+      continue;
+    }
+    if (name === "table") {
+      const cell = stack.findLast((n) => n.localName === "td" || n.localName === "th");
+      if (stack.length && !cell) continue;  // a table not in a cell: its rows join this one
+      if (cell && top() !== cell) stack.length = stack.indexOf(cell) + 1;
+      open("table");
+    } else if (name === "thead" || name === "tbody") {
+      closeTo(["thead", "tbody"]) ; open(name);
+    } else if (name === "tr") {
+      const table = stack.findLast((n) => n.localName === "table");
+      if (!table) continue;
+      stack.length = stack.indexOf(table) + 1 + (["thead", "tbody"].includes(stack[stack.indexOf(table) + 1]?.localName) ? 1 : 0);
+      if (top() === table) open("tbody");
+      open("tr");
+    } else {  // td, th
+      const row = stack.findLast((n) => n.localName === "tr");
+      if (!row) continue;
+      stack.length = stack.indexOf(row) + 1;
+      const cell = open(name);
+      for (const a of ["colspan", "rowspan"]) { const n = span(attrs, a); if (n) cell.setAttribute(a, n); }
+    }
   }
-  return out;
+  return root.firstElementChild;
 }
 
 /** Inline Markdown: **bold** and `code`; the rest as text. */
@@ -158,7 +204,8 @@ function renderMarkdown(parent, text) {
   let last = 0;
   for (const [start, end] of tableSpans(text)) {
     markdownBlocks(parent, text.slice(last, start));
-    for (const t of safeTables(text.slice(start, end))) parent.append(t);
+    const table = safeTable(text.slice(start, end));
+    if (table) parent.append(table);
     last = end;
   }
   markdownBlocks(parent, text.slice(last));
@@ -203,3 +250,4 @@ function renderAnswer(box, doc) {
 }
 
 window.ocrRender = { renderAnswer };
+})();
