@@ -15,7 +15,10 @@
 #      tokenizer trained here, no download);
 #   4. bench/gpu/throughput.py: VllmEngine.start() (load + warm-up), a timeout/abort check,
 #      then InferHandler.handle over in-memory PNG records at max_batch 1, 8, 32 (only Kafka
-#      and S3 are stand-ins) and the ratios (last line: RESULT {json}).
+#      and S3 are stand-ins) and the ratios, for every task (ocr, doc_parse, table, formula,
+#      chart, extract, translate; HunyuanOCR's prompts, extract with four invoice fields,
+#      translate into English): pages/s and output tokens/s per task and batch size, one table
+#      (bench/gpu/tasks.py), last line RESULT {json}. TASKS=ocr gives the ocr-only run of before.
 #
 # Providing vLLM, one of:
 #   a) a machine image where `python3 -c 'import vllm'` works (then nothing is installed);
@@ -41,7 +44,8 @@
 #
 # Environment knobs: PYTHON, GPU_BUNDLE (default .gpu-bundle), GPU_BUNDLE_SITE (default
 # /tmp/ocrstream-gpu-site), WHEEL_DIR, GPU_CHECK_TIMEOUT_S, ENFORCE_EAGER (1 = no CUDA graphs,
-# default, faster start; 0 = CUDA graphs, closer to production), BATCHES (default 1,8,32).
+# default, faster start; 0 = CUDA graphs, closer to production), BATCHES (default 1,8,32),
+# TASKS (default all; or a comma-separated list such as ocr,extract).
 set -euo pipefail
 
 if [[ -z "${GPU_CHECK_INNER:-}" ]]; then
@@ -229,8 +233,8 @@ LOAD_FORMAT="$(sed -n 's/^load_format=//p' "$WORK/tiny.log" | tail -1)"
 [[ -n "$LOAD_FORMAT" ]] || die "tiny_vlm.py did not say which load_format to use"
 ls -la "$MODEL"
 
-step "4/4 InferHandler + VllmEngine throughput, max_batch ${BATCHES:-1,8,32} (load_format=$LOAD_FORMAT, enforce_eager=${ENFORCE_EAGER:-1})"
-"$PY" bench/gpu/throughput.py --model "$MODEL" --load-format "$LOAD_FORMAT" \
+step "4/4 InferHandler + VllmEngine throughput, tasks ${TASKS:-all}, max_batch ${BATCHES:-1,8,32} (load_format=$LOAD_FORMAT, enforce_eager=${ENFORCE_EAGER:-1})"
+"$PY" bench/gpu/throughput.py --model "$MODEL" --load-format "$LOAD_FORMAT" --tasks "${TASKS:-all}" \
     --batches "${BATCHES:-1,8,32}" --enforce-eager "${ENFORCE_EAGER:-1}" 2>&1 | tee "$WORK/throughput.log" \
     || die "throughput run failed (log: $WORK/throughput.log)"
 

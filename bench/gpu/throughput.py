@@ -10,7 +10,10 @@ are built in memory instead of consumed from Kafka. The engine is the real
 :class:`~services.infer.engines.vllm_engine.VllmEngine`.
 
 Prints images/s per batch size and the ratios b8/b1 and b32/b1 (last line:
-``RESULT {json}``). With a random-weight model the text is garbage; ``ignore_eos`` with a
+``RESULT {json}``). With ``--tasks`` (``all``, or e.g. ``ocr,doc_parse,extract``) it runs every
+task named at each batch size on the same engine, and prints per task pages/s and output tokens/s
+(:mod:`bench.gpu.tasks`: the parameters sent, how pages are counted, the table); ``RESULT`` then
+also has ``tasks``. With a random-weight model the text is garbage; ``ignore_eos`` with a
 small ``max_tokens`` makes every request generate the same number of tokens, so the numbers
 measure batching, not luck.
 
@@ -19,8 +22,8 @@ plus a cost per image, no GPU) to smoke-test the harness on any machine; its num
 nothing about vLLM.
 
 Usage:
-    python bench/gpu/throughput.py --model DIR [--load-format auto|dummy] [--batches 1,8,32]
-    python bench/gpu/throughput.py --fake-engine --batches 1,8,32
+    python bench/gpu/throughput.py --model DIR [--load-format auto|dummy] [--batches 1,8,32] [--tasks all]
+    python bench/gpu/throughput.py --fake-engine --batches 1,8,32 [--tasks all]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu import tasks as task_runs  # noqa: E402
 from services.infer.engines.base import OCR  # noqa: E402
 
 # Qwen2-VL style literal prompt for the tiny model (one image placeholder, expanded by vLLM).
@@ -93,17 +97,22 @@ class MemoryStore:
 
 
 def fake_engine_class():
+    from schemas.tasks import TASKS
     from services.common.textlines import Segment
     from services.infer.engines.base import EngineOutput, OcrEngine
 
     class FakeEngine(OcrEngine):
-        """Harness smoke test only: ``per_call_s`` per engine call + ``per_image_s`` per image."""
+        """Harness smoke test only: ``per_call_s`` per engine call + ``per_image_s`` per image;
+        every task; ``tokens_per_image`` counted in :attr:`output_tokens` per image answered."""
 
         name = "fake"
         max_side = 2048
+        tasks = frozenset(TASKS)
 
-        def __init__(self, per_call_s: float = 0.05, per_image_s: float = 0.005):
+        def __init__(self, per_call_s: float = 0.05, per_image_s: float = 0.005, tokens_per_image: int = 64):
             self.per_call_s, self.per_image_s = per_call_s, per_image_s
+            self.tokens_per_image = tokens_per_image
+            self.output_tokens = 0
 
         async def start(self) -> None:
             self.ready = True
@@ -115,7 +124,13 @@ def fake_engine_class():
             out = []
             for img in images:
                 h, w = img.shape[:2]
-                out.append(EngineOutput([Segment([[0, 0], [w, 0], [w, 20], [0, 20]], "fake", 1.0)], ms))
+                self.output_tokens += self.tokens_per_image
+                if task.name == "extract":
+                    out.append(EngineOutput([], ms, answer={f: "fake" for f in task.params.fields}))
+                elif task.name != "ocr":
+                    out.append(EngineOutput([], ms, answer=f"fake {task.name}"))
+                else:
+                    out.append(EngineOutput([Segment([[0, 0], [w, 0], [w, 20], [0, 20]], "fake", 1.0)], ms))
             return out
 
     return FakeEngine
@@ -127,7 +142,7 @@ def infer_settings(args, max_batch: int):
     from services.infer.settings import InferSettings
 
     return InferSettings(
-        max_batch=max_batch, fetch_concurrency=max(8, max_batch),
+        max_batch=max_batch, fetch_concurrency=max(8, max_batch), vlm_dialect=getattr(args, "dialect", "auto"),
         limits=Limits(infer_timeout_s=args.timeout),
         engine_kind="vllm", engine=EngineIdentity(engine="vllm", model=args.model or "none", model_revision="tiny-random"),
         device=args.device, vllm_model=args.model or "none", vllm_max_tokens=args.max_tokens,
@@ -151,9 +166,10 @@ def build_engine(args):
     return VllmEngine.from_settings(infer_settings(args, 1))
 
 
-def records(store: MemoryStore, pages: list[np.ndarray], tag: str, gen_id: str) -> list:
-    """``ocr.infer`` records, one per page, each page PNG-encoded into the store, keyed
-    ``<gen_id>:<sha256>`` as dedup would key them for this engine."""
+def records(store: MemoryStore, pages: list[np.ndarray], tag: str, gen_id: str, task: str = "ocr") -> list:
+    """``ocr.infer`` records of ``task`` (its parameters: :func:`bench.gpu.tasks.task_params`), one
+    per page, each page PNG-encoded into the store, keyed ``<gen_id>:<sha256>`` as dedup would key
+    them for this engine."""
     import hashlib
 
     from aiokafka import ConsumerRecord
@@ -170,16 +186,17 @@ def records(store: MemoryStore, pages: list[np.ndarray], tag: str, gen_id: str) 
         sha = hashlib.sha256(data).hexdigest()
         uri = f"s3://bench/{tag}/{i}.png"
         store.put(uri, data)
-        ev = InferEvent(request=RequestEvent(request_id=f"{tag}-{i}", content_sha256=sha, image_uri=uri),
-                        cache_key=f"{gen_id}:{sha}")
+        req = RequestEvent(request_id=f"{tag}-{i}", content_sha256=sha, image_uri=uri, task=task,
+                           task_params=task_runs.task_params(task))
+        ev = InferEvent(request=req, cache_key=f"{gen_id}:{sha}")
         out.append(decode(ConsumerRecord("ocr.infer", 0, i, now, 0, None, dumps(ev), None, len(ev.request.request_id),
                                          0, [])))
     return out
 
 
-async def run_batch_size(args, engine, telemetry, b: int) -> tuple[float, int, int, list[float]]:
-    """Images/s through ``InferHandler.handle`` at ``max_batch`` = ``b``; returns
-    ``(images_per_s, ok, errors, per-request inference ms)``."""
+async def run_batch_size(args, engine, telemetry, b: int, task: str = "ocr") -> tuple[task_runs.TaskRun, list[float]]:
+    """``task`` through ``InferHandler.handle`` at ``max_batch`` = ``b``; returns the measured
+    :class:`~bench.gpu.tasks.TaskRun` and the per-request inference ms of the pages answered ok."""
     import orjson
 
     from schemas.events import ResultEvent
@@ -187,15 +204,17 @@ async def run_batch_size(args, engine, telemetry, b: int) -> tuple[float, int, i
 
     store = MemoryStore()
     settings = infer_settings(args, b)
-    gen_id = settings.generation("ocr").gen_id
+    gen_id = settings.generation(task, task_runs.task_params(task)).gen_id
     handler = InferHandler(settings, store, engine, telemetry)
     n = max(args.min_images, 2 * b)
     n -= n % b
-    warm = records(store, make_pages(b, seed=1000 + b), f"warm{b}", gen_id)
+    tag = f"{task}-b{b}"
+    warm = records(store, make_pages(b, seed=1000 + b), f"warm-{tag}", gen_id, task)
     await handler.handle(warm)  # untimed: this batch size once
-    recs = records(store, make_pages(n, seed=b), f"b{b}", gen_id)
-    ok = errors = 0
+    recs = records(store, make_pages(n, seed=b), tag, gen_id, task)
+    ok = errors = unparsable = 0
     inference: list[float] = []
+    tokens0 = getattr(engine, "output_tokens", None)
     start = time.perf_counter()
     for i in range(0, n, b):
         nxt = recs[i + b:i + 2 * b]
@@ -206,12 +225,15 @@ async def run_batch_size(args, engine, telemetry, b: int) -> tuple[float, int, i
             if ev.status == "ok":
                 ok += 1
                 inference.append(ev.request.timings_ms.get("inference", 0.0))
+            elif ev.error.code.value == "unparsable_output":  # a random-weight model writes no JSON
+                unparsable += 1
             else:
                 errors += 1
                 if errors <= 3:
-                    print(f"  error at batch {b}: {ev.error.code.value}: {ev.error.message}", flush=True)
+                    print(f"  error at {task} batch {b}: {ev.error.code.value}: {ev.error.message}", flush=True)
     dt = time.perf_counter() - start
-    return ok / dt, ok, errors, inference
+    tokens = None if tokens0 is None else engine.output_tokens - tokens0
+    return task_runs.TaskRun(task, b, ok, unparsable, errors, dt, tokens), inference
 
 
 async def engine_checks(engine) -> bool:
@@ -233,12 +255,17 @@ async def engine_checks(engine) -> bool:
 
 
 async def run(args) -> int:
+    """Start the engine, run every task of ``args.tasks`` (default ``["ocr"]``) at every batch
+    size of ``args.batches``, print the lines, the ocr ratios, the per-task table (more than one
+    task) and ``RESULT {json}``; close the engine. Returns the exit status (1: a check failed or a
+    task had no page answered at some batch size)."""
     from services.common.settings import TelemetrySettings
     from services.common.telemetry import Telemetry
 
+    tasks = list(getattr(args, "tasks", None) or ["ocr"])
     engine = build_engine(args)
     t0 = time.perf_counter()
-    results: dict[int, float] = {}
+    runs: list[task_runs.TaskRun] = []
     try:  # closed on every path: vLLM's engine core is a process of its own, holding the GPU
         await engine.start()
         print(f"engine: started and warmed up in {time.perf_counter() - t0:.1f} s (ready={engine.ready})", flush=True)
@@ -246,38 +273,55 @@ async def run(args) -> int:
             return 1
 
         telemetry = Telemetry("infer", TelemetrySettings())
-        for b in args.batches:
-            ips, ok, errors, inf = await run_batch_size(args, engine, telemetry, b)
-            results[b] = ips
-            p50 = float(np.median(inf)) if inf else float("nan")
-            print(f"max_batch {b:>3}: {ok + errors} requests through InferHandler.handle, {ips:7.2f} images/s, "
-                  f"inference share p50 {p50:.0f} ms, errors {errors}", flush=True)
-            if ok == 0:
-                print(f"FAIL: every request failed at max_batch {b}", flush=True)
-                return 1
+        for task in tasks:
+            for b in args.batches:
+                r, inf = await run_batch_size(args, engine, telemetry, b, task)
+                runs.append(r)
+                p50 = float(np.median(inf)) if inf else float("nan")
+                tok = "" if r.tokens_per_s is None else f", {r.tokens_per_s:8.1f} output tokens/s"
+                unp = f", unparsable {r.unparsable}" if r.unparsable else ""
+                print(f"{task:<9} max_batch {b:>3}: {r.ok + r.unparsable + r.errors} requests through "
+                      f"InferHandler.handle, {r.pages_per_s:7.2f} images/s{tok}, inference share p50 {p50:.0f} ms, "
+                      f"errors {r.errors}{unp}", flush=True)
+                if r.answered == 0:
+                    print(f"FAIL: every request failed for {task} at max_batch {b}", flush=True)
+                    return 1
     finally:
         await engine.close()
 
-    base = results.get(1)
-    print("\nthroughput (images/s): " + ", ".join(f"b{b}={v:.2f}" for b, v in results.items()))
+    results = {r.batch: r.pages_per_s for r in runs if r.task == "ocr"}
     ratios = {}
-    if base:
+    if results:
+        print("\nthroughput (images/s): " + ", ".join(f"b{b}={v:.2f}" for b, v in results.items()))
+        base = results.get(1)
         for b in results:
-            if b != 1:
+            if base and b != 1:
                 ratios[f"b{b}/b1"] = round(results[b] / base, 2)
                 print(f"ratio b{b}/b1 = {results[b] / base:.2f}x")
-    print("RESULT " + json.dumps({"engine": engine.name, "images_per_s": {f"b{b}": round(v, 3) for b, v in results.items()},
-                                  "ratios": ratios}))
+    out = {"engine": engine.name, "images_per_s": {f"b{b}": round(v, 3) for b, v in results.items()}, "ratios": ratios}
+    if tasks != ["ocr"]:
+        print("\nper task (pages/s: pages the engine answered, unparsable_output included; tok/s: generated tokens):")
+        print(task_runs.format_report(runs))
+        out["tasks"] = task_runs.result_json(runs)
+    print("RESULT " + json.dumps(out))
     return 0
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``batches`` and ``tasks`` come back as lists, ``enforce_eager`` as a bool.
+
+    Raises:
+        SystemExit: (2) a bad argument (argparse's message on stderr).
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="local checkpoint directory (required unless --fake-engine)")
     ap.add_argument("--fake-engine", action="store_true", help="harness smoke test without vLLM or a GPU")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--tasks", default="ocr", help="all, or a comma-separated list of tasks (default ocr)")
+    ap.add_argument("--dialect", default="hunyuan", choices=("auto", "hunyuan", "generic"),
+                    help="prompts of the tasks other than ocr (default hunyuan: HunyuanOCR's own)")
     ap.add_argument("--min-images", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -286,12 +330,26 @@ def main() -> None:
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--enforce-eager", type=int, default=int(os.environ.get("ENFORCE_EAGER", "1")))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not args.fake_engine and not args.model:
         ap.error("--model is required (or --fake-engine)")
-    args.batches = [int(b) for b in args.batches.split(",")]
+    given = args.batches
+    try:
+        args.batches = [int(b) for b in given.split(",")]
+        if min(args.batches) < 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--batches: positive integers, comma-separated, not {given!r}")
+    try:
+        args.tasks = task_runs.parse_tasks(args.tasks)
+    except ValueError as exc:
+        ap.error(str(exc))
     args.enforce_eager = bool(args.enforce_eager)
-    rc = asyncio.run(run(args))
+    return args
+
+
+def main() -> None:
+    rc = asyncio.run(run(parse_args()))
     # run() closed the engine on every path. With CUDA graphs (--enforce-eager 0) the interpreter was seen
     # on an H200 to hang at exit for over a minute after the last line (vLLM 0.26.0 threads);
     # the results are printed, so leave at once.

@@ -165,8 +165,8 @@ def submit(
                 failed += 1
                 console.print(f"{head}\n   error {res.error.code.value}: {res.error.message}", highlight=False, markup=False)
             elif not quiet:
-                console.print(f"{head}  {len(res.lines)} lines, {res.timings_ms.get('total', 0):.0f} ms", highlight=False,
-                              markup=False)
+                what = f"{len(res.lines)} lines" if res.task == "ocr" else res.task
+                console.print(f"{head}  {what}, {res.timings_ms.get('total', 0):.0f} ms", highlight=False, markup=False)
                 _print_result(res)
         console.print(f"{len(done)}/{len(subs)} completed, {failed} failed or missing"
                       + (f"; results in {out.resolve()}" if out else ""))
@@ -192,18 +192,14 @@ def _task_params(s: CommonSettings, task: str, fields: str | None, to: str | Non
 
 
 def _print_result(res) -> None:
-    """One finished ok result as a person reads it: ``extract``'s fields as a two-column table
-    (``-`` where absent), every other task its text (``text``: the lines, or the task's
-    Markdown, HTML, LaTeX or translation)."""
-    if res.fields is not None:
-        from rich.table import Table
+    """One finished ok result as a person reads it (:func:`services.cli.render.renderables`):
+    ``extract``'s fields as a two-column table (``-`` where absent), ``doc_parse``/``chart``
+    Markdown rendered with its HTML tables as tables, ``table``'s HTML as tables, ``formula``'s
+    LaTeX and ``translate``'s text as they are, ``ocr``'s lines."""
+    from services.cli.render import renderables
 
-        table = Table("field", "value", show_lines=False)
-        for name, value in res.fields.items():
-            table.add_row(escape(name), "-" if value is None else escape(value))
-        console.print(table)
-        return
-    console.print(res.text or "(no text)", highlight=False, markup=False)
+    for part in renderables(res):
+        console.print(part, highlight=False, markup=False)
 
 
 @app.command()

@@ -8,6 +8,7 @@ from services.common.app import StageContext, run_stage
 from services.common.decoding import DecoderPool
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
+from services.infer import gpu_metrics
 from services.infer.engines import registry
 from services.infer.engines.base import OcrEngine
 from services.infer.handler import InferHandler
@@ -32,7 +33,8 @@ async def main(settings: InferSettings | None = None) -> None:
     ``/readyz`` answers 200 while the engine is ready: its ``health()`` is polled every
     ``telemetry.probe_interval_s`` (``engine`` in the not-ready list), and ``engine.ready``
     turns False as soon as a batch finds the engine unavailable (then the runner retries that
-    batch with backoff and commits nothing until it goes through).
+    batch with backoff and commits nothing until it goes through). ``/metrics`` also carries
+    GPU memory and utilisation per device when NVML sees a GPU (:mod:`services.infer.gpu_metrics`).
     """
     s = settings or load_settings(InferSettings)
 
@@ -46,6 +48,7 @@ async def main(settings: InferSettings | None = None) -> None:
         ctx.telemetry.add_probe("engine", engine.health)
         if callable(getattr(engine, "dead", None)):  # vLLM: a dead engine core never comes back in-process
             ctx.telemetry.live_checks["engine"] = lambda: not engine.dead()
+        gpu_metrics.watch(ctx.telemetry.registry)  # ocrstream_gpu_* when NVML sees a GPU; else nothing
         store = ObjectStore(s.s3, ctx.telemetry)
         ctx.telemetry.add_probe("s3", store.ping)
         decoder = DecoderPool(s.decode, s.limits)

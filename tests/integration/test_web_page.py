@@ -368,3 +368,88 @@ def test_a_429_that_waiting_will_not_fix_soon_is_shown_at_once(tab, tmp_path, co
     expect(card.locator(".error .code")).to_have_text(code)
     expect(card.locator(".error .message")).to_have_text(message)
     assert len(posts) == 1
+
+
+# A doc_parse answer in HunyuanOCR's format (Markdown, the table as HTML) with hostile bits a model
+# could be made to write by the image: a script, an event handler, a link and markup outside the table.
+HOSTILE_MARKDOWN = (
+    "# Invoice INV-7\n\nSold by **ACME** <script>window.__pwned = 'md'</script>\n\n"
+    "<table><thead><tr><th>Item</th><th onclick=\"window.__pwned='th'\">Price</th></tr></thead>"
+    "<tbody><tr><td>Pen<script>window.__pwned = 'cell'</script></td><td><img src=x onerror=\"window.__pwned='img'\">3.00</td></tr>"
+    "<tr><td colspan=\"2\"><a href=\"javascript:window.__pwned='a'\">Paid</a> &amp; done</td></tr></tbody></table>\n\n"
+    "- cash\n- `card`\n"
+)
+
+
+def _answer(route, task: str, **slots) -> None:
+    """Answer the page's long-poll with a finished result document of ``task`` for its request id."""
+    from schemas.events import ResultDocument
+    from schemas.tasks import TaskParams
+
+    rid = urlparse(route.request.url).path.rsplit("/", 1)[-1]
+    params = TaskParams(fields=tuple(slots["fields"])) if task == "extract" else None
+    doc = ResultDocument(request_id=rid, status="ok", content_sha256="0" * 64, task=task, task_params=params,
+                         text=slots.get("markdown") or json.dumps(slots.get("fields")), width=320, height=120, **slots)
+    body = {"request_id": rid, "status": "ok", "result": doc.model_dump(mode="json", by_alias=True),
+            "links": {"self": f"v1/ocr/{rid}", "wait": f"v1/ocr/{rid}?wait=30"}}
+    route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+
+def test_a_task_result_shows_its_tables_and_fields_beside_the_image_and_never_runs_the_models_html(tab, tmp_path):
+    """The page sends the task chosen to the real door (its query string) and shows the answer beside
+    the image: Markdown as headings, lists and tables, fields as a two-column table. The answers come
+    from the browser's router (this session's pipeline runs the CPU engine, which does only ``ocr``;
+    the answers' formats are tested on the real pipeline in tests/integration/test_tasks.py): what is
+    under test is the page's rendering of them, with a script, an event handler and a
+    ``javascript:`` link in the model's output that must be neither inserted nor run."""
+    page = tab.page
+    polls = lambda url: "/v1/ocr/" in url and "wait=" in url  # noqa: E731
+    page.route(polls, lambda route: _answer(route, "doc_parse", markdown=HOSTILE_MARKDOWN))
+    page.select_option("#task", "doc_parse")
+    img = tmp_path / "task-doc.png"
+    img.write_bytes(text_image(["INVOICE INV-7"], size=40))
+    with page.expect_request(lambda r: r.method == "POST" and _submits(r.url)) as req:
+        card = tab.upload(img)
+    assert parse_qs(urlparse(req.value.url).query)["task"] == ["doc_parse"]
+    expect(card).to_have_attribute("data-state", "done", timeout=DONE_MS)
+    answer = card.locator(".answer")
+    expect(answer).to_be_visible()
+    assert answer.get_attribute("data-slot") == "markdown" and card.get_attribute("data-task") == "doc_parse"
+    assert card.locator(".lines").is_hidden()
+    assert answer.locator("h4").all_inner_texts() == ["Invoice INV-7"]
+    assert answer.locator("p strong").all_inner_texts() == ["ACME"]
+    assert answer.locator("thead th").all_inner_texts() == ["Item", "Price"]
+    rows = answer.locator("tbody tr")
+    assert [rows.nth(i).locator("td").all_inner_texts() for i in range(rows.count())] == [["Pen", "3.00"], ["Paid & done"]]
+    assert answer.locator("td[colspan='2']").count() == 1
+    assert answer.locator("ul li").all_inner_texts() == ["cash", "card"] and answer.locator("li code").count() == 1
+    # the model's markup outside the table is text; nothing it wrote became an element that runs or loads
+    assert "<script>window.__pwned = 'md'</script>" in answer.locator("p").first.inner_text()
+    assert card.locator("script, img, iframe, [onclick], [onerror], [onmouseover]").count() == 0
+    assert answer.locator("a, [href], [src], [style]").count() == 0  # the card's own link is Download JSON
+    answer.locator("thead th").nth(1).click()
+    assert page.evaluate("window.__pwned") is None
+    expect(card.locator("canvas")).to_have_attribute("data-drawn", "true")
+    assert card.locator("canvas").get_attribute("aria-label") == "task-doc.png, doc_parse"
+    view, beside = card.locator(".view").bounding_box(), answer.bounding_box()
+    assert beside["x"] >= view["x"] + view["width"] and beside["y"] < view["y"] + view["height"]  # beside the image
+
+    page.unroute(polls)
+    fields = {"invoice number": "INV-7", "date": "2026-12-01", "total": None}
+    page.route(polls, lambda route: _answer(route, "extract", fields=fields))
+    page.select_option("#task", "extract")
+    page.get_by_label("Fields (comma-separated)").fill("invoice number,date,total")
+    img = tmp_path / "task-fields.png"
+    img.write_bytes(text_image(["INVOICE INV-8"], size=40))
+    with page.expect_request(lambda r: r.method == "POST" and _submits(r.url)) as req:
+        card = tab.upload(img)
+    query = parse_qs(urlparse(req.value.url).query)
+    assert (query["task"], query["fields"]) == (["extract"], ["invoice number,date,total"])
+    expect(card).to_have_attribute("data-state", "done", timeout=DONE_MS)
+    table = card.locator(".answer table.fields")
+    assert table.locator("thead th").all_inner_texts() == ["field", "value"]
+    rows = table.locator("tbody tr")
+    assert [rows.nth(i).locator("th, td").all_inner_texts() for i in range(rows.count())] == [
+        ["invoice number", "INV-7"], ["date", "2026-12-01"], ["total", "—"]]
+    assert table.locator("td.absent").count() == 1
+    assert tab.off_origin() == [] and tab.errors == []

@@ -188,3 +188,86 @@ def test_gpu_check_says_which_folder_holds_which_build(tmp_path):
     res = _gpu_check(tmp_path, a, tmp_path / "site")
     assert res.returncode == 1 and "holds parts of different builds of the bundle" in res.stderr
     assert f"{a / '1'}: sha256=" in res.stderr and f"{a / '2'}: sha256=" in res.stderr
+
+
+# ---------------------------------------------------------------- the per-task run (--tasks)
+
+
+def test_the_command_line_takes_all_tasks_a_list_or_refuses_an_unknown_one(capsys):
+    import pytest
+
+    args = throughput.parse_args(["--fake-engine", "--tasks", "all"])
+    assert args.tasks == ["ocr", "doc_parse", "table", "formula", "chart", "extract", "translate"]
+    assert args.batches == [1, 8, 32] and args.dialect == "hunyuan" and args.enforce_eager in (True, False)
+    assert throughput.parse_args(["--fake-engine"]).tasks == ["ocr"]  # the check as it was
+    args = throughput.parse_args(["--fake-engine", "--tasks", " extract, ocr,extract ", "--batches", "1,4"])
+    assert args.tasks == ["extract", "ocr"] and args.batches == [1, 4]
+    for argv, why in ((["--tasks", "ocr,layout"], "--tasks: unknown task(s) layout; known: all, ocr, doc_parse"),
+                      (["--tasks", ","], "--tasks: no task given"),
+                      (["--batches", "1,0"], "--batches: positive integers, comma-separated, not '1,0'")):
+        with pytest.raises(SystemExit) as exc:
+            throughput.parse_args(["--fake-engine", *argv])
+        assert exc.value.code == 2 and why in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--tasks", "all"])  # no --model and no --fake-engine
+    assert "--model is required" in capsys.readouterr().err
+
+
+def test_the_per_task_report_from_recorded_numbers():
+    from bench.gpu.tasks import TaskRun, format_report, result_json, task_params
+
+    runs = [TaskRun("ocr", 1, 24, 0, 0, 8.0, 1536), TaskRun("ocr", 8, 24, 0, 0, 2.0, 1536),
+            TaskRun("ocr", 32, 64, 0, 0, 4.0, 4096),
+            TaskRun("extract", 1, 0, 24, 0, 12.0, 1536), TaskRun("extract", 8, 0, 23, 1, 3.0, 1472),
+            TaskRun("extract", 32, 0, 64, 0, 5.0, None)]
+    assert format_report(runs).splitlines() == [
+        "task         b1 pages/s    b1 tok/s   b8 pages/s    b8 tok/s  b32 pages/s   b32 tok/s    b32/b1",
+        "ocr                3.00       192.0        12.00       768.0        16.00      1024.0     5.33x",
+        "extract            2.00       128.0         7.67       490.7        12.80           -     6.40x",
+        "  extract b1: 24 unparsable_output, 0 other errors",
+        "  extract b8: 23 unparsable_output, 1 other errors",
+        "  extract b32: 64 unparsable_output, 0 other errors",
+    ]
+    assert result_json(runs)["extract"]["b8"] == {"pages_per_s": 7.667, "output_tokens_per_s": 490.667, "ok": 0,
+                                                  "unparsable": 23, "errors": 1}
+    assert result_json(runs)["extract"]["b32"]["output_tokens_per_s"] is None
+    assert task_params("extract").fields == ("invoice number", "date", "total", "seller")
+    assert task_params("translate").target_lang == "en" and task_params("table") is None
+
+
+async def test_fake_engine_per_task_run_sends_each_task_with_its_parameters(capsys, monkeypatch):
+    """Each task's records reach the engine as that task (extract with the check's fields); an
+    answer the parser refuses counts as answered (unparsable), and tokens are counted per page."""
+    from services.infer.engines.base import UnparsableOutput
+
+    seen = []  # per engine call: (task, fields)
+    real = throughput.fake_engine_class()
+
+    class Recording(real):
+        async def ocr(self, images, task, timeout_s):
+            seen.append((task.name, task.params.fields if task.params else None,
+                         task.params.target_lang if task.params else None))
+            out = await super().ocr(images, task, timeout_s)
+            if task.name == "extract":  # as a random-weight model: no JSON
+                return [UnparsableOutput("not JSON", raw="garbage") for _ in out]
+            return out
+
+    monkeypatch.setattr(throughput, "fake_engine_class", lambda: Recording)
+    args = SimpleNamespace(fake_engine=True, batches=[1, 2], min_images=2, timeout=30.0, model=None,
+                           tasks=["ocr", "extract", "translate"], dialect="hunyuan")
+    assert await throughput.run(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
+    assert set(result["images_per_s"]) == {"b1", "b2"} and set(result["ratios"]) == {"b2/b1"}  # ocr, as before
+    got = {t: {b: (r["ok"], r["unparsable"], r["errors"]) for b, r in per.items()} for t, per in result["tasks"].items()}
+    assert got == {"ocr": {"b1": (2, 0, 0), "b2": (4, 0, 0)}, "extract": {"b1": (0, 2, 0), "b2": (0, 4, 0)},
+                   "translate": {"b1": (2, 0, 0), "b2": (4, 0, 0)}}
+    for per in result["tasks"].values():  # 64 tokens per page: tokens/s = 64 x pages/s
+        for r in per.values():
+            assert abs(r["output_tokens_per_s"] - 64 * r["pages_per_s"]) <= 0.01 * r["output_tokens_per_s"]
+    # every page its own call (warm-up batch + timed pages, per batch size): 1+2, 2+4 per task
+    assert [name for name, *_ in seen] == ["ocr"] * 9 + ["extract"] * 9 + ["translate"] * 9
+    assert {f for name, f, _ in seen if name == "extract"} == {("invoice number", "date", "total", "seller")}
+    assert {lang for name, _, lang in seen if name == "translate"} == {"en"}
+    assert "extract   max_batch   2: 4 requests through InferHandler.handle" in out and "unparsable 4" in out
+    assert "per task (pages/s: pages the engine answered" in out

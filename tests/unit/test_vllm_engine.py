@@ -115,7 +115,8 @@ class FakeAsyncLLM:
 
     @staticmethod
     def _out(text, finish=None):
-        return SimpleNamespace(outputs=[SimpleNamespace(text=text, finish_reason=finish)])
+        # one token per character, cumulative as vLLM's default RequestOutputKind.CUMULATIVE
+        return SimpleNamespace(outputs=[SimpleNamespace(text=text, finish_reason=finish, token_ids=list(range(len(text))))])
 
     async def generate(self, inputs, sampling, request_id):
         self.prompts.append(inputs["prompt"])
@@ -312,6 +313,14 @@ async def test_batch_results_warnings_and_failures(fake_vllm):
     assert [s.text for s in cut.segments] == ["INVOICE"] and cut.warnings == ("truncated_max_tokens",)
     assert isinstance(boom, RuntimeError) and str(boom) == "engine core died"
     assert len(fake_vllm.last.aborted) == 1  # the failed request is aborted
+
+
+async def test_output_tokens_counts_every_generated_token_once(fake_vllm):
+    eng = await started()
+    before = eng.output_tokens
+    assert before == len(ANSWER)  # the warm-up request
+    await eng.ocr([page(OK), page(LENGTH), page(RAISE)], OCR, timeout_s=10)
+    assert eng.output_tokens - before == len(ANSWER) + len(CUT)  # the failed request generated none
 
 
 async def test_an_answer_of_nested_brackets_fails_no_other_image(fake_vllm):

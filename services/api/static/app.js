@@ -1,5 +1,6 @@
-// ocrstream web page: upload images to POST v1/ocr, long-poll GET v1/ocr/{id}?wait=30, draw the
-// result's line boxes over the image and list the text beside it. No dependencies, no external requests.
+// ocrstream web page: upload images to POST v1/ocr (with the task chosen), long-poll GET v1/ocr/{id}?wait=30,
+// draw the result's line boxes over the image and list the text beside it; for a task other than ocr, show
+// its answer beside the image (render.js). No dependencies, no external requests.
 "use strict";
 
 const KEY_STORE = "ocrstream.apiKey";
@@ -150,6 +151,7 @@ async function follow(file) {
     const type = file.type.startsWith("image/") || file.type === "application/pdf" ? file.type : "application/octet-stream";
     const query = new URLSearchParams({ source: "web", request_id: newRequestId() });  // the same on every retry
     if (file.name) query.set("filename", file.name);
+    for (const [k, v] of Object.entries(chosenTask())) query.set(k, v);
     let { body } = await uploads.run(() => {
       setState(card, "uploading");
       return call(`v1/ocr?${query}`, { method: "POST", body: file, headers: headers({ "Content-Type": type }) }, note);
@@ -195,6 +197,16 @@ async function showResult(card, file, doc) {
     ms.hidden = false;
   }
   card.querySelector(".body").hidden = false;
+  if (doc.task && doc.task !== "ocr") {
+    card.dataset.task = doc.task;
+    card.querySelector(".lines").hidden = true;
+    const answer = card.querySelector(".answer");
+    answer.dataset.slot = window.ocrRender.renderAnswer(answer, doc) || "none";
+    if (answer.dataset.slot === "none") answer.textContent = doc.text || "(no answer)";
+    answer.hidden = false;
+    await drawPage(card, file, doc);
+    return;
+  }
 
   const list = card.querySelector(".lines");
   let page = null;
@@ -233,10 +245,11 @@ async function drawPage(card, file, doc) {
   const noteEl = card.querySelector(".note");
   const pages = doc.pages && doc.pages.length ? doc.pages : [{ index: 1, width: doc.width, height: doc.height }];
   const bitmap = await decode(file);
+  const task = doc.task && doc.task !== "ocr";
   if (!bitmap) {
     canvas.hidden = true;
-    noteEl.textContent = `This browser cannot draw ${file.type || "this file"}; ` +
-      `the text of ${pages.length} page${pages.length === 1 ? "" : "s"} is listed instead.`;
+    noteEl.textContent = `This browser cannot draw ${file.type || "this file"}; ` + (task ? "the result is shown alone." :
+      `the text of ${pages.length} page${pages.length === 1 ? "" : "s"} is listed instead.`);
     noteEl.hidden = false;
     return;
   }
@@ -249,8 +262,8 @@ async function drawPage(card, file, doc) {
   const sx = canvas.width / pageW;
   const sy = canvas.height / pageH;
   const lines = doc.lines.map((line, i) => ({ line, i })).filter(({ line }) => line.page === first.index);
-  canvas.setAttribute("aria-label", `${file.name || "image"} with ${lines.length} text line box` +
-    `${lines.length === 1 ? "" : "es"}`);
+  canvas.setAttribute("aria-label", task ? `${file.name || "image"}, ${doc.task}` :
+    `${file.name || "image"} with ${lines.length} text line box${lines.length === 1 ? "" : "es"}`);
   if (pages.length > 1) {
     noteEl.textContent = `Page 1 of ${pages.length} shown; the text of every page is listed.`;
     noteEl.hidden = false;
@@ -311,12 +324,32 @@ async function drawPage(card, file, doc) {
 }
 
 // -- input ----------------------------------------------------------------------------------------
+/** The task chosen above the drop zone, as the door's query fields (none for the default, ocr). */
+function chosenTask() {
+  const task = document.getElementById("task").value;
+  if (task === "ocr") return {};
+  if (task === "extract") return { task, fields: document.getElementById("fields").value };
+  if (task === "translate") return { task, to: document.getElementById("to").value };
+  return { task };
+}
+
+function setupTaskForm() {
+  const task = document.getElementById("task");
+  const sync = () => {
+    document.getElementById("fields-box").hidden = task.value !== "extract";
+    document.getElementById("to-box").hidden = task.value !== "translate";
+  };
+  task.addEventListener("change", sync);
+  sync();
+}
+
 function take(files) {
   for (const file of files) follow(file);
 }
 
 function setup() {
   askForKey = setupKeyForm();
+  setupTaskForm();
   const drop = document.getElementById("drop");
   const input = document.getElementById("files");
   input.addEventListener("change", () => {

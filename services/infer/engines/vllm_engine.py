@@ -177,6 +177,9 @@ class VllmEngine(OcrEngine):
         self._sampling_cls: Any = None
         self._prompt_text: str | None = None
         self._task_inputs: dict[EngineTask, tuple[str, Any, int]] = {}  # task -> (prompt, SamplingParams, max_tokens)
+        self.output_tokens = 0
+        """Tokens generated since start, every request (warm-up, timed out and stopped ones
+        included, as far as they got): the GPU check's output tokens/s (bench/gpu/tasks.py)."""
 
     @classmethod
     def from_settings(cls, s) -> VllmEngine:
@@ -392,17 +395,21 @@ class VllmEngine(OcrEngine):
 
         prompt, sampling, max_tokens = await self._inputs(task)
         inputs = {"prompt": prompt, "multi_modal_data": {"image": Image.fromarray(image[..., :3])}}
-        text, checked, finish = "", 0, None
-        async for out in self._engine.generate(inputs, sampling, request_id):
-            if out.outputs:
-                text = out.outputs[0].text
-                finish = getattr(out.outputs[0], "finish_reason", None) or finish
-            if self.repeat_stop and len(text) - checked >= self.check_every and len(text) >= self.check_after:
-                checked = len(text)
-                if hunyuan.has_tail_repetition(text[-self.check_window:]):
-                    log.info("vllm: %s stuck in a loop after %d chars; stopped", request_id, len(text))
-                    await self._abort(request_id)
-                    return text, (WARNING_TRUNCATED_REPETITION,)
+        text, checked, finish, tokens = "", 0, None, 0
+        try:
+            async for out in self._engine.generate(inputs, sampling, request_id):
+                if out.outputs:
+                    text = out.outputs[0].text
+                    finish = getattr(out.outputs[0], "finish_reason", None) or finish
+                    tokens = len(getattr(out.outputs[0], "token_ids", None) or ())  # cumulative output
+                if self.repeat_stop and len(text) - checked >= self.check_every and len(text) >= self.check_after:
+                    checked = len(text)
+                    if hunyuan.has_tail_repetition(text[-self.check_window:]):
+                        log.info("vllm: %s stuck in a loop after %d chars; stopped", request_id, len(text))
+                        await self._abort(request_id)
+                        return text, (WARNING_TRUNCATED_REPETITION,)
+        finally:
+            self.output_tokens += tokens
         if finish == "length":
             log.info("vllm: %s cut at max_tokens=%d", request_id, max_tokens)
             return text, (WARNING_TRUNCATED_MAX_TOKENS,)

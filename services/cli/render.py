@@ -1,0 +1,236 @@
+"""A task's result as a person reads it in a terminal (``ocrstream submit``): Markdown rendered,
+HTML tables as tables, extracted fields as a two-column table.
+
+What each task's result slot holds is in ``docs/tasks.md``: ``markdown`` (``doc_parse``,
+``chart``: Markdown whose tables are HTML ``<table>`` elements, as HunyuanOCR writes them),
+``html`` (``table``), ``latex`` (``formula``), ``fields`` (``extract``), ``translation``
+(``translate``), and ``lines`` / ``text`` for ``ocr``. Markdown goes through
+:class:`rich.markdown.Markdown` (markdown-it, CommonMark), which drops raw HTML, so the
+``<table>`` elements are cut out first and turned into :class:`rich.table.Table` objects with the
+standard library's :class:`html.parser.HTMLParser`. Nothing here prints: :func:`renderables`
+returns what the caller's console prints.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+
+from rich.console import RenderableType
+from rich.markdown import Markdown
+from rich.table import Table
+from rich.text import Text
+
+_TABLE_TAG = re.compile(r"<(/?)table\b[^>]*>", re.IGNORECASE)
+_MAX_SPAN = 100  # a colspan/rowspan above this is read as 1 (a model's typo must not build a huge grid)
+
+
+@dataclass
+class HtmlTable:
+    """One ``<table>`` as a grid of text: ``header`` rows (from ``<thead>``, or leading rows whose
+    cells are all ``<th>``) and ``body`` rows, every row as wide as the widest. A cell spanning
+    columns or rows (``colspan``/``rowspan``) holds its text in its first place and ``""`` in
+    the others."""
+
+    header: list[list[str]] = field(default_factory=list)
+    body: list[list[str]] = field(default_factory=list)
+
+
+class _TableParser(HTMLParser):
+    """Collects the rows of every ``<table>`` in a piece of HTML (nested tables: their text goes
+    into the enclosing cell). Only ``table``, ``thead``, ``tbody``, ``tr``, ``td``, ``th`` and
+    ``br`` mean anything; every other tag is dropped and its text kept."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tables: list[list[tuple[list[tuple[str, int, int, bool]], bool]]] = []  # per table: its rows
+        self._rows: list | None = None  # rows of the open table: ([(text, colspan, rowspan, is_th)], in_thead)
+        self._cell: list[str] | None = None
+        self._cell_attrs: tuple[int, int, bool] = (1, 1, False)
+        self._thead = False
+        self._depth = 0  # nesting of <table>
+
+    @staticmethod
+    def _span(attrs, name: str) -> int:
+        raw = dict(attrs).get(name) or "1"
+        try:
+            n = int(raw.strip())
+        except ValueError:
+            return 1
+        return n if 1 <= n <= _MAX_SPAN else 1
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self._depth += 1
+            if self._depth == 1:
+                self._rows = []
+            elif self._cell is not None:
+                self._cell.append(" ")
+            return
+        if self._depth != 1 or self._rows is None:
+            if self._cell is not None and tag in ("br", "tr", "td", "th"):
+                self._cell.append("\n" if tag in ("br", "tr") else " ")  # a nested table's text, flattened
+            return
+        if tag == "thead":
+            self._thead = True
+        elif tag == "tr":
+            self._close_cell()
+            self._rows.append(([], self._thead))
+        elif tag in ("td", "th"):
+            self._close_cell()
+            if not self._rows:
+                self._rows.append(([], self._thead))
+            self._cell = []
+            self._cell_attrs = (self._span(attrs, "colspan"), self._span(attrs, "rowspan"), tag == "th")
+        elif tag == "br" and self._cell is not None:
+            self._cell.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            if self._depth == 1 and self._rows is not None:
+                self._close_cell()
+                self.tables.append(self._rows)
+                self._rows = None
+            self._depth = max(0, self._depth - 1)
+        elif self._depth == 1 and tag in ("td", "th", "tr"):
+            self._close_cell()
+        elif self._depth == 1 and tag == "thead":
+            self._close_cell()
+            self._thead = False
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+    def _close_cell(self):
+        if self._cell is None or not self._rows:
+            self._cell = None
+            return
+        lines = "".join(self._cell).split("\n")
+        text = "\n".join(" ".join(ln.split()) for ln in lines).strip()
+        self._rows[-1][0].append((text, *self._cell_attrs))
+        self._cell = None
+
+
+def _grid(rows: list[tuple[list[tuple[str, int, int, bool]], bool]]) -> HtmlTable:
+    """Rows of (text, colspan, rowspan, is_th) cells placed on a grid (HTML's table model, simplified)."""
+    placed: list[dict[int, str]] = []
+    kinds: list[tuple[bool, bool]] = []  # (in thead, every cell th)
+    for r, (cells, in_thead) in enumerate(rows):
+        while len(placed) <= r:
+            placed.append({})
+        col = 0
+        for text, colspan, rowspan, _ in cells:
+            while col in placed[r]:
+                col += 1
+            for dr in range(rowspan):
+                while len(placed) <= r + dr:
+                    placed.append({})
+                for dc in range(colspan):
+                    placed[r + dr][col + dc] = text if dr == 0 and dc == 0 else ""
+            col += colspan
+        kinds.append((in_thead, bool(cells) and all(th for *_, th in cells)))
+    width = max((max(row) + 1 for row in placed if row), default=0)
+    grid = [[row.get(c, "") for c in range(width)] for row in placed[:len(rows)]]
+    out = HtmlTable()
+    heading = True
+    for row, (in_thead, all_th) in zip(grid, kinds):
+        if heading and (in_thead or all_th):
+            out.header.append(row)
+        else:
+            heading = False
+            out.body.append(row)
+    return out
+
+
+def parse_tables(html: str) -> list[HtmlTable]:
+    """Every top-level ``<table>`` of ``html``, in order, as :class:`HtmlTable` grids (cell text
+    with whitespace runs collapsed; ``<br>`` a line break; character references decoded)."""
+    p = _TableParser()
+    p.feed(html)
+    p.close()
+    return [_grid(rows) for rows in p.tables]
+
+
+def rich_table(t: HtmlTable) -> Table:
+    """A :class:`HtmlTable` as a rich table: its first header row as the column titles (further
+    header rows bold, first in the body), lines between rows. Cells are plain text (never rich markup)."""
+    width = len((t.header or t.body or [[]])[0])
+    table = Table(show_header=bool(t.header), show_lines=True)
+    titles = t.header[0] if t.header else [""] * width
+    for title in titles:
+        table.add_column(Text(title))
+    for row in t.header[1:]:
+        table.add_row(*(Text(c) for c in row), style="bold")
+    for row in t.body:
+        table.add_row(*(Text(c) for c in row))
+    return table
+
+
+def table_spans(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of each outermost ``<table>…</table>`` in ``text``, nested tables inside
+    it; an unclosed one runs to the end."""
+    spans: list[tuple[int, int]] = []
+    depth = start = 0
+    for m in _TABLE_TAG.finditer(text):
+        if not m.group(1):
+            if depth == 0:
+                start = m.start()
+            depth += 1
+        elif depth > 0:
+            depth -= 1
+            if depth == 0:
+                spans.append((start, m.end()))
+    if depth > 0:
+        spans.append((start, len(text)))
+    return spans
+
+
+def markdown_with_tables(markdown: str) -> list[RenderableType]:
+    """Markdown as rich renderables in order: the text between tables as :class:`Markdown`, each
+    ``<table>`` element as a :class:`Table` (rich's Markdown would drop it)."""
+    out: list[RenderableType] = []
+    pos = 0
+    for start, end in table_spans(markdown):
+        before = markdown[pos:start]
+        if before.strip():
+            out.append(Markdown(before))
+        out.extend(rich_table(t) for t in parse_tables(markdown[start:end]))
+        pos = end
+    rest = markdown[pos:]
+    if rest.strip():
+        out.append(Markdown(rest))
+    return out
+
+
+def fields_table(fields: dict[str, str | None]) -> Table:
+    """``extract``'s answer as a two-column table, ``field`` and ``value``, in the order asked;
+    a field not on the image shows ``-`` (dim)."""
+    table = Table("field", "value", show_lines=False)
+    for name, value in fields.items():
+        table.add_row(Text(name), Text("-", style="dim") if value is None else Text(value))
+    return table
+
+
+def renderables(res) -> list[RenderableType]:
+    """What ``ocrstream submit`` prints for one finished ok result (a
+    :class:`~schemas.events.ResultDocument` or anything with its task slots).
+
+    Returns:
+        ``fields`` (``extract``): one two-column table; ``markdown`` (``doc_parse``, ``chart``):
+        Markdown and tables; ``html`` (``table``): its tables (and any text outside them as
+        Markdown); ``latex`` (``formula``) and ``translation`` (``translate``): the text as it is;
+        otherwise (``ocr``) ``text``, the lines, or ``(no text)``.
+    """
+    if getattr(res, "fields", None) is not None:
+        return [fields_table(res.fields)]
+    for slot in ("markdown", "html"):
+        value = getattr(res, slot, None)
+        if value is not None:
+            return markdown_with_tables(value) or [Text("(no text)")]
+    for slot in ("latex", "translation"):
+        value = getattr(res, slot, None)
+        if value is not None:
+            return [Text(value)]
+    return [Text(res.text or "(no text)")]

@@ -1,0 +1,104 @@
+"""How ``ocrstream submit`` shows each task's result (services/cli/render.py): Markdown rendered,
+HTML tables as tables, fields as a two-column table; the rich output captured as plain text."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.markdown import Markdown
+from rich.table import Table
+
+from schemas.events import ResultDocument
+from schemas.tasks import TaskParams
+from services.cli.render import HtmlTable, parse_tables, renderables
+
+# HunyuanOCR's doc_parse format: Markdown with the tables as HTML
+PAGE = ("# Invoice INV-7\n\nSold by **ACME** <script>alert(1)</script>\n\n"
+        "<table><thead><tr><th>Item</th><th>Price</th></tr></thead>"
+        "<tbody><tr><td>Pen</td><td>3.00</td></tr><tr><td colspan=\"2\">Paid &amp; done</td></tr></tbody></table>\n\n"
+        "- cash\n- card\n")
+
+
+def _doc(task: str, **slots) -> ResultDocument:
+    params = {"extract": TaskParams(fields=tuple(slots.get("fields") or ())), "translate": TaskParams(target_lang="en")}
+    return ResultDocument(request_id="r1", status="ok", content_sha256="0" * 64, task=task,
+                          task_params=params.get(task), text=slots.pop("text", ""), **slots)
+
+
+def _printed(parts, width: int = 48) -> list[str]:
+    con = Console(record=True, width=width, color_system=None, file=io.StringIO())
+    for part in parts:
+        con.print(part, highlight=False, markup=False)
+    return [ln.rstrip() for ln in con.export_text().splitlines()]
+
+
+def _cells(table: Table) -> list[list[str]]:
+    cols = [[str(c) for c in col._cells] for col in table.columns]
+    return [list(row) for row in zip(*cols)]
+
+
+def test_doc_parse_markdown_is_rendered_with_its_html_table_as_a_table():
+    parts = renderables(_doc("doc_parse", markdown=PAGE, text=PAGE))
+    assert [type(p) for p in parts] == [Markdown, Table, Markdown]
+    table = parts[1]
+    assert [str(c.header) for c in table.columns] == ["Item", "Price"]
+    assert _cells(table) == [["Pen", "3.00"], ["Paid & done", ""]]
+    assert _printed(parts) == [
+        "                 Invoice INV-7",
+        "",
+        "Sold by ACME alert(1)",  # rich's Markdown drops raw HTML tags; nothing is run in a terminal
+        "┏━━━━━━━━━━━━━┳━━━━━━━┓",
+        "┃ Item        ┃ Price ┃",
+        "┡━━━━━━━━━━━━━╇━━━━━━━┩",
+        "│ Pen         │ 3.00  │",
+        "├─────────────┼───────┤",
+        "│ Paid & done │       │",
+        "└─────────────┴───────┘",
+        "",
+        " • cash",
+        " • card",
+    ]
+
+
+def test_extract_fields_are_a_two_column_table_in_the_order_asked_with_a_dash_where_absent():
+    fields = {"invoice number": "INV-7", "date": "2026-12-01", "total": None, "[b]markup[/b]": "x"}
+    [table] = renderables(_doc("extract", fields=fields))
+    assert [str(c.header) for c in table.columns] == ["field", "value"]
+    assert _cells(table) == [["invoice number", "INV-7"], ["date", "2026-12-01"], ["total", "-"], ["[b]markup[/b]", "x"]]
+    assert _printed([table]) == [
+        "┏━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━┓",
+        "┃ field          ┃ value      ┃",
+        "┡━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━┩",
+        "│ invoice number │ INV-7      │",
+        "│ date           │ 2026-12-01 │",
+        "│ total          │ -          │",
+        "│ [b]markup[/b]  │ x          │",
+        "└────────────────┴────────────┘",
+    ]
+
+
+def test_table_html_with_spans_becomes_a_grid():
+    html = ("<table><tr><th>Region</th><th>Q1</th><th>Q2</th></tr>"
+            "<tr><td rowspan=\"2\">North</td><td>1</td><td>2</td></tr><tr><td>3</td><td>4</td></tr>"
+            "<tr><td>Total<br/>all</td><td colspan=\"2\"> 10 &lt;net&gt; </td></tr></table>")
+    assert parse_tables(html) == [HtmlTable(header=[["Region", "Q1", "Q2"]],
+                                            body=[["North", "1", "2"], ["", "3", "4"], ["Total\nall", "10 <net>", ""]])]
+    [table] = renderables(_doc("table", html=html, text=html))
+    assert _cells(table) == [["North", "1", "2"], ["", "3", "4"], ["Total\nall", "10 <net>", ""]]
+    # a table without <th> has no header; an absurd span counts as 1; two tables give two
+    two = parse_tables("<table><tr><td colspan=\"9999\">a</td><td>b</td></tr></table><p>x</p><table><tr><td>c</td></tr></table>")
+    assert two == [HtmlTable(header=[], body=[["a", "b"]]), HtmlTable(header=[], body=[["c"]])]
+    # a table in a cell: its text flattened into that cell, its rows on lines of their own
+    nested = "<table><tr><td>a<table><tr><td>in</td><td>ner</td></tr><tr><td>x</td></tr></table></td><td>b</td></tr></table>"
+    assert parse_tables(nested) == [HtmlTable(header=[], body=[["a\nin ner\nx", "b"]])]
+    parts = renderables(_doc("doc_parse", markdown=f"before\n\n{nested}\n\nafter"))
+    assert [type(p) for p in parts] == [Markdown, Table, Markdown]
+
+
+def test_latex_translation_and_ocr_text_are_printed_as_they_are():
+    assert _printed(renderables(_doc("formula", latex=r"\frac{a}{b} [red]x[/red]"))) == [r"\frac{a}{b} [red]x[/red]"]
+    assert _printed(renderables(_doc("translate", translation="Total: 3 yuan\nThank you"))) == [
+        "Total: 3 yuan", "Thank you"]
+    assert _printed(renderables(_doc("ocr", text="LINE ONE\nLINE TWO"))) == ["LINE ONE", "LINE TWO"]
+    assert _printed(renderables(_doc("ocr"))) == ["(no text)"]
