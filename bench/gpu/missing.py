@@ -30,7 +30,7 @@ HARNESS = {
     "pydantic_settings": "pydantic-settings", "annotated_types": "annotated-types",
     "typing_inspection": "typing-inspection", "dotenv": "python-dotenv", "prometheus_client": "prometheus-client",
     "rapidfuzz": "rapidfuzz", "tenacity": "tenacity", "PIL": "pillow", "numpy": "numpy",
-    "dateutil": "python-dateutil", "urllib3": "urllib3", "typing_extensions": "typing-extensions",
+    "pynvml": "nvidia-ml-py", "dateutil": "python-dateutil", "urllib3": "urllib3", "typing_extensions": "typing-extensions",
 }
 
 

@@ -4,7 +4,10 @@ The GPU extra is never installed in CI (no GPU, several GB), so a pin that vLLM 
 unnoticed until someone builds an inference image. vLLM 0.26.0 asks for fastapi < 0.137, torch
 2.11.0 exactly and (through mistral-common on Python < 3.13) numpy < 2.4; this test resolves the
 whole set, base dependencies and the ``gpu`` extra, for CPython 3.12 on x86-64 Linux against the
-package index (uv's resolver; nothing is downloaded but metadata).
+package index (uv's resolver; nothing is downloaded but metadata), constrained to the offline
+bundle's pins (bench/gpu/bundle-requirements.txt): the bundle must be one solution of that set.
+Unconstrained, a transitive dependency that neither vLLM nor we pin (openai, say) moves with the
+index, and the test would fail on a day's new release rather than on a disagreement.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ def test_gpu_extra_resolves_with_the_base_dependencies(tmp_path):
     out = tmp_path / "gpu.txt"
     res = subprocess.run(
         [str(uv), "pip", "compile", "pyproject.toml", "--extra", "gpu", "--python-version", "3.12",
-         "--python-platform", "x86_64-manylinux_2_28", "--no-header", "--quiet", "-o", str(out)],
+         "--python-platform", "x86_64-manylinux_2_28", "-c", "bench/gpu/bundle-requirements.txt",
+         "--no-header", "--quiet", "-o", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert res.returncode == 0, res.stderr[-3000:]
