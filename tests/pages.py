@@ -130,3 +130,34 @@ def banner_page() -> Page:
 def all_pages() -> list[Page]:
     """Every generated page, kinds in the bench table's order."""
     return [*alpha_pages(), column_page(), spaced_page(), banner_page()]
+
+
+ORDER_TITLE = "FRUIT ORDER"
+ORDER_PARAGRAPH = [
+    "The order below was placed on the third of May by the shop on the corner of",
+    "the market square and delivered to it two days later by the usual carrier, who",
+    "was paid in cash on delivery as agreed with the owner of the shop in April.",
+    "The prices are per box and include the tax of the region.",
+]
+ORDER_TABLE = [["ITEM", "QTY", "PRICE"], ["APPLE", "2", "3.50"], ["PEAR", "10", "12.00"]]
+
+
+def order_page() -> bytes:
+    """A 900x700 PNG with a heading (:data:`ORDER_TITLE`), a paragraph of four lines
+    (:data:`ORDER_PARAGRAPH`) and a ruled 3x3 table (:data:`ORDER_TABLE`): the layout and table
+    models of the CPU engine's ``doc_parse``/``table`` find a title, a text and a table region on
+    it. Not in :func:`all_pages` (the engine CER bench)."""
+    img = Image.new("RGB", (900, 700), "white")
+    d = ImageDraw.Draw(img)
+    d.text((250, 40), ORDER_TITLE, fill="black", font=font(44))
+    for i, t in enumerate(ORDER_PARAGRAPH):
+        d.text((60, 130 + i * 30), t, fill="black", font=font(18))
+    x0, y0, cw, rh = 60, 280, 260, 70
+    for r in range(len(ORDER_TABLE) + 1):
+        d.line([(x0, y0 + r * rh), (x0 + 3 * cw, y0 + r * rh)], fill="black", width=2)
+    for c in range(4):
+        d.line([(x0 + c * cw, y0), (x0 + c * cw, y0 + 3 * rh)], fill="black", width=2)
+    for r, row in enumerate(ORDER_TABLE):
+        for c, t in enumerate(row):
+            d.text((x0 + c * cw + 20, y0 + r * rh + 18), t, fill="black", font=font(28))
+    return _png(img)

