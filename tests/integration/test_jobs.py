@@ -1,0 +1,183 @@
+"""Jobs on the real stack: exact counts under replay, one completion event, the report in S3."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import signal
+import time
+import uuid
+
+import pytest
+from aiokafka import TopicPartition
+
+from schemas.errors import ErrorCode
+from schemas.events import CompletedEvent, ResultDocument
+from schemas.jobs import JobCompletedEvent, JobEvent, job_completion_event_id
+from services.cli.client import Submitter
+from services.common.db import Database
+from services.common.events import completion_event_id, dumps, loads
+from services.common.jobs import JobStore
+from services.common.kafka import make_consumer, make_producer
+from services.common.settings import CommonSettings
+from tests.conftest import CASES, text_image
+from tests.stack import JOBS, db_rows
+
+N = 200  # images per job: 135 unique, 60 repeats (30%), 5 bad inputs
+BAD = [  # (bytes, name, the code it ends with)
+    (b"", "empty.jpg", ErrorCode.EMPTY_INPUT),
+    ((CASES / "img17_truncated.jpg").read_bytes(), "truncated.jpg", ErrorCode.CORRUPT_IMAGE),
+    (b"just some text, not an image\n" * 20, "notes.png", ErrorCode.UNSUPPORTED_FORMAT),
+    (b"<html><body>not an image</body></html>\n" * 5, "page.jpg", ErrorCode.UNSUPPORTED_FORMAT),
+    ((CASES / "img17_truncated.jpg").read_bytes()[:300], "cut.jpg", ErrorCode.CORRUPT_IMAGE),
+]
+
+
+@pytest.fixture(scope="module")
+def jobs_stage(pipeline):
+    """The jobs stage (one process) beside the session's pipeline."""
+    return pipeline.start(JOBS)
+
+
+def job_items(tag: str, n: int = N) -> list[tuple[bytes, str]]:
+    """``n`` items: 30% repeats of earlier ones and the :data:`BAD` inputs, the rest unique images."""
+    repeats = round(n * 0.3)
+    unique = n - repeats - len(BAD)
+    uniq = [(text_image([f"JOB {tag} {i:03d}"], size=28), f"img{i:03d}.png") for i in range(unique)]
+    rep = [(uniq[i % unique][0], f"again{i:03d}.png") for i in range(repeats)]
+    items = uniq + rep + [(b, name) for b, name, _ in BAD]
+    return items
+
+
+async def _job_completions(job_id: str, settle_s: float = 3.0, timeout: float = 120) -> list[bytes]:
+    """Every ``ocr.job-completed`` record of ``job_id`` (from the topic's start), waiting for the
+    first and then ``settle_s`` seconds more for any repeat."""
+    s = CommonSettings()
+    consumer = make_consumer(s.kafka, [], None, client_id="test-jobs", auto_offset_reset="earliest")
+    await consumer.start()
+    found: list[bytes] = []
+    try:
+        parts = consumer.partitions_for_topic(s.topics.job_completed) or set()
+        if not parts:
+            await consumer._client.force_metadata_update()
+            parts = consumer.partitions_for_topic(s.topics.job_completed) or set()
+        tps = [TopicPartition(s.topics.job_completed, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        deadline, until = time.monotonic() + timeout, None
+        while time.monotonic() < (until or deadline):
+            batch = await consumer.getmany(timeout_ms=300)
+            for recs in batch.values():
+                found.extend(r.value for r in recs if r.key == job_id.encode())
+            if found and until is None:
+                until = time.monotonic() + settle_s
+    finally:
+        await consumer.stop()
+    return found
+
+
+async def _wait_final(store: JobStore, job_id: str, want: int, seen: list[int], timeout: float = 180):
+    """Poll the job's progress until ``want`` requests are final; every ``done`` read goes to ``seen``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        prog = await store.progress(job_id)
+        if prog is not None:
+            seen.append(prog.done)
+            if prog.done >= want:
+                return prog
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"job {job_id}: {seen[-1:]} of {want} final after {timeout}s")
+
+
+async def test_a_job_counts_each_request_once_and_completes_once(pipeline, jobs_stage, s3):
+    s = CommonSettings()
+    job_id, tag = f"job-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex[:6]
+    items = job_items(tag)
+    store = JobStore(Database(s.mysql, pool_size=1))
+    sub = Submitter(s)
+    await sub.start()
+    try:
+        await sub.job_event(JobEvent(action="create", job_id=job_id, name="two hundred"))
+        started = time.monotonic()
+        ids = await sub.submit_many(items, source="test", job_id=job_id)
+        seen: list[int] = []
+        await _wait_final(store, job_id, N, seen)
+        elapsed = time.monotonic() - started
+        # a request completed twice (at-least-once delivery) counts once
+        doc = ResultDocument.model_validate_json(db_rows(
+            "SELECT document_json FROM requests WHERE request_id = %s", ids[0])[0]["document_json"])
+        producer = make_producer(s.kafka, client_id="test-jobs")
+        await producer.start()
+        try:
+            dup = CompletedEvent(event_id=completion_event_id(ids[0]), request_id=ids[0], result=doc)
+            await producer.send_and_wait(s.topics.completed, dumps(dup), key=ids[0].encode())
+        finally:
+            await producer.stop()
+        assert (await store.progress(job_id)).state == "open"
+        await sub.job_event(JobEvent(action="close", job_id=job_id, expected=N))
+        await sub.job_event(JobEvent(action="close", job_id=job_id, expected=N))  # a replayed close
+    finally:
+        await sub.stop()
+    raws = await _job_completions(job_id)
+    print(f"job of {N}: all final in {elapsed:.1f}s ({N / elapsed:.1f} images/s)")
+    assert seen == sorted(seen) and seen[-1] == N
+    assert len(raws) == 1
+    ev = loads(JobCompletedEvent, raws[0])
+    prog = ev.progress
+    assert ev.event_id == job_completion_event_id(job_id) and ev.name == "two hundred"
+    assert (prog.state, prog.total, prog.done, prog.ok, prog.failed) == ("completed", N, N, N - 5, 5)
+    assert prog.failed_by_code == {"corrupt_image": 2, "empty_input": 1, "unsupported_format": 2}
+    assert prog.cache_hits == round(N * 0.3)
+    assert ev.summary.by_status == {"error": 5, "ok": N - 5} and ev.summary.requests == N
+    assert ev.completed_at_ms == prog.last_completed_at_ms
+    # the stored event is the bytes produced
+    [row] = db_rows("SELECT completion_json, completion_sent FROM jobs WHERE job_id = %s", job_id)
+    assert row == {"completion_json": raws[0].decode(), "completion_sent": 1}
+    # the CSV report: N rows whose statuses match MariaDB's requests
+    body = s3.get_object(Bucket=s3.bucket, Key=f"reports/{job_id}/report.csv")["Body"].read().decode()
+    rows = list(csv.DictReader(io.StringIO(body)))
+    assert len(rows) == N and {r["request_id"] for r in rows} == set(ids)
+    marks = ",".join(["%s"] * N)
+    db = {r["request_id"]: (r["status"], r["error_code"] or "")
+          for r in db_rows(f"SELECT request_id, status, error_code FROM requests WHERE request_id IN ({marks})", *ids)}
+    assert {r["request_id"]: (r["status"], r["error_code"]) for r in rows} == db
+    bad = {r["name"]: r["error_code"] for r in rows if r["status"] == "error"}
+    assert bad == {name: code.value for _, name, code in BAD}
+    ok = {r["name"]: r for r in rows if r["status"] == "ok"}
+    assert ok["img007.png"]["lines"] == "1" and ok["img007.png"]["characters"] == str(len(f"JOB {tag} 007"))
+    for part in ("report.jsonl", "summary.json", "chart.png"):
+        assert s3.head_object(Bucket=s3.bucket, Key=f"reports/{job_id}/{part}")["ContentLength"] > 0
+
+
+async def test_sigkill_of_the_jobs_stage_mid_job_keeps_counts_exact(pipeline, jobs_stage):
+    """The jobs stage killed while the job's completions stream in: the replacement replays the
+    uncommitted records; the counts stay exact and the job completes once."""
+    s = CommonSettings()
+    n, job_id, tag = 60, f"kill-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex[:6]
+    items = job_items(tag, n)
+    store = JobStore(Database(s.mysql, pool_size=1))
+    sub = Submitter(s)
+    await sub.start()
+    try:
+        await sub.job_event(JobEvent(action="create", job_id=job_id))
+        await sub.job_event(JobEvent(action="close", job_id=job_id, expected=n))  # closed before any completion
+        await sub.submit_many(items, source="test", job_id=job_id)
+        seen: list[int] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            prog = await store.progress(job_id)
+            if prog is not None and prog.done >= 10:
+                break
+            await asyncio.sleep(0.05)
+        killed = pipeline.stages[JOBS][-1]
+        pipeline.stop(killed, sig=signal.SIGKILL)
+        pipeline.start(JOBS)
+        prog = await _wait_final(store, job_id, n, seen)
+    finally:
+        await sub.stop()
+    raws = await _job_completions(job_id)
+    assert len(raws) == 1
+    ev = loads(JobCompletedEvent, raws[0])
+    assert (ev.progress.done, ev.progress.ok, ev.progress.failed) == (n, n - 5, 5)
+    assert db_rows("SELECT COUNT(*) AS n FROM job_requests WHERE job_id = %s", job_id) == [{"n": n}]
