@@ -9,6 +9,7 @@ import signal
 import time
 import uuid
 
+import httpx
 import pytest
 from aiokafka import TopicPartition
 
@@ -24,7 +25,8 @@ from services.common.settings import CommonSettings
 from tests.conftest import CASES, text_image
 from tests.stack import JOBS, db_rows
 
-N = 200  # images per job: 135 unique, 60 repeats (30%), 5 bad inputs
+N = 100  # images per job: 65 unique, 30 repeats (30%), 5 bad inputs (200 took 6 min on a loaded 2-core VM)
+TAG = uuid.uuid4().hex[:6]  # this session's images: the kill test's are the first test's (cache hits)
 BAD = [  # (bytes, name, the code it ends with)
     (b"", "empty.jpg", ErrorCode.EMPTY_INPUT),
     ((CASES / "img17_truncated.jpg").read_bytes(), "truncated.jpg", ErrorCode.CORRUPT_IMAGE),
@@ -77,7 +79,7 @@ async def _job_completions(job_id: str, settle_s: float = 3.0, timeout: float = 
     return found
 
 
-async def _wait_final(store: JobStore, job_id: str, want: int, seen: list[int], timeout: float = 180):
+async def _wait_final(store: JobStore, job_id: str, want: int, seen: list[int], timeout: float = 300):
     """Poll the job's progress until ``want`` requests are final; every ``done`` read goes to ``seen``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -92,7 +94,7 @@ async def _wait_final(store: JobStore, job_id: str, want: int, seen: list[int], 
 
 async def test_a_job_counts_each_request_once_and_completes_once(pipeline, jobs_stage, s3):
     s = CommonSettings()
-    job_id, tag = f"job-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex[:6]
+    job_id, tag = f"job-{uuid.uuid4().hex[:12]}", TAG
     items = job_items(tag)
     store = JobStore(Database(s.mysql, pool_size=1))
     sub = Submitter(s)
@@ -128,6 +130,7 @@ async def test_a_job_counts_each_request_once_and_completes_once(pipeline, jobs_
     assert ev.event_id == job_completion_event_id(job_id) and ev.name == "two hundred"
     assert (prog.state, prog.total, prog.done, prog.ok, prog.failed) == ("completed", N, N, N - 5, 5)
     assert prog.failed_by_code == {"corrupt_image": 2, "empty_input": 1, "unsupported_format": 2}
+    assert (prog.pages, prog.lines) == (N - 5 + 5, N - 5)  # one page per request; one line per ok image
     assert prog.cache_hits == round(N * 0.3)
     assert ev.summary.by_status == {"error": 5, "ok": N - 5} and ev.summary.requests == N
     assert ev.completed_at_ms == prog.last_completed_at_ms
@@ -154,8 +157,8 @@ async def test_sigkill_of_the_jobs_stage_mid_job_keeps_counts_exact(pipeline, jo
     """The jobs stage killed while the job's completions stream in: the replacement replays the
     uncommitted records; the counts stay exact and the job completes once."""
     s = CommonSettings()
-    n, job_id, tag = 60, f"kill-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex[:6]
-    items = job_items(tag, n)
+    n, job_id = 40, f"kill-{uuid.uuid4().hex[:12]}"
+    items = job_items(TAG, n)
     store = JobStore(Database(s.mysql, pool_size=1))
     sub = Submitter(s)
     await sub.start()
@@ -181,3 +184,41 @@ async def test_sigkill_of_the_jobs_stage_mid_job_keeps_counts_exact(pipeline, jo
     ev = loads(JobCompletedEvent, raws[0])
     assert (ev.progress.done, ev.progress.ok, ev.progress.failed) == (n, n - 5, 5)
     assert db_rows("SELECT COUNT(*) AS n FROM job_requests WHERE job_id = %s", job_id) == [{"n": n}]
+
+
+def test_a_job_over_http_from_create_to_report(api, jobs_stage):
+    """Create, submit with job_id (one image the door answers from the cache, one new, one
+    refused at the door and so not counted), close with the accepted count; then progress, the
+    server-sent events and the report over HTTP."""
+    from tests.integration.test_http_events import sse
+
+    with httpx.Client(base_url=api.url, timeout=90) as c:
+        made = c.post("/v1/jobs", json={"name": "over http"})
+        assert made.status_code == 201, made.text
+        job_id = made.json()["job_id"]
+        assert made.json()["links"]["self"] == f"/v1/jobs/{job_id}"
+        new = text_image([f"HTTP JOB {uuid.uuid4().hex[:6]}"], size=28)
+        answers = [c.post(f"/v1/ocr?job_id={job_id}&filename={name}", content=data,
+                          headers={"Content-Type": "image/png"})
+                   for data, name in ((new, "new.png"), (new, "again.png"), (b"", "empty.png"))]
+        assert [a.status_code for a in answers[:1]] == [202] and answers[2].status_code == 400
+        accepted = [a.json()["request_id"] for a in answers if a.status_code in (200, 202)]
+        assert len(accepted) == 2
+        assert c.post(f"/v1/jobs/{job_id}/close", json={"expected": 2}).status_code == 202
+        with c.stream("GET", f"/v1/jobs/{job_id}/events") as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            events = [e for e in sse(resp) if "event" in e]
+        assert events[-1]["event"] == "completed" and {e["event"] for e in events[:-1]} <= {"progress"}
+        done = [e["data"]["done"] for e in events]
+        assert done == sorted(done) and done[-1] == 2
+        prog = c.get(f"/v1/jobs/{job_id}").json()
+        assert prog == events[-1]["data"]
+        assert (prog["state"], prog["total"], prog["ok"], prog["failed"]) == ("completed", 2, 2, 0)
+        report = c.get(f"/v1/jobs/{job_id}/report", params={"format": "csv"})
+        assert report.headers["content-type"].startswith("text/csv")
+        rows = list(csv.DictReader(io.StringIO(report.text)))
+        assert sorted((r["request_id"], r["name"], r["status"]) for r in rows) == sorted(
+            zip(accepted, ("new.png", "again.png"), ("ok", "ok")))
+        lines = c.get(f"/v1/jobs/{job_id}/report", params={"format": "jsonl"}).text.splitlines()
+        assert len(lines) == 2
+        assert c.get("/v1/jobs/no-such-job").status_code == 404

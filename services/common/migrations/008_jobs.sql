@@ -1,6 +1,6 @@
 -- ocrstream schema v8: jobs (docs/jobs.md). Written by the jobs stage only (the doors publish
 -- ocr.jobs events and read these tables). `jobs`: one row per job, its control state and its one
--- completion event; `job_requests`: the final state of each request of a job, written once (a
+-- completion event, and `job_requests`: the final state of each request of a job, written once (a
 -- replayed completion changes nothing), so a job's counts are exact under at-least-once delivery.
 CREATE TABLE IF NOT EXISTS jobs (
   job_id            VARCHAR(64)   NOT NULL PRIMARY KEY,
