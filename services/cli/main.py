@@ -90,7 +90,7 @@ def submit(
                                      "de, es, it, pt, ru, ar, vi, th)"),
     source: str = typer.Option("cli", help="source label (selects the cache TTL)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the text"),
-    name: Optional[str] = typer.Option(None, "--name", help="the job's name (default: the first path's name)"),
+    job_name: Optional[str] = typer.Option(None, "--name", help="the job's name (default: the first path's name)"),
 ) -> None:
     """Publish images to ocr.submit as one job (its id printed first: `ocrstream job status ID`,
     `ocrstream job report ID`); with --wait, show progress and print each image's text."""
@@ -129,7 +129,7 @@ def submit(
             await watcher.start()
         await submitter.start()
         try:
-            job_id, subs = await _submit_job(submitter, files, name or paths[0].resolve().name, task, source, params)
+            job_id, subs = await _submit_job(submitter, files, job_name or paths[0].resolve().name, task, source, params)
         finally:
             await submitter.stop()
         console.print(f"job {job_id}: {len(subs)} requests (ocrstream job status {job_id})", highlight=False)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -23,7 +26,7 @@ from services.common.jobs import JobStore
 from services.common.kafka import make_consumer, make_producer
 from services.common.settings import CommonSettings
 from tests.conftest import CASES, text_image
-from tests.stack import JOBS, db_rows
+from tests.stack import JOBS, REPO, db_rows
 
 N = 100  # images per job: 65 unique, 30 repeats (30%), 5 bad inputs (200 took 6 min on a loaded 2-core VM)
 TAG = uuid.uuid4().hex[:6]  # this session's images: the kill test's are the first test's (cache hits)
@@ -222,3 +225,40 @@ def test_a_job_over_http_from_create_to_report(api, jobs_stage):
         lines = c.get(f"/v1/jobs/{job_id}/report", params={"format": "jsonl"}).text.splitlines()
         assert len(lines) == 2
         assert c.get("/v1/jobs/no-such-job").status_code == 404
+
+
+def test_ocrstream_submit_is_a_job_and_job_status_and_report_read_it(jobs_stage, tmp_path):
+    """`ocrstream submit FOLDER` creates, fills and closes a job and prints its id; `job status`
+    waits for it; `job report` writes its rows as CSV and xlsx."""
+    from openpyxl import load_workbook
+
+    folder = tmp_path / "batch"
+    folder.mkdir()
+    image = text_image([f"CLI JOB {uuid.uuid4().hex[:6]}"], size=28)
+    (folder / "a.png").write_bytes(image)
+    (folder / "b.png").write_bytes(b"")
+    (folder / "c.png").write_bytes(image)  # a copy: answered from the cache
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "COLUMNS": "200"})
+
+    sub = cli("submit", str(folder), "--no-wait", "--name", "cli batch")
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    head = sub.stdout.splitlines()[0]
+    assert head.startswith("job ") and head.endswith(": 3 requests (ocrstream job status " + head.split()[1][:-1] + ")")
+    job_id = head.split()[1][:-1]
+    status = cli("job", "status", job_id, "--timeout", "240")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert status.stdout.startswith("completed: 3/3 done, 2 ok, 1 failed (empty_input 1), 1 cache hits, 3 pages")
+    rep = cli("job", "report", job_id, "--format", "csv")
+    assert rep.returncode == 0, rep.stderr
+    rows = sorted((r["name"], r["status"], r["error_code"]) for r in csv.DictReader(io.StringIO(rep.stdout)))
+    assert rows == [("a.png", "ok", ""), ("b.png", "error", "empty_input"), ("c.png", "ok", "")]
+    out = tmp_path / "r.xlsx"
+    assert cli("job", "report", job_id, "--format", "xlsx", "--out", str(out)).returncode == 0
+    sheet = list(load_workbook(out).active.iter_rows(values_only=True))
+    assert sheet[0][:4] == ("name", "request_id", "status", "error_code") and len(sheet) == 4
+    assert sorted((r[0], r[2]) for r in sheet[1:]) == [("a.png", "ok"), ("b.png", "error"), ("c.png", "ok")]
+    db = db_rows("SELECT name, expected FROM jobs WHERE job_id = %s", job_id)
+    assert db == [{"name": "cli batch", "expected": 3}]
