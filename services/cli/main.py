@@ -94,7 +94,7 @@ def submit(
 ) -> None:
     """Publish images to ocr.submit as one job (its id printed first: `ocrstream job status ID`,
     `ocrstream job report ID`); with --wait, show progress and print each image's text."""
-    from services.cli.client import Submitter, collect_files
+    from services.cli.client import Submitter
     from services.common.completions import CompletionWatcher
 
     s = load_settings(CommonSettings)
@@ -103,24 +103,7 @@ def submit(
             err.print(f"[red]error:[/red] {name} must be 1 to 64 characters, not {len(value)}")
             raise typer.Exit(2)
     params = _task_params(s, task, fields, to)
-    try:
-        files = collect_files(paths)
-    except FileNotFoundError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
-    if not files:
-        err.print("[red]error:[/red] no image files found")
-        raise typer.Exit(2)
-    # refused here, before anything is read, sent or uploaded: ingest would refuse them anyway
-    limit = s.limits.max_image_bytes
-    too_large = {f: size for f in files if (size := f.stat().st_size) > limit}
-    for f, size in too_large.items():
-        err.print(f"[red]error:[/red] {escape(str(f))}: {size} bytes, over the limit of {limit} bytes "
-                  "(OCRSTREAM_LIMITS__MAX_IMAGE_BYTES): input_too_large, not submitted, nothing uploaded",
-                  highlight=False)
-    files = [f for f in files if f not in too_large]
-    if not files:
-        raise typer.Exit(1)
+    files, too_large = _files_to_submit(s, paths)
 
     async def _run() -> int:
         watcher = CompletionWatcher(s) if wait else None
@@ -178,6 +161,35 @@ def submit(
         return 0 if failed == 0 and not too_large else 1
 
     raise typer.Exit(asyncio.run(_run()))
+
+
+def _files_to_submit(s: CommonSettings, paths: list[Path]) -> tuple[list[Path], dict[Path, int]]:
+    """The files under ``paths`` to submit, and those over ``limits.max_image_bytes`` (path -> size),
+    each printed as refused here, before anything is read, sent or uploaded (ingest would refuse them).
+
+    Raises:
+        typer.Exit: 2 when a path is missing or there is no file, 1 when every file is too large.
+    """
+    from services.cli.client import collect_files
+
+    try:
+        files = collect_files(paths)
+    except FileNotFoundError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    if not files:
+        err.print("[red]error:[/red] no image files found")
+        raise typer.Exit(2)
+    limit = s.limits.max_image_bytes
+    too_large = {f: size for f in files if (size := f.stat().st_size) > limit}
+    for f, size in too_large.items():
+        err.print(f"[red]error:[/red] {escape(str(f))}: {size} bytes, over the limit of {limit} bytes "
+                  "(OCRSTREAM_LIMITS__MAX_IMAGE_BYTES): input_too_large, not submitted, nothing uploaded",
+                  highlight=False)
+    files = [f for f in files if f not in too_large]
+    if not files:
+        raise typer.Exit(1)
+    return files, too_large
 
 
 async def _submit_job(submitter, files: list[Path], name: str, task: str, source: str, params):
