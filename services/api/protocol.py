@@ -215,7 +215,8 @@ class JobCreate(BaseModel):
     fields: list[str] | None = Field(default=None, max_length=50,
                                      description="`task=extract`: the field names (one report column each)")
     webhook_url: str | None = Field(default=None, max_length=2048,
-                                    description="kept with the job and carried on its completion event")
+                                    description="the job's completion event is POSTed there once, signed like a "
+                                                "request's webhook (same allow-list and secret rules as `callback_url`)")
 
 
 class JobClose(BaseModel):

@@ -24,6 +24,7 @@ from services.api.errors import ApiError
 from services.api.events import EventStream, KEEPALIVE, encode
 from services.api.protocol import JobClose, JobCreate, JobCreated
 from services.api.serving_keys import Principal
+from services.api.serving_webhooks import validate_callback_url
 from services.common.events import dumps
 from services.common.job_report import write_rows
 from services.common.jobs import REPORT_SQL, JobRow, JobStore
@@ -62,6 +63,9 @@ class JobService:
             params = self.c.s.check_task(body.task, {"fields": body.fields} if body.fields else None) if body.task else None
         except TaskError as exc:
             raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        if body.webhook_url:  # URL checks, webhooks enabled here, a secret to sign with: as for callback_url
+            await validate_callback_url(body.webhook_url, self.c.s, principal.key_id,
+                                        enabled=self.c.webhooks is not None)
         job_id = body.job_id or uuid.uuid4().hex
         await self._publish(JobEvent(action="create", job_id=job_id, name=body.name, task=body.task, task_params=params,
                                      webhook_url=body.webhook_url, api_key_id=principal.key_id))
@@ -99,18 +103,26 @@ class JobService:
 
     async def events(self, job_id: str, principal: Principal, max_s: float) -> EventStream:
         """Server-sent events: ``progress`` (the counts, JSON) now and whenever they change, then
-        ``completed`` (the final counts) and the stream ends; at most ``max_s`` seconds."""
-        await self._owned(job_id, principal)
+        ``completed`` (the final counts) and the stream ends; at most ``max_s`` seconds. A job
+        just created whose create event the jobs stage has not recorded yet is waited for
+        (keep-alives); one of another key ends the stream with an ``error`` event (``not_found``)."""
+        await self._owned(job_id, principal, missing_ok=True)
 
         async def gen() -> AsyncIterator[bytes]:
             last, loop = None, asyncio.get_running_loop()
             deadline = loop.time() + max_s
             while loop.time() < deadline and not self.c.closing.is_set():
                 prog = await self.jobs.progress(job_id)
-                if prog.state == "completed":
+                if prog is not None and last is None:  # first seen: whose is it
+                    try:
+                        await self._owned(job_id, principal)
+                    except ApiError as exc:
+                        yield encode("error", {"code": exc.code, "message": exc.message})
+                        return
+                if prog is not None and prog.state == "completed":
                     yield encode("completed", prog.model_dump(mode="json"))
                     return
-                if prog != last:
+                if prog is not None and prog != last:
                     yield encode("progress", prog.model_dump(mode="json"))
                     last = prog
                 else:

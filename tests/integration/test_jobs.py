@@ -193,10 +193,13 @@ def test_a_job_over_http_from_create_to_report(api, jobs_stage):
     """Create, submit with job_id (one image the door answers from the cache, one new, one
     refused at the door and so not counted), close with the accepted count; then progress, the
     server-sent events and the report over HTTP."""
+    from services.api.signing import verify_signature
+    from tests.integration.conftest import WEBHOOK_SECRET
     from tests.integration.test_http_events import sse
+    from tests.integration.test_http_webhooks import Receiver
 
-    with httpx.Client(base_url=api.url, timeout=90) as c:
-        made = c.post("/v1/jobs", json={"name": "over http"})
+    with Receiver([200]) as rcv, httpx.Client(base_url=api.url, timeout=90) as c:
+        made = c.post("/v1/jobs", json={"name": "over http", "webhook_url": f"{rcv.url}/hooks/job"})
         assert made.status_code == 201, made.text
         job_id = made.json()["job_id"]
         assert made.json()["links"]["self"] == f"/v1/jobs/{job_id}"
@@ -225,6 +228,16 @@ def test_a_job_over_http_from_create_to_report(api, jobs_stage):
         lines = c.get(f"/v1/jobs/{job_id}/report", params={"format": "jsonl"}).text.splitlines()
         assert len(lines) == 2
         assert c.get("/v1/jobs/no-such-job").status_code == 404
+        # the job's webhook: its completion event, as published, signed like a request's
+        deadline = time.monotonic() + 60
+        while not rcv.hits and time.monotonic() < deadline:
+            time.sleep(0.2)
+        [hit] = rcv.hits
+    [raw] = asyncio.run(_job_completions(job_id, settle_s=0.5))
+    h = hit["headers"]
+    assert hit["path"] == "/hooks/job" and hit["body"] == raw
+    assert verify_signature(WEBHOOK_SECRET, h["X-Ocrstream-Delivery"], h["X-Ocrstream-Timestamp"], hit["body"],
+                            h["X-Ocrstream-Signature"])
 
 
 def test_ocrstream_submit_is_a_job_and_job_status_and_report_read_it(jobs_stage, tmp_path):
