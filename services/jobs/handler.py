@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 
+import orjson
 from pydantic import BaseModel
 
+from schemas.errors import ErrorCode
 from schemas.events import CompletedEvent, ResultDocument
 from schemas.jobs import JobCompletedEvent, JobEvent, job_completion_event_id
 from services.common.db import Database
 from services.common.dlq import poison_messages
+from services.common.errors import OcrError
 from services.common.events import dumps
 from services.common.handler import Handler, Outgoing, Record
 from services.common.job_report import write_job_report
@@ -18,6 +21,15 @@ from services.common.s3 import ObjectStore
 from services.jobs.settings import JobsSettings
 
 log = logging.getLogger(__name__)
+
+
+def _raw_page(raw: bytes | None) -> bool:
+    """Whether a completion's bytes name a ``result.page_number`` (a page of a document), read from
+    the JSON itself: a model without that field (before documents) drops it when decoding."""
+    if not raw or b'"page_number"' not in raw:
+        return False
+    result = orjson.loads(raw).get("result")
+    return isinstance(result, dict) and result.get("page_number") is not None
 
 
 class JobsHandler(Handler):
@@ -42,11 +54,20 @@ class JobsHandler(Handler):
     on ``event_id``).
     """
 
-    def __init__(self, settings: JobsSettings, store: ObjectStore, db: Database):
+    def __init__(self, settings: JobsSettings, store: ObjectStore, db: Database, jobs: JobStore | None = None,
+                 report=write_job_report):
+        """Args:
+            settings: The stage's settings (topics).
+            store, db: S3 (the reports) and MariaDB (the jobs tables).
+            jobs: The jobs tables (default: a :class:`JobStore` over ``db``).
+            report: ``async (db, store, job) -> (JobSummary, part -> URI)``, the report writer
+                (default :func:`~services.common.job_report.write_job_report`).
+        """
         self.s = settings
         self.store = store
         self.db = db
-        self.jobs = JobStore(db)
+        self.jobs = jobs or JobStore(db)
+        self._report = report
         self._sending: list[str] = []
 
     def consumes(self) -> dict[str, type[BaseModel]]:
@@ -63,7 +84,7 @@ class JobsHandler(Handler):
                     events.append(rec.value)
                 elif isinstance(rec.value, CompletedEvent):
                     doc = rec.value.result
-                    if doc.job_id is not None and not is_page(doc):
+                    if doc.job_id is not None and not is_page(doc) and not _raw_page(rec.raw):
                         docs.append(doc)
         touched = sorted({e.job_id for e in events} | {d.job_id for d in docs})
         if not touched:
@@ -85,7 +106,7 @@ class JobsHandler(Handler):
         if job.completion_json is None:
             if await self.jobs.final_count(job_id) < job.expected:
                 return None
-            summary, uris = await write_job_report(self.db, self.store, job)
+            summary, uris = await self._report(self.db, self.store, job)
             progress = await self.jobs.progress(job_id)
             done_at = progress.last_completed_at_ms or job.closed_at_ms or 0
             progress = progress.model_copy(update={"state": "completed", "completed_at_ms": done_at, "eta_s": 0.0})
@@ -103,6 +124,11 @@ class JobsHandler(Handler):
         if self._sending:
             await self.jobs.mark_sent(self._sending)
             self._sending = []
+
+    async def undecodable(self, record: Record, exc: Exception) -> list[Outgoing]:
+        """A job event or completion that does not parse: to the DLQ at once (``invalid_request``),
+        not retried (the same bytes fail the same way); it counts in no job."""
+        return self.poison(record, OcrError(ErrorCode.INVALID_REQUEST, f"jobs: not a valid event: {exc}"[:1000]), 1)
 
     def poison(self, record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:
         """The DLQ event only: a job event or completion that cannot be counted ends no request."""

@@ -97,3 +97,123 @@ def test_report_rows_stream_to_csv_and_jsonl_with_a_column_per_field_and_totals(
     assert (s.requests, s.by_status, s.by_error_code, s.engine_ms, s.cache_hit_rate) == (
         2, {"error": 1, "ok": 1}, {"empty_input": 1}, 7.5, 0.5)
     assert s.latency_ms == {"p50": 30.0, "p95": 39.0, "p99": 39.8}
+
+
+# -- the jobs stage's handler over the jobs tables in memory ---------------------------------------
+import asyncio  # noqa: E402
+
+from aiokafka import ConsumerRecord  # noqa: E402
+
+from schemas.events import CompletedEvent  # noqa: E402
+from schemas.jobs import JobCompletedEvent, JobSummary  # noqa: E402
+from services.common.events import dumps  # noqa: E402
+from services.common.jobs import is_page  # noqa: E402
+from services.common.records import Decoder  # noqa: E402
+from services.jobs.handler import JobsHandler  # noqa: E402
+from services.jobs.settings import JobsSettings  # noqa: E402
+
+JS = JobsSettings()
+
+
+class MemoryJobs:
+    """The jobs tables in memory, with the store's rules: first create/close wins, a request counts once."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+        self.requests: dict[tuple[str, str], ResultDocument] = {}
+        self.sent: list[str] = []
+
+    async def record(self, events, docs):
+        for ev in events:
+            row = self.rows.setdefault(ev.job_id, {})
+            if ev.action == "create":
+                row.setdefault("name", ev.name)
+            else:
+                row.setdefault("expected", ev.expected)
+        for d in docs:
+            self.rows.setdefault(d.job_id, {})
+            self.requests.setdefault((d.job_id, d.request_id), d)
+
+    async def job(self, job_id):
+        r = self.rows.get(job_id)
+        return None if r is None else job(job_id=job_id, name=r.get("name"), expected=r.get("expected"),
+                                          completion_json=r.get("completion"), completion_sent=int(r.get("sent", 0)))
+
+    async def final_count(self, job_id):
+        return sum(1 for j, _ in self.requests if j == job_id)
+
+    async def progress(self, job_id):
+        docs = [d for (j, _), d in self.requests.items() if j == job_id]
+        groups = [{"status": d.status, "error_code": d.error.code.value if d.error else None, "n": 1, "hits": 0,
+                   "pages": 1, "line_count": 0, "chars": 0, "first": d.completed_at_ms, "last": d.completed_at_ms}
+                  for d in docs]
+        return progress_of(await self.job(job_id), groups)
+
+    async def store_completion(self, job_id, raw, at):
+        self.rows[job_id].setdefault("completion", raw.decode())
+        return self.rows[job_id]["completion"]
+
+    async def mark_sent(self, ids):
+        for j in ids:
+            self.rows[j]["sent"] = True
+            self.sent.append(j)
+
+
+class PageDoc(ResultDocument):
+    """A result as the documents branch makes one for a page (``page_number`` set)."""
+
+    page_number: int | None = None
+
+
+async def _report(db, store, job):
+    return JobSummary(requests=0, by_status={}, by_error_code={}, latency_ms={}, engine_ms=0.0, cache_hit_rate=0.0,
+                      pages=0, lines=0, chars=0), {"csv": f"s3://b/reports/{job.job_id}/report.csv"}
+
+
+def _records(values: list[tuple[str, bytes]]):
+    dec = Decoder({JS.topics.jobs: JobEvent, JS.topics.completed: CompletedEvent})
+    return [dec(ConsumerRecord(t, 0, i, 0, 0, None, v, None, 0, 0, [])) for i, (t, v) in enumerate(values)]
+
+
+def _completion(rid: str, job_id: str | None, at: int, **kw) -> tuple[str, bytes]:
+    doc = ResultDocument(request_id=rid, status="ok", job_id=job_id, completed_at_ms=at, **kw)
+    return JS.topics.completed, dumps(CompletedEvent(event_id=rid, request_id=rid, result=doc))
+
+
+def test_the_handler_counts_each_request_once_and_sends_one_completion_only_when_closed_and_full():
+    mem = MemoryJobs()
+    h = JobsHandler(JS, store=None, db=None, jobs=mem, report=_report)
+    ctl = lambda **kw: (JS.topics.jobs, dumps(JobEvent(**kw)))  # noqa: E731
+    out = asyncio.run(h.handle(_records([ctl(action="create", job_id="j1", name="n"), _completion("r1", "j1", 10),
+                                         _completion("r1", "j1", 11), _completion("x", None, 12)])))
+    assert out == [] and len(mem.requests) == 1  # r1 twice counts once; no job: not counted
+    out = asyncio.run(h.handle(_records([ctl(action="close", job_id="j1", expected=2)])))
+    assert out == []  # closed, one of two final
+    out = asyncio.run(h.handle(_records([_completion("r2", "j1", 20)])))
+    [msg] = out
+    assert (msg.topic, msg.key) == (JS.topics.job_completed, "j1")
+    ev = JobCompletedEvent.model_validate_json(msg.value)
+    assert (ev.event_id, ev.completed_at_ms, ev.progress.state, ev.progress.done, ev.name) == (
+        job_completion_event_id("j1"), 20, "completed", 2, "n")
+    # not acknowledged yet (a crash here): the replay sends the same bytes
+    again = asyncio.run(h.handle(_records([_completion("r2", "j1", 20)])))
+    assert [m.value for m in again] == [msg.value]
+    asyncio.run(h.after_produce())
+    assert mem.sent == ["j1"]
+    # acknowledged: a late duplicate sends nothing
+    assert asyncio.run(h.handle(_records([_completion("r1", "j1", 30)]))) == []
+
+
+def test_a_page_of_a_document_is_not_a_request_of_its_job_and_a_bad_event_goes_to_the_dlq_at_once():
+    page = PageDoc(request_id="p1", status="ok", job_id="j1", page_number=3)
+    assert is_page(page) and not is_page(ResultDocument(request_id="d1", status="ok"))
+    mem = MemoryJobs()
+    h = JobsHandler(JS, store=None, db=None, jobs=mem, report=_report)
+    ev = orjson.loads(dumps(CompletedEvent(event_id="p1", request_id="p1", result=page)))
+    raw = orjson.dumps({**ev, "result": {**ev["result"], "page_number": 3}})  # as the documents branch writes it
+    assert asyncio.run(h.handle(_records([(JS.topics.completed, raw)]))) == []
+    assert mem.requests == {} and mem.rows == {}  # not counted, even where the model drops page_number
+    [bad] = _records([(JS.topics.jobs, b'{"schema": "ocr.job.v1", "action": "close", "job_id": "j1"}')])
+    out = asyncio.run(h.undecodable(bad, bad.error))
+    assert [m.topic for m in out] == [JS.topics.dlq]
+    assert orjson.loads(out[0].value)["error_code"] == "invalid_request"
