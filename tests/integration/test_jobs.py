@@ -26,6 +26,7 @@ from services.common.jobs import JobStore
 from services.common.kafka import make_consumer, make_producer
 from services.common.settings import CommonSettings
 from tests.conftest import CASES, text_image
+from tests.integration.test_web_page import browser  # noqa: F401 - the headless Chromium fixture
 from tests.stack import JOBS, REPO, db_rows
 
 N = 100  # images per job: 65 unique, 30 repeats (30%), 5 bad inputs (200 took 6 min on a loaded 2-core VM)
@@ -277,3 +278,33 @@ def test_ocrstream_submit_is_a_job_and_job_status_and_report_read_it(jobs_stage,
     assert sorted((r[0], r[2]) for r in sheet[1:]) == [("a.png", "ok"), ("b.png", "error"), ("c.png", "ok")]
     db = db_rows("SELECT name, expected FROM jobs WHERE job_id = %s", job_id)
     assert db == [{"name": "cli batch", "expected": 3}]
+
+
+def test_the_web_page_follows_a_job_to_its_failures(api, jobs_stage, browser, tmp_path):
+    """`/?job=ID` shows the job's progress bar and counts until it completes, then lists its
+    failed requests with their codes and links the CSV report."""
+    from playwright.sync_api import expect
+
+    folder = tmp_path / "web"
+    folder.mkdir()
+    (folder / "good.png").write_bytes(text_image([f"WEB JOB {uuid.uuid4().hex[:6]}"], size=28))
+    (folder / "empty.png").write_bytes(b"")
+    sub = subprocess.run([sys.executable, "-m", "services.cli", "submit", str(folder), "--no-wait"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    job_id = sub.stdout.split()[1].rstrip(":")
+    ctx = browser.new_context()
+    try:
+        page = ctx.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{api.url}/?job={job_id}")
+        expect(page.locator("#job-id")).to_have_value(job_id)
+        expect(page.locator("#job-state")).to_contain_text(
+            "completed: 2/2 done, 1 ok, 1 failed (empty_input 1), 0 cache hits, 2 pages", timeout=120_000)
+        expect(page.locator("#job-failures li")).to_have_text(["empty.png: empty_input"])
+        expect(page.locator("#job-report")).to_have_attribute("href", f"v1/jobs/{job_id}/report?format=csv")
+        assert page.locator("#job-progress").evaluate("p => [p.value, p.max]") == [2, 2]
+        assert errors == []
+    finally:
+        ctx.close()
