@@ -308,3 +308,42 @@ def test_the_web_page_follows_a_job_to_its_failures(api, jobs_stage, browser, tm
         assert errors == []
     finally:
         ctx.close()
+
+
+async def test_an_extract_job_reports_one_column_per_field(tmp_path_factory, stack_env):
+    """An `extract` job on the loopback OpenAI-compatible model server (tests/integration/test_tasks.py's
+    recorded answer): the report has a `field:<name>` column per field asked, with the values."""
+    from schemas.tasks import TaskParams
+    from services.common.s3 import ObjectStore
+    from tests.integration.test_tasks import EXTRACT, FIELDS
+    from tests.stack import LoopbackOcrServer, namespaced_pipeline
+
+    srv = LoopbackOcrServer("WARM UP")
+    srv.replies = {EXTRACT.prompt: ('```json\n{"invoice number": "INV-9", "date": "2026-12-03"}\n```', "stop")}
+    srv.start()
+    extra = {"OCRSTREAM_ENGINE_KIND": "openai", "OCRSTREAM_OPENAI_BASE_URL": srv.url,
+             "OCRSTREAM_OPENAI_READY_TIMEOUT_S": "60"}
+    try:
+        with namespaced_pipeline(tmp_path_factory.mktemp("extract-job-logs"), extra, partitions=2) as p:
+            p.start(JOBS)
+            s = CommonSettings()
+            job_id, params = f"extract-{uuid.uuid4().hex[:12]}", TaskParams(fields=FIELDS)
+            sub = Submitter(s)
+            await sub.start()
+            try:
+                await sub.job_event(JobEvent(action="create", job_id=job_id, task="extract", task_params=params))
+                await sub.job_event(JobEvent(action="close", job_id=job_id, expected=2))
+            finally:
+                await sub.stop()
+            items = [(text_image([f"INVOICE {uuid.uuid4().hex[:6]}"]), f"inv{i}.png") for i in range(2)]
+            docs = await p.run(items, task="extract", task_params=params, job_id=job_id)
+            assert [d.status for d in docs] == ["ok", "ok"]
+            [raw] = await _job_completions(job_id, settle_s=0.5)
+            ev = loads(JobCompletedEvent, raw)
+            body = await ObjectStore(s.s3).get_uri(ev.report["csv"])
+    finally:
+        srv.stop()
+    rows = list(csv.DictReader(io.StringIO(body.decode())))
+    assert list(rows[0])[-3:] == ["field:invoice number", "field:date", "field:total"]
+    assert sorted((r["name"], r["field:invoice number"], r["field:date"], r["field:total"]) for r in rows) == [
+        ("inv0.png", "INV-9", "2026-12-03", ""), ("inv1.png", "INV-9", "2026-12-03", "")]
