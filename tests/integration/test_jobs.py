@@ -280,36 +280,6 @@ def test_ocrstream_submit_is_a_job_and_job_status_and_report_read_it(jobs_stage,
     assert db == [{"name": "cli batch", "expected": 3}]
 
 
-def test_the_web_page_follows_a_job_to_its_failures(api, jobs_stage, browser, tmp_path):
-    """`/?job=ID` shows the job's progress bar and counts until it completes, then lists its
-    failed requests with their codes and links the CSV report."""
-    from playwright.sync_api import expect
-
-    folder = tmp_path / "web"
-    folder.mkdir()
-    (folder / "good.png").write_bytes(text_image([f"WEB JOB {uuid.uuid4().hex[:6]}"], size=28))
-    (folder / "empty.png").write_bytes(b"")
-    sub = subprocess.run([sys.executable, "-m", "services.cli", "submit", str(folder), "--no-wait"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
-    assert sub.returncode == 0, sub.stdout + sub.stderr
-    job_id = sub.stdout.split()[1].rstrip(":")
-    ctx = browser.new_context()
-    try:
-        page = ctx.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(f"{api.url}/?job={job_id}")
-        expect(page.locator("#job-id")).to_have_value(job_id)
-        expect(page.locator("#job-state")).to_contain_text(
-            "completed: 2/2 done, 1 ok, 1 failed (empty_input 1), 0 cache hits, 2 pages", timeout=120_000)
-        expect(page.locator("#job-failures li")).to_have_text(["empty.png: empty_input"])
-        expect(page.locator("#job-report")).to_have_attribute("href", f"v1/jobs/{job_id}/report?format=csv")
-        assert page.locator("#job-progress").evaluate("p => [p.value, p.max]") == [2, 2]
-        assert errors == []
-    finally:
-        ctx.close()
-
-
 async def test_an_extract_job_reports_one_column_per_field(tmp_path_factory, stack_env):
     """An `extract` job on the loopback OpenAI-compatible model server (tests/integration/test_tasks.py's
     recorded answer): the report has a `field:<name>` column per field asked, with the values."""
@@ -347,3 +317,34 @@ async def test_an_extract_job_reports_one_column_per_field(tmp_path_factory, sta
     assert list(rows[0])[-3:] == ["field:invoice number", "field:date", "field:total"]
     assert sorted((r["name"], r["field:invoice number"], r["field:date"], r["field:total"]) for r in rows) == [
         ("inv0.png", "INV-9", "2026-12-03", ""), ("inv1.png", "INV-9", "2026-12-03", "")]
+
+
+def test_the_web_page_follows_a_job_to_its_failures(api, jobs_stage, browser, tmp_path):
+    """(Last in the module: Playwright's sync API holds an event loop open in this thread until
+    the module's browser closes, and the async tests need theirs.) `/?job=ID` shows the job's progress bar and counts until it completes, then lists its
+    failed requests with their codes and links the CSV report."""
+    from playwright.sync_api import expect
+
+    folder = tmp_path / "web"
+    folder.mkdir()
+    (folder / "good.png").write_bytes(text_image([f"WEB JOB {uuid.uuid4().hex[:6]}"], size=28))
+    (folder / "empty.png").write_bytes(b"")
+    sub = subprocess.run([sys.executable, "-m", "services.cli", "submit", str(folder), "--no-wait"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    job_id = sub.stdout.split()[1].rstrip(":")
+    ctx = browser.new_context()
+    try:
+        page = ctx.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{api.url}/?job={job_id}")
+        expect(page.locator("#job-id")).to_have_value(job_id)
+        expect(page.locator("#job-state")).to_contain_text(
+            "completed: 2/2 done, 1 ok, 1 failed (empty_input 1), 0 cache hits, 2 pages", timeout=120_000)
+        expect(page.locator("#job-failures li")).to_have_text(["empty.png: empty_input"])
+        expect(page.locator("#job-report")).to_have_attribute("href", f"v1/jobs/{job_id}/report?format=csv")
+        assert page.locator("#job-progress").evaluate("p => [p.value, p.max]") == [2, 2]
+        assert errors == []
+    finally:
+        ctx.close()
