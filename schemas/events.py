@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.errors import ErrorCode
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
+from schemas.jobs import JobCompletedEvent, JobEvent, JobId
 from schemas.tasks import TaskParams
 
 
@@ -55,6 +56,8 @@ Latex = Annotated[str | None, Field(description="formula: the formula(s) as LaTe
 Fields = Annotated[dict[str, str | None] | None, Field(
     description="extract: each requested field, in the order asked, its value or null where absent")]
 Translation = Annotated[str | None, Field(description="translate: the text in task_params.target_lang")]
+JobIdField = Annotated[JobId | None, Field(
+    description="the job the request belongs to (docs/jobs.md); null: none")]
 RawOutput = Annotated[str | None, Field(
     description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")]
 
@@ -147,6 +150,7 @@ class SubmitEvent(_Frozen):
     callback_url: str | None = Field(default=None, max_length=2048)
     submitted_at_ms: int = Field(default_factory=now_ms)
     metadata: dict[str, str] = Field(default_factory=dict)
+    job_id: JobIdField = None
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -211,6 +215,7 @@ class RequestEvent(_Frozen):
     api_key_id: str | None = Field(
         default=None, description="id of the API key that submitted the request over HTTP (None: Kafka or no auth)"
     )
+    job_id: JobIdField = None
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -355,6 +360,7 @@ class ResultDocument(_Frozen):
         default=False,
         description="true: `text` was cut at its end to keep this document within the database row bound; the "
                     "whole text is in the OCR output at result_uri")
+    job_id: JobIdField = None
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -476,4 +482,6 @@ ALL_EVENTS: dict[str, type[BaseModel]] = {
     "ocr.completed.v1": CompletedEvent,
     "ocr.dlq.v1": DlqEvent,
     "ocr.settled.v1": SettledEvent,
+    "ocr.job.v1": JobEvent,
+    "ocr.job_completed.v1": JobCompletedEvent,
 }

@@ -31,10 +31,16 @@ class Topics(BaseModel):
     """Dedup's keyed state (keys in flight, their waiting copies, keys settled a moment ago):
     compacted, partition p holds the state of ``requests`` partition p. Written and read by dedup only."""
 
+    jobs: str = "ocr.jobs"
+    """Job control events (``ocr.job.v1``: create, close), keyed by job id. Read by the jobs stage."""
+    job_completed: str = "ocr.job-completed"
+    """One completion per job (``ocr.job_completed.v1``), keyed by job id, from the jobs stage. For
+    downstream systems and the HTTP door's job webhooks."""
+
     def all(self) -> list[str]:
         """Every topic name, in flow order."""
         return [self.submit, self.requests, self.infer, self.results, self.completed, self.dlq, self.settled,
-                self.dedup_changelog]
+                self.dedup_changelog, self.jobs, self.job_completed]
 
     def compacted(self) -> list[str]:
         """The topics ``ocrstream init`` creates with ``cleanup.policy=compact`` (state changelogs)."""

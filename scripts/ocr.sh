@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: install, bring up the local stack and the four stages, OCR a folder
+# The main job: install, bring up the local stack and the stages (the four and jobs), OCR a folder
 # (default ../shared/samples), print each image's text and where the result JSON files are.
 # The stack and the stages keep running afterwards; stop them with deploy/local/down.sh.
 set -euo pipefail

@@ -23,10 +23,11 @@ from services.infer.settings import InferSettings  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
 from services.ingest.settings import IngestSettings  # noqa: E402
 from services.sink.settings import SinkSettings  # noqa: E402
+from services.jobs.settings import JobsSettings  # noqa: E402
 
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 DEFAULT_FILE = ROOT / "docs" / "configuration.md"
-STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings,
+STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings, "jobs": JobsSettings,
           "the HTTP door (`python -m services.api`)": ApiSettings}
 
 

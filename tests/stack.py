@@ -34,6 +34,7 @@ from services.common.settings import CommonSettings
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("ingest", "dedup", "infer", "sink")
 API = "api"  # the HTTP front door: ``Pipeline.start(API)``
+JOBS = "jobs"  # the jobs stage: ``Pipeline.start(JOBS)`` (tests of jobs start it; docs/jobs.md)
 
 
 def free_port() -> int:
@@ -56,6 +57,7 @@ def namespace_env(tag: str | None = None, partitions: int = 2) -> dict[str, str]
         "OCRSTREAM_DEDUP_GROUP_ID": f"{ns}-dedup",
         "OCRSTREAM_INFER_GROUP_ID": f"{ns}-infer",
         "OCRSTREAM_SINK_GROUP_ID": f"{ns}-sink",
+        "OCRSTREAM_JOBS_GROUP_ID": f"{ns}-jobs",
         "OCRSTREAM_WEBHOOK_GROUP_ID": f"{ns}-webhooks",  # also owns the namespace's webhook_deliveries rows
         "OCRSTREAM_TELEMETRY__LOG_LEVEL": "INFO",
     }
@@ -248,9 +250,10 @@ class Pipeline:
                         st.proc.kill()
 
     async def run(self, items: list[tuple[bytes, str]], timeout: float = 300, source: str = "test",
-                  task: str = "ocr", task_params=None) -> list[ResultDocument]:
+                  task: str = "ocr", task_params=None, job_id: str | None = None) -> list[ResultDocument]:
         """Submit ``(bytes, filename)`` items through ``ocr.submit`` (with ``task`` and its
-        ``task_params``, a :class:`schemas.tasks.TaskParams`) and wait for every completion.
+        ``task_params``, a :class:`schemas.tasks.TaskParams`, in job ``job_id`` when given) and
+        wait for every completion.
 
         Returns:
             The result documents, in submission order.
@@ -261,7 +264,7 @@ class Pipeline:
         await watcher.start()
         await submitter.start()
         try:
-            ids = await submitter.submit_many(items, source=source, task=task, task_params=task_params)
+            ids = await submitter.submit_many(items, source=source, task=task, task_params=task_params, job_id=job_id)
         finally:
             await submitter.stop()
         done: dict[str, ResultDocument] = {}

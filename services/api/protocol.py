@@ -58,6 +58,10 @@ class SubmitOptions(BaseModel):
                     "`invalid_request`, when the server's webhooks are disabled)")
     metadata: dict[str, str] = Field(default_factory=dict,
                                      description="JSON object of strings, kept with the result (16 KiB at most)")
+    job_id: str | None = Field(
+        default=None, min_length=1, max_length=REQUEST_ID_MAX_LENGTH, pattern=REQUEST_ID_PATTERN,
+        description="the job the image joins (`POST /v1/jobs` made it; docs/jobs.md): it counts in the job's "
+                    "progress and report")
     _task_params: TaskParams | None = PrivateAttr(default=None)
 
     @property
@@ -200,6 +204,34 @@ class BatchResponse(BaseModel):
     links: BatchLinks = Field(default_factory=BatchLinks)
 
 
+class JobCreate(BaseModel):
+    """``POST /v1/jobs``'s body (JSON; every field optional)."""
+
+    job_id: str | None = Field(default=None, min_length=1, max_length=REQUEST_ID_MAX_LENGTH, pattern=REQUEST_ID_PATTERN,
+                               description="your own id for the job (default: a new 32-hex-digit id); creating it "
+                                           "again changes nothing")
+    name: str | None = Field(default=None, max_length=256, description="a label for people")
+    task: str | None = Field(default=None, max_length=64, description="the task its images run (report columns)")
+    fields: list[str] | None = Field(default=None, max_length=50,
+                                     description="`task=extract`: the field names (one report column each)")
+    webhook_url: str | None = Field(default=None, max_length=2048,
+                                    description="the job's completion event is POSTed there once, signed like a "
+                                                "request's webhook (same allow-list and secret rules as `callback_url`)")
+
+
+class JobClose(BaseModel):
+    """``POST /v1/jobs/{job_id}/close``'s body: how many images the job has (the accepted submissions)."""
+
+    expected: int = Field(ge=0, description="the job's request count: it completes when that many are final")
+
+
+class JobCreated(BaseModel):
+    """``POST /v1/jobs``' answer: the job's id and where to read it."""
+
+    job_id: str
+    links: dict[str, str] = Field(description="`self` (progress), `events` (server-sent events), `report`, `close`")
+
+
 class ApiErrorBody(BaseModel):
     """Body of every 4xx/5xx answer."""
 
@@ -240,6 +272,7 @@ BATCH_ERRORS = (_E.INVALID_REQUEST, _E.EMPTY_INPUT, _H.UNAUTHORIZED, _H.REQUEST_
                 _H.OVERLOADED)
 READ_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.NOT_FOUND, _H.RATE_LIMITED, _H.UNAVAILABLE, _H.OVERLOADED)
 EVENTS_ERRORS = READ_ERRORS
+JOB_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.NOT_FOUND, _H.RATE_LIMITED, _H.UNAVAILABLE)
 
 
 def error_responses(*codes: ErrorCode | HttpErrorCode) -> dict[int | str, dict]:

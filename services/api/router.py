@@ -11,6 +11,9 @@ Routes (all JSON; errors are ``{"error": {"code", "message"}}``, codes in ``docs
 * ``GET /v1/events?id=A&id=B...`` — server-sent events (``text/event-stream``): one event per id
   with its state now, then one ``completed`` per request as it finishes, then ``end``
   (:mod:`.events`). Batch answers link to it.
+* ``POST /v1/jobs``, ``POST /v1/jobs/{job_id}/close``, ``GET /v1/jobs/{job_id}`` (progress),
+  ``GET /v1/jobs/{job_id}/events`` (server-sent events until complete), ``GET /v1/jobs/{job_id}/report``:
+  :mod:`.serving_jobs` (``docs/jobs.md``).
 * ``GET /healthz``, ``GET /readyz``, ``GET /metrics``; ``GET /`` the web page.
 
 The spec (``/openapi.json``, ``schemas/openapi.json``) is built from :mod:`.protocol`.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import orjson
 from fastapi import FastAPI, Path as PathParam, Query, Request
@@ -34,11 +37,13 @@ from pydantic import StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.errors import HttpErrorCode
+from schemas.jobs import JobProgress
 from services.api import protocol as p
 from services.api.clients import Clients
 from services.api.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler, \
     validation_error_handler
 from services.api.events import ID_PATTERN, MEDIA_TYPE
+from services.api.serving_jobs import JobService
 from services.api.serving_read import ReadService
 from services.api.serving_submit import SubmitService, json_response
 from services.api.settings import ApiSettings
@@ -166,6 +171,58 @@ def _read_routes(app: FastAPI, clients: Clients, reads: ReadService) -> None:
         return json_response(await reads.read_route(request_id, wait, principal), 200)
 
 
+_JobId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=ID_PATTERN)]
+
+
+def _job_routes(app: FastAPI, clients: Clients, jobs: JobService) -> None:
+    s = clients.s
+
+    @app.post("/v1/jobs", response_model=p.JobCreated, status_code=201, tags=["jobs"], summary="Create a job",
+              responses=p.error_responses(*p.JOB_ERRORS))
+    async def create_job(request: Request, body: p.JobCreate) -> Response:
+        """Create a job (an event on `ocr.jobs`): submit images with `job_id`, then close it with their count."""
+        principal = await clients.guard.check(request)
+        return json_response(await jobs.create(body, principal), 201)
+
+    @app.post("/v1/jobs/{job_id}/close", response_model=p.JobCreated, status_code=202, tags=["jobs"],
+              summary="Close a job with its request count", responses=p.error_responses(*p.JOB_ERRORS))
+    async def close_job(request: Request, job_id: _JobId, body: p.JobClose) -> Response:
+        """Say how many images the job has; it completes once that many are final (the first close counts)."""
+        principal = await clients.guard.check(request)
+        return json_response(await jobs.close(job_id, body, principal), 202)
+
+    @app.get("/v1/jobs/{job_id}", response_model=JobProgress, tags=["jobs"], summary="Read a job's progress",
+             responses=p.error_responses(*p.JOB_ERRORS))
+    async def job_progress(request: Request, job_id: _JobId) -> Response:
+        """Total, done, ok, failed by error code, cache hits, pages, rate and ETA (MariaDB)."""
+        principal = await clients.guard.check(request)
+        return json_response(await jobs.progress(job_id, principal), 200)
+
+    @app.get("/v1/jobs/{job_id}/events", tags=["jobs"], summary="Follow a job (server-sent events)",
+             response_class=Response,
+             responses={200: {"description": "`progress` events (the counts as JSON) whenever they change, then "
+                                             "one `completed`; keep-alive comments between",
+                              "content": {MEDIA_TYPE: {"schema": {"type": "string"}}}},
+                        **p.error_responses(*p.JOB_ERRORS)})
+    async def job_events(request: Request, job_id: _JobId) -> Response:
+        """The job's progress as server-sent events until it completes (at most `OCRSTREAM_HTTP_EVENTS_MAX_S`)."""
+        principal = await clients.guard.check(request)
+        return await jobs.events(job_id, principal, s.http_events_max_s)
+
+    @app.get("/v1/jobs/{job_id}/report", tags=["jobs"], summary="Download a job's report", response_class=Response,
+             responses={200: {"description": "one row per request final so far",
+                              "content": {"text/csv": {"schema": {"type": "string"}},
+                                          "application/x-ndjson": {"schema": {"type": "string"}}}},
+                        **p.error_responses(*p.JOB_ERRORS)})
+    async def job_report(request: Request, job_id: _JobId,
+                         format: Annotated[Literal["csv", "jsonl"], Query(description="csv or jsonl")] = "csv",
+                         ) -> Response:
+        """The job's report: name, status, error code, pages, lines, characters, mean confidence, cache hit,
+        per-stage times, a column per `extract` field."""
+        principal = await clients.guard.check(request)
+        return await jobs.report(job_id, format, principal)
+
+
 def _ops_routes(app: FastAPI, clients: Clients) -> None:
     @app.get("/healthz", response_model=p.Health, tags=["ops"], summary="Liveness probe",
              response_description="the process answers")
@@ -241,5 +298,6 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=s.http_cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "X-API-Key", "Authorization"], expose_headers=["Retry-After"])
     _read_routes(app, clients, reads)
+    _job_routes(app, clients, JobService(clients))
     _ops_routes(app, clients)
     return app

@@ -248,14 +248,15 @@ class SubmitService:
                 size_bytes=up.size_bytes, task=opts.task, task_params=opts.task_params, source=opts.source,
                 filename=opts.filename or up.filename, callback_url=opts.callback_url, submitted_at_ms=submitted,
                 metadata=opts.metadata, traceparent=c.telemetry.traceparent(), api_key_id=principal.key_id,
+                job_id=opts.job_id,
             )
             # on a hit the id is remembered in the same round trip, so GET knows it until the sink stores its row
             marker = orjson.dumps({"key": principal.key_id, "sha": up.sha256})
             hit = await self._cached(key, rid, marker, limit) if s.cache_enabled else None
             if hit is not None:
                 answer = self._answer_from_cache(base, key, gen, *hit, started)
-                if base.callback_url:
-                    # its webhook rides on this publish: answered only once Kafka has it (at least
+                if base.callback_url or base.job_id:
+                    # its webhook (its job's count) rides on this publish: answered only once Kafka has it (at least
                     # once, like every other completion), not fire-and-forget as plain hits
                     await self._hit_published(base.request_id)
                 return 200, answer

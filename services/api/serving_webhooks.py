@@ -26,7 +26,9 @@ come due again after its lease. Receivers deduplicate on ``X-Ocrstream-Delivery`
 Headers of every attempt: ``Content-Type: application/json``, ``X-Ocrstream-Delivery`` (the
 delivery id), ``X-Ocrstream-Attempt`` (1, 2, ...), ``X-Ocrstream-Timestamp`` and
 ``X-Ocrstream-Signature``. The body is the ``ocr.completed.v1`` event exactly as published
-(``{"schema", "event_id", "request_id", "result": {...ResultDocument}}``).
+(``{"schema", "event_id", "request_id", "result": {...ResultDocument}}``). A job's completion
+(``ocr.job-completed``, read by the same group) whose job was created with a ``webhook_url`` is
+delivered the same way; its body is the ``ocr.job_completed.v1`` event (``docs/jobs.md``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from aiokafka import ConsumerRecord
 from prometheus_client import Counter, Histogram
 
 from schemas.events import CompletedEvent, now_ms
+from schemas.jobs import JobCompletedEvent
 from services.common.db import Database
 from services.common.events import loads
 from services.common.kafka import make_consumer
@@ -155,7 +158,8 @@ class WebhookDispatcher:
             aiokafka.errors.KafkaError: Kafka unreachable.
         """
         s = self.s
-        self.consumer = make_consumer(s.kafka, [s.topics.completed], s.webhook_group_id, client_id="ocrstream-webhooks")
+        self.consumer = make_consumer(s.kafka, [s.topics.completed, s.topics.job_completed], s.webhook_group_id,
+                                      client_id="ocrstream-webhooks")
         await self.consumer.start()
         # no proxies (the checked address must be the one connected to); no keep-alive (a pooled
         # connection is keyed by address, so it could carry another host's TLS session)
@@ -193,6 +197,8 @@ class WebhookDispatcher:
 
     # -- intake -------------------------------------------------------------------------------
     def _delivery_of(self, rec: ConsumerRecord) -> NewDelivery | None:
+        if rec.topic == self.s.topics.job_completed:
+            return self._job_delivery_of(rec)
         try:
             # most completions have no callback: a plain parse decides before the model's validation
             raw = orjson.loads(rec.value)
@@ -208,6 +214,19 @@ class WebhookDispatcher:
             return None
         return NewDelivery(delivery_id(self.s.webhook_group_id, ev.event_id), ev.request_id, ev.result.api_key_id,
                            url, rec.value.decode())
+
+    def _job_delivery_of(self, rec: ConsumerRecord) -> NewDelivery | None:
+        """A job completion (``ocr.job_completed.v1``) with a ``webhook_url``: delivered like a
+        request's, signed with the creating key's secret; ``request_id`` holds the job id."""
+        try:
+            ev = loads(JobCompletedEvent, rec.value)
+        except ValueError as exc:
+            log.warning("webhooks: unreadable job completion %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
+            return None
+        if not ev.webhook_url:
+            return None
+        return NewDelivery(delivery_id(self.s.webhook_group_id, ev.event_id), ev.job_id, ev.api_key_id,
+                           ev.webhook_url, rec.value.decode())
 
     async def _intake(self) -> None:
         c = self.consumer

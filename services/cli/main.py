@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from schemas.tasks import TaskError, parse_fields
+from services.cli.jobs import job_app
 from services.common.settings import CommonSettings, load_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Streaming OCR over Kafka.")
@@ -25,10 +26,11 @@ cache_app = typer.Typer(no_args_is_help=True, help="Manage the result cache.")
 app.add_typer(cache_app, name="cache")
 keys_app = typer.Typer(no_args_is_help=True, help="Manage the API keys of the HTTP door.")
 app.add_typer(keys_app, name="keys")
+app.add_typer(job_app, name="job")
 console = Console(soft_wrap=True)  # OCR text lines are printed whole, also into a file or pipe (not cut at 80 columns)
 err = Console(stderr=True)
 
-STAGES = ("ingest", "dedup", "infer", "sink")
+STAGES = ("ingest", "dedup", "infer", "sink", "jobs")
 
 
 @app.command()
@@ -88,9 +90,11 @@ def submit(
                                      "de, es, it, pt, ru, ar, vi, th)"),
     source: str = typer.Option("cli", help="source label (selects the cache TTL)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the text"),
+    job_name: Optional[str] = typer.Option(None, "--name", help="the job's name (default: the first path's name)"),
 ) -> None:
-    """Publish images to ocr.submit; with --wait, show progress and print each image's text."""
-    from services.cli.client import Submitter, collect_files
+    """Publish images to ocr.submit as one job (its id printed first: `ocrstream job status ID`,
+    `ocrstream job report ID`); with --wait, show progress and print each image's text."""
+    from services.cli.client import Submitter
     from services.common.completions import CompletionWatcher
 
     s = load_settings(CommonSettings)
@@ -99,24 +103,7 @@ def submit(
             err.print(f"[red]error:[/red] {name} must be 1 to 64 characters, not {len(value)}")
             raise typer.Exit(2)
     params = _task_params(s, task, fields, to)
-    try:
-        files = collect_files(paths)
-    except FileNotFoundError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
-    if not files:
-        err.print("[red]error:[/red] no image files found")
-        raise typer.Exit(2)
-    # refused here, before anything is read, sent or uploaded: ingest would refuse them anyway
-    limit = s.limits.max_image_bytes
-    too_large = {f: size for f in files if (size := f.stat().st_size) > limit}
-    for f, size in too_large.items():
-        err.print(f"[red]error:[/red] {escape(str(f))}: {size} bytes, over the limit of {limit} bytes "
-                  "(OCRSTREAM_LIMITS__MAX_IMAGE_BYTES): input_too_large, not submitted, nothing uploaded",
-                  highlight=False)
-    files = [f for f in files if f not in too_large]
-    if not files:
-        raise typer.Exit(1)
+    files, too_large = _files_to_submit(s, paths)
 
     async def _run() -> int:
         watcher = CompletionWatcher(s) if wait else None
@@ -125,9 +112,10 @@ def submit(
             await watcher.start()
         await submitter.start()
         try:
-            subs = await submitter.submit_files(files, task=task, source=source, task_params=params)
+            job_id, subs = await _submit_job(submitter, files, job_name or paths[0].resolve().name, task, source, params)
         finally:
             await submitter.stop()
+        console.print(f"job {job_id}: {len(subs)} requests (ocrstream job status {job_id})", highlight=False)
         if not watcher:
             for sub in subs:
                 console.print(f"{sub.request_id}  {sub.path}")
@@ -175,6 +163,52 @@ def submit(
     raise typer.Exit(asyncio.run(_run()))
 
 
+def _files_to_submit(s: CommonSettings, paths: list[Path]) -> tuple[list[Path], dict[Path, int]]:
+    """The files under ``paths`` to submit, and those over ``limits.max_image_bytes`` (path -> size),
+    each printed as refused here, before anything is read, sent or uploaded (ingest would refuse them).
+
+    Raises:
+        typer.Exit: 2 when a path is missing or there is no file, 1 when every file is too large.
+    """
+    from services.cli.client import collect_files
+
+    try:
+        files = collect_files(paths)
+    except FileNotFoundError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    if not files:
+        err.print("[red]error:[/red] no image files found")
+        raise typer.Exit(2)
+    limit = s.limits.max_image_bytes
+    too_large = {f: size for f in files if (size := f.stat().st_size) > limit}
+    for f, size in too_large.items():
+        err.print(f"[red]error:[/red] {escape(str(f))}: {size} bytes, over the limit of {limit} bytes "
+                  "(OCRSTREAM_LIMITS__MAX_IMAGE_BYTES): input_too_large, not submitted, nothing uploaded",
+                  highlight=False)
+    files = [f for f in files if f not in too_large]
+    if not files:
+        raise typer.Exit(1)
+    return files, too_large
+
+
+async def _submit_job(submitter, files: list[Path], name: str, task: str, source: str, params):
+    """Create a job (``ocr.jobs`` create), submit ``files`` in it, close it with their count.
+
+    Returns:
+        ``(job_id, submissions)``; the job id is a new 32-hex-digit id.
+    """
+    import uuid
+
+    from schemas.jobs import JobEvent
+
+    job_id = uuid.uuid4().hex
+    await submitter.job_event(JobEvent(action="create", job_id=job_id, name=name[:256], task=task, task_params=params))
+    subs = await submitter.submit_files(files, task=task, source=source, task_params=params, job_id=job_id)
+    await submitter.job_event(JobEvent(action="close", job_id=job_id, expected=len(subs)))
+    return job_id, subs
+
+
 def _task_params(s: CommonSettings, task: str, fields: str | None, to: str | None):
     """``--task``'s parameters from ``--fields`` (comma-separated) and ``--to``, checked as
     ingest checks them (:meth:`CommonSettings.check_task`), before anything is sent.
@@ -219,7 +253,7 @@ def run(
     infer: int = typer.Option(1, help="infer processes to start"),
     only: Optional[list[str]] = typer.Option(None, help="start only these stages"),
 ) -> None:
-    """Start the four stages as separate processes in this terminal; Ctrl-C stops them cleanly."""
+    """Start the stages (ingest, dedup, infer, sink, jobs) as separate processes in this terminal; Ctrl-C stops them cleanly."""
     stages = [st for st in STAGES if not only or st in only]
     procs: list[tuple[str, subprocess.Popen]] = []
     for st in stages:

@@ -315,6 +315,22 @@ class Database:
         """Run a read query; rows as dicts."""
         return await self._run("query", self._query, sql, args)
 
+    def _stream(self, sql: str, args: tuple, consume):
+        with self._conn() as conn, conn.cursor(pymysql.cursors.SSDictCursor) as cur:
+            cur.execute(sql, args)
+            return consume(iter(cur.fetchone, None))
+
+    async def stream(self, op: str, sql: str, args: tuple, consume):
+        """Run a read query with a server-side cursor (``SSDictCursor``: rows come from the server
+        as ``consume`` reads them, never all in memory) and return ``consume(rows)``, where
+        ``rows`` iterates dicts. ``consume`` runs in the worker thread and must read every row
+        (it may write files; it must not touch the event loop).
+
+        Args:
+            op: Operation name for the call-latency metric.
+        """
+        return await self._run(op, self._stream, sql, args, consume)
+
     def _transact(self, fn, args: tuple):
         with self._conn() as conn:
             conn.begin()

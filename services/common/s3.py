@@ -177,6 +177,12 @@ class ObjectStore:
         """Write ``data`` (bytes) at ``key``; overwrites."""
         await self._call("put", self.client.put_object, Bucket=self.bucket, Key=key, Body=data, ContentType=content_type)
 
+    async def put_file(self, key: str, path: str, content_type: str = "application/octet-stream") -> None:
+        """Upload the file at ``path`` to ``key`` (overwrites), read from disk in parts (boto3's
+        managed transfer: multipart above 8 MiB), so a large file is never all in memory."""
+        await self._call("put_file", self.client.upload_file, Filename=path, Bucket=self.bucket, Key=key,
+                         ExtraArgs={"ContentType": content_type})
+
     async def put_if_absent(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> bool:
         """Content-addressed put: skip when the key exists (same key = same bytes).
 

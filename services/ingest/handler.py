@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
-from schemas.ids import request_id_problem
+from schemas.ids import is_request_id, request_id_problem
 from schemas.tasks import TaskError
 from services.common import claims
 from services.common.claims import RequestClaim
@@ -202,7 +202,7 @@ def _request_of(event: SubmitEvent, rid: str, record: Record) -> RequestEvent:
     """The request a submission starts, under ``rid``."""
     return RequestEvent(request_id=rid, task=event.task, task_params=event.task_params, source=event.source, filename=event.filename,
                         callback_url=event.callback_url, submitted_at_ms=_submitted_at(event, record),
-                        metadata=event.metadata)
+                        metadata=event.metadata, job_id=event.job_id)
 
 
 def _parse(record: Record) -> tuple[SubmitEvent | None, RequestEvent, str | None, str | None]:
@@ -235,5 +235,7 @@ def _parse(record: Record) -> tuple[SubmitEvent | None, RequestEvent, str | None
     try:
         event = SubmitEvent.model_validate(value)
     except ValidationError as exc:
-        return None, bare.model_copy(update={"request_id": rid or derived}), rid, str(exc)
+        job = value.get("job_id")  # the error still counts in its job when the job id itself is valid
+        return None, bare.model_copy(update={"request_id": rid or derived,
+                                             "job_id": job if is_request_id(job) else None}), rid, str(exc)
     return event, _request_of(event, event.request_id or derived, record), event.request_id, None

@@ -22,6 +22,7 @@ from services.infer.settings import InferSettings
 from services.api.settings import ApiSettings
 from services.ingest.settings import IngestSettings
 from services.sink.settings import SinkSettings
+from services.jobs.settings import JobsSettings
 from tests.stack import STRICT_ENV, strict_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ CHART = REPO / "helm" / "ocrstream"
 REQUIRED = REPO / "tests" / "helm" / "required-values.yaml"
 EXAMPLES = sorted((REPO / "deploy").glob("values-*.yaml"))
 STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings,
-          "api": ApiSettings}
+          "jobs": JobsSettings, "api": ApiSettings}
 #: The module each component runs (``python -m``): the HTTP door is a package of its own, as the stages are.
 MODULES = {s: f"services.{s}" for s in STAGES}
 SECRET_FIELDS = {

@@ -390,7 +390,7 @@ spec:
 {{- $msgs = append $msgs (printf "config.%s: not a value; it comes from auth.existingSecret (kafkaTls for the CA)" $path) -}}
 {{- end -}}
 {{- end -}}
-{{- range $stage := list "ingest" "dedup" "infer" "sink" "api" -}}
+{{- range $stage := list "ingest" "dedup" "infer" "sink" "jobs" "api" -}}
 {{- $c := index $v $stage -}}
 {{- if $c.enabled -}}
 {{- $cfg := include "ocrstream.stageConfig" (dict "component" $stage "context" $) | fromYaml -}}

@@ -323,6 +323,59 @@ async function drawPage(card, file, doc) {
   });
 }
 
+// -- a job: progress from GET v1/jobs/{id} (polled: EventSource cannot send the API key), then the failures
+function jobLine(p) {
+  const codes = Object.entries(p.failed_by_code).map(([c, n]) => `${c} ${n}`).join(", ");
+  return `${p.state}: ${p.done}/${p.total ?? "?"} done, ${p.ok} ok, ${p.failed} failed` + (codes ? ` (${codes})` : "") +
+    `, ${p.cache_hits} cache hits, ${p.pages} pages` + (p.rate_per_s ? `, ${p.rate_per_s}/s` : "") +
+    (p.eta_s && p.state !== "completed" ? `, ETA ${Math.round(p.eta_s)} s` : "");
+}
+
+async function followJob(id) {
+  const view = document.getElementById("job-view");
+  const bar = document.getElementById("job-progress");
+  const state = document.getElementById("job-state");
+  const failures = document.getElementById("job-failures");
+  const report = document.getElementById("job-report");
+  view.hidden = false;
+  failures.replaceChildren();
+  report.hidden = true;
+  const base = `v1/jobs/${encodeURIComponent(id)}`;
+  for (;;) {
+    const r = await fetch(base, { headers: headers() });
+    if (r.status === 401) { askForKey(); state.textContent = "this server needs a valid key"; return; }
+    if (r.status === 404) { state.textContent = "no such job yet"; await sleep(1000); continue; }
+    if (!r.ok) { state.textContent = `error ${r.status}`; await sleep(2000); continue; }
+    const p = await r.json();
+    bar.max = p.total || 1;
+    bar.value = p.done;
+    state.textContent = jobLine(p);
+    if (p.state === "completed") break;
+    await sleep(1000);
+  }
+  const rows = await fetch(`${base}/report?format=jsonl`, { headers: headers() });
+  for (const line of (await rows.text()).split("\n")) {
+    if (!line) continue;
+    const row = JSON.parse(line);
+    if (row.status === "ok") continue;
+    const li = document.createElement("li");
+    li.textContent = `${row.name ?? row.request_id}: ${row.error_code ?? row.status}`;
+    failures.append(li);
+  }
+  report.href = `${base}/report?format=csv`;
+  report.hidden = false;
+}
+
+function setupJob() {
+  const input = document.getElementById("job-id");
+  document.getElementById("job-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    if (input.value.trim()) followJob(input.value.trim());
+  });
+  const given = new URLSearchParams(location.search).get("job");
+  if (given) { input.value = given; followJob(given); }
+}
+
 // -- input ----------------------------------------------------------------------------------------
 /** The task chosen above the drop zone, as the door's query fields (none for the default, ocr). */
 function chosenTask() {
@@ -350,6 +403,7 @@ function take(files) {
 function setup() {
   askForKey = setupKeyForm();
   setupTaskForm();
+  setupJob();
   const drop = document.getElementById("drop");
   const input = document.getElementById("files");
   input.addEventListener("change", () => {

@@ -1,0 +1,143 @@
+"""Jobs over HTTP: create and close a job (events on ``ocr.jobs``), read its progress, follow it as
+server-sent events and download its report, all read from MariaDB (``docs/jobs.md``).
+
+The jobs stage owns the jobs tables; the door only publishes control events and reads. With API
+keys on, a job is visible to the key that created it only (another key gets 404, as for requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
+
+from schemas.errors import ErrorCode, HttpErrorCode
+from schemas.jobs import JobEvent, JobProgress
+from schemas.tasks import TaskError
+from services.api.clients import Clients
+from services.api.errors import ApiError
+from services.api.events import EventStream, KEEPALIVE, encode
+from services.api.protocol import JobClose, JobCreate, JobCreated
+from services.api.serving_keys import Principal
+from services.api.serving_webhooks import validate_callback_url
+from services.common.events import dumps
+from services.common.job_report import write_rows
+from services.common.jobs import REPORT_SQL, JobRow, JobStore
+
+#: Seconds between two reads of a followed job's progress (``GET /v1/jobs/{id}/events``).
+EVENTS_POLL_S = 0.5
+_MEDIA = {"csv": "text/csv", "jsonl": "application/x-ndjson"}
+
+
+class JobService:
+    """The job routes' logic over the door's clients (Kafka producer, MariaDB)."""
+
+    def __init__(self, clients: Clients):
+        self.c = clients
+        self.jobs = JobStore(clients.db)
+
+    def links(self, job_id: str) -> dict[str, str]:
+        """The job's routes."""
+        base = f"/v1/jobs/{job_id}"
+        return {"self": base, "events": f"{base}/events", "report": f"{base}/report?format=csv", "close": f"{base}/close"}
+
+    async def _publish(self, ev: JobEvent) -> None:
+        try:
+            await self.c.producer.send_and_wait(self.c.s.topics.jobs, dumps(ev), key=ev.job_id.encode())
+        except Exception as exc:  # noqa: BLE001 - not acknowledged: not done
+            raise ApiError(HttpErrorCode.UNAVAILABLE, f"Kafka did not acknowledge the job event: {exc!r}") from None
+
+    async def create(self, body: JobCreate, principal: Principal) -> JobCreated:
+        """Publish the job's create event; returns its id and links.
+
+        Raises:
+            ApiError: 400 ``invalid_request`` (a task the deployment does not list, bad fields),
+                503 ``unavailable`` (Kafka did not acknowledge).
+        """
+        try:
+            params = self.c.s.check_task(body.task, {"fields": body.fields} if body.fields else None) if body.task else None
+        except TaskError as exc:
+            raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        if body.webhook_url:  # URL checks, webhooks enabled here, a secret to sign with: as for callback_url
+            await validate_callback_url(body.webhook_url, self.c.s, principal.key_id,
+                                        enabled=self.c.webhooks is not None)
+        job_id = body.job_id or uuid.uuid4().hex
+        await self._publish(JobEvent(action="create", job_id=job_id, name=body.name, task=body.task, task_params=params,
+                                     webhook_url=body.webhook_url, api_key_id=principal.key_id))
+        return JobCreated(job_id=job_id, links=self.links(job_id))
+
+    async def close(self, job_id: str, body: JobClose, principal: Principal) -> JobCreated:
+        """Publish the job's close event (the first close counts)."""
+        await self._owned(job_id, principal, missing_ok=True)
+        await self._publish(JobEvent(action="close", job_id=job_id, expected=body.expected))
+        return JobCreated(job_id=job_id, links=self.links(job_id))
+
+    async def _owned(self, job_id: str, principal: Principal, missing_ok: bool = False) -> JobRow | None:
+        """The job's row, checked against the caller's key.
+
+        Raises:
+            ApiError: 404 ``not_found``: no such job (unless ``missing_ok``: the stage may not
+                have recorded the create event yet), or another key's.
+        """
+        try:
+            job = await self.jobs.job(job_id)
+        except Exception as exc:  # noqa: BLE001 - MariaDB down
+            raise ApiError(HttpErrorCode.UNAVAILABLE, f"MariaDB did not answer: {exc!r}") from None
+        if job is None and missing_ok:
+            return None
+        if job is None or (principal.key_id is not None and job.api_key_id not in (None, principal.key_id)):
+            raise ApiError(HttpErrorCode.NOT_FOUND, f"no job {job_id!r}")
+        return job
+
+    async def progress(self, job_id: str, principal: Principal) -> JobProgress:
+        """The job's progress (404 when unknown)."""
+        await self._owned(job_id, principal)
+        prog = await self.jobs.progress(job_id)
+        assert prog is not None  # the row was just read
+        return prog
+
+    async def events(self, job_id: str, principal: Principal, max_s: float) -> EventStream:
+        """Server-sent events: ``progress`` (the counts, JSON) now and whenever they change, then
+        ``completed`` (the final counts) and the stream ends; at most ``max_s`` seconds. A job
+        just created whose create event the jobs stage has not recorded yet is waited for
+        (keep-alives); one of another key ends the stream with an ``error`` event (``not_found``)."""
+        await self._owned(job_id, principal, missing_ok=True)
+
+        async def gen() -> AsyncIterator[bytes]:
+            last, loop = None, asyncio.get_running_loop()
+            deadline = loop.time() + max_s
+            while loop.time() < deadline and not self.c.closing.is_set():
+                prog = await self.jobs.progress(job_id)
+                if prog is not None and last is None:  # first seen: whose is it
+                    try:
+                        await self._owned(job_id, principal)
+                    except ApiError as exc:
+                        yield encode("error", {"code": exc.code, "message": exc.message})
+                        return
+                if prog is not None and prog.state == "completed":
+                    yield encode("completed", prog.model_dump(mode="json"))
+                    return
+                if prog is not None and prog != last:
+                    yield encode("progress", prog.model_dump(mode="json"))
+                    last = prog
+                else:
+                    yield KEEPALIVE
+                await asyncio.sleep(EVENTS_POLL_S)
+
+        return EventStream(gen(), on_close=lambda: None)
+
+    async def report(self, job_id: str, fmt: str, principal: Principal) -> FileResponse:
+        """The job's report (``csv`` or ``jsonl``) of the requests final so far, streamed from
+        MariaDB into a temporary file (deleted once sent), one row per request."""
+        job = await self._owned(job_id, principal)
+        tmp = tempfile.NamedTemporaryFile("w", suffix=f".{fmt}", newline="", encoding="utf-8", delete=False)
+        with tmp:
+            await self.c.db.stream("job_report", REPORT_SQL, (job_id,),
+                                   lambda rows: write_rows(rows, job.fields(), {fmt: tmp}))
+        return FileResponse(tmp.name, media_type=_MEDIA[fmt], filename=f"{job_id}.{fmt}",
+                            background=BackgroundTask(os.unlink, tmp.name))

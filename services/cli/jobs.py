@@ -1,0 +1,133 @@
+"""``ocrstream job status|report``: a job's progress and its summary report, read from MariaDB.
+
+The jobs stage keeps each job in MariaDB (``jobs``, ``job_requests``; ``docs/jobs.md``); these
+commands read it there, so they work from any machine that reaches the database, during the job
+(a live progress bar; a report of the requests final so far) and after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+from schemas.jobs import JobProgress
+from services.common.settings import CommonSettings, load_settings
+
+job_app = typer.Typer(no_args_is_help=True, help="Jobs: a job's progress and its summary report.")
+console = Console(soft_wrap=True)
+err = Console(stderr=True)
+
+
+def progress_line(p: JobProgress) -> str:
+    """One line of a job's counts, e.g. ``closed: 150/200 done, 147 ok, 3 failed (empty_input 1,
+    corrupt_image 2), 60 cache hits, 150 pages, 12.5/s, ETA 4 s``."""
+    failed = f"{p.failed} failed" + (f" ({', '.join(f'{c} {n}' for c, n in p.failed_by_code.items())})"
+                                     if p.failed_by_code else "")
+    total = "?" if p.total is None else str(p.total)
+    rate = f", {p.rate_per_s:g}/s" if p.rate_per_s else ""
+    eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None and p.state != "completed" else ""
+    return (f"{p.state}: {p.done}/{total} done, {p.ok} ok, {failed}, {p.cache_hits} cache hits, "
+            f"{p.pages} pages{rate}{eta}")
+
+
+async def _read(job_id: str) -> JobProgress | None:
+    from services.common.db import Database
+    from services.common.jobs import JobStore
+
+    return await JobStore(Database(load_settings(CommonSettings).mysql, pool_size=1)).progress(job_id)
+
+
+@job_app.command("status")
+def status(
+    job_id: str = typer.Argument(..., help="the job's id (printed by `ocrstream submit`)"),
+    once: bool = typer.Option(False, "--once", help="print the counts once and exit (else a live bar until done)"),
+    interval: float = typer.Option(0.5, "--interval", min=0.05, help="seconds between reads of the live bar"),
+    timeout: float = typer.Option(3600.0, "--timeout", help="give up the live bar after this many seconds"),
+) -> None:
+    """A job's progress from MariaDB: total, done, ok, failed by error code, cache hits, pages, rate,
+    ETA. Exit 0 when completed, 1 when not (--once, or the timeout), 2 when unknown."""
+    prog = asyncio.run(_read(job_id))
+    if prog is None:
+        err.print(f"[red]error:[/red] no job {job_id!r} (none of its events or completions recorded yet)")
+        raise typer.Exit(2)
+    if once:
+        console.print(progress_line(prog), highlight=False, markup=False)
+        raise typer.Exit(0 if prog.state == "completed" else 1)
+    deadline = time.monotonic() + timeout
+    with Progress(TextColumn("[bold]job"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
+                  TimeElapsedColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
+        task = bar.add_task("", total=prog.total)
+        while True:
+            bar.update(task, completed=prog.done, total=prog.total, description=progress_line(prog))
+            if prog.state == "completed" or time.monotonic() > deadline:
+                break
+            time.sleep(interval)
+            prog = asyncio.run(_read(job_id)) or prog
+    console.print(progress_line(prog), highlight=False, markup=False)
+    raise typer.Exit(0 if prog.state == "completed" else 1)
+
+
+def _write_xlsx(rows, fields: list[str], path: Path) -> int:
+    """The report as one sheet (openpyxl write-only mode: rows go to disk as they come)."""
+    from openpyxl import Workbook
+
+    from services.common.job_report import report_columns, write_rows
+
+    wb = Workbook(write_only=True)
+    ws = wb.create_sheet("report")
+    cols = report_columns(fields)
+    ws.append(cols)
+    n = write_rows(rows, fields, {}, lambda rec: ws.append([rec[c] for c in cols]))
+    wb.save(path)
+    return n
+
+
+@job_app.command("report")
+def report(
+    job_id: str = typer.Argument(..., help="the job's id"),
+    fmt: str = typer.Option("csv", "--format", help="csv, jsonl or xlsx"),
+    out: Optional[Path] = typer.Option(None, "--out", help="file to write (default: stdout; xlsx needs --out)"),
+) -> None:
+    """The job's summary report from MariaDB, one row per request: name, status, error code, pages,
+    lines, characters, mean confidence, cache hit, per-stage times, and a column per field of an
+    `extract` job. Streamed (a server-side cursor): the rows are never all in memory."""
+    from services.common.db import Database
+    from services.common.job_report import write_rows
+    from services.common.jobs import REPORT_SQL, JobStore
+
+    if fmt not in ("csv", "jsonl", "xlsx"):
+        err.print(f"[red]error:[/red] --format must be csv, jsonl or xlsx, not {fmt!r}")
+        raise typer.Exit(2)
+    if fmt == "xlsx" and out is None:
+        err.print("[red]error:[/red] --format xlsx needs --out FILE")
+        raise typer.Exit(2)
+    db = Database(load_settings(CommonSettings).mysql, pool_size=1)
+
+    async def _run() -> int | None:
+        job = await JobStore(db).job(job_id)
+        if job is None:
+            return None
+        fields = job.fields()
+        if fmt == "xlsx":
+            return await db.stream("job_report", REPORT_SQL, (job_id,), lambda rows: _write_xlsx(rows, fields, out))
+
+        def to_text(rows) -> int:
+            if out is None:
+                return write_rows(rows, fields, {fmt: sys.stdout})
+            with open(out, "w", newline="", encoding="utf-8") as f:
+                return write_rows(rows, fields, {fmt: f})
+
+        return await db.stream("job_report", REPORT_SQL, (job_id,), to_text)
+
+    n = asyncio.run(_run())
+    if n is None:
+        err.print(f"[red]error:[/red] no job {job_id!r}")
+        raise typer.Exit(2)
+    err.print(f"{n} rows" + (f" in {out}" if out else ""))
