@@ -9,6 +9,9 @@ What each task's result slot holds is in ``docs/tasks.md``: ``markdown`` (``doc_
 ``<table>`` elements are cut out first and turned into :class:`rich.table.Table` objects with the
 standard library's :class:`html.parser.HTMLParser`. Nothing here prints: :func:`renderables`
 returns what the caller's console prints.
+
+Every string of the answer goes through :func:`safe_text` first: the model's text (or a hostile
+server's, behind the ``openai`` engine) must not drive the terminal (rich passes ESC through).
 """
 
 from __future__ import annotations
@@ -24,6 +27,22 @@ from rich.text import Text
 
 _TABLE_TAG = re.compile(r"<(/?)table\b[^>]*>", re.IGNORECASE)
 _MAX_SPAN = 100  # a colspan/rowspan above this is read as 1 (a model's typo must not build a huge grid)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _visible(m: re.Match) -> str:
+    c = ord(m.group())
+    return chr(0x2400 + c) if c < 0x20 else "\u2421" if c == 0x7f else "\ufffd"
+
+
+def safe_text(text: str) -> str:
+    """``text`` with nothing a terminal would act on: line ends as ``\\n`` (``\\r\\n`` and a lone
+    ``\\r`` too), tabs kept, every other C0 control shown as its Unicode control picture (ESC as
+    ``␛``, NUL as ``␀``), DEL as ``␡``, C1 controls (``\\x80``-``\\x9f``, 8-bit CSI among them)
+    as U+FFFD. rich's :class:`~rich.text.Text` drops only BEL, BS, VT, FF and CR and passes ESC
+    through, so an answer holding ``\\x1b]52;c;…`` would write the clipboard, ``\\x1b[2J`` clear
+    the screen."""
+    return _CONTROL.sub(_visible, text.replace("\r\n", "\n").replace("\r", "\n"))
 
 
 @dataclass
@@ -160,11 +179,11 @@ def rich_table(t: HtmlTable) -> Table:
     table = Table(show_header=bool(t.header), show_lines=True)
     titles = t.header[0] if t.header else [""] * width
     for title in titles:
-        table.add_column(Text(title))
+        table.add_column(Text(safe_text(title)))
     for row in t.header[1:]:
-        table.add_row(*(Text(c) for c in row), style="bold")
+        table.add_row(*(Text(safe_text(c)) for c in row), style="bold")
     for row in t.body:
-        table.add_row(*(Text(c) for c in row))
+        table.add_row(*(Text(safe_text(c)) for c in row))
     return table
 
 
@@ -195,12 +214,12 @@ def markdown_with_tables(markdown: str) -> list[RenderableType]:
     for start, end in table_spans(markdown):
         before = markdown[pos:start]
         if before.strip():
-            out.append(Markdown(before))
+            out.append(Markdown(safe_text(before)))
         out.extend(rich_table(t) for t in parse_tables(markdown[start:end]))
         pos = end
     rest = markdown[pos:]
     if rest.strip():
-        out.append(Markdown(rest))
+        out.append(Markdown(safe_text(rest)))
     return out
 
 
@@ -209,7 +228,7 @@ def fields_table(fields: dict[str, str | None]) -> Table:
     a field not on the image shows ``-`` (dim)."""
     table = Table("field", "value", show_lines=False)
     for name, value in fields.items():
-        table.add_row(Text(name), Text("-", style="dim") if value is None else Text(value))
+        table.add_row(Text(safe_text(name)), Text("-", style="dim") if value is None else Text(safe_text(value)))
     return table
 
 
@@ -221,7 +240,8 @@ def renderables(res) -> list[RenderableType]:
         ``fields`` (``extract``): one two-column table; ``markdown`` (``doc_parse``, ``chart``):
         Markdown and tables; ``html`` (``table``): its tables (and any text outside them as
         Markdown); ``latex`` (``formula``) and ``translation`` (``translate``): the text as it is;
-        otherwise (``ocr``) ``text``, the lines, or ``(no text)``.
+        otherwise (``ocr``) ``text``, the lines, or ``(no text)``. Every string through
+        :func:`safe_text`.
     """
     if getattr(res, "fields", None) is not None:
         return [fields_table(res.fields)]
@@ -232,5 +252,5 @@ def renderables(res) -> list[RenderableType]:
     for slot in ("latex", "translation"):
         value = getattr(res, slot, None)
         if value is not None:
-            return [Text(value)]
-    return [Text(res.text or "(no text)")]
+            return [Text(safe_text(value))]
+    return [Text(safe_text(res.text or "(no text)"))]

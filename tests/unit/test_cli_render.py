@@ -11,7 +11,7 @@ from rich.table import Table
 
 from schemas.events import ResultDocument
 from schemas.tasks import TaskParams
-from services.cli.render import HtmlTable, parse_tables, renderables
+from services.cli.render import HtmlTable, parse_tables, renderables, safe_text
 
 # HunyuanOCR's doc_parse format: Markdown with the tables as HTML
 PAGE = ("# Invoice INV-7\n\nSold by **ACME** <script>alert(1)</script>\n\n"
@@ -102,3 +102,31 @@ def test_latex_translation_and_ocr_text_are_printed_as_they_are():
         "Total: 3 yuan", "Thank you"]
     assert _printed(renderables(_doc("ocr", text="LINE ONE\nLINE TWO"))) == ["LINE ONE", "LINE TWO"]
     assert _printed(renderables(_doc("ocr"))) == ["(no text)"]
+
+
+HOSTILE = "a\x1b[2Jb\x1b]52;c;QUJD\x1b\\c\x9b31md\x00e\x7ff\r\ng\rh\ti"
+SHOWN = "a␛[2Jb␛]52;c;QUJD␛\\c\ufffd31md␀e␡f\ng\nh\ti"
+
+
+def _raw(parts) -> str:
+    """What a terminal receives (escape sequences and all), styles off so only the content's show."""
+    out = io.StringIO()
+    con = Console(file=out, force_terminal=True, color_system=None, width=200, legacy_windows=False)
+    for part in parts:
+        con.print(part, highlight=False, markup=False)
+    return out.getvalue()
+
+
+def test_control_characters_of_an_answer_never_reach_the_terminal():
+    # a model (or a hostile server behind the openai engine) answering with escape sequences: a
+    # screen clear, an OSC 52 clipboard write, an 8-bit CSI; each is shown as a visible symbol
+    assert SHOWN == safe_text(HOSTILE)
+    docs = [_doc("ocr", text=HOSTILE), _doc("translate", translation=HOSTILE), _doc("formula", latex=HOSTILE),
+            _doc("doc_parse", markdown=f"# {HOSTILE}\n\n{HOSTILE}\n\n<table><tr><td>{HOSTILE}</td></tr></table>"),
+            _doc("table", html=f"<table><tr><th>{HOSTILE}</th></tr><tr><td>{HOSTILE}</td></tr></table>"),
+            _doc("extract", fields={HOSTILE: HOSTILE, "n": None})]
+    for doc in docs:
+        raw = _raw(renderables(doc))
+        assert not {"\x1b", "\x9b", "\x00", "\x7f", "\r"} & set(raw), (doc.task, raw)
+        assert "␛[2Jb␛]52;c;QUJD" in raw, (doc.task, raw)
+    assert _printed(renderables(_doc("translate", translation=HOSTILE)), width=80) == SHOWN.expandtabs(8).splitlines()
