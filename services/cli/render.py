@@ -27,6 +27,7 @@ from rich.text import Text
 
 _TABLE_TAG = re.compile(r"<(/?)table\b[^>]*>", re.IGNORECASE)
 _MAX_SPAN = 100  # a colspan/rowspan above this is read as 1 (a model's typo must not build a huge grid)
+_FENCE_OPEN = re.compile(r" {0,3}(`{3,}|~{3,})")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -187,15 +188,48 @@ def rich_table(t: HtmlTable) -> Table:
     return table
 
 
+def _escaped(text: str, at: int) -> bool:
+    """Whether ``text[at]`` is backslash-escaped (an odd run of backslashes just before it)."""
+    n = 0
+    while at - n > 0 and text[at - n - 1] == "\\":
+        n += 1
+    return n % 2 == 1
+
+
+def fenced_ranges(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of each fenced code block of ``text`` (CommonMark: a line of 3 or more
+    backticks or tildes indented up to 3 spaces opens one, a line of at least as many of the same
+    closes it; an unclosed one runs to the end)."""
+    ranges: list[tuple[int, int]] = []
+    pos, opened = 0, None  # (fence, start)
+    for line in text.split("\n"):
+        if opened is None:
+            if m := _FENCE_OPEN.match(line):
+                opened = (m.group(1), pos)
+        elif re.match(rf" {{0,3}}{re.escape(opened[0][0])}{{{len(opened[0])},}}\s*$", line):
+            ranges.append((opened[1], pos + len(line)))
+            opened = None
+        pos += len(line) + 1
+    if opened is not None:
+        ranges.append((opened[1], len(text)))
+    return ranges
+
+
 def table_spans(text: str) -> list[tuple[int, int]]:
     """``(start, end)`` of each outermost ``<table>…</table>`` in ``text``, nested tables inside
-    it; an unclosed one runs to the end."""
+    it; an unclosed one runs to the end. A ``<table>`` in a fenced code block
+    (:func:`fenced_ranges`), or backslash-escaped (``\\<table>``: text, as the CPU engine
+    writes a sign that looks like HTML), starts none."""
     spans: list[tuple[int, int]] = []
     depth = start = 0
+    fenced = fenced_ranges(text)
     for m in _TABLE_TAG.finditer(text):
         if not m.group(1):
+            at = m.start()
+            if depth == 0 and (_escaped(text, at) or any(a <= at < b for a, b in fenced)):
+                continue
             if depth == 0:
-                start = m.start()
+                start = at
             depth += 1
         elif depth > 0:
             depth -= 1

@@ -114,3 +114,19 @@ def test_tricky_markup_stays_text_and_odd_tables_still_render(page):
     assert out == ("<table><tbody><tr><td>&lt;script&gt;x&lt;/script&gt; &amp;amp; &amp;bogus;</td><td>c</td></tr>"
                    "<tr><th colspan=\"2\">h </th></tr></tbody></table>")
     assert page.evaluate("window.__pwned") is None and page.requests == [] and page.errors == []
+
+
+def test_escaped_markdown_reads_as_its_text_and_a_fenced_table_stays_code(page):
+    # the CPU engine's doc_parse escapes what would read as Markdown or HTML (services/infer/engines/structure.py)
+    md = ("\\# 5\n\n\\- 2.00\n\n1\\. Tea\n\n\\<table>x\\</table> a\\_b \\*x\\* \\& \\\\<b> `a\\*b` \\`c`\n\n"
+          "```html\n<table><tr><td>code</td></tr></table>\n```\n\n~~~\n<table>\n~~~\n"
+          "\\\\<table><tr><td>real</td></tr></table>")
+    slot, html = render(page, {"task": "doc_parse", "markdown": md})
+    assert slot == "markdown"
+    assert html == (
+        "<p># 5</p><p>- 2.00</p><p>1. Tea</p><p>&lt;table&gt;x&lt;/table&gt; a_b *x* &amp; \\&lt;b&gt; "
+        "<code>a\\*b</code> `c`</p>"
+        "<pre><code data-lang=\"html\">&lt;table&gt;&lt;tr&gt;&lt;td&gt;code&lt;/td&gt;&lt;/tr&gt;&lt;/table&gt;</code></pre>"
+        "<pre><code>&lt;table&gt;</code></pre><p>\\</p>"
+        "<table><tbody><tr><td>real</td></tr></tbody></table>")
+    assert page.evaluate("window.__pwned") is None and page.requests == [] and page.errors == []

@@ -130,3 +130,15 @@ def test_control_characters_of_an_answer_never_reach_the_terminal():
         assert not {"\x1b", "\x9b", "\x00", "\x7f", "\r"} & set(raw), (doc.task, raw)
         assert "␛[2Jb␛]52;c;QUJD" in raw, (doc.task, raw)
     assert _printed(renderables(_doc("translate", translation=HOSTILE)), width=80) == SHOWN.expandtabs(8).splitlines()
+
+
+def test_an_escaped_or_fenced_table_tag_is_text_not_a_table():
+    # the CPU engine's doc_parse escapes text that looks like HTML (\<table>); a code block may show HTML
+    md = ("\\<table>x\\</table> a\\_b\n\n```html\n<table><tr><td>code</td></tr></table>\n```\n\n"
+          "~~~~\n<table>\n~~~\n~~~~\n\n\\\\<table><tr><td>real</td></tr></table>")
+    parts = renderables(_doc("doc_parse", markdown=md))
+    assert [type(p) for p in parts] == [Markdown, Table]
+    assert _cells(parts[1]) == [["real"]]
+    assert _printed(parts[:1]) == [
+        "<table>x</table> a_b", "", "", " <table><tr><td>code</td></tr></table>", "", "", "", " <table>", " ~~~", "", "",
+        "\\"]  # rich pads a code block with a blank line and a column
