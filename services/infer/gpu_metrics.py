@@ -39,7 +39,9 @@ class GpuCollector(Collector):
 
     Build it with :meth:`open`, which initialises NVML once. A device whose reading fails at a
     scrape (a GPU fallen off the bus) is left out of that scrape, logged at DEBUG; the scrape
-    itself never fails.
+    itself never fails. Memory and utilisation are read apart: NVML reports no utilisation on a
+    MIG-enabled GPU ("On MIG-enabled GPUs, querying device utilization rates is not currently
+    supported", NVML API reference, ``nvmlDeviceGetUtilizationRates``), whose memory still counts.
 
     Args:
         nvml: The ``pynvml`` module (or a stand-in with the same functions), already initialised.
@@ -89,13 +91,14 @@ class GpuCollector(Collector):
         for label, handle in self.handles:
             try:
                 mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
-                rates = self.nvml.nvmlDeviceGetUtilizationRates(handle)
+                used.add_metric([label], float(mem.used))
+                total.add_metric([label], float(mem.total))
             except Exception as exc:
-                log.debug("infer: GPU %s unreadable through NVML: %r", label, exc)
-                continue
-            used.add_metric([label], float(mem.used))
-            total.add_metric([label], float(mem.total))
-            util.add_metric([label], float(rates.gpu) / 100.0)
+                log.debug("infer: GPU %s memory unreadable through NVML: %r", label, exc)
+            try:  # apart from memory: NVML does not report utilisation on a MIG-enabled GPU
+                util.add_metric([label], float(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100.0)
+            except Exception as exc:
+                log.debug("infer: GPU %s utilisation unreadable through NVML: %r", label, exc)
         yield from (used, total, util)
 
     def close(self) -> None:
