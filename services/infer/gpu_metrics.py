@@ -55,7 +55,9 @@ class GpuCollector(Collector):
     @classmethod
     def open(cls, nvml: ModuleType | None = None) -> GpuCollector | None:
         """NVML initialised and its devices listed, or None (logged once at INFO) when there is
-        no NVML library, it cannot initialise (no driver) or it sees no device.
+        no NVML library, it cannot initialise (no driver) or it sees no device. A device NVML
+        cannot open (``nvmlDeviceGetHandleByIndex`` fails: a GPU lost, or not permitted) is left
+        out, logged at WARNING, and the others are watched.
 
         Args:
             nvml: The binding to use (tests pass a stand-in); default ``import pynvml``.
@@ -68,11 +70,18 @@ class GpuCollector(Collector):
             log.info("infer: no GPU metrics: NVML unavailable (%s)", exc or type(exc).__name__)
             return None
         try:
-            handles = [(str(i), nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(nvml.nvmlDeviceGetCount())]
+            count = nvml.nvmlDeviceGetCount()
         except Exception as exc:
             log.info("infer: no GPU metrics: NVML lists no device (%s)", exc or type(exc).__name__)
             _shutdown(nvml)
             return None
+        handles = []
+        for i in range(count):
+            try:
+                handles.append((str(i), nvml.nvmlDeviceGetHandleByIndex(i)))
+            except Exception as exc:  # one lost or forbidden GPU: the others are still watched
+                log.warning("infer: GPU %d left out of the GPU metrics: NVML cannot open it (%s)", i,
+                            exc or type(exc).__name__)
         if not handles:
             log.info("infer: no GPU metrics: NVML sees no device")
             _shutdown(nvml)
