@@ -242,18 +242,20 @@ def table_spans(text: str) -> list[tuple[int, int]]:
 
 def markdown_with_tables(markdown: str) -> list[RenderableType]:
     """Markdown as rich renderables in order: the text between tables as :class:`Markdown`, each
-    ``<table>`` element as a :class:`Table` (rich's Markdown would drop it)."""
+    ``<table>`` element as a :class:`Table` (rich's Markdown would drop it). Links are shown as
+    their text and address (``hyperlinks=False``), never as terminal hyperlinks: the model could
+    put one address in a link's text and another behind it."""
     out: list[RenderableType] = []
     pos = 0
     for start, end in table_spans(markdown):
         before = markdown[pos:start]
         if before.strip():
-            out.append(Markdown(safe_text(before)))
+            out.append(Markdown(safe_text(before), hyperlinks=False))
         out.extend(rich_table(t) for t in parse_tables(markdown[start:end]))
         pos = end
     rest = markdown[pos:]
     if rest.strip():
-        out.append(Markdown(safe_text(rest)))
+        out.append(Markdown(safe_text(rest), hyperlinks=False))
     return out
 
 

@@ -142,3 +142,15 @@ def test_an_escaped_or_fenced_table_tag_is_text_not_a_table():
     assert _printed(parts[:1]) == [
         "<table>x</table> a_b", "", "", " <table><tr><td>code</td></tr></table>", "", "", "", " <table>", " ~~~", "", "",
         "\\"]  # rich pads a code block with a blank line and a column
+
+
+def test_a_markdown_link_shows_where_it_goes_and_is_no_terminal_hyperlink():
+    # the model's Markdown could put one address in a link's text and another behind it
+    md = "Pay at [https://bank.example](https://evil.example/login) today"
+    out = io.StringIO()
+    con = Console(file=out, force_terminal=True, color_system="standard", width=200, legacy_windows=False)
+    for part in renderables(_doc("doc_parse", markdown=md)):
+        con.print(part, highlight=False, markup=False)
+    assert "\x1b]8;" not in out.getvalue()  # no OSC 8 hyperlink
+    assert _printed(renderables(_doc("doc_parse", markdown=md)), width=80) == [
+        "Pay at https://bank.example (https://evil.example/login) today"]
