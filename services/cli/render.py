@@ -166,10 +166,14 @@ def _grid(rows: list[tuple[list[tuple[str, int, int, bool]], bool]]) -> HtmlTabl
 
 def parse_tables(html: str) -> list[HtmlTable]:
     """Every top-level ``<table>`` of ``html``, in order, as :class:`HtmlTable` grids (cell text
-    with whitespace runs collapsed; ``<br>`` a line break; character references decoded)."""
+    with whitespace runs collapsed; ``<br>`` a line break; character references decoded); one
+    never closed (an answer cut at ``max_tokens``) as far as it goes."""
     p = _TableParser()
     p.feed(html)
     p.close()
+    if p._rows is not None:  # a table never closed (an answer cut at max_tokens): as far as it goes
+        p._close_cell()
+        p.tables.append(p._rows)
     return [_grid(rows) for rows in p.tables]
 
 

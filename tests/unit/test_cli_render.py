@@ -154,3 +154,12 @@ def test_a_markdown_link_shows_where_it_goes_and_is_no_terminal_hyperlink():
     assert "\x1b]8;" not in out.getvalue()  # no OSC 8 hyperlink
     assert _printed(renderables(_doc("doc_parse", markdown=md)), width=80) == [
         "Pay at https://bank.example (https://evil.example/login) today"]
+
+
+
+def test_a_table_cut_short_is_shown_as_far_as_it_goes():
+    # an answer cut at max_tokens (marked truncated_max_tokens) often ends inside its last table
+    assert parse_tables("<table><tr><td>a</td><td>b</td></tr><tr><td>c") == [HtmlTable(header=[], body=[["a", "b"], ["c", ""]])]
+    parts = renderables(_doc("doc_parse", markdown="text\n\n<table><tr><th>k</th></tr><tr><td>cut <table><tr><td>in"))
+    assert [type(p) for p in parts] == [Markdown, Table]
+    assert _cells(parts[1]) == [["cut\nin"]]  # a nested table's rows on lines of their own
