@@ -27,6 +27,9 @@ from rich.text import Text
 
 _TABLE_TAG = re.compile(r"<(/?)table\b[^>]*>", re.IGNORECASE)
 _MAX_SPAN = 100  # a colspan/rowspan above this is read as 1 (a model's typo must not build a huge grid)
+# a "<" that opens no tag closed before the next "<" is text: html.parser would rescan the rest of
+# the input from each one (quadratic: 60 KB of "<a " took 74 s), so it gets "&lt;" first
+_LONE_LT = re.compile(r"<(?![a-zA-Z/!][^<>]*>)")
 _FENCE_OPEN = re.compile(r" {0,3}(`{3,}|~{3,})")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
@@ -167,9 +170,10 @@ def _grid(rows: list[tuple[list[tuple[str, int, int, bool]], bool]]) -> HtmlTabl
 def parse_tables(html: str) -> list[HtmlTable]:
     """Every top-level ``<table>`` of ``html``, in order, as :class:`HtmlTable` grids (cell text
     with whitespace runs collapsed; ``<br>`` a line break; character references decoded); one
-    never closed (an answer cut at ``max_tokens``) as far as it goes."""
+    never closed (an answer cut at ``max_tokens``) as far as it goes. Linear in ``html``'s length:
+    a ``<`` that opens no complete tag is read as text before the parser sees it."""
     p = _TableParser()
-    p.feed(html)
+    p.feed(_LONE_LT.sub("&lt;", html))
     p.close()
     if p._rows is not None:  # a table never closed (an answer cut at max_tokens): as far as it goes
         p._close_cell()

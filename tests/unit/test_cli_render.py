@@ -163,3 +163,17 @@ def test_a_table_cut_short_is_shown_as_far_as_it_goes():
     parts = renderables(_doc("doc_parse", markdown="text\n\n<table><tr><th>k</th></tr><tr><td>cut <table><tr><td>in"))
     assert [type(p) for p in parts] == [Markdown, Table]
     assert _cells(parts[1]) == [["cut\nin"]]  # a nested table's rows on lines of their own
+
+
+def test_a_table_of_unclosed_tags_is_read_in_linear_time():
+    # html.parser rescans the rest of the input at every "<" that opens no complete tag: 60 KB of
+    # "<a " took 74 s to print (a looping model, or a hostile server behind the openai engine)
+    import time
+
+    for body in ("<a " * 20_000, '<td title="x' + "<a " * 20_000, "<!--" + "<a " * 20_000, "</" * 30_000):
+        started = time.perf_counter()
+        [table] = parse_tables("<table><tr><td>" + body)
+        assert time.perf_counter() - started < 1.0, body[:12]
+    assert parse_tables("<table><tr><td>1 < 2 <b>and</b> 3 <4</td><td title='a>b'>x</td></tr></table>") == [
+        HtmlTable(header=[], body=[["1 < 2 and 3 <4", "x"]])]
+    assert parse_tables("<table><tr><td>a <b c <d e</td></tr></table>") == [HtmlTable(header=[], body=[["a <b c <d e"]])]
