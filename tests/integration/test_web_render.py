@@ -108,11 +108,11 @@ def test_fields_latex_and_translation(page):
 def test_tricky_markup_stays_text_and_odd_tables_still_render(page):
     html = ("<TABLE><TR><TD title=\"a>b\" onclick=\"window.__pwned='q'\">&#x3C;script&#x3E;x&lt;/script&gt; &amp;amp; &bogus;</TD>"
             "<td><!-- <script>window.__pwned='c'</script> -->c<SCRIPT>window.__pwned='S'</SCRIPT><textarea><td>t</td>"
-            "</textarea></td></tr><tr><th colspan='2'>h <img src=x onerror=window.__pwned=1</th>")  # one img tag; never closed
+            "</textarea></td></tr><tr><th colspan='2'>h <img src=x onerror=window.__pwned=1</th>")  # an img tag never closed: text
     slot, out = render(page, {"task": "table", "html": html})
     assert slot == "html"
     assert out == ("<table><tbody><tr><td>&lt;script&gt;x&lt;/script&gt; &amp;amp; &amp;bogus;</td><td>c</td></tr>"
-                   "<tr><th colspan=\"2\">h </th></tr></tbody></table>")
+                   "<tr><th colspan=\"2\">h &lt;img src=x onerror=window.__pwned=1</th></tr></tbody></table>")
     assert page.evaluate("window.__pwned") is None and page.requests == [] and page.errors == []
 
 
@@ -130,3 +130,16 @@ def test_escaped_markdown_reads_as_its_text_and_a_fenced_table_stays_code(page):
         "<pre><code>&lt;table&gt;</code></pre><p>\\</p>"
         "<table><tbody><tr><td>real</td></tr></tbody></table>")
     assert page.evaluate("window.__pwned") is None and page.requests == [] and page.errors == []
+
+
+def test_a_table_of_unclosed_tags_is_read_in_linear_time(page):
+    # the tokenizer's tag pattern ran from each "<" to the end of a table holding no ">" after it:
+    # 60 KB of "<a " froze the page for 3.5 s (quadratic), 120 KB for ~14 s
+    import time
+
+    for body in ("<a " * 40_000, '<td title="x' + "<a " * 40_000, "<a\"<b'" * 20_000):
+        started = time.perf_counter()
+        render(page, {"task": "table", "html": "<table><tr><td>" + body})
+        assert time.perf_counter() - started < 1.5, body[:12]
+    slot, html = render(page, {"task": "table", "html": "<table><tr><td>a <b c <d e</td><td title='a>b'>1 < 2</td></tr></table>"})
+    assert html == "<table><tbody><tr><td>a &lt;b c &lt;d e</td><td>1 &lt; 2</td></tr></tbody></table>"

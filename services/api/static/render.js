@@ -10,8 +10,9 @@
 const TABLE_TAGS = new Set(["table", "thead", "tbody", "tr", "th", "td"]);
 const DROPPED = new Set(["script", "style", "template", "noscript", "iframe", "object", "title", "textarea", "xmp"]);
 const MAX_SPAN = 100;
-// a tag (attribute values may hold ">" inside quotes), a comment, or a run of text
-const TOKEN = /<!--[\s\S]*?(?:-->|$)|<(\/?)([a-zA-Z][a-zA-Z0-9-]*)((?:[^>"']|"[^"]*"|'[^']*')*)>|[^<]+|</g;
+// a tag (attribute values may hold ">" or "<" inside quotes; outside them a "<" ends the try, so a
+// "<" that opens no tag is text and the scan stays linear), a comment, or a run of text
+const TOKEN = /<!--[\s\S]*?(?:-->|$)|<(\/?)([a-zA-Z][a-zA-Z0-9-]*)((?:[^<>"']|"[^"]*"|'[^']*')*)>|[^<]+|</g;
 const FENCE = /^\s*(```|~~~)\s*([\w+-]*)\s*$/;  // a fenced code block's opening line
 const ENTITIES = { amp: "&", lt: "<", gt: ">", quot: "\"", apos: "'", nbsp: "\u00a0" };
 
