@@ -25,7 +25,7 @@ from rich.markdown import Markdown
 from rich.table import Table
 from rich.text import Text
 
-_TABLE_TAG = re.compile(r"<(/?)table\b[^>]*>", re.IGNORECASE)
+_TABLE_TAG = re.compile(r"<(/?)table\b[^<>]*>", re.IGNORECASE)  # stops at "<": "<table" repeated is linear
 _MAX_SPAN = 100  # a colspan/rowspan above this is read as 1 (a model's typo must not build a huge grid)
 # a "<" that opens no tag closed before the next "<" is text: html.parser would rescan the rest of
 # the input from each one (quadratic: 60 KB of "<a " took 74 s), so it gets "&lt;" first

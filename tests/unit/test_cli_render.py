@@ -170,6 +170,9 @@ def test_a_table_of_unclosed_tags_is_read_in_linear_time():
     # "<a " took 74 s to print (a looping model, or a hostile server behind the openai engine)
     import time
 
+    started = time.perf_counter()
+    assert renderables(_doc("doc_parse", markdown="<table" * 20_000))  # finding the tables (3.9 s)
+    assert time.perf_counter() - started < 1.0
     for body in ("<a " * 20_000, '<td title="x' + "<a " * 20_000, "<!--" + "<a " * 20_000, "</" * 30_000):
         started = time.perf_counter()
         [table] = parse_tables("<table><tr><td>" + body)

@@ -40,7 +40,7 @@ function decode(text) {
 
 /** The span attribute `name` from a tag's attribute text, as a number 2..MAX_SPAN, else null. */
 function span(attrs, name) {
-  const m = attrs.match(new RegExp(`(?:^|\\s)${name}\\s*=\\s*["']?\\s*(\\d+)`, "i"));
+  const m = attrs.match(new RegExp(`(?:^|\\s)${name}\\s*=\\s*(?:["']\\s*)?(\\d+)`, "i"));  // one blank run: linear
   const n = m ? Number(m[1]) : 1;
   return n > 1 && n <= MAX_SPAN ? String(n) : null;
 }
@@ -212,7 +212,7 @@ function fencedRanges(text) {
  *  unclosed one runs to the end). A <table> in a fenced code block, or escaped (\<table>: text),
  *  starts none. */
 function tableSpans(text) {
-  const re = /<(\/?)table\b[^>]*>/gi;
+  const re = /<(\/?)table\b[^<>]*>/gi;  // stops at "<" as TOKEN does: "<table" repeated is linear
   const fenced = fencedRanges(text);
   const spans = [];
   let depth = 0;
