@@ -151,7 +151,7 @@ def submit(
             head = f"== {sub.path.name}  [{res.status}{' cache hit' if res.cache_hit else ''}]  {sub.request_id}"
             if res.status != "ok":
                 failed += 1
-                console.print(f"{head}\n   error {res.error.code.value}: {res.error.message}", highlight=False, markup=False)
+                _print_error(head, res)
             elif not quiet:
                 what = f"{len(res.lines)} lines" if res.task == "ocr" else res.task
                 console.print(f"{head}  {what}, {res.timings_ms.get('total', 0):.0f} ms", highlight=False, markup=False)
@@ -223,6 +223,14 @@ def _task_params(s: CommonSettings, task: str, fields: str | None, to: str | Non
     except TaskError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
+
+
+def _print_error(head: str, res) -> None:
+    """A failed result's line: ``head``, then its error code and message (through
+    :func:`services.cli.render.safe_text`: the message may quote a server's answer)."""
+    from services.cli.render import safe_text
+
+    console.print(f"{head}\n   error {res.error.code.value}: {safe_text(res.error.message)}", highlight=False, markup=False)
 
 
 def _print_result(res) -> None:

@@ -9,6 +9,9 @@ What each task's result slot holds is in ``docs/tasks.md``: ``markdown`` (``doc_
 ``<table>`` elements are cut out first and turned into :class:`rich.table.Table` objects with the
 standard library's :class:`html.parser.HTMLParser`. Nothing here prints: :func:`renderables`
 returns what the caller's console prints.
+
+Every string of the answer goes through :func:`safe_text` first: the model's text (or a hostile
+server's, behind the ``openai`` engine) must not drive the terminal (rich passes ESC through).
 """
 
 from __future__ import annotations
@@ -22,8 +25,28 @@ from rich.markdown import Markdown
 from rich.table import Table
 from rich.text import Text
 
-_TABLE_TAG = re.compile(r"<(/?)table\b[^>]*>", re.IGNORECASE)
+_TABLE_TAG = re.compile(r"<(/?)table\b[^<>]*>", re.IGNORECASE)  # stops at "<": "<table" repeated is linear
 _MAX_SPAN = 100  # a colspan/rowspan above this is read as 1 (a model's typo must not build a huge grid)
+# a "<" that opens no tag closed before the next "<" is text: html.parser would rescan the rest of
+# the input from each one (quadratic: 60 KB of "<a " took 74 s), so it gets "&lt;" first
+_LONE_LT = re.compile(r"<(?![a-zA-Z/!][^<>]*>)")
+_FENCE_OPEN = re.compile(r" {0,3}(`{3,}|~{3,})")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _visible(m: re.Match) -> str:
+    c = ord(m.group())
+    return chr(0x2400 + c) if c < 0x20 else "\u2421" if c == 0x7f else "\ufffd"
+
+
+def safe_text(text: str) -> str:
+    """``text`` with nothing a terminal would act on: line ends as ``\\n`` (``\\r\\n`` and a lone
+    ``\\r`` too), tabs kept, every other C0 control shown as its Unicode control picture (ESC as
+    ``␛``, NUL as ``␀``), DEL as ``␡``, C1 controls (``\\x80``-``\\x9f``, 8-bit CSI among them)
+    as U+FFFD. rich's :class:`~rich.text.Text` drops only BEL, BS, VT, FF and CR and passes ESC
+    through, so an answer holding ``\\x1b]52;c;…`` would write the clipboard, ``\\x1b[2J`` clear
+    the screen."""
+    return _CONTROL.sub(_visible, text.replace("\r\n", "\n").replace("\r", "\n"))
 
 
 @dataclass
@@ -146,10 +169,15 @@ def _grid(rows: list[tuple[list[tuple[str, int, int, bool]], bool]]) -> HtmlTabl
 
 def parse_tables(html: str) -> list[HtmlTable]:
     """Every top-level ``<table>`` of ``html``, in order, as :class:`HtmlTable` grids (cell text
-    with whitespace runs collapsed; ``<br>`` a line break; character references decoded)."""
+    with whitespace runs collapsed; ``<br>`` a line break; character references decoded); one
+    never closed (an answer cut at ``max_tokens``) as far as it goes. Linear in ``html``'s length:
+    a ``<`` that opens no complete tag is read as text before the parser sees it."""
     p = _TableParser()
-    p.feed(html)
+    p.feed(_LONE_LT.sub("&lt;", html))
     p.close()
+    if p._rows is not None:  # a table never closed (an answer cut at max_tokens): as far as it goes
+        p._close_cell()
+        p.tables.append(p._rows)
     return [_grid(rows) for rows in p.tables]
 
 
@@ -160,23 +188,56 @@ def rich_table(t: HtmlTable) -> Table:
     table = Table(show_header=bool(t.header), show_lines=True)
     titles = t.header[0] if t.header else [""] * width
     for title in titles:
-        table.add_column(Text(title))
+        table.add_column(Text(safe_text(title)))
     for row in t.header[1:]:
-        table.add_row(*(Text(c) for c in row), style="bold")
+        table.add_row(*(Text(safe_text(c)) for c in row), style="bold")
     for row in t.body:
-        table.add_row(*(Text(c) for c in row))
+        table.add_row(*(Text(safe_text(c)) for c in row))
     return table
+
+
+def _escaped(text: str, at: int) -> bool:
+    """Whether ``text[at]`` is backslash-escaped (an odd run of backslashes just before it)."""
+    n = 0
+    while at - n > 0 and text[at - n - 1] == "\\":
+        n += 1
+    return n % 2 == 1
+
+
+def fenced_ranges(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of each fenced code block of ``text`` (CommonMark: a line of 3 or more
+    backticks or tildes indented up to 3 spaces opens one, a line of at least as many of the same
+    closes it; an unclosed one runs to the end)."""
+    ranges: list[tuple[int, int]] = []
+    pos, opened = 0, None  # (fence, start)
+    for line in text.split("\n"):
+        if opened is None:
+            if m := _FENCE_OPEN.match(line):
+                opened = (m.group(1), pos)
+        elif re.match(rf" {{0,3}}{re.escape(opened[0][0])}{{{len(opened[0])},}}\s*$", line):
+            ranges.append((opened[1], pos + len(line)))
+            opened = None
+        pos += len(line) + 1
+    if opened is not None:
+        ranges.append((opened[1], len(text)))
+    return ranges
 
 
 def table_spans(text: str) -> list[tuple[int, int]]:
     """``(start, end)`` of each outermost ``<table>…</table>`` in ``text``, nested tables inside
-    it; an unclosed one runs to the end."""
+    it; an unclosed one runs to the end. A ``<table>`` in a fenced code block
+    (:func:`fenced_ranges`), or backslash-escaped (``\\<table>``: text, as the CPU engine
+    writes a sign that looks like HTML), starts none."""
     spans: list[tuple[int, int]] = []
     depth = start = 0
+    fenced = fenced_ranges(text)
     for m in _TABLE_TAG.finditer(text):
         if not m.group(1):
+            at = m.start()
+            if depth == 0 and (_escaped(text, at) or any(a <= at < b for a, b in fenced)):
+                continue
             if depth == 0:
-                start = m.start()
+                start = at
             depth += 1
         elif depth > 0:
             depth -= 1
@@ -189,18 +250,20 @@ def table_spans(text: str) -> list[tuple[int, int]]:
 
 def markdown_with_tables(markdown: str) -> list[RenderableType]:
     """Markdown as rich renderables in order: the text between tables as :class:`Markdown`, each
-    ``<table>`` element as a :class:`Table` (rich's Markdown would drop it)."""
+    ``<table>`` element as a :class:`Table` (rich's Markdown would drop it). Links are shown as
+    their text and address (``hyperlinks=False``), never as terminal hyperlinks: the model could
+    put one address in a link's text and another behind it."""
     out: list[RenderableType] = []
     pos = 0
     for start, end in table_spans(markdown):
         before = markdown[pos:start]
         if before.strip():
-            out.append(Markdown(before))
+            out.append(Markdown(safe_text(before), hyperlinks=False))
         out.extend(rich_table(t) for t in parse_tables(markdown[start:end]))
         pos = end
     rest = markdown[pos:]
     if rest.strip():
-        out.append(Markdown(rest))
+        out.append(Markdown(safe_text(rest), hyperlinks=False))
     return out
 
 
@@ -209,7 +272,7 @@ def fields_table(fields: dict[str, str | None]) -> Table:
     a field not on the image shows ``-`` (dim)."""
     table = Table("field", "value", show_lines=False)
     for name, value in fields.items():
-        table.add_row(Text(name), Text("-", style="dim") if value is None else Text(value))
+        table.add_row(Text(safe_text(name)), Text("-", style="dim") if value is None else Text(safe_text(value)))
     return table
 
 
@@ -221,7 +284,8 @@ def renderables(res) -> list[RenderableType]:
         ``fields`` (``extract``): one two-column table; ``markdown`` (``doc_parse``, ``chart``):
         Markdown and tables; ``html`` (``table``): its tables (and any text outside them as
         Markdown); ``latex`` (``formula``) and ``translation`` (``translate``): the text as it is;
-        otherwise (``ocr``) ``text``, the lines, or ``(no text)``.
+        otherwise (``ocr``) ``text``, the lines, or ``(no text)``. Every string through
+        :func:`safe_text`.
     """
     if getattr(res, "fields", None) is not None:
         return [fields_table(res.fields)]
@@ -232,5 +296,5 @@ def renderables(res) -> list[RenderableType]:
     for slot in ("latex", "translation"):
         value = getattr(res, slot, None)
         if value is not None:
-            return [Text(value)]
-    return [Text(res.text or "(no text)")]
+            return [Text(safe_text(value))]
+    return [Text(safe_text(res.text or "(no text)"))]

@@ -16,8 +16,8 @@ the documents they point at, so losing Redis costs no subset answer (``docs/sing
 An entry is one PUT per computed extraction and a lookup one LIST (plus a GET per candidate)
 on an ``extract`` miss, which is followed by a VLM call of seconds otherwise.
 
-Pure helpers (:func:`entry_body`, :func:`candidates`, :func:`holds`) and the two I/O calls
-(:func:`record_extraction`, :func:`find_extractions`).
+Pure helpers (:func:`entry_body`, :func:`candidates`, :func:`holds`) and the I/O calls
+(:func:`record_extraction`, :func:`forget_extraction`, :func:`find_extractions`).
 """
 
 from __future__ import annotations
@@ -83,6 +83,20 @@ async def record_extraction(store: ObjectStore, cache_key: str, gen: CacheGenera
     names = sorted(set(fields))
     okey = field_index_key(cache_key, field_family_id(gen), len(names))
     await store.put(okey, entry_body(cache_key, names), "application/json")
+    return okey
+
+
+async def forget_extraction(store: ObjectStore, cache_key: str, gen: CacheGeneration, fields: Iterable[str]) -> str:
+    """Delete the index entry of the extraction of ``fields`` under ``cache_key`` (generation
+    ``gen``), if any: call it when an answer cut short is stored under that key, over an earlier
+    whole one whose entry would now point at the cut answer. Returns its S3 key.
+
+    Raises:
+        ClientError: S3 refused the DELETE (a missing entry is no error).
+        ValueError: ``cache_key`` is not a cache key.
+    """
+    okey = field_index_key(cache_key, field_family_id(gen), len(set(fields)))
+    await store.delete(okey)
     return okey
 
 

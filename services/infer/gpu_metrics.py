@@ -39,7 +39,9 @@ class GpuCollector(Collector):
 
     Build it with :meth:`open`, which initialises NVML once. A device whose reading fails at a
     scrape (a GPU fallen off the bus) is left out of that scrape, logged at DEBUG; the scrape
-    itself never fails.
+    itself never fails. Memory and utilisation are read apart: NVML reports no utilisation on a
+    MIG-enabled GPU ("On MIG-enabled GPUs, querying device utilization rates is not currently
+    supported", NVML API reference, ``nvmlDeviceGetUtilizationRates``), whose memory still counts.
 
     Args:
         nvml: The ``pynvml`` module (or a stand-in with the same functions), already initialised.
@@ -53,7 +55,9 @@ class GpuCollector(Collector):
     @classmethod
     def open(cls, nvml: ModuleType | None = None) -> GpuCollector | None:
         """NVML initialised and its devices listed, or None (logged once at INFO) when there is
-        no NVML library, it cannot initialise (no driver) or it sees no device.
+        no NVML library, it cannot initialise (no driver) or it sees no device. A device NVML
+        cannot open (``nvmlDeviceGetHandleByIndex`` fails: a GPU lost, or not permitted) is left
+        out, logged at WARNING, and the others are watched.
 
         Args:
             nvml: The binding to use (tests pass a stand-in); default ``import pynvml``.
@@ -66,11 +70,18 @@ class GpuCollector(Collector):
             log.info("infer: no GPU metrics: NVML unavailable (%s)", exc or type(exc).__name__)
             return None
         try:
-            handles = [(str(i), nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(nvml.nvmlDeviceGetCount())]
+            count = nvml.nvmlDeviceGetCount()
         except Exception as exc:
             log.info("infer: no GPU metrics: NVML lists no device (%s)", exc or type(exc).__name__)
             _shutdown(nvml)
             return None
+        handles = []
+        for i in range(count):
+            try:
+                handles.append((str(i), nvml.nvmlDeviceGetHandleByIndex(i)))
+            except Exception as exc:  # one lost or forbidden GPU: the others are still watched
+                log.warning("infer: GPU %d left out of the GPU metrics: NVML cannot open it (%s)", i,
+                            exc or type(exc).__name__)
         if not handles:
             log.info("infer: no GPU metrics: NVML sees no device")
             _shutdown(nvml)
@@ -89,13 +100,14 @@ class GpuCollector(Collector):
         for label, handle in self.handles:
             try:
                 mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
-                rates = self.nvml.nvmlDeviceGetUtilizationRates(handle)
+                used.add_metric([label], float(mem.used))
+                total.add_metric([label], float(mem.total))
             except Exception as exc:
-                log.debug("infer: GPU %s unreadable through NVML: %r", label, exc)
-                continue
-            used.add_metric([label], float(mem.used))
-            total.add_metric([label], float(mem.total))
-            util.add_metric([label], float(rates.gpu) / 100.0)
+                log.debug("infer: GPU %s memory unreadable through NVML: %r", label, exc)
+            try:  # apart from memory: NVML does not report utilisation on a MIG-enabled GPU
+                util.add_metric([label], float(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100.0)
+            except Exception as exc:
+                log.debug("infer: GPU %s utilisation unreadable through NVML: %r", label, exc)
         yield from (used, total, util)
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ from services.common.db import Database
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.events import completion_event_id, dumps
-from services.common.field_index import record_extraction
+from services.common.field_index import forget_extraction, record_extraction
 from services.common.handler import Handler, Outgoing, Record
 from services.common.outputs import OutputLru
 from services.common.results import document_output, ocr_output, result_document
@@ -250,18 +250,23 @@ class SinkHandler(Handler):
         fields is answered from it. Not for an answer cut short (``truncated_max_tokens``,
         ``truncated_repetition``: a null may be the cut, not the page), nor for a key this sink's
         settings would not build (the family in the entry's path must be the key's); a failed
-        write only costs those answers (logged)."""
+        write only costs those answers (logged). A cut answer stored over a whole one of the same
+        key (computed again after a purge, or when dedup's S3 tier missed) removes the entry the
+        whole one left (:func:`services.common.field_index.forget_extraction`): dedup only HEADs
+        the document an entry points at, and would answer subsets from the cut one."""
         req = ev.request
-        if {WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION} & set(output.warnings):
-            return
         gen = self.s.generation(req.task, req.task_params)
         if self.s.cache_key_of(req.content_sha256, gen, req.api_key_id) != ev.cache_key:
             log.info("sink: %s is not of this sink's generation; its fields are not indexed", ev.cache_key)
             return
+        cut = bool({WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION} & set(output.warnings))
         try:
-            await record_extraction(self.store, ev.cache_key, gen, output.fields)
+            if cut:
+                await forget_extraction(self.store, ev.cache_key, gen, output.fields)
+            else:
+                await record_extraction(self.store, ev.cache_key, gen, output.fields)
         except Exception as exc:  # noqa: BLE001 - the index is an optimisation: a miss later, not an error now
-            log.warning("sink: field index entry of %s not written (%r)", ev.cache_key, exc)
+            log.warning("sink: field index entry of %s not %s (%r)", ev.cache_key, "removed" if cut else "written", exc)
 
     def _doc(self, req: RequestEvent, output: OcrOutput | None, ev: ResultEvent, queued: float,
              started: float, cache_hit: bool) -> ResultDocument:

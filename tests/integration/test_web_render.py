@@ -108,9 +108,40 @@ def test_fields_latex_and_translation(page):
 def test_tricky_markup_stays_text_and_odd_tables_still_render(page):
     html = ("<TABLE><TR><TD title=\"a>b\" onclick=\"window.__pwned='q'\">&#x3C;script&#x3E;x&lt;/script&gt; &amp;amp; &bogus;</TD>"
             "<td><!-- <script>window.__pwned='c'</script> -->c<SCRIPT>window.__pwned='S'</SCRIPT><textarea><td>t</td>"
-            "</textarea></td></tr><tr><th colspan='2'>h <img src=x onerror=window.__pwned=1</th>")  # one img tag; never closed
+            "</textarea></td></tr><tr><th colspan='2'>h <img src=x onerror=window.__pwned=1</th>")  # an img tag never closed: text
     slot, out = render(page, {"task": "table", "html": html})
     assert slot == "html"
     assert out == ("<table><tbody><tr><td>&lt;script&gt;x&lt;/script&gt; &amp;amp; &amp;bogus;</td><td>c</td></tr>"
-                   "<tr><th colspan=\"2\">h </th></tr></tbody></table>")
+                   "<tr><th colspan=\"2\">h &lt;img src=x onerror=window.__pwned=1</th></tr></tbody></table>")
     assert page.evaluate("window.__pwned") is None and page.requests == [] and page.errors == []
+
+
+def test_escaped_markdown_reads_as_its_text_and_a_fenced_table_stays_code(page):
+    # the CPU engine's doc_parse escapes what would read as Markdown or HTML (services/infer/engines/structure.py)
+    md = ("\\# 5\n\n\\- 2.00\n\n1\\. Tea\n\n\\<table>x\\</table> a\\_b \\*x\\* \\& \\\\<b> `a\\*b` \\`c`\n\n"
+          "```html\n<table><tr><td>code</td></tr></table>\n```\n\n~~~\n<table>\n~~~\n"
+          "\\\\<table><tr><td>real</td></tr></table>")
+    slot, html = render(page, {"task": "doc_parse", "markdown": md})
+    assert slot == "markdown"
+    assert html == (
+        "<p># 5</p><p>- 2.00</p><p>1. Tea</p><p>&lt;table&gt;x&lt;/table&gt; a_b *x* &amp; \\&lt;b&gt; "
+        "<code>a\\*b</code> `c`</p>"
+        "<pre><code data-lang=\"html\">&lt;table&gt;&lt;tr&gt;&lt;td&gt;code&lt;/td&gt;&lt;/tr&gt;&lt;/table&gt;</code></pre>"
+        "<pre><code>&lt;table&gt;</code></pre><p>\\</p>"
+        "<table><tbody><tr><td>real</td></tr></tbody></table>")
+    assert page.evaluate("window.__pwned") is None and page.requests == [] and page.errors == []
+
+
+def test_a_table_of_unclosed_tags_is_read_in_linear_time(page):
+    # the tokenizer's tag pattern ran from each "<" to the end of a table holding no ">" after it:
+    # 60 KB of "<a " froze the page for 3.5 s (quadratic), 120 KB for ~39 s; 120 KB of blanks in a
+    # colspan 14 s; 120 KB of "<table" 2.3 s
+    for html in ["<table><tr><td>" + body for body in ("<a " * 40_000, '<td title="x' + "<a " * 40_000,
+                                                        "<a\"<b'" * 20_000, "<td colspan=" + " " * 120_000 + ">x")] + \
+            ["<table" * 20_000]:  # finding the tables; a span attribute's number
+        ms = page.evaluate("""doc => { const t = performance.now();
+            window.ocrRender.renderAnswer(document.getElementById('box'), doc); return performance.now() - t; }""",
+                           {"task": "table", "html": html})
+        assert ms < 1500, (html[:24], ms)
+    slot, html = render(page, {"task": "table", "html": "<table><tr><td>a <b c <d e</td><td title='a>b'>1 < 2</td></tr></table>"})
+    assert html == "<table><tbody><tr><td>a &lt;b c &lt;d e</td><td>1 &lt; 2</td></tr></tbody></table>"

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from schemas.events import ResultDocument
 from schemas.tasks import TaskParams
-from services.cli.render import HtmlTable, parse_tables, renderables
+from services.cli.render import HtmlTable, parse_tables, renderables, safe_text
 
 # HunyuanOCR's doc_parse format: Markdown with the tables as HTML
 PAGE = ("# Invoice INV-7\n\nSold by **ACME** <script>alert(1)</script>\n\n"
@@ -102,3 +102,81 @@ def test_latex_translation_and_ocr_text_are_printed_as_they_are():
         "Total: 3 yuan", "Thank you"]
     assert _printed(renderables(_doc("ocr", text="LINE ONE\nLINE TWO"))) == ["LINE ONE", "LINE TWO"]
     assert _printed(renderables(_doc("ocr"))) == ["(no text)"]
+
+
+HOSTILE = "a\x1b[2Jb\x1b]52;c;QUJD\x1b\\c\x9b31md\x00e\x7ff\r\ng\rh\ti"
+SHOWN = "a␛[2Jb␛]52;c;QUJD␛\\c\ufffd31md␀e␡f\ng\nh\ti"
+
+
+def _raw(parts) -> str:
+    """What a terminal receives (escape sequences and all), styles off so only the content's show."""
+    out = io.StringIO()
+    con = Console(file=out, force_terminal=True, color_system=None, width=200, legacy_windows=False)
+    for part in parts:
+        con.print(part, highlight=False, markup=False)
+    return out.getvalue()
+
+
+def test_control_characters_of_an_answer_never_reach_the_terminal():
+    # a model (or a hostile server behind the openai engine) answering with escape sequences: a
+    # screen clear, an OSC 52 clipboard write, an 8-bit CSI; each is shown as a visible symbol
+    assert SHOWN == safe_text(HOSTILE)
+    docs = [_doc("ocr", text=HOSTILE), _doc("translate", translation=HOSTILE), _doc("formula", latex=HOSTILE),
+            _doc("doc_parse", markdown=f"# {HOSTILE}\n\n{HOSTILE}\n\n<table><tr><td>{HOSTILE}</td></tr></table>"),
+            _doc("table", html=f"<table><tr><th>{HOSTILE}</th></tr><tr><td>{HOSTILE}</td></tr></table>"),
+            _doc("extract", fields={HOSTILE: HOSTILE, "n": None})]
+    for doc in docs:
+        raw = _raw(renderables(doc))
+        assert not {"\x1b", "\x9b", "\x00", "\x7f", "\r"} & set(raw), (doc.task, raw)
+        assert "␛[2Jb␛]52;c;QUJD" in raw, (doc.task, raw)
+    assert _printed(renderables(_doc("translate", translation=HOSTILE)), width=80) == SHOWN.expandtabs(8).splitlines()
+
+
+def test_an_escaped_or_fenced_table_tag_is_text_not_a_table():
+    # the CPU engine's doc_parse escapes text that looks like HTML (\<table>); a code block may show HTML
+    md = ("\\<table>x\\</table> a\\_b\n\n```html\n<table><tr><td>code</td></tr></table>\n```\n\n"
+          "~~~~\n<table>\n~~~\n~~~~\n\n\\\\<table><tr><td>real</td></tr></table>")
+    parts = renderables(_doc("doc_parse", markdown=md))
+    assert [type(p) for p in parts] == [Markdown, Table]
+    assert _cells(parts[1]) == [["real"]]
+    assert _printed(parts[:1]) == [
+        "<table>x</table> a_b", "", "", " <table><tr><td>code</td></tr></table>", "", "", "", " <table>", " ~~~", "", "",
+        "\\"]  # rich pads a code block with a blank line and a column
+
+
+def test_a_markdown_link_shows_where_it_goes_and_is_no_terminal_hyperlink():
+    # the model's Markdown could put one address in a link's text and another behind it
+    md = "Pay at [https://bank.example](https://evil.example/login) today"
+    out = io.StringIO()
+    con = Console(file=out, force_terminal=True, color_system="standard", width=200, legacy_windows=False)
+    for part in renderables(_doc("doc_parse", markdown=md)):
+        con.print(part, highlight=False, markup=False)
+    assert "\x1b]8;" not in out.getvalue()  # no OSC 8 hyperlink
+    assert _printed(renderables(_doc("doc_parse", markdown=md)), width=80) == [
+        "Pay at https://bank.example (https://evil.example/login) today"]
+
+
+
+def test_a_table_cut_short_is_shown_as_far_as_it_goes():
+    # an answer cut at max_tokens (marked truncated_max_tokens) often ends inside its last table
+    assert parse_tables("<table><tr><td>a</td><td>b</td></tr><tr><td>c") == [HtmlTable(header=[], body=[["a", "b"], ["c", ""]])]
+    parts = renderables(_doc("doc_parse", markdown="text\n\n<table><tr><th>k</th></tr><tr><td>cut <table><tr><td>in"))
+    assert [type(p) for p in parts] == [Markdown, Table]
+    assert _cells(parts[1]) == [["cut\nin"]]  # a nested table's rows on lines of their own
+
+
+def test_a_table_of_unclosed_tags_is_read_in_linear_time():
+    # html.parser rescans the rest of the input at every "<" that opens no complete tag: 60 KB of
+    # "<a " took 74 s to print (a looping model, or a hostile server behind the openai engine)
+    import time
+
+    started = time.perf_counter()
+    assert renderables(_doc("doc_parse", markdown="<table" * 20_000))  # finding the tables (3.9 s)
+    assert time.perf_counter() - started < 1.0
+    for body in ("<a " * 20_000, '<td title="x' + "<a " * 20_000, "<!--" + "<a " * 20_000, "</" * 30_000):
+        started = time.perf_counter()
+        [table] = parse_tables("<table><tr><td>" + body)
+        assert time.perf_counter() - started < 1.0, body[:12]
+    assert parse_tables("<table><tr><td>1 < 2 <b>and</b> 3 <4</td><td title='a>b'>x</td></tr></table>") == [
+        HtmlTable(header=[], body=[["1 < 2 and 3 <4", "x"]])]
+    assert parse_tables("<table><tr><td>a <b c <d e</td></tr></table>") == [HtmlTable(header=[], body=[["a <b c <d e"]])]

@@ -107,3 +107,33 @@ def test_a_device_unreadable_at_a_scrape_is_left_out_and_the_scrape_goes_on():
     assert reg.get_sample_value("ocrstream_gpu_utilization_ratio", {"device": "1"}) == 0.6
     nvml.broken.clear()
     assert reg.get_sample_value("ocrstream_gpu_memory_total_bytes", {"device": "0"}) == 10.0
+
+
+def test_a_device_without_utilisation_still_reports_its_memory():
+    """NVML's nvmlDeviceGetUtilizationRates: "On MIG-enabled GPUs, querying device utilization
+    rates is not currently supported" (NVML API reference); memory is still read."""
+    class Mig(FakeNvml):
+        def nvmlDeviceGetUtilizationRates(self, handle):
+            if handle[1] == 0:
+                raise FakeNvml.NVMLError("Not Supported")
+            return super().nvmlDeviceGetUtilizationRates(handle)
+
+    reg = CollectorRegistry()
+    gpu_metrics.watch(reg, Mig([(7, 140, 50), (2, 20, 60)]))
+    v = reg.get_sample_value
+    assert (v("ocrstream_gpu_memory_used_bytes", {"device": "0"}), v("ocrstream_gpu_memory_total_bytes", {"device": "0"}),
+            v("ocrstream_gpu_utilization_ratio", {"device": "0"})) == (7.0, 140.0, None)
+    assert v("ocrstream_gpu_utilization_ratio", {"device": "1"}) == 0.6
+
+
+def test_a_device_nvml_cannot_open_at_start_is_left_out_and_the_others_are_watched():
+    class OneLost(FakeNvml):
+        def nvmlDeviceGetHandleByIndex(self, i):
+            if i == 0:
+                raise FakeNvml.NVMLError("GPU is lost")
+            return super().nvmlDeviceGetHandleByIndex(i)
+
+    reg = CollectorRegistry()
+    assert gpu_metrics.watch(reg, OneLost([(1, 10, 50), (2, 20, 60)])) is not None
+    assert reg.get_sample_value("ocrstream_gpu_memory_used_bytes", {"device": "0"}) is None
+    assert reg.get_sample_value("ocrstream_gpu_memory_used_bytes", {"device": "1"}) == 2.0

@@ -136,3 +136,18 @@ async def test_extract_translate_formula_and_chart_stay_unsupported(engine):
         [out] = await engine.ocr([page], EngineTask(task), 10)
         assert isinstance(out, UnsupportedTask) and out.able == ("vllm", "openai"), out
     assert RapidOcrEngine.tasks == {"ocr", "doc_parse", "table"}
+
+
+def test_text_with_markdown_and_html_characters_reads_as_that_text():
+    """An OCR line is text: a sign or code on the page that looks like HTML or inline Markdown is
+    backslash-escaped (CommonMark), so no renderer reads it as a tag, a link, emphasis or code."""
+    title = [seg(110, 20, 300, 50, "<b>Room</b> #"), seg(310, 20, 480, 50, "*5*")]
+    body = [seg(60, 90, 400, 110, "<script>alert(1)</script> & [pay](javascript:x)"),
+            seg(60, 120, 300, 140, "`rm` a_b_c \\ <table>")]
+    md = markdown([TITLE, TEXT], {0: title, 1: body}, [seg(60, 330, 300, 360, "**** 1234")], {})
+    assert md == ("# \\<b>Room\\</b> # \\*5\\*\n\n"
+                  "\\<script>alert(1)\\</script> \\& \\[pay\\](javascript:x)\n"
+                  "\\`rm\\` a\\_b\\_c \\\\ \\<table>\n\n"
+                  "\\*\\*\\*\\* 1234")
+    # a title's closing # is text too (CommonMark drops a heading's trailing #s)
+    assert markdown([TITLE], {0: [seg(110, 20, 300, 50, "Room #")]}, [], {}) == "# Room \\#"

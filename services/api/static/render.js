@@ -10,9 +10,18 @@
 const TABLE_TAGS = new Set(["table", "thead", "tbody", "tr", "th", "td"]);
 const DROPPED = new Set(["script", "style", "template", "noscript", "iframe", "object", "title", "textarea", "xmp"]);
 const MAX_SPAN = 100;
-// a tag (attribute values may hold ">" inside quotes), a comment, or a run of text
-const TOKEN = /<!--[\s\S]*?(?:-->|$)|<(\/?)([a-zA-Z][a-zA-Z0-9-]*)((?:[^>"']|"[^"]*"|'[^']*')*)>|[^<]+|</g;
+// a tag (attribute values may hold ">" or "<" inside quotes; outside them a "<" ends the try, so a
+// "<" that opens no tag is text and the scan stays linear), a comment, or a run of text
+const TOKEN = /<!--[\s\S]*?(?:-->|$)|<(\/?)([a-zA-Z][a-zA-Z0-9-]*)((?:[^<>"']|"[^"]*"|'[^']*')*)>|[^<]+|</g;
+const FENCE = /^\s*(```|~~~)\s*([\w+-]*)\s*$/;  // a fenced code block's opening line
 const ENTITIES = { amp: "&", lt: "<", gt: ">", quot: "\"", apos: "'", nbsp: "\u00a0" };
+
+/** Whether text[at] is backslash-escaped (an odd run of backslashes before it). */
+function escaped(text, at) {
+  let n = 0;
+  while (at - n - 1 >= 0 && text[at - n - 1] === "\\") n++;
+  return n % 2 === 1;
+}
 
 function el(tag, text) {
   const node = document.createElement(tag);
@@ -31,7 +40,7 @@ function decode(text) {
 
 /** The span attribute `name` from a tag's attribute text, as a number 2..MAX_SPAN, else null. */
 function span(attrs, name) {
-  const m = attrs.match(new RegExp(`(?:^|\\s)${name}\\s*=\\s*["']?\\s*(\\d+)`, "i"));
+  const m = attrs.match(new RegExp(`(?:^|\\s)${name}\\s*=\\s*(?:["']\\s*)?(\\d+)`, "i"));  // one blank run: linear
   const n = m ? Number(m[1]) : 1;
   return n > 1 && n <= MAX_SPAN ? String(n) : null;
 }
@@ -96,14 +105,16 @@ function safeTable(html) {
   return root.firstElementChild;
 }
 
-/** Inline Markdown: **bold** and `code`; the rest as text. */
+/** Inline Markdown: **bold**, `code` and backslash escapes (\* is a plain *: CommonMark's, as the
+ *  CPU engine writes text that looks like Markdown or HTML); the rest as text. */
 function inline(parent, text) {
-  const re = /(\*\*[^*\n]+?\*\*|`[^`\n]+`)/g;
+  const re = /(\\[!-\/:-@[-`{-~]|\*\*[^*\n]+?\*\*|`[^`\n]+`)/g;
   let last = 0;
   for (const m of text.matchAll(re)) {
     if (m.index > last) parent.append(document.createTextNode(text.slice(last, m.index)));
     const token = m[0];
-    parent.append(token.startsWith("**") ? el("strong", token.slice(2, -2)) : el("code", token.slice(1, -1)));
+    if (token[0] === "\\") parent.append(document.createTextNode(token[1]));
+    else parent.append(token.startsWith("**") ? el("strong", token.slice(2, -2)) : el("code", token.slice(1, -1)));
     last = m.index + token.length;
   }
   if (last < text.length) parent.append(document.createTextNode(text.slice(last)));
@@ -139,7 +150,7 @@ function markdownBlocks(parent, text) {
   };
   while (i < lines.length) {
     const line = lines[i];
-    const fence = line.match(/^\s*(```|~~~)\s*([\w+-]*)\s*$/);
+    const fence = line.match(FENCE);
     if (fence) {
       flush();
       const code = [];
@@ -181,15 +192,34 @@ function markdownBlocks(parent, text) {
   flush();
 }
 
+/** [start, end) of each fenced code block of `text` (``` or ~~~, as markdownBlocks reads them;
+ *  an unclosed one runs to the end). */
+function fencedRanges(text) {
+  const ranges = [];
+  let pos = 0;
+  let open = null;  // [fence, start]
+  for (const line of text.split("\n")) {
+    const m = open ? null : line.match(FENCE);
+    if (m) open = [m[1], pos];
+    else if (open && line.trim().startsWith(open[0])) { ranges.push([open[1], pos + line.length]); open = null; }
+    pos += line.length + 1;
+  }
+  if (open) ranges.push([open[1], text.length]);
+  return ranges;
+}
+
 /** [start, end) of each outermost <table>...</table> in `text` (nested tables inside it; an
- *  unclosed one runs to the end). */
+ *  unclosed one runs to the end). A <table> in a fenced code block, or escaped (\<table>: text),
+ *  starts none. */
 function tableSpans(text) {
-  const re = /<(\/?)table\b[^>]*>/gi;
+  const re = /<(\/?)table\b[^<>]*>/gi;  // stops at "<" as TOKEN does: "<table" repeated is linear
+  const fenced = fencedRanges(text);
   const spans = [];
   let depth = 0;
   let start = 0;
   for (const m of text.matchAll(re)) {
     if (!m[1]) {
+      if (depth === 0 && (escaped(text, m.index) || fenced.some(([a, b]) => m.index >= a && m.index < b))) continue;
       if (depth++ === 0) start = m.index;
     } else if (depth > 0 && --depth === 0) {
       spans.push([start, m.index + m[0].length]);

@@ -50,6 +50,7 @@ INSIDE = 0.5
 """A segment belongs to a region when at least this share of its box's area lies inside it."""
 
 _MD_MARK = re.compile(r"^[#>+\-*=|`~]")
+_MD_INLINE = re.compile(r"([\\`*_\[\]<&])")  # CommonMark inline syntax: escapes, code, emphasis, links, HTML, entities
 _MD_NUMBERED = re.compile(r"^(\d{1,9})([.)])(?=\s|$)")  # a CommonMark ordered-list marker
 
 
@@ -110,11 +111,18 @@ def assign(segments: list[Segment], regions: list[Region]) -> tuple[dict[int, li
     return held, loose
 
 
+def _md_text(text: str) -> str:
+    """Text with CommonMark's inline syntax backslash-escaped, so it reads as the text it is:
+    ``\\``, the backtick, ``*``, ``_``, ``[``, ``]``, ``<``, ``&`` (``<script>`` -> ``\\<script>``: a
+    sign on the page that looks like HTML is no tag to any renderer, ``a_b`` no emphasis)."""
+    return _MD_INLINE.sub(r"\\\1", text)
+
+
 def _md_line(text: str) -> str:
-    """One line of text for Markdown with a leading block marker escaped (CommonMark backslash
-    escapes), so it reads as text: ``# 5`` -> ``\\# 5``, ``- 2.00`` -> ``\\- 2.00``, ``1. Tea`` ->
-    ``1\\. Tea``."""
-    text = text.strip()
+    """One line of text for Markdown (:func:`_md_text`) with a leading block marker escaped
+    too (CommonMark backslash escapes), so it reads as text: ``# 5`` -> ``\\# 5``, ``- 2.00`` ->
+    ``\\- 2.00``, ``1. Tea`` -> ``1\\. Tea``."""
+    text = _md_text(text.strip())
     if _MD_MARK.match(text):
         return "\\" + text
     return _MD_NUMBERED.sub(r"\1\\\2", text, count=1)
@@ -154,7 +162,8 @@ def markdown(regions: list[Region], held: dict[int, list[Segment]], loose: list[
         if not lines:
             continue
         if r.label in TITLE_LABELS:
-            blocks.append((r.box[1], r.box[0], "# " + " ".join(t.strip() for t in lines)))
+            title = _md_text(" ".join(t.strip() for t in lines))
+            blocks.append((r.box[1], r.box[0], "# " + (title[:-1] + "\\#" if title.endswith("#") else title)))
         else:
             blocks.append((r.box[1], r.box[0], "\n".join(_md_line(t) for t in lines)))
     blocks.sort(key=lambda b: (b[0], b[1]))
