@@ -106,3 +106,9 @@ def purge_fence_key(gen_id: str) -> str:
     written by ``ocrstream cache purge``. A stored result document of that generation last
     modified before the fence is not recalled from S3 (it is computed again, and overwritten)."""
     return f"fences/{gen_id}.json"
+
+
+def document_object_key(document_id: str) -> str:
+    """S3 key of a document's assembled result (``ocr.document.v1``): ``documents/<document_id>.json``
+    (a request id's characters, ``A-Z a-z 0-9 . _ : -``, are all safe in an S3 key; :mod:`schemas.ids`)."""
+    return f"documents/{document_id}.json"
