@@ -8,8 +8,8 @@ in-process and unbounded, so the stages call them only through the decoder proce
 * :func:`document_plan`: the format, and for a document its page count (a PDF's from the page
   tree, a TIFF's by walking frame headers up to ``max_document_pages + 1``) and every page's size,
   checked against the document limits (``document_too_many_pages``, ``document_too_large``) and
-  each page against ``max_pixels``: nothing is rendered or decoded. Any other image is
-  :func:`~services.common.imaging.page_sizes` as before.
+  each page against ``max_pixels``: nothing is rendered or decoded. Any other image gets the
+  checks of :func:`~services.common.imaging.page_sizes` as before.
 * :func:`render_pages`: pages ``first .. first+count-1`` as PNG bytes, one at a time (a PDF page
   rendered at :data:`~services.common.imaging.PDF_RENDER_DPI` onto white, as the one-request path
   renders it; a TIFF frame in its own mode where PNG holds it, else as RGB). The same page gives
@@ -29,8 +29,8 @@ from PIL import Image, ImageOps
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
 from services.common.imaging import (
-    PDF_RENDER_DPI, ImageInfo, _check_pixels, _next_frame, _open, _pdf_document,
-    _pdf_pixels, flatten, page_sizes,
+    PDF_RENDER_DPI, ImageInfo, _check_pixels, _frame_sizes, _next_frame, _open, _pdf_document,
+    _pdf_pixels, flatten,
 )
 
 DOCUMENT_FORMATS = ("PDF", "TIFF")
@@ -63,9 +63,11 @@ def document_plan(data: bytes | BinaryIO, max_pixels: int, max_pages: int, max_d
     fmt, img, _ = _open(data, max_pixels)
     if img is None:
         return _pdf_plan(data, max_pixels, max_document_pages, max_document_pixels)
-    if fmt != "TIFF":
-        img.close()
-        return page_sizes(data, max_pixels, max_pages)
+    if fmt != "TIFF":  # not a document: the checks of page_sizes, on the image already open
+        with img:
+            w, h = img.size
+            frames = _frame_sizes(img, max_pixels, max_pages)
+        return ImageInfo(fmt, w, h, len(frames)), frames
     with img:
         w, h = img.size
         sizes = [img.size]

@@ -141,9 +141,10 @@ class DocumentAssembler:
         doc, page_count = row
         numbered = await documents.page_requests(self.db, document_id)
         held = await self.db.get_requests([rid for _, rid in numbered])
-        finals = [held[rid] for _, rid in numbered if rid in held]
+        present = [(number, held[rid]) for number, rid in numbered if rid in held]  # all: rows follow requests'
+        finals = [final for _, final in present]
         pages = []
-        for (number, _), final in zip(numbered, finals):
+        for number, final in present:
             lines = final.lines
             if (final.lines_omitted or final.text_truncated) and final.result_uri:  # over the row bound
                 whole = await self.outputs.load(final.result_uri)

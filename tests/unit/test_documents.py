@@ -103,3 +103,15 @@ def test_assembly_in_page_order_with_a_failed_page():
     bad = assemble(doc, 3, pages, finals, 0.2)
     assert bad.status == "error" and bad.error.code is ErrorCode.DOCUMENT_PAGES_FAILED
     assert bad.error.message == "1 of 3 pages failed: 2 (image_too_large)"
+
+
+def test_an_image_that_is_no_document_gets_the_usual_checks():
+    from tests.conftest import text_image
+
+    png = text_image(["ONE"])
+    info, sizes = document_plan(io.BytesIO(png), 10**8, 20, 3000, 10**9)  # a file, as the decoder passes it
+    assert (info.format, info.frames, len(sizes)) == ("PNG", 1, 1)
+    gif = (CASES / "img15_animated.gif").read_bytes()
+    with pytest.raises(OcrError) as e:
+        document_plan(gif, 10**8, 1, 3000, 10**9)
+    assert e.value.code is ErrorCode.TOO_MANY_PAGES
