@@ -8,7 +8,11 @@ and the ratio of the split path to the one-request path (``OCRSTREAM_SPLIT_DOCUM
 with ``OCRSTREAM_LIMITS__MAX_PAGES`` raised to the page count: one infer process reads every
 page under one 300 s limit, as before documents were split).
 
-Usage: python bench/document_bench.py [--pages 200] [--runs split1,split2,whole]
+``--workers W`` sets each infer process's RapidOCR workers (``OCRSTREAM_RAPIDOCR_WORKERS``,
+default 2: one process already keeps 2 cores busy, so on a 2-core machine only ``--workers 1``
+shows what a second consumer adds).
+
+Usage: python bench/document_bench.py [--pages 200] [--runs split1,split2,whole] [--workers 2]
 """
 
 from __future__ import annotations
@@ -47,11 +51,12 @@ def make_pdf(pages: int) -> bytes:
     return buf.getvalue()
 
 
-def run_once(pdf: bytes, pages: int, infer_procs: int, split: bool) -> tuple[float, str, int]:
+def run_once(pdf: bytes, pages: int, infer_procs: int, split: bool, workers: int) -> tuple[float, str, int]:
     """Seconds from submit to the document's completion, its status and its line count."""
     env = {**namespace_env(partitions=4), "OCRSTREAM_SPLIT_DOCUMENTS": "true" if split else "false",
            "OCRSTREAM_LIMITS__MAX_PAGES": str(max(20, pages)), "OCRSTREAM_LIMITS__MAX_IMAGE_BYTES": str(200 << 20),
-           "OCRSTREAM_DECODE__TIMEOUT_S": "600", "OCRSTREAM_LIMITS__INFER_TIMEOUT_S": "3600"}
+           "OCRSTREAM_DECODE__TIMEOUT_S": "600", "OCRSTREAM_LIMITS__INFER_TIMEOUT_S": "3600",
+           "OCRSTREAM_RAPIDOCR_WORKERS": str(workers)}
     with env_applied(env):
         subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
         p = Pipeline(env=env, logdir=Path(tempfile.mkdtemp(prefix="docbench-")))
@@ -74,16 +79,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=200)
     ap.add_argument("--runs", default="split1,split2,whole")
+    ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     pdf = make_pdf(args.pages)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; commit {commit}; "
-          f"PDF: {args.pages} pages, {len(pdf)} bytes")
+          f"PDF: {args.pages} pages, {len(pdf)} bytes; {args.workers} RapidOCR worker(s) per infer process")
     rates: dict[str, float] = {}
     plan = {"split1": (1, True), "split2": (2, True), "whole": (1, False)}
     for name in args.runs.split(","):
         procs, split = plan[name]
-        secs, status, lines = run_once(pdf, args.pages, procs, split)
+        secs, status, lines = run_once(pdf, args.pages, procs, split, args.workers)
         rates[name] = args.pages / secs
         how = f"split, {procs} infer process{'es' if procs > 1 else ''}" if split else "one request (not split), 1 infer"
         print(f"{name}: {how}: {secs:.1f} s, {rates[name]:.2f} pages/s ({status}, {lines} lines)")

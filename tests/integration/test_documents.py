@@ -69,8 +69,8 @@ def doc_pipeline(stack_env, tmp_path_factory):
             p.stop_all()
 
 
-async def submit_and_watch(data: bytes, name: str, timeout: float = 300,
-                           pages: int = 0) -> tuple[str, list[CompletedEvent]]:
+async def submit_and_watch(data: bytes, name: str, timeout: float = 300, pages: int = 0,
+                           request_id: str | None = None) -> tuple[str, list[CompletedEvent]]:
     """Submit one file; every completion on ``ocr.completed`` until its own and those of its first
     ``pages`` pages have come (pages are keyed by their own ids: other partitions, read in any
     order relative to the document's), in arrival order, the document's last."""
@@ -79,7 +79,7 @@ async def submit_and_watch(data: bytes, name: str, timeout: float = 300,
     await watcher.start()
     await submitter.start()
     try:
-        rid = await submitter.submit_bytes(data, filename=name, source="test")
+        rid = await submitter.submit_bytes(data, filename=name, source="test", request_id=request_id)
     finally:
         await submitter.stop()
     seen: list[CompletedEvent] = []
@@ -161,6 +161,11 @@ async def test_forty_page_pdf_is_read_in_order_across_two_infers(doc_pipeline):
     assert (n["n"], int(n["ok"])) == (40, 40)
     [req] = db_rows("SELECT status, line_count FROM requests WHERE request_id = %s", rid)
     assert (req["status"], req["line_count"]) == ("ok", 40)
+    # its progress from the CLI
+    res = subprocess.run([sys.executable, "-m", "services.cli", "status", rid], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines()[0] == f"{rid}: 40/40 pages final (0 failed); ok, {doc.result_uri}"
 
 
 async def test_a_failed_page_leaves_the_document_partial_naming_it(doc_pipeline):
@@ -179,6 +184,21 @@ async def test_a_failed_page_leaves_the_document_partial_naming_it(doc_pipeline)
     assert failed.status == "error" and failed.error.code is ErrorCode.IMAGE_TOO_LARGE
     [req] = db_rows("SELECT status FROM requests WHERE request_id = %s", rid)
     assert req["status"] == "partial"
+
+
+async def test_a_replayed_document_ends_the_same_bytes_once_more(doc_pipeline):
+    pdf = make_pdf([page_image(t) for t in ("DOC PAGE 81", "DOC PAGE 82", "DOC PAGE 83")])
+    rid, first = await submit_and_watch(pdf, "replay.pdf", pages=3, request_id="replayed-document-1")
+    stored = s3_get(f"documents/{rid}.json")
+    # the same submission again (an upstream producer's retry): the split announces the same page
+    # requests, which end as they did; the document's completion comes again, the same bytes
+    _, again = await submit_and_watch(pdf, "replay.pdf", pages=3, request_id=rid)
+    assert again[-1].model_dump_json() == first[-1].model_dump_json()
+    assert first[-1].result.status == "ok" and first[-1].result.text == "DOC PAGE 81\n\nDOC PAGE 82\n\nDOC PAGE 83"
+    assert s3_get(f"documents/{rid}.json") == stored
+    [row] = db_rows("SELECT COUNT(*) AS n FROM document_pages WHERE document_id = %s", rid)
+    assert row["n"] == 3
+    assert [ev.request_id for ev in again].count(rid) == 1
 
 
 @pytest.mark.parametrize("kind", ["pages", "pixels"])

@@ -115,3 +115,12 @@ def test_an_image_that_is_no_document_gets_the_usual_checks():
     with pytest.raises(OcrError) as e:
         document_plan(gif, 10**8, 1, 3000, 10**9)
     assert e.value.code is ErrorCode.TOO_MANY_PAGES
+
+
+def test_progress_line():
+    from services.common.documents import Progress
+
+    assert Progress("doc-7", 40, 12, 1, None, None).line() == (
+        "doc-7: 12/40 pages final (1 failed); assembled when all are final")
+    assert Progress("doc-7", 40, 40, 1, "partial", "s3://b/documents/doc-7.json").line() == (
+        "doc-7: 40/40 pages final (1 failed); partial, s3://b/documents/doc-7.json")
