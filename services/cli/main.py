@@ -219,7 +219,7 @@ def status(request_id: str) -> None:
 
     prog, doc = asyncio.run(_read())
     if prog is not None:
-        err.print(prog.line(), highlight=False, markup=False)
+        err.print(prog.line(), highlight=False, markup=False, soft_wrap=True)
     if doc is None:
         err.print(f"{request_id}: not completed (or unknown)")
         raise typer.Exit(1)
