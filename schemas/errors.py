@@ -45,6 +45,9 @@ class ErrorCode(str, Enum):
     STAGE_CRASH = "stage_crash"
     UNSUPPORTED_TASK = "unsupported_task"
     UNPARSABLE_OUTPUT = "unparsable_output"
+    DOCUMENT_TOO_MANY_PAGES = "document_too_many_pages"
+    DOCUMENT_TOO_LARGE = "document_too_large"
+    DOCUMENT_PAGES_FAILED = "document_pages_failed"
 
 
 class HttpErrorCode(str, Enum):
@@ -139,6 +142,14 @@ _ROWS = (
     ErrorSpec(_E.UNPARSABLE_OUTPUT, None, "The model's answer could not be read as the task's result (e.g. "
               "`extract` answered with prose, not JSON): the raw answer is kept in the result's `raw_output` for "
               "inspection. Not cached, so a later submission is read again."),
+    ErrorSpec(_E.DOCUMENT_TOO_MANY_PAGES, 413, "A PDF or multi-page TIFF declared more pages than "
+              "`OCRSTREAM_LIMITS__MAX_DOCUMENT_PAGES` (counted from its page tree or frame headers, before any "
+              "page was rendered; docs/documents.md)."),
+    ErrorSpec(_E.DOCUMENT_TOO_LARGE, 413, "The pages of a PDF or multi-page TIFF together held more pixels than "
+              "`OCRSTREAM_LIMITS__MAX_DOCUMENT_PIXELS` (read from the headers, before any page was rendered)."),
+    ErrorSpec(_E.DOCUMENT_PAGES_FAILED, None, "A document's share of failed pages was above "
+              "`OCRSTREAM_MAX_PAGE_ERROR_RATE` (or every page failed): the document ends `error`; each page's own "
+              "error is in the document result (docs/documents.md). Below it the document ends `partial`."),
     ErrorSpec(_H.UNAUTHORIZED, 401, "API keys are required (`OCRSTREAM_AUTH_REQUIRED`) and the call carried none, or "
               "a malformed, unknown or revoked one (`X-API-Key` or `Authorization: Bearer`); the answer has "
               "`WWW-Authenticate`."),

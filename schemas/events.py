@@ -62,6 +62,17 @@ RawOutput = Annotated[str | None, Field(
     description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")]
 
 
+# The document fields (docs/documents.md), defined once: on the request and the result document.
+DocumentId = Annotated[str | None, Field(
+    default=None, description="a page of a document (a PDF or multi-page TIFF split at ingest), or the document "
+    "itself: the document's request id; null for a lone image")]
+PageNumber = Annotated[int | None, Field(
+    default=None, ge=1, description="a page of a document: its 1-based page number; null on the document and on a "
+    "lone image")]
+PageCount = Annotated[int | None, Field(
+    default=None, ge=1, description="a document and each of its pages: the document's number of pages")]
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -216,6 +227,9 @@ class RequestEvent(_Frozen):
         default=None, description="id of the API key that submitted the request over HTTP (None: Kafka or no auth)"
     )
     job_id: JobIdField = None
+    document_id: DocumentId = None
+    page_number: PageNumber = None
+    page_count: PageCount = None
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -296,6 +310,11 @@ class ResultEvent(_Frozen):
 class ResultDocument(_Frozen):
     """The final result of one request: in MariaDB, on ``ocr.completed`` and in the CLI's output.
 
+    A document (a PDF or multi-page TIFF split at ingest, ``docs/documents.md``) has one of its
+    own, assembled when every page is final: ``status`` ``ok``, ``partial`` (some pages failed:
+    ``failed_pages``) or ``error``; its lines carry their page number; ``result_uri`` points at
+    the whole assembled result (``ocr.document.v1``) and this document is its bounded summary.
+
     Attributes:
         lines: Text lines in reading order (top-to-bottom, then left-to-right), boxes in pixels
             of the upright page given by ``line.page``.
@@ -315,7 +334,9 @@ class ResultDocument(_Frozen):
 
     schema_: Literal["ocr.result_document.v1"] = Field(default="ocr.result_document.v1", alias="schema")
     request_id: str
-    status: Literal["ok", "error"]
+    status: Literal["ok", "error", "partial"] = Field(
+        description="ok, error, or for a document partial: some pages failed, fewer than "
+                    "OCRSTREAM_MAX_PAGE_ERROR_RATE allows (failed_pages lists them)")
     error: ErrorInfo | None = None
     content_sha256: str | None = None
     cache_key: str | None = None
@@ -361,6 +382,11 @@ class ResultDocument(_Frozen):
         description="true: `text` was cut at its end to keep this document within the database row bound; the "
                     "whole text is in the OCR output at result_uri")
     job_id: JobIdField = None
+    document_id: DocumentId = None
+    page_number: PageNumber = None
+    page_count: PageCount = None
+    failed_pages: list[int] = Field(
+        default_factory=list, description="a document: the 1-based numbers of its pages that ended in error")
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -391,6 +417,71 @@ class OcrOutput(_Frozen):
         default=None, description="SHA-256 of the image this output was copied from (near duplicate), boxes rescaled"
     )
     warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+class DocumentPage(_Frozen):
+    """One page of an assembled document (:class:`DocumentResult`): its own request's outcome.
+
+    Attributes:
+        page_number: 1-based.
+        request_id: The page's own request (``schemas.ids.page_request_id``).
+        status: ``ok`` or ``error``; ``error`` says why.
+        content_sha256: The rendered (PDF) or extracted (TIFF) page's SHA-256: its image is at
+            ``images/<sha[:2]>/<sha>``.
+        result_uri: The page's stored OCR output (``ocr.output.v1``), shared by every copy of it.
+        cache_hit: The page was answered from a cache tier (an identical page computed once).
+        width, height: The page's size in pixels.
+        lines: Its lines, ``page`` set to ``page_number``; text and task output as the page's own result.
+    """
+
+    page_number: int = Field(ge=1)
+    request_id: str
+    status: Literal["ok", "error"]
+    error: ErrorInfo | None = None
+    content_sha256: str | None = None
+    result_uri: str | None = None
+    cache_hit: bool = False
+    width: int | None = None
+    height: int | None = None
+    lines: list[Line] = Field(default_factory=list)
+    text: str = ""
+    markdown: Markdown = None
+    html: Html = None
+    latex: Latex = None
+    fields: Fields = None
+    translation: Translation = None
+    warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
+
+
+class DocumentResult(_Frozen):
+    """A document's whole assembled result, in page order: at ``documents/<document_id>.json`` in S3,
+    written once by the sink when the last page is final (``docs/documents.md``). Its content is
+    taken from the pages' stored final states only (no clock at assembly), so a replay writes the
+    same bytes; the first written is kept.
+
+    Attributes:
+        status: ``ok`` (every page ok), ``partial`` or ``error`` (by ``OCRSTREAM_MAX_PAGE_ERROR_RATE``).
+        text: The pages' texts in page order, separated by a blank line.
+        completed_at_ms: When its last page completed (the latest of the pages' completion times).
+    """
+
+    schema_: Literal["ocr.document.v1"] = Field(default="ocr.document.v1", alias="schema")
+    document_id: str
+    status: Literal["ok", "error", "partial"]
+    error: ErrorInfo | None = None
+    content_sha256: str | None = None
+    filename: str | None = None
+    task: str = "ocr"
+    task_params: TaskParamsField = None
+    page_count: int = Field(ge=1)
+    pages_ok: int = Field(ge=0)
+    failed_pages: list[int] = Field(default_factory=list)
+    text: str = ""
+    pages: list[DocumentPage]
+    submitted_at_ms: int | None = None
+    completed_at_ms: int | None = None
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -484,4 +575,5 @@ ALL_EVENTS: dict[str, type[BaseModel]] = {
     "ocr.settled.v1": SettledEvent,
     "ocr.job.v1": JobEvent,
     "ocr.job_completed.v1": JobCompletedEvent,
+    "ocr.document.v1": DocumentResult,
 }

@@ -13,6 +13,7 @@ rule also admits, so they can be read back through the same routes.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 REQUEST_ID_MAX_LENGTH = 64
@@ -43,3 +44,17 @@ def request_id_problem(value: object) -> str | None:
     shown = ascii(value[:80]) + ("..." if len(value) > 80 else "") if isinstance(value, str) else type(value).__name__
     length = f" ({len(value)} characters)" if isinstance(value, str) and len(value) > REQUEST_ID_MAX_LENGTH else ""
     return f"request_id {shown}{length} is not a valid request id: {REQUEST_ID_RULE}"
+
+
+def page_request_id(document_id: str, page_number: int) -> str:
+    """The request id of page ``page_number`` (1-based) of the document ``document_id``: the same
+    for every replay of the split, so a page is one request however often it is announced.
+
+    ``<document_id>:p<n>`` when that fits :data:`REQUEST_ID_MAX_LENGTH`, else the first 40 hex
+    digits of SHA-256 of the document id followed by ``:p<n>`` (at most 48 characters for the
+    3,000+ pages a document may have). Both follow the request id rule.
+    """
+    own = f"{document_id}:p{page_number}"
+    if len(own) <= REQUEST_ID_MAX_LENGTH:
+        return own
+    return f"{hashlib.sha256(document_id.encode()).hexdigest()[:40]}:p{page_number}"

@@ -135,3 +135,9 @@ def field_index_key(cache_key_: str, family_id: str, field_count: int) -> str:
     """
     gen_id, scope, sha = parse_cache_key(cache_key_)
     return f"{field_index_prefix(sha, family_id, scope)}{field_count}-{gen_id}.json"
+
+
+def document_object_key(document_id: str) -> str:
+    """S3 key of a document's assembled result (``ocr.document.v1``): ``documents/<document_id>.json``
+    (a request id's characters, ``A-Z a-z 0-9 . _ : -``, are all safe in an S3 key; :mod:`schemas.ids`)."""
+    return f"documents/{document_id}.json"

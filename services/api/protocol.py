@@ -17,7 +17,7 @@ from schemas.tasks import TaskError, TaskParams, parse_fields
 from services.api.errors import ApiError
 from services.common.settings import CommonSettings
 
-Status = Literal["pending", "ok", "error"]
+Status = Literal["pending", "ok", "error", "partial"]
 #: Most bytes of a submission's ``metadata`` (keys and values together).
 METADATA_MAX_BYTES = 16_384
 

@@ -246,10 +246,18 @@ def _print_result(res) -> None:
 
 @app.command()
 def status(request_id: str) -> None:
-    """Print the final state of a request from MariaDB (exit 1 if not completed yet)."""
+    """Print the final state of a request from MariaDB (exit 1 if not completed yet). For a
+    document (a split PDF or TIFF), first one line of its progress: pages final of all, failed."""
     from services.common.db import Database
+    from services.common.documents import progress
 
-    doc = asyncio.run(Database(load_settings(CommonSettings).mysql, pool_size=1).get_request(request_id))
+    async def _read():
+        db = Database(load_settings(CommonSettings).mysql, pool_size=1)
+        return await progress(db, request_id), await db.get_request(request_id)
+
+    prog, doc = asyncio.run(_read())
+    if prog is not None:
+        err.print(prog.line(), highlight=False, markup=False, soft_wrap=True)
     if doc is None:
         err.print(f"{request_id}: not completed (or unknown)")
         raise typer.Exit(1)

@@ -34,7 +34,7 @@ class Accepted:
 
 
 async def accept_image(data: bytes, limits: Limits, store: ObjectStore, decoder: DecoderPool,
-                       sha256: str | None = None) -> Accepted:
+                       sha256: str | None = None, info: ImageInfo | None = None) -> Accepted:
     """Check ``data`` (byte limit, format sniffed from the bytes, pixel and page limits read from
     the header; nothing is decoded) and store it under its content hash unless already there.
 
@@ -44,6 +44,8 @@ async def accept_image(data: bytes, limits: Limits, store: ObjectStore, decoder:
         store: Where images are kept.
         decoder: Runs the format check in a decoder process, bounded in time and memory.
         sha256: The hex SHA-256 of ``data`` when the caller hashed it while reading.
+        info: The header check's answer when the caller already ran it (ingest's document check,
+            :meth:`~services.common.decoding.DecoderPool.document_plan`); None: sniffed here.
 
     Raises:
         OcrError: ``input_too_large``, ``empty_input``, ``unsupported_format``, ``corrupt_image``,
@@ -52,7 +54,8 @@ async def accept_image(data: bytes, limits: Limits, store: ObjectStore, decoder:
     """
     if len(data) > limits.max_image_bytes:
         raise OcrError(ErrorCode.INPUT_TOO_LARGE, f"{len(data)} bytes exceeds the limit of {limits.max_image_bytes}")
-    info = await decoder.sniff(data)
+    if info is None:
+        info = await decoder.sniff(data)
     sha = sha256 or await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
     key = image_object_key(sha)
     await store.put_if_absent(key, data, CONTENT_TYPES.get(info.format, "application/octet-stream"))

@@ -19,6 +19,11 @@ Requests (``op``) and answers:
   as planned, or with its sides swapped by the EXIF orientation) (``b``: the colour the
   page's transparency was flattened onto, ``"white"``/``"black"``, or null for an opaque page:
   :func:`~services.common.imaging.iter_flattened`); ``{"done": n}`` after the last one.
+* ``doc_plan`` (fds: input; ``max_document_pages``, ``max_document_pixels``): as ``plan``, a PDF
+  or TIFF checked against the document limits (:func:`~services.common.splitting.document_plan`).
+* ``render`` (fds: input, output; ``first``, ``count``): pages of a PDF or TIFF as PNG
+  (:func:`~services.common.splitting.render_pages`), appended to the output file one after the
+  other, each announced ``{"page": i, "offset": o, "length": n, "size": [w, h]}``; then ``{"done": k}``.
 * any failure: ``{"error": code, "message": text}`` (an :class:`OcrError`'s code;
   ``image_too_complex`` for a ``MemoryError``; ``internal_error`` for anything else).
 
@@ -113,8 +118,27 @@ def _serve(sock: socket.socket, req: dict, fds: list[int]) -> None:
             if n != len(sizes):
                 raise OcrError(ErrorCode.CORRUPT_IMAGE, f"the image decodes to {n} pages, its header said {len(sizes)}")
             _send(sock, {"done": n})
+        elif op in ("doc_plan", "render"):
+            _serve_document(sock, op, req, src, fds, px, pages)
         else:
             raise ValueError(f"unknown op {op!r}")
+
+
+def _serve_document(sock: socket.socket, op: str, req: dict, src, fds: list[int], px: int, pages: int) -> None:
+    from services.common import splitting
+
+    if op == "doc_plan":
+        info, sizes = splitting.document_plan(src, px, pages, int(req["max_document_pages"]),
+                                              int(req["max_document_pixels"]))
+        _send(sock, {"info": [info.format, info.width, info.height, info.frames], "sizes": sizes})
+        return
+    at, n = 0, 0
+    for i, (png, w, h) in enumerate(splitting.render_pages(src, int(req["first"]), int(req["count"]), px)):
+        _pwrite_all(fds[1], memoryview(png), at)
+        _send(sock, {"page": i, "offset": at, "length": len(png), "size": [w, h]})
+        at += len(png)
+        n = i + 1
+    _send(sock, {"done": n})
 
 
 def main() -> int:
@@ -129,7 +153,7 @@ def main() -> int:
     from PIL import Image  # noqa: F401
 
     from schemas.errors import ErrorCode
-    from services.common import imaging  # noqa: F401
+    from services.common import imaging, splitting  # noqa: F401
     from services.common.errors import OcrError
 
     if memory:

@@ -535,6 +535,52 @@ class DecoderPool:
         await self._call(msg, [fd, out], on_step=on_page, timeout_s=self.cfg.timeout_s)
         return tuple(backgrounds), tuple(sizes)
 
+    async def document_plan(self, src: bytes | BinaryIO) -> Plan:
+        """:meth:`plan`, with a PDF or TIFF checked against the document limits
+        (``limits.max_document_pages``, ``limits.max_document_pixels``) instead of ``max_pages`` and
+        the request's pixel total: :func:`services.common.splitting.document_plan`. Nothing is
+        rendered; bounded by ``decode.page_timeout_s``.
+
+        Raises:
+            OcrError: ``document_too_many_pages``, ``document_too_large``, and what :meth:`plan` raises.
+        """
+        fd = _input_fd(src)
+        try:
+            ans = await self._call({"op": "doc_plan", "max_document_pages": self.limits.max_document_pages,
+                                    "max_document_pixels": self.limits.max_document_pixels}, [fd])
+        finally:
+            os.close(fd)
+        return Plan.of(ImageInfo(*ans["info"]), [tuple(s) for s in ans["sizes"]])
+
+    async def render_pages(self, src: bytes | BinaryIO, first: int, count: int) -> list[tuple[bytes, int, int]]:
+        """Pages ``first .. first+count-1`` (0-based) of a PDF or TIFF as PNG bytes
+        (:func:`services.common.splitting.render_pages`), in a decoder process, each page within
+        ``decode.page_timeout_s``, all within ``decode.timeout_s``. The PNGs come back through a
+        ``memfd`` (no pipe copy); the caller holds ``count`` pages at most.
+
+        Returns:
+            ``[(png, width, height), ...]`` in page order (fewer past the last page).
+
+        Raises:
+            OcrError: ``image_too_large``, ``corrupt_image``, ``decode_timeout``, ``image_too_complex``.
+        """
+        out = os.memfd_create("ocrstream-pngs", os.MFD_CLOEXEC)
+        fd = None
+        try:
+            fd = _input_fd(src)
+            spans: list[tuple[int, int, int, int]] = []
+
+            def on_page(ans: dict) -> None:
+                spans.append((int(ans["offset"]), int(ans["length"]), *map(int, ans["size"])))
+
+            await self._call({"op": "render", "first": first, "count": count}, [fd, out], on_step=on_page,
+                             timeout_s=self.cfg.timeout_s)
+            return [(os.pread(out, n, off), w, h) for off, n, w, h in spans]
+        finally:
+            os.close(out)
+            if fd is not None:
+                os.close(fd)
+
     async def decode_all(self, src: bytes | BinaryIO) -> DecodedPages:
         """:meth:`plan` then :meth:`decode`, taking no budget (callers that hold one image at a
         time: the near-duplicate check)."""

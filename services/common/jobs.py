@@ -47,8 +47,8 @@ REPORT_SQL = ("SELECT request_id, filename, status, error_code, pages, line_coun
 
 def is_page(doc: ResultDocument) -> bool:
     """Whether ``doc`` is one page of a document (``page_number`` set): jobs count documents, not
-    pages. Read with ``getattr``: the field comes with documents (``docs/jobs.md``)."""
-    return getattr(doc, "page_number", None) is not None
+    pages (``docs/jobs.md``)."""
+    return doc.page_number is not None
 
 
 def request_row(doc: ResultDocument) -> tuple:
@@ -59,7 +59,7 @@ def request_row(doc: ResultDocument) -> tuple:
     confidences (None without lines, e.g. an error or a row whose lines were left out).
     """
     conf = [ln.confidence for ln in doc.lines]
-    pages = getattr(doc, "page_count", None) or len(doc.pages) or 1
+    pages = doc.page_count or len(doc.pages) or 1
     return (
         doc.job_id, doc.request_id, doc.status, doc.error.code.value if doc.error else None, int(doc.cache_hit),
         pages, len(doc.lines) + doc.lines_omitted, len(doc.text), sum(conf) / len(conf) if conf else None,

@@ -161,7 +161,8 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
     - ``timings_ms``: the request's timings, then ``timings_ms``, then ``total``:
       ``total_ms``, or by default ``completed_at_ms - req.submitted_at_ms`` (never negative);
     - the request's identity and the submitter's fields (``task``, ``source``, ``filename``,
-      ``callback_url``, ``api_key_id``, ``metadata``, ``submitted_at_ms``, ``task_params``, ``job_id``) are ``req``'s.
+      ``callback_url``, ``api_key_id``, ``metadata``, ``submitted_at_ms``, ``task_params``, ``job_id``, and a
+      page's ``document_id``/``page_number``/``page_count``) are ``req``'s.
 
     Args:
         req: The request completed: ``ev.request``, or a waiter answered with its holder's ``ev``.
@@ -213,5 +214,8 @@ def result_document(req: RequestEvent, ev: ResultEvent, output: OcrOutput | None
         api_key_id=req.api_key_id,
         metadata=req.metadata,
         job_id=req.job_id,
+        document_id=req.document_id,
+        page_number=req.page_number,
+        page_count=req.page_count,
         **outputs,
     )

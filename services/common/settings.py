@@ -256,7 +256,14 @@ class Limits(BaseModel):
 
     max_image_bytes: int = Field(default=50 * 1024 * 1024, ge=1, description="bytes per upload (ingest)")
     max_pixels: int = Field(default=100_000_000, ge=1, description="width x height per page, from the header")
-    max_pages: int = Field(default=20, ge=1, description="pages/frames per multi-page input")
+    max_pages: int = Field(default=20, ge=1, description="pages/frames per multi-page input read as one request "
+                           "(GIF, WebP, APNG; a PDF or TIFF when documents are not split)")
+    max_document_pages: int = Field(
+        default=3000, ge=1, description="pages of a PDF or multi-page TIFF split into pages at ingest (Textract's "
+        "3,000), counted before any page is rendered: document_too_many_pages")
+    max_document_pixels: int = Field(
+        default=12_000_000_000, ge=1, description="pixels of all pages of such a document together (3,000 A4 pages "
+        "at 200 dpi), read from the headers before any page is rendered: document_too_large")
     infer_timeout_s: float = Field(default=300.0, gt=0, description="seconds of inference per request (image), all its pages and tiles together")
     inline_max_bytes: int = Field(default=700 * 1024, ge=0, description="largest image sent inline on ocr.submit")
 

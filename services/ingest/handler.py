@@ -14,7 +14,7 @@ from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
 from schemas.ids import is_request_id, request_id_problem
 from schemas.tasks import TaskError
-from services.common import claims
+from services.common import claims, documents
 from services.common.claims import RequestClaim
 from services.common.db import Database
 from services.common.decoding import DecoderPool
@@ -26,6 +26,7 @@ from services.common.s3 import ObjectStore, reference_problem
 from services.common.telemetry import Telemetry
 from services.common.accept import accept_image
 from services.ingest.settings import IngestSettings
+from services.ingest.split import is_document, split_pages
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,11 @@ class IngestHandler(Handler):
     (:func:`~services.common.events.derived_request_id`), the message naming the id it asked for.
     So a submission can never end, or take the result of, another request. A submission refused
     before its image was read claims its id without content (it has its final state under it).
+
+    A document (a PDF or TIFF of more than one page; ``split_documents``) is checked against the
+    document limits before any page is rendered, stored as it is, then split: each page rendered
+    and stored under its own hash, the document registered in MariaDB, and one request per page
+    on ``ocr.requests`` (:mod:`services.ingest.split`, ``docs/documents.md``).
     """
 
     def __init__(self, settings: IngestSettings, store: ObjectStore, telemetry: Telemetry,
@@ -106,7 +112,7 @@ class IngestHandler(Handler):
             return [Outgoing(self.s.topics.results, request.request_id, dumps(result), headers)]
 
         try:
-            req = await self._accept(event, base)
+            req, data = await self._accept(event, base)
         except OcrError as err:
             owned, note = await self._own_or_derived(base, chosen, record)
             if err.code == ErrorCode.MISSING_OBJECT and not note:
@@ -121,11 +127,34 @@ class IngestHandler(Handler):
                 return failed(base.model_copy(update={"request_id": derived}), ErrorCode.REQUEST_ID_CONFLICT,
                               f"{outcome.reason}: this submission ends under its derived request id {derived}; "
                               "choose another request_id")
+        if self.s.split_documents and is_document(req):
+            try:
+                return await self._split(record, req, data, queued, started)
+            except OcrError as err:
+                return failed(req, err.code, err.message)
         timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
         req = req.model_copy(update={"timings_ms": timings, "accepted_at_ms": now_ms()})
         log.info("ingest: %s[%d]@%d request %s accepted (%s, %d bytes)", record.topic, record.partition,
                  record.offset, rid, req.format, req.size_bytes)
         return [Outgoing(self.s.topics.requests, req.content_sha256, dumps(req), headers)]
+
+    async def _split(self, record: Record[SubmitEvent], doc: RequestEvent, data: bytes, queued: float,
+                     started: float) -> list[Outgoing]:
+        """A document: its pages rendered and stored (:func:`~services.ingest.split.split_pages`),
+        its row registered in MariaDB, then one request per page on ``ocr.requests``, each keyed
+        by its page's hash (docs/documents.md)."""
+        doc = doc.model_copy(update={"document_id": doc.request_id, "page_count": doc.frames})
+        pages = await split_pages(doc, data, self.decoder, self.store, self.s.split_batch_pages)
+        timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
+        accepted = now_ms()
+        doc = doc.model_copy(update={"timings_ms": timings, "accepted_at_ms": accepted})
+        await documents.register(self.db, doc, len(pages), accepted)  # before any page can complete
+        log.info("ingest: %s[%d]@%d document %s accepted (%s, %d bytes, %d pages)", record.topic, record.partition,
+                 record.offset, doc.request_id, doc.format, doc.size_bytes, len(pages))
+        headers = record.trace_headers()
+        return [Outgoing(self.s.topics.requests, p.content_sha256,
+                         dumps(p.model_copy(update={"timings_ms": timings, "accepted_at_ms": accepted})), headers)
+                for p in pages]
 
     async def _own_or_derived(self, base: RequestEvent, chosen: str | None,
                               record: Record) -> tuple[RequestEvent, str]:
@@ -146,7 +175,16 @@ class IngestHandler(Handler):
         return (base.model_copy(update={"request_id": derived}),
                 f"{outcome.reason}: this submission ends under its derived request id {derived}; ")
 
-    async def _accept(self, event: SubmitEvent, base: RequestEvent) -> RequestEvent:
+    async def _accept(self, event: SubmitEvent, base: RequestEvent) -> tuple[RequestEvent, bytes]:
+        """The checked request of ``event`` and its image bytes (a document is split from them).
+
+        With ``split_documents`` a PDF or TIFF is checked against the document limits
+        (:meth:`~services.common.decoding.DecoderPool.document_plan`: page count and total pixels
+        before any page is rendered); other images as before.
+
+        Raises:
+            OcrError: the input's error (refused with its code).
+        """
         try:  # the task and its parameters, before the image is read (docs/tasks.md)
             params = self.s.check_task(event.task, event.task_params)
         except TaskError as exc:
@@ -161,14 +199,17 @@ class IngestHandler(Handler):
             if (outside := reference_problem(event.image_uri, self.allowed)) is not None:
                 raise OcrError(ErrorCode.IMAGE_URI_NOT_ALLOWED, outside)  # before any S3 call
             data = await self.store.get_uri(event.image_uri, max_bytes=limits.max_image_bytes)
-        acc = await accept_image(data, limits, self.store, self.decoder)
+        info = None
+        if self.s.split_documents and len(data) <= limits.max_image_bytes:
+            info = (await self.decoder.document_plan(data)).info
+        acc = await accept_image(data, limits, self.store, self.decoder, info=info)
         return base.model_copy(
             update={
                 "content_sha256": acc.content_sha256, "image_uri": acc.image_uri, "size_bytes": acc.size_bytes,
                 "format": acc.info.format, "width": acc.info.width, "height": acc.info.height,
                 "frames": acc.info.frames, "task_params": params,
             }
-        )
+        ), data
 
     async def close(self) -> None:
         """Stop the decoder processes."""

@@ -14,6 +14,12 @@ class IngestSettings(CommonSettings):
         default=0, ge=0,
         description="longest wait for a batch to fill, ms; 0 = take what has arrived (a backlog still makes full batches)")
     ingest_concurrency: int = Field(default=8, ge=1, description="submissions processed concurrently")
+    split_documents: bool = Field(
+        default=True, description="split a PDF or multi-page TIFF into one request per page (docs/documents.md); "
+        "false: one request for all its pages, as before (at most limits.max_pages)")
+    split_batch_pages: int = Field(
+        default=4, ge=1, description="pages rendered per decoder call while splitting: the most rendered pages "
+        "ingest holds at once per document")
     s3_allowed_prefixes: list[str] | None = Field(
         default=None,
         description="where a submission's s3:// image_uri may point: JSON list of \"bucket/prefix\" entries, each a "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import orjson
 from pydantic import BaseModel
 
 from schemas.errors import ErrorCode
@@ -21,15 +20,6 @@ from services.common.s3 import ObjectStore
 from services.jobs.settings import JobsSettings
 
 log = logging.getLogger(__name__)
-
-
-def _raw_page(raw: bytes | None) -> bool:
-    """Whether a completion's bytes name a ``result.page_number`` (a page of a document), read from
-    the JSON itself: a model without that field (before documents) drops it when decoding."""
-    if not raw or b'"page_number"' not in raw:
-        return False
-    result = orjson.loads(raw).get("result")
-    return isinstance(result, dict) and result.get("page_number") is not None
 
 
 class JobsHandler(Handler):
@@ -84,7 +74,7 @@ class JobsHandler(Handler):
                     events.append(rec.value)
                 elif isinstance(rec.value, CompletedEvent):
                     doc = rec.value.result
-                    if doc.job_id is not None and not is_page(doc) and not _raw_page(rec.raw):
+                    if doc.job_id is not None and not is_page(doc):
                         docs.append(doc)
         touched = sorted({e.job_id for e in events} | {d.job_id for d in docs})
         if not touched:

@@ -24,6 +24,7 @@ from services.common.outputs import OutputLru
 from services.common.results import document_output, ocr_output, result_document
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Span, Telemetry
+from services.sink.documents import DocumentAssembler
 from services.sink.settings import SinkSettings
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ class SinkHandler(Handler):
        never a cache hit) an ``ocr.settled`` event keyed like the request, from which dedup
        completes the copies waiting on the key (:mod:`services.dedup.state`). The runner produces
        them only after 1 and 2 are durable, and commits only after Kafka acknowledged them.
+    4. a page of a document: its final state recorded in ``document_pages``; when it is the page
+       that makes every page final, the document is assembled (:mod:`services.sink.documents`),
+       its own final state inserted like any request's and its completion emitted after the page's.
 
     A cache hit reads the stored document (through an in-memory LRU). A hit from the S3 tier warms
     Redis again; a hit whose document is gone (a purged bucket) ends with ``missing_object``, its
@@ -59,6 +63,7 @@ class SinkHandler(Handler):
         self.cache = cache
         self.telemetry = telemetry
         self._outputs = OutputLru(store, settings.output_lru_entries, settings.output_lru_bytes)
+        self.documents = DocumentAssembler(db, store, self._outputs, settings.max_page_error_rate)
         self._spans: dict[str, Span] = {}  # request id -> its span in this batch
         self._settle: list[Outgoing] = []  # settlements of this batch
 
@@ -93,12 +98,14 @@ class SinkHandler(Handler):
             # a replayed result re-emits the first final state, so a duplicated completion carries
             # the same request id and the same content.
             stored = await self.db.write_requests(docs)
-        emitted: set[str] = set()
-        for doc in docs:
-            if doc.request_id in emitted:
-                continue
-            emitted.add(doc.request_id)
-            final = stored[doc.request_id]
+            finals = [stored[rid] for rid in dict.fromkeys(d.request_id for d in docs)]
+            # pages of documents: recorded, and the documents they complete assembled (services/sink/documents.py)
+            assembled = [a for did in await self.documents.completed_documents(finals)
+                         if (a := await self.documents.assemble(did)) is not None]
+            if assembled:
+                held = await self.db.write_requests(assembled)
+                finals.extend(held[a.request_id] for a in assembled)
+        for final in finals:
             ev = CompletedEvent(event_id=completion_event_id(final.request_id), request_id=final.request_id, result=final)
             headers = self.telemetry.inject([], span=self._spans.get(final.request_id))
             out.append(Outgoing(self.s.topics.completed, final.request_id, dumps(ev), headers))

@@ -30,6 +30,12 @@ class SinkSettings(CommonSettings):
         description="bound on their JSON size, bytes (in memory ~8x: services/common/outputs.py); 0 = entries only",
     )
 
+    max_page_error_rate: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="a document whose failed pages / pages is above this ends error (document_pages_failed); "
+                    "at or below it, with a failed page, partial; 0 = no rate: any failed page makes it partial "
+                    "(every page failed: error). docs/documents.md")
+
     @field_validator("cache_ttl_by_task")
     @classmethod
     def _ttl_tasks_listed(cls, ttls: dict[str, int], info: ValidationInfo) -> dict[str, int]:

@@ -159,12 +159,6 @@ class MemoryJobs:
             self.sent.append(j)
 
 
-class PageDoc(ResultDocument):
-    """A result as the documents branch makes one for a page (``page_number`` set)."""
-
-    page_number: int | None = None
-
-
 async def _report(db, store, job):
     return JobSummary(requests=0, by_status={}, by_error_code={}, latency_ms={}, engine_ms=0.0, cache_hit_rate=0.0,
                       pages=0, lines=0, chars=0), {"csv": f"s3://b/reports/{job.job_id}/report.csv"}
@@ -205,14 +199,13 @@ def test_the_handler_counts_each_request_once_and_sends_one_completion_only_when
 
 
 def test_a_page_of_a_document_is_not_a_request_of_its_job_and_a_bad_event_goes_to_the_dlq_at_once():
-    page = PageDoc(request_id="p1", status="ok", job_id="j1", page_number=3)
+    page = ResultDocument(request_id="p1", status="ok", job_id="j1", document_id="d1", page_number=3, page_count=4)
     assert is_page(page) and not is_page(ResultDocument(request_id="d1", status="ok"))
     mem = MemoryJobs()
     h = JobsHandler(JS, store=None, db=None, jobs=mem, report=_report)
-    ev = orjson.loads(dumps(CompletedEvent(event_id="p1", request_id="p1", result=page)))
-    raw = orjson.dumps({**ev, "result": {**ev["result"], "page_number": 3}})  # as the documents branch writes it
+    raw = dumps(CompletedEvent(event_id="p1", request_id="p1", result=page))
     assert asyncio.run(h.handle(_records([(JS.topics.completed, raw)]))) == []
-    assert mem.requests == {} and mem.rows == {}  # not counted, even where the model drops page_number
+    assert mem.requests == {} and mem.rows == {}  # not counted
     [bad] = _records([(JS.topics.jobs, b'{"schema": "ocr.job.v1", "action": "close", "job_id": "j1"}')])
     out = asyncio.run(h.undecodable(bad, bad.error))
     assert [m.topic for m in out] == [JS.topics.dlq]

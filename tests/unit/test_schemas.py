@@ -90,6 +90,7 @@ def test_error_codes_are_the_documented_list():
         "request_id_conflict", "image_uri_not_allowed",
         "stage_crash",
         "unsupported_task", "unparsable_output",
+        "document_too_many_pages", "document_too_large", "document_pages_failed",
     ]
 
 

@@ -1,0 +1,184 @@
+"""Documents split into pages: the page count and pixel checks before any render, then one page at a time.
+
+A *document* is a PDF or a multi-page TIFF (``docs/documents.md``). Ingest splits it into one
+request per page. These functions do the pixel work; like :mod:`services.common.imaging` they run
+in-process and unbounded, so the stages call them only through the decoder processes
+(:class:`services.common.decoding.DecoderPool`, ops ``doc_plan`` and ``render``).
+
+* :func:`document_plan`: the format, and for a document its page count (a PDF's from the page
+  tree, a TIFF's by walking frame headers up to ``max_document_pages + 1``) and every page's size,
+  checked against the document limits (``document_too_many_pages``, ``document_too_large``) and
+  each page against ``max_pixels``: nothing is rendered or decoded. Any other image gets the
+  checks of :func:`~services.common.imaging.page_sizes` as before.
+* :func:`render_pages`: pages ``first .. first+count-1`` as PNG bytes, one at a time (a PDF page
+  rendered at :data:`~services.common.imaging.PDF_RENDER_DPI` onto white, as the one-request path
+  renders it; a TIFF frame in its own mode where PNG holds it, else as RGB). The same page gives
+  the same bytes every time (PNG written by Pillow with fixed options), so a replay of the split
+  stores nothing new and identical pages share one content hash.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import BinaryIO
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from schemas.errors import ErrorCode
+from services.common.errors import OcrError
+from services.common.imaging import (
+    PDF_RENDER_DPI, ImageInfo, _check_pixels, _frame_sizes, _next_frame, _open, _pdf_document,
+    _pdf_pixels, flatten,
+)
+
+DOCUMENT_FORMATS = ("PDF", "TIFF")
+"""The formats split into pages when they hold more than one."""
+_PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "I;16")
+"""Modes Pillow writes to PNG as they are (a TIFF page keeps its mode, so infer flattens its
+transparency as it would have in the TIFF); any other mode is written as RGB."""
+PNG_COMPRESS_LEVEL = 1
+"""zlib level of the page PNGs: fast to write, a few percent larger than level 6."""
+
+
+def document_plan(data: bytes | BinaryIO, max_pixels: int, max_pages: int, max_document_pages: int,
+                  max_document_pixels: int) -> tuple[ImageInfo, list[tuple[int, int]]]:
+    """The header check of an input that may be a document, nothing rendered.
+
+    Args:
+        data: The bytes, or a seekable file holding them.
+        max_pixels: Largest width x height of one page.
+        max_pages: Most frames of an input that is not a document (GIF, WebP, ...).
+        max_document_pages: Most pages of a PDF or TIFF.
+        max_document_pixels: Most pixels of all pages of a PDF or TIFF together.
+
+    Returns:
+        ``(info, sizes)``: ``sizes`` every page's ``(width, height)`` (a PDF's at the render DPI).
+
+    Raises:
+        OcrError: ``document_too_many_pages``, ``document_too_large``, ``image_too_large`` (one
+            page), ``corrupt_image``, and for other images what :func:`~services.common.imaging.page_sizes` raises.
+    """
+    fmt, img, _ = _open(data, max_pixels)
+    if img is None:
+        return _pdf_plan(data, max_pixels, max_document_pages, max_document_pixels)
+    if fmt != "TIFF":  # not a document: the checks of page_sizes, on the image already open
+        with img:
+            w, h = img.size
+            frames = _frame_sizes(img, max_pixels, max_pages)
+        return ImageInfo(fmt, w, h, len(frames)), frames
+    with img:
+        w, h = img.size
+        sizes = [img.size]
+        try:
+            while True:
+                try:
+                    _next_frame(img)
+                except EOFError:
+                    break
+                if len(sizes) == max_document_pages:
+                    raise OcrError(ErrorCode.DOCUMENT_TOO_MANY_PAGES,
+                                   f"TIFF has more than {max_document_pages} pages, limit {max_document_pages}")
+                sizes.append(img.size)
+        except (OcrError, MemoryError):
+            raise
+        except Exception as exc:  # a later page's header is damaged
+            raise OcrError(ErrorCode.CORRUPT_IMAGE, f"a later page's header cannot be read: {exc}") from exc
+    _check_document(sizes, max_pixels, max_document_pixels)
+    return ImageInfo(fmt, w, h, len(sizes)), sizes
+
+
+def _pdf_plan(data: bytes | BinaryIO, max_pixels: int, max_document_pages: int,
+              max_document_pixels: int) -> tuple[ImageInfo, list[tuple[int, int]]]:
+    """A PDF's page count from its page tree, then every page's size (no page loaded or rendered)."""
+    doc = _pdf_document(data)
+    try:
+        n = len(doc)
+        if n == 0:
+            raise OcrError(ErrorCode.CORRUPT_IMAGE, "PDF has no pages")
+        if n > max_document_pages:
+            raise OcrError(ErrorCode.DOCUMENT_TOO_MANY_PAGES, f"PDF has {n} pages, limit {max_document_pages}")
+        sizes = []
+        for i in range(n):
+            try:
+                sizes.append(_pdf_pixels(*doc.get_page_size(i)))
+            except Exception as exc:  # pdfium: the page tree names a page it cannot find
+                raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF page {i + 1} could not be read: {exc}") from exc
+    finally:
+        doc.close()
+    _check_document(sizes, max_pixels, max_document_pixels)
+    return ImageInfo("PDF", *sizes[0], n), sizes
+
+
+def _check_document(sizes: list[tuple[int, int]], max_pixels: int, max_document_pixels: int) -> None:
+    total = 0
+    for w, h in sizes:
+        _check_pixels(w, h, max_pixels)
+        total += w * h
+    if total > max_document_pixels:
+        raise OcrError(ErrorCode.DOCUMENT_TOO_LARGE,
+                       f"the {len(sizes)} pages hold {total} pixels, limit {max_document_pixels}")
+
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    return buf.getvalue()
+
+
+def render_pages(data: bytes | BinaryIO, first: int, count: int, max_pixels: int) -> Iterator[tuple[bytes, int, int]]:
+    """Pages ``first`` to ``first + count - 1`` (0-based) of a PDF or TIFF as PNG bytes, one at a time.
+
+    Yields:
+        ``(png, width, height)`` per page, in order (fewer past the last page).
+
+    Raises:
+        OcrError: ``image_too_large`` (a page over ``max_pixels``, checked before it is rendered),
+            ``corrupt_image`` (damaged data), ``unsupported_format`` (not a PDF or TIFF).
+    """
+    _, opened, _ = _open(data, max_pixels)
+    if opened is None:
+        yield from _render_pdf_pages(data, first, count, max_pixels)
+        return
+    try:
+        with opened as img:
+            if img.format != "TIFF":
+                raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, f"{img.format} is not split into pages")
+            for i in range(first, first + count):
+                try:
+                    img.seek(i)
+                except EOFError:
+                    return
+                _check_pixels(*img.size, max_pixels)
+                img.load()
+                page = ImageOps.exif_transpose(img) if i == 0 else img
+                if page.mode not in _PNG_MODES:
+                    page = flatten(page)[0]
+                png = _png(page)
+                yield png, page.size[0], page.size[1]
+    except (OcrError, MemoryError):
+        raise
+    except Exception as exc:
+        raise OcrError(ErrorCode.CORRUPT_IMAGE, f"TIFF page data could not be decoded: {exc}") from exc
+
+
+def _render_pdf_pages(data: bytes | BinaryIO, first: int, count: int,
+                      max_pixels: int) -> Iterator[tuple[bytes, int, int]]:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        data.seek(0)
+    doc = _pdf_document(data)
+    try:
+        for i in range(first, min(first + count, len(doc))):
+            page = doc[i]
+            try:
+                w, h = _pdf_pixels(*page.get_size())
+                _check_pixels(w, h, max_pixels)
+                bitmap = page.render(scale=PDF_RENDER_DPI / 72, fill_color=(255, 255, 255, 255), rev_byteorder=True)
+                arr = bitmap.to_numpy()
+                rgb = np.ascontiguousarray(arr[:, :, :3])
+            finally:
+                page.close()
+            yield _png(Image.fromarray(rgb, "RGB")), rgb.shape[1], rgb.shape[0]
+    finally:
+        doc.close()
