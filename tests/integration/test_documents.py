@@ -7,6 +7,7 @@ import io
 import subprocess
 import sys
 import urllib.request
+import uuid
 
 import boto3
 import pytest
@@ -188,7 +189,8 @@ async def test_a_failed_page_leaves_the_document_partial_naming_it(doc_pipeline)
 
 async def test_a_replayed_document_ends_the_same_bytes_once_more(doc_pipeline):
     pdf = make_pdf([page_image(t) for t in ("DOC PAGE 81", "DOC PAGE 82", "DOC PAGE 83")])
-    rid, first = await submit_and_watch(pdf, "replay.pdf", pages=3, request_id="replayed-document-1")
+    rid, first = await submit_and_watch(pdf, "replay.pdf", pages=3,
+                                        request_id=f"replayed-document-{uuid.uuid4().hex[:8]}")
     stored = s3_get(f"documents/{rid}.json")
     # the same submission again (an upstream producer's retry): the split announces the same page
     # requests, which end as they did; the document's completion comes again, the same bytes

@@ -192,6 +192,35 @@ async def test_sigkill_of_the_jobs_stage_mid_job_keeps_counts_exact(pipeline, jo
     assert db_rows("SELECT COUNT(*) AS n FROM job_requests WHERE job_id = %s", job_id) == [{"n": n}]
 
 
+async def test_a_document_in_a_job_counts_once_with_its_pages(pipeline, jobs_stage):
+    """A 3-page PDF and an image as one job of 2: the PDF is split into 3 page requests, but the
+    job counts the document (its completion), never its pages; ``pages`` adds up to 3 + 1."""
+    from tests.integration.test_documents import make_pdf, page_image
+
+    s = CommonSettings()
+    job_id, tag = f"doc-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex[:6]
+    pdf = make_pdf([page_image(f"JOBDOC {tag} P{n}") for n in (1, 2, 3)])
+    store = JobStore(Database(s.mysql, pool_size=1))
+    sub = Submitter(s)
+    await sub.start()
+    try:
+        await sub.job_event(JobEvent(action="create", job_id=job_id))
+        ids = await sub.submit_many([(pdf, "contract.pdf"), (text_image([f"JOBDOC {tag} IMG"]), "photo.png")],
+                                    source="test", job_id=job_id)
+        await sub.job_event(JobEvent(action="close", job_id=job_id, expected=2))
+        await _wait_final(store, job_id, 2, [])
+    finally:
+        await sub.stop()
+    [raw] = await _job_completions(job_id)
+    prog = loads(JobCompletedEvent, raw).progress
+    assert (prog.state, prog.done, prog.ok, prog.failed, prog.pages) == ("completed", 2, 2, 0, 4)
+    rows = db_rows("SELECT request_id, pages FROM job_requests WHERE job_id = %s ORDER BY pages", job_id)
+    assert rows == [{"request_id": ids[1], "pages": 1}, {"request_id": ids[0], "pages": 3}]
+    [doc] = db_rows("SELECT document_json FROM requests WHERE request_id = %s", ids[0])
+    assert ResultDocument.model_validate_json(doc["document_json"]).text.split("\n") == [
+        f"JOBDOC {tag} P1", "", f"JOBDOC {tag} P2", "", f"JOBDOC {tag} P3"]
+
+
 def test_a_job_over_http_from_create_to_report(api, jobs_stage):
     """Create, submit with job_id (one image the door answers from the cache, one new, one
     refused at the door and so not counted), close with the accepted count; then progress, the
