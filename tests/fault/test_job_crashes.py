@@ -22,7 +22,7 @@ from tests.stack import JOBS, STAGES, db_rows
 N = 40  # 23 unique images, 12 repeats, 5 bad inputs (60 took 171 s on the loaded 2-core VM: 3 s an image)
 REPEATS = round(N * 0.3)
 #: Each stage is SIGKILLed once, in this order, at the first progress read with this many final
-#: requests (its restart finished before the next kill).
+#: requests (its restart finished before the next kill); the k-th count (k = 5..1 kills to go) < N - (k + 1) CHUNK.
 KILL_AT = dict(zip((*STAGES, JOBS), (4, 10, 16, 22, 30)))
 WINDOW, CHUNK = 12, 4  # requests submitted ahead of the final count, submitted this many at a time
 
@@ -50,15 +50,25 @@ async def test_sigkill_of_each_stage_mid_job_keeps_counts_exact_and_completes_on
     restart: asyncio.Task | None = None
 
     async def feed_and_kill(prog: JobProgress) -> None:
-        """Keep WINDOW requests ahead of the final count; SIGKILL the next stage once its count is reached."""
+        """Keep up to WINDOW requests ahead of the final count; SIGKILL the next stage once its
+        count is reached, just after submitting one more CHUNK (records for it to hold). Until
+        the last restart is done at most WINDOW past the next kill's count are submitted and the
+        last CHUNK requests (one more per kill to go) are held back, so on any machine every kill
+        lands while the job runs."""
         nonlocal restart
-        while len(ids) < N and prog.done >= len(ids) - WINDOW:
-            ids.extend(await sub.submit_many(items[len(ids):len(ids) + CHUNK], source="test", job_id=job_id))
         if restart is not None and restart.done():
             restart.result()  # a restart that failed fails the test here
             restart = None
+        limit = N if not kills and restart is None else min(N - CHUNK * (1 + len(kills)),
+                                                               (kills[0][1] if kills else N) + WINDOW)
+        while len(ids) < limit and prog.done >= len(ids) - WINDOW:
+            ids.extend(await sub.submit_many(items[len(ids):min(limit, len(ids) + CHUNK)], source="test",
+                                             job_id=job_id))
         if restart is None and kills and prog.done >= kills[0][1]:
             name, _ = kills.pop(0)
+            burst = items[len(ids):min(N - CHUNK * (1 + len(kills)), len(ids) + CHUNK)]
+            if burst:  # records for it to hold, however fast the pipeline drained
+                ids.extend(await sub.submit_many(burst, source="test", job_id=job_id))
             [st] = [x for x in p.stages[name] if x.proc.poll() is None]
             p.stop(st, sig=signal.SIGKILL)
             killed.append((name, prog.done, len(ids), round(time.monotonic() - started, 1)))
