@@ -14,30 +14,22 @@ import uuid
 
 import httpx
 import pytest
-from aiokafka import TopicPartition
 
-from schemas.errors import ErrorCode
 from schemas.events import CompletedEvent, ResultDocument
-from schemas.jobs import JobCompletedEvent, JobEvent, job_completion_event_id
+from schemas.jobs import JobCompletedEvent, JobEvent, JobProgress, job_completion_event_id
 from services.cli.client import Submitter
 from services.common.db import Database
 from services.common.events import completion_event_id, dumps, loads
 from services.common.jobs import JobStore
-from services.common.kafka import make_consumer, make_producer
+from services.common.kafka import make_producer
 from services.common.settings import CommonSettings
-from tests.conftest import CASES, text_image
+from tests.conftest import text_image
 from tests.integration.test_web_page import browser  # noqa: F401 - the headless Chromium fixture
+from tests.jobs import BAD, BAD_CODES, job_completions, job_items, wait_final
 from tests.stack import JOBS, REPO, db_rows
 
 N = 100  # images per job: 65 unique, 30 repeats (30%), 5 bad inputs (200 took 6 min on a loaded 2-core VM)
 TAG = uuid.uuid4().hex[:6]  # this session's images: the kill test's are the first test's (cache hits)
-BAD = [  # (bytes, name, the code it ends with)
-    (b"", "empty.jpg", ErrorCode.EMPTY_INPUT),
-    ((CASES / "img17_truncated.jpg").read_bytes(), "truncated.jpg", ErrorCode.CORRUPT_IMAGE),
-    (b"just some text, not an image\n" * 20, "notes.png", ErrorCode.UNSUPPORTED_FORMAT),
-    (b"<html><body>not an image</body></html>\n" * 5, "page.jpg", ErrorCode.UNSUPPORTED_FORMAT),
-    ((CASES / "img17_truncated.jpg").read_bytes()[:300], "cut.jpg", ErrorCode.CORRUPT_IMAGE),
-]
 
 
 @pytest.fixture(scope="module")
@@ -46,60 +38,10 @@ def jobs_stage(pipeline):
     return pipeline.start(JOBS)
 
 
-def job_items(tag: str, n: int = N) -> list[tuple[bytes, str]]:
-    """``n`` items: 30% repeats of earlier ones and the :data:`BAD` inputs, the rest unique images."""
-    repeats = round(n * 0.3)
-    unique = n - repeats - len(BAD)
-    uniq = [(text_image([f"JOB {tag} {i:03d}"], size=28), f"img{i:03d}.png") for i in range(unique)]
-    rep = [(uniq[i % unique][0], f"again{i:03d}.png") for i in range(repeats)]
-    items = uniq + rep + [(b, name) for b, name, _ in BAD]
-    return items
-
-
-async def _job_completions(job_id: str, settle_s: float = 3.0, timeout: float = 120) -> list[bytes]:
-    """Every ``ocr.job-completed`` record of ``job_id`` (from the topic's start), waiting for the
-    first and then ``settle_s`` seconds more for any repeat."""
-    s = CommonSettings()
-    consumer = make_consumer(s.kafka, [], None, client_id="test-jobs", auto_offset_reset="earliest")
-    await consumer.start()
-    found: list[bytes] = []
-    try:
-        parts = consumer.partitions_for_topic(s.topics.job_completed) or set()
-        if not parts:
-            await consumer._client.force_metadata_update()
-            parts = consumer.partitions_for_topic(s.topics.job_completed) or set()
-        tps = [TopicPartition(s.topics.job_completed, p) for p in sorted(parts)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        deadline, until = time.monotonic() + timeout, None
-        while time.monotonic() < (until or deadline):
-            batch = await consumer.getmany(timeout_ms=300)
-            for recs in batch.values():
-                found.extend(r.value for r in recs if r.key == job_id.encode())
-            if found and until is None:
-                until = time.monotonic() + settle_s
-    finally:
-        await consumer.stop()
-    return found
-
-
-async def _wait_final(store: JobStore, job_id: str, want: int, seen: list[int], timeout: float = 300):
-    """Poll the job's progress until ``want`` requests are final; every ``done`` read goes to ``seen``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        prog = await store.progress(job_id)
-        if prog is not None:
-            seen.append(prog.done)
-            if prog.done >= want:
-                return prog
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"job {job_id}: {seen[-1:]} of {want} final after {timeout}s")
-
-
 async def test_a_job_counts_each_request_once_and_completes_once(pipeline, jobs_stage, s3):
     s = CommonSettings()
     job_id, tag = f"job-{uuid.uuid4().hex[:12]}", TAG
-    items = job_items(tag)
+    items = job_items(tag, N)
     store = JobStore(Database(s.mysql, pool_size=1))
     sub = Submitter(s)
     await sub.start()
@@ -107,8 +49,8 @@ async def test_a_job_counts_each_request_once_and_completes_once(pipeline, jobs_
         await sub.job_event(JobEvent(action="create", job_id=job_id, name="two hundred"))
         started = time.monotonic()
         ids = await sub.submit_many(items, source="test", job_id=job_id)
-        seen: list[int] = []
-        await _wait_final(store, job_id, N, seen)
+        seen: list[JobProgress] = []
+        await wait_final(store, job_id, N, seen)
         elapsed = time.monotonic() - started
         # a request completed twice (at-least-once delivery) counts once
         doc = ResultDocument.model_validate_json(db_rows(
@@ -125,15 +67,16 @@ async def test_a_job_counts_each_request_once_and_completes_once(pipeline, jobs_
         await sub.job_event(JobEvent(action="close", job_id=job_id, expected=N))  # a replayed close
     finally:
         await sub.stop()
-    raws = await _job_completions(job_id)
+    raws = await job_completions(job_id)
     print(f"job of {N}: all final in {elapsed:.1f}s ({N / elapsed:.1f} images/s)")
-    assert seen == sorted(seen) and seen[-1] == N
+    done = [p.done for p in seen]
+    assert done == sorted(done) and done[-1] == N
     assert len(raws) == 1
     ev = loads(JobCompletedEvent, raws[0])
     prog = ev.progress
     assert ev.event_id == job_completion_event_id(job_id) and ev.name == "two hundred"
     assert (prog.state, prog.total, prog.done, prog.ok, prog.failed) == ("completed", N, N, N - 5, 5)
-    assert prog.failed_by_code == {"corrupt_image": 2, "empty_input": 1, "unsupported_format": 2}
+    assert prog.failed_by_code == BAD_CODES
     assert (prog.pages, prog.lines) == (N - 5 + 5, N - 5)  # one page per request; one line per ok image
     assert prog.cache_hits == round(N * 0.3)
     assert ev.summary.by_status == {"error": 5, "ok": N - 5} and ev.summary.requests == N
@@ -180,12 +123,13 @@ async def test_sigkill_of_the_jobs_stage_mid_job_keeps_counts_exact(pipeline, jo
         pipeline.stop(pipeline.stages[JOBS][-1], sig=signal.SIGKILL)
         await sub.submit_many(items[n // 2:], source="test", job_id=job_id)
         pipeline.start(JOBS)
-        seen: list[int] = []
-        await _wait_final(store, job_id, n, seen)
+        seen: list[JobProgress] = []
+        await wait_final(store, job_id, n, seen)
     finally:
         await sub.stop()
-    assert seen == sorted(seen) and seen[-1] == n
-    raws = await _job_completions(job_id)
+    done = [p.done for p in seen]
+    assert done == sorted(done) and done[-1] == n
+    raws = await job_completions(job_id)
     assert len(raws) == 1
     ev = loads(JobCompletedEvent, raws[0])
     assert (ev.progress.done, ev.progress.ok, ev.progress.failed) == (n, n - 5, 5)
@@ -265,7 +209,7 @@ def test_a_job_over_http_from_create_to_report(api, jobs_stage):
         while not rcv.hits and time.monotonic() < deadline:
             time.sleep(0.2)
         [hit] = rcv.hits
-    [raw] = asyncio.run(_job_completions(job_id, settle_s=0.5))
+    [raw] = asyncio.run(job_completions(job_id, settle_s=0.5))
     h = hit["headers"]
     assert hit["path"] == "/hooks/job" and hit["body"] == raw
     assert verify_signature(WEBHOOK_SECRET, h["X-Ocrstream-Delivery"], h["X-Ocrstream-Timestamp"], hit["body"],
@@ -337,7 +281,7 @@ async def test_an_extract_job_reports_one_column_per_field(tmp_path_factory, sta
             items = [(text_image([f"INVOICE {uuid.uuid4().hex[:6]}"]), f"inv{i}.png") for i in range(2)]
             docs = await p.run(items, task="extract", task_params=params, job_id=job_id)
             assert [d.status for d in docs] == ["ok", "ok"]
-            [raw] = await _job_completions(job_id, settle_s=0.5)
+            [raw] = await job_completions(job_id, settle_s=0.5)
             ev = loads(JobCompletedEvent, raw)
             body = await ObjectStore(s.s3).get_uri(ev.report["csv"])
     finally:
