@@ -232,16 +232,22 @@ def page_sizes(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> tuple
     return ImageInfo(fmt, w, h, len(sizes)), sizes
 
 
-def _pdf_sizes(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> list[tuple[int, int]]:
-    """Every page's rendered size from the page tree (no page is loaded or rendered): a tiny
-    page 1 must not vouch for the rest. :func:`iter_pages` checks the same again while rendering."""
+def pdf_page_sizes(data: bytes | BinaryIO, max_pages: int,
+                   too_many: ErrorCode = ErrorCode.TOO_MANY_PAGES) -> list[tuple[int, int]]:
+    """Every page's ``(width, height)`` in pixels at :data:`PDF_RENDER_DPI`, read from the page
+    tree (no page is loaded or rendered).
+
+    Raises:
+        OcrError: ``corrupt_image`` (no pages, or a page the tree names cannot be read);
+            ``too_many`` when the tree holds more than ``max_pages`` pages.
+    """
     doc = _pdf_document(data)
     try:
         n = len(doc)
         if n == 0:
             raise OcrError(ErrorCode.CORRUPT_IMAGE, "PDF has no pages")
         if n > max_pages:
-            raise OcrError(ErrorCode.TOO_MANY_PAGES, f"PDF has {n} pages, limit {max_pages}")
+            raise OcrError(too_many, f"PDF has {n} pages, limit {max_pages}")
         sizes = []
         for i in range(n):
             try:
@@ -250,6 +256,13 @@ def _pdf_sizes(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> list[
                 raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF page {i + 1} could not be read: {exc}") from exc
     finally:
         doc.close()
+    return sizes
+
+
+def _pdf_sizes(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> list[tuple[int, int]]:
+    """Every page's rendered size from the page tree (no page is loaded or rendered): a tiny
+    page 1 must not vouch for the rest. :func:`iter_pages` checks the same again while rendering."""
+    sizes = pdf_page_sizes(data, max_pages)
     total = 0
     for w, h in sizes:
         _check_pixels(w, h, max_pixels)

@@ -30,7 +30,7 @@ from schemas.errors import ErrorCode
 from services.common.errors import OcrError
 from services.common.imaging import (
     PDF_RENDER_DPI, ImageInfo, _check_pixels, _frame_sizes, _next_frame, _open, _pdf_document,
-    _pdf_pixels, flatten,
+    _pdf_pixels, flatten, pdf_page_sizes,
 )
 
 DOCUMENT_FORMATS = ("PDF", "TIFF")
@@ -92,23 +92,9 @@ def document_plan(data: bytes | BinaryIO, max_pixels: int, max_pages: int, max_d
 def _pdf_plan(data: bytes | BinaryIO, max_pixels: int, max_document_pages: int,
               max_document_pixels: int) -> tuple[ImageInfo, list[tuple[int, int]]]:
     """A PDF's page count from its page tree, then every page's size (no page loaded or rendered)."""
-    doc = _pdf_document(data)
-    try:
-        n = len(doc)
-        if n == 0:
-            raise OcrError(ErrorCode.CORRUPT_IMAGE, "PDF has no pages")
-        if n > max_document_pages:
-            raise OcrError(ErrorCode.DOCUMENT_TOO_MANY_PAGES, f"PDF has {n} pages, limit {max_document_pages}")
-        sizes = []
-        for i in range(n):
-            try:
-                sizes.append(_pdf_pixels(*doc.get_page_size(i)))
-            except Exception as exc:  # pdfium: the page tree names a page it cannot find
-                raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF page {i + 1} could not be read: {exc}") from exc
-    finally:
-        doc.close()
+    sizes = pdf_page_sizes(data, max_document_pages, too_many=ErrorCode.DOCUMENT_TOO_MANY_PAGES)
     _check_document(sizes, max_pixels, max_document_pixels)
-    return ImageInfo("PDF", *sizes[0], n), sizes
+    return ImageInfo("PDF", *sizes[0], len(sizes)), sizes
 
 
 def _check_document(sizes: list[tuple[int, int]], max_pixels: int, max_document_pixels: int) -> None:
