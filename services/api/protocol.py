@@ -343,5 +343,12 @@ EVENT_SCHEMA = {
                    "data": {"type": "string", "contentMediaType": "application/json",
                             "description": "one line of JSON (see the answer's description)"}},
 }
+JOB_EVENT_SCHEMA = {
+    "type": "object", "required": ["event", "data"],
+    "properties": {"event": {"type": "string", "enum": ["progress", "completed", "error"]},
+                   "data": {"type": "string", "contentMediaType": "application/json",
+                            "description": "one line of JSON: the job's progress (`progress`, `completed`) or "
+                                           "`{code, message}` (`error`)"}},
+}
 EVENTS_RECONNECT_TEXT = ("a reconnect (`Last-Event-ID` sent) after every request has finished: an `EventSource` "
                          "stops reconnecting")

@@ -202,12 +202,18 @@ def _job_routes(app: FastAPI, clients: Clients, jobs: JobService) -> None:
              response_class=Response,
              responses={200: {"description": "`progress` events (the counts as JSON) whenever they change, then "
                                              "one `completed`; keep-alive comments between",
-                              "content": {MEDIA_TYPE: {"schema": {"type": "string"}}}},
+                              "content": {MEDIA_TYPE: {"schema": p.JOB_EVENT_SCHEMA}}},
                         **p.error_responses(*p.JOB_ERRORS)})
-    async def job_events(request: Request, job_id: _JobId) -> Response:
-        """The job's progress as server-sent events until it completes (at most `OCRSTREAM_HTTP_EVENTS_MAX_S`)."""
+    async def job_events(
+        request: Request,
+        job_id: _JobId,
+        timeout: Annotated[float, Query(ge=0, description="seconds the stream stays open at most (capped by "
+                                                          "`OCRSTREAM_HTTP_EVENTS_MAX_S`, also the default)")]
+        = s.http_events_max_s,
+    ) -> Response:
+        """The job's progress as server-sent events until it completes (at most `timeout` seconds)."""
         principal = await clients.guard.check(request)
-        return await jobs.events(job_id, principal, s.http_events_max_s)
+        return await jobs.events(job_id, principal, min(timeout, s.http_events_max_s))
 
     @app.get("/v1/jobs/{job_id}/report", tags=["jobs"], summary="Download a job's report", response_class=Response,
              responses={200: {"description": "one row per request final so far",

@@ -29,6 +29,9 @@ from services.common.events import dumps
 from services.common.job_report import write_rows
 from services.common.jobs import REPORT_SQL, JobRow, JobStore
 
+#: Longest a ``GET /v1/jobs/{id}/events`` stream waits for a job the jobs stage has not recorded
+#: yet (one just created over HTTP or Kafka: its create event is on its way), seconds.
+UNKNOWN_JOB_WAIT_S = 10.0
 #: Seconds between two reads of a followed job's progress (``GET /v1/jobs/{id}/events``).
 EVENTS_POLL_S = 0.5
 _MEDIA = {"csv": "text/csv", "jsonl": "application/x-ndjson"}
@@ -105,14 +108,19 @@ class JobService:
         """Server-sent events: ``progress`` (the counts, JSON) now and whenever they change, then
         ``completed`` (the final counts) and the stream ends; at most ``max_s`` seconds. A job
         just created whose create event the jobs stage has not recorded yet is waited for
-        (keep-alives); one of another key ends the stream with an ``error`` event (``not_found``)."""
+        (keep-alives) for :data:`UNKNOWN_JOB_WAIT_S` at most; a job still unknown then, or one
+        of another key, ends the stream with an ``error`` event (``not_found``)."""
         await self._owned(job_id, principal, missing_ok=True)
 
         async def gen() -> AsyncIterator[bytes]:
             last, loop = None, asyncio.get_running_loop()
             deadline = loop.time() + max_s
+            unknown_until = loop.time() + UNKNOWN_JOB_WAIT_S
             while loop.time() < deadline and not self.c.closing.is_set():
                 prog = await self.jobs.progress(job_id)
+                if prog is None and loop.time() >= unknown_until:
+                    yield encode("error", {"code": "not_found", "message": f"no job {job_id}"})
+                    return
                 if prog is not None and last is None:  # first seen: whose is it
                     try:
                         await self._owned(job_id, principal)

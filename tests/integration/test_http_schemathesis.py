@@ -10,7 +10,8 @@ validates against the documented schema for that status.
 
 Bounded so it stays fast: long-polls and event streams are capped at 1 s (a generated ``wait`` or
 ``timeout`` of hours would only hold a connection; ``GET /v1/events`` without ``timeout`` is given
-one, and its generated ids are unknown, so it answers 404 at once anyway), and generated bodies cannot decode as images, so none of them reaches the
+one, and its generated ids are unknown, so it answers 404 at once anyway; ``GET
+/v1/jobs/{job_id}/events`` gets one too: an unknown job is waited for, up to the stream's end), and generated bodies cannot decode as images, so none of them reaches the
 OCR engine (they stop at the header check with 415/422, or earlier with 400/413).
 """
 
@@ -54,8 +55,11 @@ def test_served_spec_is_the_committed_one(api):
 def _cap_wait(case) -> None:
     """Clamp a numeric ``wait`` or ``timeout`` to :data:`WAIT_CAP_S` (an event stream without one
     gets it); keep non-numeric values (they must get 400)."""
-    if case.path == "/v1/events" and isinstance(case.query, dict) and "timeout" not in case.query:
+    streams = ("/v1/events", "/v1/jobs/{job_id}/events")
+    if case.path in streams and isinstance(case.query, dict) and "timeout" not in case.query:
         case.query["timeout"] = WAIT_CAP_S
+    elif case.path in streams and case.query is None:
+        case.query = {"timeout": WAIT_CAP_S}
     for name in ("wait", "timeout"):
         if not case.query or name not in case.query:
             continue
@@ -67,9 +71,27 @@ def _cap_wait(case) -> None:
             case.query[name] = WAIT_CAP_S
 
 
+#: Longest query value sent, characters: a generated value of 100 KB makes a request line that the
+#: HTTP server (uvicorn's parser, before the app) refuses with its own text/plain 400; the door's
+#: own limits on every query field are far below this.
+QUERY_VALUE_CAP = 2_000
+
+
+def _cap_query(case) -> None:
+    """Cut every generated query string (or each string of a list) to :data:`QUERY_VALUE_CAP`."""
+    if not isinstance(case.query, dict):
+        return
+    for name, value in case.query.items():
+        if isinstance(value, str):
+            case.query[name] = value[:QUERY_VALUE_CAP]
+        elif isinstance(value, list):
+            case.query[name] = [v[:QUERY_VALUE_CAP] if isinstance(v, str) else v for v in value]
+
+
 @schema.parametrize()
 @hypothesis.settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
 def test_every_route_conforms_to_its_spec(case, api):
     _cap_wait(case)
+    _cap_query(case)
     case.call_and_validate(base_url=api.url, checks=CHECKS, timeout=30)

@@ -187,6 +187,12 @@ def test_a_job_over_http_from_create_to_report(api, jobs_stage):
         accepted = [a.json()["request_id"] for a in answers if a.status_code in (200, 202)]
         assert len(accepted) == 2
         assert c.post(f"/v1/jobs/{job_id}/close", json={"expected": 2}).status_code == 202
+        # a job never created: waited for up to 10 s, then the stream ends with not_found
+        started = time.monotonic()
+        with c.stream("GET", f"/v1/jobs/never-{uuid.uuid4().hex[:8]}/events", params={"timeout": 60}) as resp:
+            unknown = [e for e in sse(resp) if "event" in e]
+        assert [(e["event"], e["data"]["code"]) for e in unknown] == [("error", "not_found")]
+        assert 9 < time.monotonic() - started < 30
         with c.stream("GET", f"/v1/jobs/{job_id}/events") as resp:
             assert resp.headers["content-type"].startswith("text/event-stream")
             events = [e for e in sse(resp) if "event" in e]
