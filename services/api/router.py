@@ -54,6 +54,9 @@ STATIC = Path(__file__).parent / "static"
 _PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 #: ``GET /v1/events``' ``id`` parameter (their number is checked by the serving module: a setting bounds it).
+#: ``timeout`` of an event stream (``GET /v1/events``, ``GET /v1/jobs/{id}/events``), seconds.
+_StreamTimeout = Annotated[float, Query(ge=0, description="seconds the stream stays open at most (capped by "
+                                                          "`OCRSTREAM_HTTP_EVENTS_MAX_S`, also the default)")]
 _EventIds = Annotated[list[Annotated[str, StringConstraints(pattern=ID_PATTERN)]], Query(
     alias="id", min_length=1, description=p.EVENT_IDS_TEXT)]
 
@@ -147,9 +150,7 @@ def _read_routes(app: FastAPI, clients: Clients, reads: ReadService) -> None:
     async def events(
         request: Request,
         ids: _EventIds,
-        timeout: Annotated[float, Query(ge=0, description="seconds the stream stays open at most (capped by "
-                                                          "`OCRSTREAM_HTTP_EVENTS_MAX_S`, also the default)")]
-        = s.http_events_max_s,
+        timeout: _StreamTimeout = s.http_events_max_s,
     ) -> Response:
         """Watch many requests finish on one connection: server-sent events, as specified by the WHATWG HTML
         Living Standard, "Server-sent events" (https://html.spec.whatwg.org/multipage/server-sent-events.html).
@@ -207,9 +208,7 @@ def _job_routes(app: FastAPI, clients: Clients, jobs: JobService) -> None:
     async def job_events(
         request: Request,
         job_id: _JobId,
-        timeout: Annotated[float, Query(ge=0, description="seconds the stream stays open at most (capped by "
-                                                          "`OCRSTREAM_HTTP_EVENTS_MAX_S`, also the default)")]
-        = s.http_events_max_s,
+        timeout: _StreamTimeout = s.http_events_max_s,
     ) -> Response:
         """The job's progress as server-sent events until it completes (at most `timeout` seconds)."""
         principal = await clients.guard.check(request)
