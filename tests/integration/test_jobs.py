@@ -1,4 +1,8 @@
-"""Jobs on the real stack: exact counts under replay, one completion event, the report in S3."""
+"""Jobs on the real stack: a document in a job, a job over HTTP, the CLI, an extract job, the web page.
+
+The 1,000-image job (exact counts under replay, one completion, the report against MariaDB) and
+the SIGKILL of the jobs stage are tests/integration/test_job_scale.py's; a SIGKILL of every
+stage, tests/fault/test_job_crashes.py's."""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import asyncio
 import csv
 import io
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,125 +18,23 @@ import uuid
 import httpx
 import pytest
 
-from schemas.events import CompletedEvent, ResultDocument
-from schemas.jobs import JobCompletedEvent, JobEvent, JobProgress, job_completion_event_id
+from schemas.events import ResultDocument
+from schemas.jobs import JobCompletedEvent, JobEvent
 from services.cli.client import Submitter
 from services.common.db import Database
-from services.common.events import completion_event_id, dumps, loads
+from services.common.events import loads
 from services.common.jobs import JobStore
-from services.common.kafka import make_producer
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
 from tests.integration.test_web_page import browser  # noqa: F401 - the headless Chromium fixture
-from tests.jobs import BAD, BAD_CODES, job_completions, job_items, wait_final
+from tests.jobs import job_completions, wait_final
 from tests.stack import JOBS, REPO, db_rows
-
-N = 100  # images per job: 65 unique, 30 repeats (30%), 5 bad inputs (200 took 6 min on a loaded 2-core VM)
-TAG = uuid.uuid4().hex[:6]  # this session's images: the kill test's are the first test's (cache hits)
 
 
 @pytest.fixture(scope="module")
 def jobs_stage(pipeline):
     """The jobs stage (one process) beside the session's pipeline."""
     return pipeline.start(JOBS)
-
-
-async def test_a_job_counts_each_request_once_and_completes_once(pipeline, jobs_stage, s3):
-    s = CommonSettings()
-    job_id, tag = f"job-{uuid.uuid4().hex[:12]}", TAG
-    items = job_items(tag, N)
-    store = JobStore(Database(s.mysql, pool_size=1))
-    sub = Submitter(s)
-    await sub.start()
-    try:
-        await sub.job_event(JobEvent(action="create", job_id=job_id, name="two hundred"))
-        started = time.monotonic()
-        ids = await sub.submit_many(items, source="test", job_id=job_id)
-        seen: list[JobProgress] = []
-        await wait_final(store, job_id, N, seen)
-        elapsed = time.monotonic() - started
-        # a request completed twice (at-least-once delivery) counts once
-        doc = ResultDocument.model_validate_json(db_rows(
-            "SELECT document_json FROM requests WHERE request_id = %s", ids[0])[0]["document_json"])
-        producer = make_producer(s.kafka, client_id="test-jobs")
-        await producer.start()
-        try:
-            dup = CompletedEvent(event_id=completion_event_id(ids[0]), request_id=ids[0], result=doc)
-            await producer.send_and_wait(s.topics.completed, dumps(dup), key=ids[0].encode())
-        finally:
-            await producer.stop()
-        assert (await store.progress(job_id)).state == "open"
-        await sub.job_event(JobEvent(action="close", job_id=job_id, expected=N))
-        await sub.job_event(JobEvent(action="close", job_id=job_id, expected=N))  # a replayed close
-    finally:
-        await sub.stop()
-    raws = await job_completions(job_id)
-    print(f"job of {N}: all final in {elapsed:.1f}s ({N / elapsed:.1f} images/s)")
-    done = [p.done for p in seen]
-    assert done == sorted(done) and done[-1] == N
-    assert len(raws) == 1
-    ev = loads(JobCompletedEvent, raws[0])
-    prog = ev.progress
-    assert ev.event_id == job_completion_event_id(job_id) and ev.name == "two hundred"
-    assert (prog.state, prog.total, prog.done, prog.ok, prog.failed) == ("completed", N, N, N - 5, 5)
-    assert prog.failed_by_code == BAD_CODES
-    assert (prog.pages, prog.lines) == (N - 5 + 5, N - 5)  # one page per request; one line per ok image
-    assert prog.cache_hits == round(N * 0.3)
-    assert ev.summary.by_status == {"error": 5, "ok": N - 5} and ev.summary.requests == N
-    assert ev.completed_at_ms == prog.last_completed_at_ms
-    # the stored event is the bytes produced
-    [row] = db_rows("SELECT completion_json, completion_sent FROM jobs WHERE job_id = %s", job_id)
-    assert row == {"completion_json": raws[0].decode(), "completion_sent": 1}
-    # the CSV report: N rows whose statuses match MariaDB's requests
-    body = s3.get_object(Bucket=s3.bucket, Key=f"reports/{job_id}/report.csv")["Body"].read().decode()
-    rows = list(csv.DictReader(io.StringIO(body)))
-    assert len(rows) == N and {r["request_id"] for r in rows} == set(ids)
-    marks = ",".join(["%s"] * N)
-    db = {r["request_id"]: (r["status"], r["error_code"] or "")
-          for r in db_rows(f"SELECT request_id, status, error_code FROM requests WHERE request_id IN ({marks})", *ids)}
-    assert {r["request_id"]: (r["status"], r["error_code"]) for r in rows} == db
-    bad = {r["name"]: r["error_code"] for r in rows if r["status"] == "error"}
-    assert bad == {name: code.value for _, name, code in BAD}
-    ok = {r["name"]: r for r in rows if r["status"] == "ok"}
-    assert ok["img007.png"]["lines"] == "1" and ok["img007.png"]["characters"] == str(len(f"JOB {tag} 007"))
-    for part in ("report.jsonl", "summary.json", "chart.png"):
-        assert s3.head_object(Bucket=s3.bucket, Key=f"reports/{job_id}/{part}")["ContentLength"] > 0
-
-
-async def test_sigkill_of_the_jobs_stage_mid_job_keeps_counts_exact(pipeline, jobs_stage):
-    """The jobs stage SIGKILLed while the job's completions stream in (the first half counted in
-    part), the second half completing while it is down: the replacement replays what was not
-    committed; the counts stay exact and the job completes once."""
-    s = CommonSettings()
-    n, job_id = 40, f"kill-{uuid.uuid4().hex[:12]}"
-    items = job_items(TAG, n)  # the first test's images where it ran: mostly cache hits, fast
-    store = JobStore(Database(s.mysql, pool_size=1))
-    sub = Submitter(s)
-    await sub.start()
-    try:
-        await sub.job_event(JobEvent(action="create", job_id=job_id))
-        await sub.job_event(JobEvent(action="close", job_id=job_id, expected=n))  # closed before any completion
-        await sub.submit_many(items[: n // 2], source="test", job_id=job_id)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            prog = await store.progress(job_id)
-            if prog is not None and prog.done >= 5:
-                break
-            await asyncio.sleep(0.05)
-        pipeline.stop(pipeline.stages[JOBS][-1], sig=signal.SIGKILL)
-        await sub.submit_many(items[n // 2:], source="test", job_id=job_id)
-        pipeline.start(JOBS)
-        seen: list[JobProgress] = []
-        await wait_final(store, job_id, n, seen)
-    finally:
-        await sub.stop()
-    done = [p.done for p in seen]
-    assert done == sorted(done) and done[-1] == n
-    raws = await job_completions(job_id)
-    assert len(raws) == 1
-    ev = loads(JobCompletedEvent, raws[0])
-    assert (ev.progress.done, ev.progress.ok, ev.progress.failed) == (n, n - 5, 5)
-    assert db_rows("SELECT COUNT(*) AS n FROM job_requests WHERE job_id = %s", job_id) == [{"n": n}]
 
 
 async def test_a_document_in_a_job_counts_once_with_its_pages(pipeline, jobs_stage):
