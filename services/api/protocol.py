@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 from schemas.errors import ERRORS, ErrorCode, HttpErrorCode
 from schemas.events import ResultDocument
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
+from schemas.jobs import JOB_EXPECTED_MAX
 from schemas.tasks import TaskError, TaskParams, parse_fields
 from services.api.errors import ApiError
 from services.common.settings import CommonSettings
@@ -222,7 +223,9 @@ class JobCreate(BaseModel):
 class JobClose(BaseModel):
     """``POST /v1/jobs/{job_id}/close``'s body: how many images the job has (the accepted submissions)."""
 
-    expected: int = Field(ge=0, description="the job's request count: it completes when that many are final")
+    expected: int = Field(ge=0, le=JOB_EXPECTED_MAX,
+                          description="the job's request count (0 to 2147483647): it completes when that many are "
+                                      "final")
 
 
 class JobCreated(BaseModel):

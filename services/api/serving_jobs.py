@@ -59,11 +59,14 @@ class JobService:
         """Publish the job's create event; returns its id and links.
 
         Raises:
-            ApiError: 400 ``invalid_request`` (a task the deployment does not list, bad fields),
-                503 ``unavailable`` (Kafka did not acknowledge).
+            ApiError: 400 ``invalid_request`` (a task the deployment does not list, bad fields,
+                ``fields`` without a ``task``), 503 ``unavailable`` (Kafka did not acknowledge).
         """
+        if body.fields is not None and not body.task:  # not dropped: the caller expects report columns
+            raise ApiError(ErrorCode.INVALID_REQUEST, "fields: a job's fields need its task (task=extract)")
         try:
-            params = self.c.s.check_task(body.task, {"fields": body.fields} if body.fields else None) if body.task else None
+            params = (self.c.s.check_task(body.task, {"fields": body.fields} if body.fields is not None else None)
+                      if body.task else None)
         except TaskError as exc:
             raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         if body.webhook_url:  # URL checks, webhooks enabled here, a secret to sign with: as for callback_url

@@ -210,3 +210,24 @@ def test_a_page_of_a_document_is_not_a_request_of_its_job_and_a_bad_event_goes_t
     out = asyncio.run(h.undecodable(bad, bad.error))
     assert [m.topic for m in out] == [JS.topics.dlq]
     assert orjson.loads(out[0].value)["error_code"] == "invalid_request"
+
+
+def test_a_close_beyond_the_int_column_and_an_out_of_range_time_do_not_validate_and_go_to_the_dlq():
+    from schemas.jobs import EPOCH_MS_MAX, JOB_EXPECTED_MAX
+
+    assert JOB_EXPECTED_MAX == 2**31 - 1  # MariaDB's INT (jobs.expected)
+    assert JobEvent(action="close", job_id="j1", expected=JOB_EXPECTED_MAX).expected == 2147483647
+    assert JobEvent(action="create", job_id="j1", at_ms=EPOCH_MS_MAX).at_ms == 253_402_300_799_999
+    for bad in ({"expected": 2**31}, {"expected": 10**30}, {"expected": 2, "at_ms": -1},
+                {"expected": 2, "at_ms": EPOCH_MS_MAX + 1}):
+        with pytest.raises(ValidationError):
+            JobEvent(action="close", job_id="j1", **bad)
+    # a producer's event that does not validate ends in the DLQ at once: the stage reads on, nothing is written
+    h = JobsHandler(JS, store=None, db=None, jobs=MemoryJobs(), report=_report)
+    huge = b'{"schema": "ocr.job.v1", "action": "close", "job_id": "j1", "expected": 99999999999999999999}'
+    early = b'{"schema": "ocr.job.v1", "action": "create", "job_id": "j1", "at_ms": -5}'
+    for raw, field in ((huge, "expected"), (early, "at_ms")):
+        [rec] = _records([(JS.topics.jobs, raw)])
+        assert rec.value is None and field in str(rec.error)
+        [dlq] = asyncio.run(h.undecodable(rec, rec.error))
+        assert dlq.topic == JS.topics.dlq and orjson.loads(dlq.value)["error_code"] == "invalid_request"
