@@ -163,6 +163,19 @@ class JobService:
             raise ApiError(HttpErrorCode.NOT_FOUND, f"no job {job_id!r}")
         return job
 
+    async def _visible(self, job_id: str, principal: Principal) -> bool:
+        """Whether the job is known and the caller may see it (:meth:`_owned`).
+
+        Raises:
+            ApiError: 503 ``unavailable`` (MariaDB did not answer).
+        """
+        try:
+            return await self._owned(job_id, principal) is not None
+        except ApiError as exc:
+            if exc.code != HttpErrorCode.NOT_FOUND.value:
+                raise
+            return False
+
     async def progress(self, job_id: str, principal: Principal) -> JobProgress:
         """The job's progress (404 when unknown)."""
         await self._owned(job_id, principal)
@@ -174,9 +187,10 @@ class JobService:
         """Server-sent events: ``progress`` (the counts, JSON) now and whenever they change, then
         ``completed`` (the final counts) and the stream ends; at most ``max_s`` seconds. A job
         just created whose create event the jobs stage has not recorded yet is waited for
-        (keep-alives) for ``OCRSTREAM_HTTP_JOB_WAIT_S`` at most; a job still unknown then, or one
-        of another key, ends the stream with an ``error`` event (``not_found``)."""
-        await self._owned(job_id, principal, missing_ok=True)
+        (keep-alives) for ``OCRSTREAM_HTTP_JOB_WAIT_S`` at most; a job still unknown then ends the
+        stream with an ``error`` event (``not_found``). Another key's job is streamed exactly as
+        an unknown one (the same wait, the same event), so the answer does not tell it exists."""
+        await self._visible(job_id, principal)  # MariaDB down: 503 before the stream starts
 
         async def gen() -> AsyncIterator[bytes]:
             last, loop = None, asyncio.get_running_loop()
@@ -184,15 +198,11 @@ class JobService:
             unknown_until = loop.time() + self.c.s.http_job_wait_s
             while loop.time() < deadline and not self.c.closing.is_set():
                 prog = await self.jobs.progress(job_id)
+                if prog is not None and last is None and not await self._visible(job_id, principal):
+                    prog = None  # first seen, and another key's: as if unknown
                 if prog is None and loop.time() >= unknown_until:
                     yield encode("error", {"code": "not_found", "message": f"no job {job_id}"})
                     return
-                if prog is not None and last is None:  # first seen: whose is it
-                    try:
-                        await self._owned(job_id, principal)
-                    except ApiError as exc:
-                        yield encode("error", {"code": exc.code, "message": exc.message})
-                        return
                 if prog is not None and prog.state == "completed":
                     yield encode("completed", prog.model_dump(mode="json"))
                     return

@@ -22,6 +22,7 @@ from services.common.kafka import make_producer
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
 from tests.integration.test_http_auth import make_key  # noqa: F401 - keys made by the real CLI
+from tests.integration.test_http_events import sse
 from tests.stack import API, JOBS, Pipeline
 
 pytestmark = pytest.mark.stack
@@ -95,7 +96,14 @@ def test_with_keys_a_job_is_its_creators_alone_and_another_key_cannot_tell_it_ex
             assert (close.status_code, close.json()) == (404, body)
             assert JOB_WAIT_S <= took < JOB_WAIT_S + 5
             for path in (f"/v1/jobs/{jid}", f"/v1/jobs/{jid}/report?format=csv"):
-                assert theirs.get(path).status_code == 404
+                r = theirs.get(path)
+                assert (r.status_code, r.json()) == (404, {"error": {"code": "not_found", "message": f"no job {jid!r}"}})
+            started = time.monotonic()
+            with theirs.stream("GET", f"/v1/jobs/{jid}/events", params={"timeout": 30}) as resp:
+                assert resp.status_code == 200
+                events = [e for e in sse(resp) if "event" in e]
+            assert events == [{"event": "error", "data": {"code": "not_found", "message": f"no job {jid}"}}]
+            assert JOB_WAIT_S <= time.monotonic() - started < JOB_WAIT_S + 5
         # nothing of theirs reached the job; the owner reads it, its close counts
         assert mine.post(f"/v1/jobs/{job_id}/close", json={"expected": 1}).status_code == 202
         deadline = time.monotonic() + 30
