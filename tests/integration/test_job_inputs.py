@@ -167,3 +167,65 @@ def test_a_close_below_the_requests_already_final_is_409_and_an_honest_one_compl
         assert (prog["state"], prog["total"], prog["done"], prog["ok"]) == ("completed", 3, 3, 3)
         # closed: a later close changes nothing and is answered as the first was (a retry is safe)
         assert c.post(f"/v1/jobs/{job_id}/close", json={"expected": 2}).status_code == 202
+
+
+async def _dlq_of(key: str, timeout: float = 30) -> list:
+    """The ``ocr.dlq`` events (every partition, from the start) whose original key is ``key``."""
+    import base64
+
+    from aiokafka import TopicPartition
+
+    from schemas.events import DlqEvent
+    from services.common.kafka import make_consumer
+
+    s = CommonSettings()
+    consumer = make_consumer(s.kafka, [], None, client_id="test-job-inputs-dlq", auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        await consumer._client.force_metadata_update()
+        tps = [TopicPartition(s.topics.dlq, p) for p in sorted(consumer.partitions_for_topic(s.topics.dlq) or ())]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        found: list[DlqEvent] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(found) < 2:
+            for recs in (await consumer.getmany(timeout_ms=300)).values():
+                evs = [DlqEvent.model_validate_json(r.value) for r in recs]
+                found += [e for e in evs if e.key_b64 and base64.b64decode(e.key_b64).decode() == key]
+        return found
+    finally:
+        await consumer.stop()
+
+
+async def _publish_raw(values: list[tuple[str, bytes]]) -> None:
+    """Job events as an upstream producer's bytes, all on partition 0 of ``ocr.jobs`` (in this order)."""
+    s = CommonSettings()
+    producer = make_producer(s.kafka, client_id="test-job-inputs")
+    await producer.start()
+    try:
+        for key, raw in values:
+            await producer.send_and_wait(s.topics.jobs, raw, key=key.encode(), partition=0)
+    finally:
+        await producer.stop()
+
+
+def test_a_kafka_close_over_the_int_column_goes_to_the_dlq_and_the_stage_reads_on(door):
+    bad, good = f"huge-{uuid.uuid4().hex[:8]}", f"after-{uuid.uuid4().hex[:8]}"
+    asyncio.run(_publish_raw([
+        (bad, b'{"schema": "ocr.job.v1", "action": "close", "job_id": "%s", "expected": 2147483648}'
+         % bad.encode()),
+        (bad, b'{"schema": "ocr.job.v1", "action": "create", "job_id": "%s", "at_ms": -1}' % bad.encode()),
+        (good, dumps(JobEvent(action="create", job_id=good, name="after"))),
+        (good, dumps(JobEvent(action="close", job_id=good, expected=0))),
+    ]))
+    store = JobStore(Database(CommonSettings().mysql, pool_size=1))
+    deadline = time.monotonic() + 30
+    while ((prog := asyncio.run(store.progress(good))) is None or prog.state != "completed") \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (prog.state, prog.total, prog.done) == ("completed", 0, 0)  # the stage read on past them
+    assert asyncio.run(store.job(bad)) is None  # nothing of the bad events was written
+    dlq = asyncio.run(_dlq_of(bad))
+    assert [(e.stage, e.error_code.value, e.attempts) for e in dlq] == [("jobs", "invalid_request", 1)] * 2
+    assert "expected" in dlq[0].reason and "less than or equal to 2147483647" in dlq[0].reason
+    assert "at_ms" in dlq[1].reason and "greater than or equal to 0" in dlq[1].reason
