@@ -65,6 +65,7 @@ class HttpErrorCode(str, Enum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     CLIENT_CLOSED = "client_closed"
     HTTP_ERROR = "http_error"
+    JOB_EXPECTED_TOO_SMALL = "job_expected_too_small"
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,9 @@ _ROWS = (
     ErrorSpec(_H.TOO_MANY_UPLOADS, 429, "The API key (`OCRSTREAM_HTTP_UPLOADS_PER_KEY`) or the client address "
               "(`OCRSTREAM_HTTP_UPLOADS_PER_CLIENT`) already has that many large uploads in progress; nothing of "
               "this body was read. See `Retry-After`."),
-    ErrorSpec(_H.NOT_FOUND, 404, "No such request, or another API key's request; no such path. On `GET "
+    ErrorSpec(_H.NOT_FOUND, 404, "No such request or job, or another API key's (with keys on, a submission "
+              "with a `job_id` or a close of a job the key did not create, or not yet recorded after "
+              "`OCRSTREAM_HTTP_JOB_WAIT_S`); no such path. On `GET "
               "/v1/events`: none of the ids is the caller's (one that is not gets an `error` event instead)."),
     ErrorSpec(_H.REQUEST_TIMEOUT, 408, "The request body came too slowly: not within "
               "`OCRSTREAM_HTTP_BODY_TIMEOUT_S`, a pause over `OCRSTREAM_HTTP_BODY_IDLE_TIMEOUT_S`, or under "
@@ -182,6 +185,9 @@ _ROWS = (
               "status; only counted and logged: nobody reads the answer)."),
     ErrorSpec(_H.HTTP_ERROR, None, "Any other error of the HTTP framework itself, answered with the framework's "
               "status."),
+    ErrorSpec(_H.JOB_EXPECTED_TOO_SMALL, 409, "`POST /v1/jobs/{id}/close` named fewer requests than the job "
+              "already has final (the message says how many): nothing was sent; close it with at least that count "
+              "(docs/jobs.md)."),
 )
 
 #: The one table: code value -> its row, in the order of the enums.

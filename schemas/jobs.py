@@ -27,6 +27,14 @@ JobId = Annotated[str, Field(min_length=1, max_length=REQUEST_ID_MAX_LENGTH, pat
                              description="the job's id: 1 to 64 characters of A-Z a-z 0-9 . _ : - (not only dots)")]
 """A job id: the request id rule (:mod:`schemas.ids`)."""
 
+JOB_EXPECTED_MAX = 2**31 - 1
+"""The largest request count a job's close may name: MariaDB's ``INT`` (``jobs.expected``). A larger
+``expected`` fails validation (a Kafka close event goes to the DLQ as ``invalid_request``; the
+HTTP door answers 400), instead of failing the jobs stage's write over and over."""
+EPOCH_MS_MAX = 253_402_300_799_999
+"""The latest time a job event may carry, epoch ms: 9999-12-31T23:59:59.999Z (a ``BIGINT`` holds it;
+later is no real time)."""
+
 JobState = Literal["open", "closed", "completed"]
 """``open``: created (or first seen on a completion), no close yet; ``closed``: the expected count
 is known, not all final yet; ``completed``: closed and every expected request final (the
@@ -43,8 +51,10 @@ class JobEvent(BaseModel):
 
     ``create`` names the job (``name``, ``task``, ``task_params``, ``webhook_url``; each optional,
     a later ``create`` of the same id changes nothing already set). ``close`` says how many
-    requests the job has (``expected``); the first close counts, a replayed or later one is
-    ignored. Both are idempotent, and either may come before or after the job's completions.
+    requests the job has (``expected``, at most :data:`JOB_EXPECTED_MAX`); the first close
+    counts, a replayed or later one is ignored. ``at_ms`` is an epoch time in ms (0 to
+    :data:`EPOCH_MS_MAX`). An event outside these bounds does not validate: the jobs stage sends
+    it to the DLQ (``invalid_request``) and reads on. Both are idempotent, and either may come before or after the job's completions.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
@@ -59,8 +69,10 @@ class JobEvent(BaseModel):
     webhook_url: str | None = Field(default=None, max_length=2048,
                                     description="create: where the HTTP door POSTs the signed job completion")
     api_key_id: str | None = Field(default=None, max_length=64, description="create: the API key that created it")
-    expected: int | None = Field(default=None, ge=0, description="close: how many requests the job has")
-    at_ms: int = Field(default_factory=lambda: int(time.time() * 1000), description="when it was published, epoch ms")
+    expected: int | None = Field(default=None, ge=0, le=JOB_EXPECTED_MAX,
+                                 description="close: how many requests the job has (0 to 2**31-1)")
+    at_ms: int = Field(default_factory=lambda: int(time.time() * 1000), ge=0, le=EPOCH_MS_MAX,
+                       description="when it was published, epoch ms (0 to year 9999)")
 
     @model_validator(mode="after")
     def _close_counts(self) -> "JobEvent":

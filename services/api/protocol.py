@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 from schemas.errors import ERRORS, ErrorCode, HttpErrorCode
 from schemas.events import ResultDocument
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
+from schemas.jobs import JOB_EXPECTED_MAX
 from schemas.tasks import TaskError, TaskParams, parse_fields
 from services.api.errors import ApiError
 from services.common.settings import CommonSettings
@@ -222,7 +223,9 @@ class JobCreate(BaseModel):
 class JobClose(BaseModel):
     """``POST /v1/jobs/{job_id}/close``'s body: how many images the job has (the accepted submissions)."""
 
-    expected: int = Field(ge=0, description="the job's request count: it completes when that many are final")
+    expected: int = Field(ge=0, le=JOB_EXPECTED_MAX,
+                          description="the job's request count (0 to 2147483647): it completes when that many are "
+                                      "final")
 
 
 class JobCreated(BaseModel):
@@ -266,13 +269,14 @@ _E, _H = ErrorCode, HttpErrorCode
 SUBMIT_ERRORS = (_E.INVALID_REQUEST, _E.EMPTY_INPUT, _H.CALLBACK_NOT_ALLOWED, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT,
                  _E.REQUEST_ID_CONFLICT, _E.INPUT_TOO_LARGE, _E.IMAGE_TOO_LARGE, _E.TOO_MANY_PAGES,
                  _E.UNSUPPORTED_FORMAT, _E.CORRUPT_IMAGE, _E.DECODE_TIMEOUT, _E.IMAGE_TOO_COMPLEX, _H.RATE_LIMITED,
-                 _H.QUOTA_EXCEEDED, _H.TOO_MANY_UPLOADS, _H.UNAVAILABLE, _H.OVERLOADED)
+                 _H.QUOTA_EXCEEDED, _H.TOO_MANY_UPLOADS, _H.UNAVAILABLE, _H.OVERLOADED, _H.NOT_FOUND)
 BATCH_ERRORS = (_E.INVALID_REQUEST, _E.EMPTY_INPUT, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT, _E.INPUT_TOO_LARGE,
                 _E.UNSUPPORTED_FORMAT, _H.RATE_LIMITED, _H.QUOTA_EXCEEDED, _H.TOO_MANY_UPLOADS, _H.UNAVAILABLE,
-                _H.OVERLOADED)
+                _H.OVERLOADED, _H.NOT_FOUND)
 READ_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.NOT_FOUND, _H.RATE_LIMITED, _H.UNAVAILABLE, _H.OVERLOADED)
 EVENTS_ERRORS = READ_ERRORS
 JOB_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.NOT_FOUND, _H.RATE_LIMITED, _H.UNAVAILABLE)
+JOB_CLOSE_ERRORS = (*JOB_ERRORS, _H.JOB_EXPECTED_TOO_SMALL)
 
 
 def error_responses(*codes: ErrorCode | HttpErrorCode) -> dict[int | str, dict]:

@@ -186,9 +186,10 @@ def _job_routes(app: FastAPI, clients: Clients, jobs: JobService) -> None:
         return json_response(await jobs.create(body, principal), 201)
 
     @app.post("/v1/jobs/{job_id}/close", response_model=p.JobCreated, status_code=202, tags=["jobs"],
-              summary="Close a job with its request count", responses=p.error_responses(*p.JOB_ERRORS))
+              summary="Close a job with its request count", responses=p.error_responses(*p.JOB_CLOSE_ERRORS))
     async def close_job(request: Request, job_id: _JobId, body: p.JobClose) -> Response:
-        """Say how many images the job has; it completes once that many are final (the first close counts)."""
+        """Say how many images the job has (at least as many as are final already, else 409
+        `job_expected_too_small`); it completes once that many are final (the first close counts)."""
         principal = await clients.guard.check(request)
         return json_response(await jobs.close(job_id, body, principal), 202)
 

@@ -2,7 +2,10 @@
 server-sent events and download its report, all read from MariaDB (``docs/jobs.md``).
 
 The jobs stage owns the jobs tables; the door only publishes control events and reads. With API
-keys on, a job is visible to the key that created it only (another key gets 404, as for requests).
+keys on, a job created by a key is visible to that key only, and only that key may add requests
+to it or close it (another key gets 404 ``not_found``, as for requests, after the same wait as for
+a job that does not exist: :func:`job_for_key`); a job without an owner (created on Kafka, or
+with keys off) stays open to every key.
 """
 
 from __future__ import annotations
@@ -29,12 +32,55 @@ from services.common.events import dumps
 from services.common.job_report import write_rows
 from services.common.jobs import REPORT_SQL, JobRow, JobStore
 
-#: Longest a ``GET /v1/jobs/{id}/events`` stream waits for a job the jobs stage has not recorded
-#: yet (one just created over HTTP or Kafka: its create event is on its way), seconds.
-UNKNOWN_JOB_WAIT_S = 10.0
 #: Seconds between two reads of a followed job's progress (``GET /v1/jobs/{id}/events``).
 EVENTS_POLL_S = 0.5
+#: Seconds between two reads of a job a keyed caller waits for (:func:`job_for_key`).
+JOB_POLL_S = 0.1
 _MEDIA = {"csv": "text/csv", "jsonl": "application/x-ndjson"}
+
+
+async def _job_row(jobs: JobStore, job_id: str) -> JobRow | None:
+    try:
+        return await jobs.job(job_id)
+    except Exception as exc:  # noqa: BLE001 - MariaDB down
+        raise ApiError(HttpErrorCode.UNAVAILABLE, f"MariaDB did not answer: {exc!r}") from None
+
+
+async def job_for_key(jobs: JobStore, job_id: str, principal: Principal, wait_s: float) -> JobRow:
+    """The job a keyed caller (``principal.key_id`` set) adds a request to or closes: its row, once
+    the jobs stage has recorded its create event (a job just created over HTTP is on its way:
+    waited for, polled every :data:`JOB_POLL_S`), when it is the caller's or has no owner.
+
+    Args:
+        wait_s: Longest wait for the job to be recorded as the caller's, seconds
+            (``OCRSTREAM_HTTP_JOB_WAIT_S``). Another key's job is answered after the same wait
+            as an unknown one, so the answer does not tell whether it exists.
+
+    Raises:
+        ApiError: 404 ``not_found`` (no such job after ``wait_s``, or another key's), 503
+            ``unavailable`` (MariaDB did not answer).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        job = await _job_row(jobs, job_id)
+        # created (a create event recorded), not only seen on a completion: its owner is known
+        if job is not None and job.created_at_ms is not None and job.api_key_id in (None, principal.key_id):
+            return job
+        if loop.time() >= deadline:
+            raise ApiError(HttpErrorCode.NOT_FOUND, f"no job {job_id!r} of this API key (POST /v1/jobs creates one)")
+        await asyncio.sleep(min(JOB_POLL_S, max(0.0, deadline - loop.time())))
+
+
+async def check_job_of(clients: Clients, job_id: str | None, principal: Principal) -> None:
+    """A submission's ``job_id`` checked against its API key (:func:`job_for_key`); nothing to
+    check without a job or with keys off (anyone may add to any job then, as before).
+
+    Raises:
+        ApiError: as :func:`job_for_key`.
+    """
+    if job_id is not None and principal.key_id is not None:
+        await job_for_key(JobStore(clients.db), job_id, principal, clients.s.http_job_wait_s)
 
 
 class JobService:
@@ -59,11 +105,14 @@ class JobService:
         """Publish the job's create event; returns its id and links.
 
         Raises:
-            ApiError: 400 ``invalid_request`` (a task the deployment does not list, bad fields),
-                503 ``unavailable`` (Kafka did not acknowledge).
+            ApiError: 400 ``invalid_request`` (a task the deployment does not list, bad fields,
+                ``fields`` without a ``task``), 503 ``unavailable`` (Kafka did not acknowledge).
         """
+        if body.fields is not None and not body.task:  # not dropped: the caller expects report columns
+            raise ApiError(ErrorCode.INVALID_REQUEST, "fields: a job's fields need its task (task=extract)")
         try:
-            params = self.c.s.check_task(body.task, {"fields": body.fields} if body.fields else None) if body.task else None
+            params = (self.c.s.check_task(body.task, {"fields": body.fields} if body.fields is not None else None)
+                      if body.task else None)
         except TaskError as exc:
             raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         if body.webhook_url:  # URL checks, webhooks enabled here, a secret to sign with: as for callback_url
@@ -75,8 +124,28 @@ class JobService:
         return JobCreated(job_id=job_id, links=self.links(job_id))
 
     async def close(self, job_id: str, body: JobClose, principal: Principal) -> JobCreated:
-        """Publish the job's close event (the first close counts)."""
-        await self._owned(job_id, principal, missing_ok=True)
+        """Publish the job's close event (the first close counts: closing a closed job again
+        changes nothing and is answered as the first was).
+
+        Raises:
+            ApiError: 404 ``not_found`` (another key's job; with keys on also a job not recorded
+                within ``OCRSTREAM_HTTP_JOB_WAIT_S``: :func:`job_for_key`), 409
+                ``job_expected_too_small`` (an open job with more final requests than
+                ``expected``), 503 ``unavailable``.
+        """
+        if principal.key_id is not None:
+            job = await job_for_key(self.jobs, job_id, principal, self.c.s.http_job_wait_s)
+        else:
+            job = await self._owned(job_id, principal, missing_ok=True)
+        if job is not None and job.expected is None:
+            try:
+                final = await self.jobs.final_count(job_id)
+            except Exception as exc:  # noqa: BLE001 - MariaDB down
+                raise ApiError(HttpErrorCode.UNAVAILABLE, f"MariaDB did not answer: {exc!r}") from None
+            if final > body.expected:
+                raise ApiError(HttpErrorCode.JOB_EXPECTED_TOO_SMALL,
+                               f"job {job_id!r} already has {final} final requests, more than expected "
+                               f"{body.expected}: close it with at least {final}")
         await self._publish(JobEvent(action="close", job_id=job_id, expected=body.expected))
         return JobCreated(job_id=job_id, links=self.links(job_id))
 
@@ -87,15 +156,25 @@ class JobService:
             ApiError: 404 ``not_found``: no such job (unless ``missing_ok``: the stage may not
                 have recorded the create event yet), or another key's.
         """
-        try:
-            job = await self.jobs.job(job_id)
-        except Exception as exc:  # noqa: BLE001 - MariaDB down
-            raise ApiError(HttpErrorCode.UNAVAILABLE, f"MariaDB did not answer: {exc!r}") from None
+        job = await _job_row(self.jobs, job_id)
         if job is None and missing_ok:
             return None
         if job is None or (principal.key_id is not None and job.api_key_id not in (None, principal.key_id)):
             raise ApiError(HttpErrorCode.NOT_FOUND, f"no job {job_id!r}")
         return job
+
+    async def _visible(self, job_id: str, principal: Principal) -> bool:
+        """Whether the job is known and the caller may see it (:meth:`_owned`).
+
+        Raises:
+            ApiError: 503 ``unavailable`` (MariaDB did not answer).
+        """
+        try:
+            return await self._owned(job_id, principal) is not None
+        except ApiError as exc:
+            if exc.code != HttpErrorCode.NOT_FOUND.value:
+                raise
+            return False
 
     async def progress(self, job_id: str, principal: Principal) -> JobProgress:
         """The job's progress (404 when unknown)."""
@@ -108,25 +187,22 @@ class JobService:
         """Server-sent events: ``progress`` (the counts, JSON) now and whenever they change, then
         ``completed`` (the final counts) and the stream ends; at most ``max_s`` seconds. A job
         just created whose create event the jobs stage has not recorded yet is waited for
-        (keep-alives) for :data:`UNKNOWN_JOB_WAIT_S` at most; a job still unknown then, or one
-        of another key, ends the stream with an ``error`` event (``not_found``)."""
-        await self._owned(job_id, principal, missing_ok=True)
+        (keep-alives) for ``OCRSTREAM_HTTP_JOB_WAIT_S`` at most; a job still unknown then ends the
+        stream with an ``error`` event (``not_found``). Another key's job is streamed exactly as
+        an unknown one (the same wait, the same event), so the answer does not tell it exists."""
+        await self._visible(job_id, principal)  # MariaDB down: 503 before the stream starts
 
         async def gen() -> AsyncIterator[bytes]:
             last, loop = None, asyncio.get_running_loop()
             deadline = loop.time() + max_s
-            unknown_until = loop.time() + UNKNOWN_JOB_WAIT_S
+            unknown_until = loop.time() + self.c.s.http_job_wait_s
             while loop.time() < deadline and not self.c.closing.is_set():
                 prog = await self.jobs.progress(job_id)
+                if prog is not None and last is None and not await self._visible(job_id, principal):
+                    prog = None  # first seen, and another key's: as if unknown
                 if prog is None and loop.time() >= unknown_until:
                     yield encode("error", {"code": "not_found", "message": f"no job {job_id}"})
                     return
-                if prog is not None and last is None:  # first seen: whose is it
-                    try:
-                        await self._owned(job_id, principal)
-                    except ApiError as exc:
-                        yield encode("error", {"code": exc.code, "message": exc.message})
-                        return
                 if prog is not None and prog.state == "completed":
                     yield encode("completed", prog.model_dump(mode="json"))
                     return

@@ -34,6 +34,7 @@ from services.api.forms import read_multipart
 from services.api.protocol import (
     ApiErrorDetail, BatchItem, BatchLinks, BatchResponse, OcrResponse, SubmitOptions, query_options,
 )
+from services.api.serving_jobs import check_job_of
 from services.api.serving_keys import Limit, Principal
 from services.api.serving_read import ReadService
 from services.api.serving_webhooks import validate_callback_url
@@ -90,7 +91,8 @@ class SubmitService:
 
         Raises:
             ApiError: as :meth:`submit`, and for the body (413, 408, 415, 429 ``too_many_uploads``,
-                503 ``overloaded``; 401, 429 from the guard).
+                503 ``overloaded``; 401, 429 from the guard); with API keys on, 404 ``not_found``
+                for a ``job_id`` that is not the key's job (:func:`~services.api.serving_jobs.job_for_key`).
         """
         c, s = self.c, self.s
         started = time.perf_counter()
@@ -124,6 +126,7 @@ class SubmitService:
             else:
                 raise ApiError(ErrorCode.UNSUPPORTED_FORMAT,
                                f"Content-Type {ctype!r}: send image bytes or multipart/form-data")
+            await check_job_of(c, opts.job_id, principal)  # with keys on: the key's own job, else 404
             deferred = None  # the door takes it (with the cache lookup, or first)
             status, body = await self.submit(up, opts, principal, request.headers.get("traceparent"), limit)
             outcome = "cached" if status == 200 else "accepted"
@@ -375,6 +378,7 @@ class SubmitService:
                     raise ApiError(ErrorCode.INVALID_REQUEST, "request_id names one image: each item of a batch "
                                                               "gets its own (POST /v1/ocr to choose one)")
                 opts = SubmitOptions.parse(fields, s)
+                await check_job_of(c, opts.job_id, principal)  # with keys on: the key's own job, else 404
                 decided = True
                 await c.guard.charge_batch(limit, len(ups))
                 return await self._batch_submit(request, principal, ups, opts)

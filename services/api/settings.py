@@ -26,6 +26,10 @@ class ApiSettings(CommonSettings):
     http_batch_max_files: int = Field(default=64, ge=1, description="images per POST /v1/ocr/batch (and request ids per GET /v1/events)")
     http_events_max_s: float = Field(
         default=300.0, gt=0, description="longest a GET /v1/events stream stays open (its `timeout` is capped to it), s")
+    http_job_wait_s: float = Field(
+        default=10.0, ge=0, le=120,
+        description="longest the door waits for a job the jobs stage has not recorded yet (one just created): "
+                    "GET /v1/jobs/{id}/events, and with API keys a submission with job_id or a close, s")
     http_events_keepalive_s: float = Field(
         default=15.0, gt=0, description="silence on a GET /v1/events stream before a keep-alive comment line, s")
     http_batch_concurrency: int = Field(

@@ -74,8 +74,27 @@ def status(
     raise typer.Exit(0 if prog.state == "completed" else 1)
 
 
+def xlsx_row(ws, values: list) -> list:
+    """One sheet row of report values for openpyxl's write-only ``ws.append``: every string is a
+    text cell (a value starting with ``=`` stays text, never a formula) with the characters XML
+    cannot hold (control characters but tab, LF, CR) replaced by U+FFFD; numbers, booleans and
+    None as they are."""
+    from openpyxl.cell import WriteOnlyCell
+    from openpyxl.cell.cell import ILLEGAL_CHARACTERS_RE
+
+    out = []
+    for v in values:
+        if isinstance(v, str):
+            cell = WriteOnlyCell(ws, value=ILLEGAL_CHARACTERS_RE.sub("\ufffd", v))
+            cell.data_type = "s"  # openpyxl would take a leading "=" for a formula
+            v = cell
+        out.append(v)
+    return out
+
+
 def _write_xlsx(rows, fields: list[str], path: Path) -> int:
-    """The report as one sheet (openpyxl write-only mode: rows go to disk as they come)."""
+    """The report as one sheet (openpyxl write-only mode: rows go to disk as they come); strings
+    are text cells (:func:`xlsx_row`)."""
     from openpyxl import Workbook
 
     from services.common.job_report import report_columns, write_rows
@@ -83,8 +102,8 @@ def _write_xlsx(rows, fields: list[str], path: Path) -> int:
     wb = Workbook(write_only=True)
     ws = wb.create_sheet("report")
     cols = report_columns(fields)
-    ws.append(cols)
-    n = write_rows(rows, fields, {}, lambda rec: ws.append([rec[c] for c in cols]))
+    ws.append(xlsx_row(ws, cols))
+    n = write_rows(rows, fields, {}, lambda rec: ws.append(xlsx_row(ws, [rec[c] for c in cols])))
     wb.save(path)
     return n
 

@@ -78,6 +78,8 @@ def _pdf_document(data: bytes | BinaryIO):
     except MemoryError:
         raise
     except Exception as exc:  # pdfium raises PdfiumError for damaged files
+        if getattr(exc, "err_code", None) == 0:  # refused with "PDFium: Success": no page tree, or an empty one
+            raise OcrError(ErrorCode.CORRUPT_IMAGE, "the PDF has no pages (no page tree with a page in it)") from exc
         raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF could not be opened: {exc}") from exc
 
 

@@ -108,15 +108,16 @@ def write_rows(rows: Iterable[dict], fields: list[str], sinks: dict[str, IO],
     Args:
         rows: The rows, e.g. a server-side cursor's.
         fields: The job's ``extract`` fields (columns).
-        sinks: ``"csv"`` and/or ``"jsonl"`` -> a text file open for writing (CSV: a header row,
-            RFC 4180 quoting, ``""`` for None; JSONL: one object per line).
+        sinks: ``"csv"`` and/or ``"jsonl"`` -> a text file open for writing, with ``newline=""``
+            (CSV: RFC 4180, a header row, CRLF line endings, a field holding a comma, a quote, CR
+            or LF quoted, ``""`` for None; JSONL: one object per line, LF).
         each: Called with every report row (e.g. :meth:`SummaryBuilder.add`, an xlsx sheet's append).
 
     Returns:
         Rows written.
     """
     cols = report_columns(fields)
-    writer = csv.writer(sinks["csv"], lineterminator="\n") if "csv" in sinks else None
+    writer = csv.writer(sinks["csv"], lineterminator="\r\n") if "csv" in sinks else None  # RFC 4180
     if writer:
         writer.writerow(cols)
     n = 0

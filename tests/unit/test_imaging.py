@@ -185,6 +185,27 @@ def test_pdf_pages_are_rendered():
     assert abs(w / h - 1.5) < 0.02 and page[: h // 10, : w // 10].mean() < 60
 
 
+def test_a_pdf_without_pages_says_so_not_pdfium_success():
+    import pypdfium2
+
+    from services.common.imaging import pdf_page_sizes
+
+    buf = io.BytesIO()
+    pypdfium2.PdfDocument.new().save(buf)  # a page tree with no page: /Count 0 /Kids []
+    empty = buf.getvalue()
+    no_tree = empty.replace(b"/Pages 2 0 R ", b" " * 13)  # a catalog naming no page tree (same offsets)
+    assert no_tree != empty
+    for data in (empty, no_tree):
+        for read in (lambda: sniff(data, BIG, 5), lambda: pdf_page_sizes(data, 5), lambda: decode(data, BIG, 5)):
+            with pytest.raises(OcrError) as e:
+                read()
+            assert (e.value.code, e.value.message) == (
+                ErrorCode.CORRUPT_IMAGE, "the PDF has no pages (no page tree with a page in it)")
+    with pytest.raises(OcrError) as e:  # other damage keeps PDFium's own words
+        sniff(b"%PDF-1.4\n garbage", BIG, 5)
+    assert e.value.message == "PDF could not be opened: Failed to load document (PDFium: Data format error)."
+
+
 def test_total_pixels_of_all_pages_are_bounded():
     frames = [Image.new("L", (1000, 1000), 255) for _ in range(5)]  # 5 Mpx in a tiny file
     data = encode(frames[0], "TIFF", save_all=True, append_images=frames[1:], compression="tiff_deflate")

@@ -210,3 +210,61 @@ def test_a_page_of_a_document_is_not_a_request_of_its_job_and_a_bad_event_goes_t
     out = asyncio.run(h.undecodable(bad, bad.error))
     assert [m.topic for m in out] == [JS.topics.dlq]
     assert orjson.loads(out[0].value)["error_code"] == "invalid_request"
+
+
+def test_a_close_beyond_the_int_column_and_an_out_of_range_time_do_not_validate_and_go_to_the_dlq():
+    from schemas.jobs import EPOCH_MS_MAX, JOB_EXPECTED_MAX
+
+    assert JOB_EXPECTED_MAX == 2**31 - 1  # MariaDB's INT (jobs.expected)
+    assert JobEvent(action="close", job_id="j1", expected=JOB_EXPECTED_MAX).expected == 2147483647
+    assert JobEvent(action="create", job_id="j1", at_ms=EPOCH_MS_MAX).at_ms == 253_402_300_799_999
+    for bad in ({"expected": 2**31}, {"expected": 10**30}, {"expected": 2, "at_ms": -1},
+                {"expected": 2, "at_ms": EPOCH_MS_MAX + 1}):
+        with pytest.raises(ValidationError):
+            JobEvent(action="close", job_id="j1", **bad)
+    # a producer's event that does not validate ends in the DLQ at once: the stage reads on, nothing is written
+    h = JobsHandler(JS, store=None, db=None, jobs=MemoryJobs(), report=_report)
+    huge = b'{"schema": "ocr.job.v1", "action": "close", "job_id": "j1", "expected": 2147483648}'
+    early = b'{"schema": "ocr.job.v1", "action": "create", "job_id": "j1", "at_ms": -5}'
+    for raw, field in ((huge, "expected"), (early, "at_ms")):
+        [rec] = _records([(JS.topics.jobs, raw)])
+        assert rec.value is None and field in str(rec.error)
+        [dlq] = asyncio.run(h.undecodable(rec, rec.error))
+        assert dlq.topic == JS.topics.dlq and orjson.loads(dlq.value)["error_code"] == "invalid_request"
+
+
+def _report_row(rid: str, name: str, fields: dict) -> dict:
+    return {"request_id": rid, "filename": name, "status": "ok", "error_code": None, "pages": 1, "line_count": 1,
+            "char_count": 3, "mean_confidence": None, "cache_hit": 0, "total_ms": 5.0, "inference_ms": None,
+            "timings_json": None, "fields_json": orjson.dumps(fields).decode()}
+
+
+def test_the_csv_report_is_rfc_4180_crlf_lines_and_quoted_fields_with_newlines():
+    import csv
+
+    rows = [_report_row("r1", "two\nlines.png", {"note": 'say "hi"\r\nbye'}), _report_row("r2", "b,c.png", {})]
+    out = io.StringIO(newline="")
+    assert write_rows(iter(rows), ["note"], {"csv": out}) == 2
+    text = out.getvalue()
+    blank = "," * 13  # the 13 stage times
+    assert text == (",".join(report_columns(["note"])) + "\r\n"
+                    + '"two\nlines.png",r1,ok,,1,1,3,,false,5.0' + blank + ',"say ""hi""\r\nbye"\r\n'
+                    + '"b,c.png",r2,ok,,1,1,3,,false,5.0' + blank + ",\r\n")
+    back = list(csv.reader(io.StringIO(text, newline="")))
+    assert [(r[0], r[1], r[-1]) for r in back[1:]] == [("two\nlines.png", "r1", 'say "hi"\r\nbye'), ("b,c.png", "r2", "")]
+
+
+def test_the_xlsx_report_writes_strings_as_text_and_replaces_characters_xml_cannot_hold(tmp_path):
+    from openpyxl import load_workbook
+
+    from services.cli.jobs import _write_xlsx
+
+    rows = [_report_row("r1", "=HYPERLINK(\"http://x\")", {"total": "=1+2", "note": "bell\x07 and\x00nul\ttab"}),
+            _report_row("r2", "+cmd|' /C calc'!A0", {"total": "-3", "note": None})]
+    assert _write_xlsx(iter(rows), ["total", "note"], tmp_path / "r.xlsx") == 2
+    ws = load_workbook(tmp_path / "r.xlsx")["report"]
+    got = [[(c.value, c.data_type) for c in r] for r in ws.iter_rows(min_row=2)]
+    assert got[0][0] == ('=HYPERLINK("http://x")', "s") and got[0][1] == ("r1", "s") and got[0][4] == (1, "n")
+    assert got[0][-2:] == [("=1+2", "s"), ("bell\ufffd and\ufffdnul\ttab", "s")]
+    assert got[1][0] == ("+cmd|' /C calc'!A0", "s") and got[1][-2] == ("-3", "s") and got[1][8] == (False, "b")
+    assert [c.value for c in ws[1]][-2:] == ["field:total", "field:note"]
