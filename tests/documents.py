@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 
 import boto3
+from aiokafka import TopicPartition
 from botocore.config import Config
 from PIL import Image
 
@@ -15,6 +17,7 @@ from schemas.events import CompletedEvent
 from schemas.ids import page_request_id
 from services.cli.client import Submitter
 from services.common.completions import CompletionWatcher
+from services.common.kafka import make_consumer
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
 
@@ -99,3 +102,51 @@ def s3_count(prefix: str) -> int:
     """How many objects of the settings' bucket start with ``prefix``."""
     return sum(len(page.get("Contents", [])) for page in s3_client().get_paginator("list_objects_v2").paginate(
         Bucket=CommonSettings().s3.bucket, Prefix=prefix))
+
+
+async def completions_of(document_id: str, page_count: int) -> dict[str, list[bytes]]:
+    """Every ``ocr.completed`` record value (replays included) of the document and its pages, per
+    request id, read from the topic's start up to its current end."""
+    s = CommonSettings()
+    ids = {document_id, *(page_request_id(document_id, n) for n in range(1, page_count + 1))}
+    consumer = make_consumer(s.kafka, [], None, client_id="test-documents-reader")
+    await consumer.start()
+    out: dict[str, list[bytes]] = {}
+    try:
+        tps = [TopicPartition(s.topics.completed, n) for n in consumer.partitions_for_topic(s.topics.completed) or set()]
+        assert tps, f"no partitions known for {s.topics.completed}"
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        while any([await consumer.position(tp) < end[tp] for tp in tps]):
+            for recs in (await consumer.getmany(timeout_ms=500)).values():
+                for r in recs:
+                    rid = CompletedEvent.model_validate_json(r.value).request_id
+                    if rid in ids:
+                        out.setdefault(rid, []).append(r.value)
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def drained(group: str, topic: str, bound_s: float = 120) -> None:
+    """Wait until consumer group ``group`` has committed the end of every partition of ``topic``
+    (every record there handled and its output produced: no replay is left to come).
+
+    Raises:
+        AssertionError: not within ``bound_s`` seconds.
+    """
+    consumer = make_consumer(CommonSettings().kafka, [], group, "test-documents-offsets")  # never joins
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, n) for n in consumer.partitions_for_topic(topic) or set()]
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() < deadline:
+            end = await consumer.end_offsets(tps)
+            committed = {tp: (await consumer.committed(tp)) or 0 for tp in tps}
+            if all(committed[tp] >= end[tp] for tp in tps):
+                return
+            await asyncio.sleep(0.5)
+        raise AssertionError(f"{group} did not commit the end of {topic} in {bound_s}s")
+    finally:
+        await consumer.stop()
