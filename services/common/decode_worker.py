@@ -23,7 +23,8 @@ Requests (``op``) and answers:
   or TIFF checked against the document limits (:func:`~services.common.splitting.document_plan`).
 * ``render`` (fds: input, output; ``first``, ``count``): pages of a PDF or TIFF as PNG
   (:func:`~services.common.splitting.render_pages`), appended to the output file one after the
-  other, each announced ``{"page": i, "offset": o, "length": n, "size": [w, h]}``; then ``{"done": k}``.
+  other, each announced ``{"page": i, "offset": o, "length": n, "size": [w, h]}``, or, for a page
+  that alone cannot be rendered, ``{"page": i, "failed": code, "message": text}``; then ``{"done": k}``.
 * any failure: ``{"error": code, "message": text}`` (an :class:`OcrError`'s code;
   ``image_too_complex`` for a ``MemoryError``; ``internal_error`` for anything else).
 
@@ -126,6 +127,7 @@ def _serve(sock: socket.socket, req: dict, fds: list[int]) -> None:
 
 def _serve_document(sock: socket.socket, op: str, req: dict, src, fds: list[int], px: int, pages: int) -> None:
     from services.common import splitting
+    from services.common.errors import OcrError
 
     if op == "doc_plan":
         info, sizes = splitting.document_plan(src, px, pages, int(req["max_document_pages"]),
@@ -133,11 +135,15 @@ def _serve_document(sock: socket.socket, op: str, req: dict, src, fds: list[int]
         _send(sock, {"info": [info.format, info.width, info.height, info.frames], "sizes": sizes})
         return
     at, n = 0, 0
-    for i, (png, w, h) in enumerate(splitting.render_pages(src, int(req["first"]), int(req["count"]), px)):
+    for i, page in enumerate(splitting.render_pages(src, int(req["first"]), int(req["count"]), px)):
+        n = i + 1
+        if isinstance(page, OcrError):  # this page alone cannot be rendered
+            _send(sock, {"page": i, "failed": page.code.value, "message": page.message[:2000]})
+            continue
+        png, w, h = page
         _pwrite_all(fds[1], memoryview(png), at)
         _send(sock, {"page": i, "offset": at, "length": len(png), "size": [w, h]})
         at += len(png)
-        n = i + 1
     _send(sock, {"done": n})
 
 

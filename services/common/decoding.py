@@ -48,6 +48,7 @@ from schemas.errors import ErrorCode
 from services.common.errors import OcrError
 from services.common.imaging import BACKGROUNDS, ImageInfo
 from services.common.settings import DecodeSettings, Limits
+from services.common.splitting import Rendered
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +306,11 @@ def _signal_name(code: int | None) -> str:
     return f"exit status {code}"
 
 
+class DecoderStopped(OcrError):
+    """A page's error when the decoder process was stopped over it (``decode_timeout``) or died on
+    it (``image_too_complex``): :meth:`DecoderPool.render_pages`."""
+
+
 class DecoderPool:
     """A pool of decoder processes; every call is bounded in time and memory (module docstring).
 
@@ -552,31 +558,61 @@ class DecoderPool:
             os.close(fd)
         return Plan.of(ImageInfo(*ans["info"]), [tuple(s) for s in ans["sizes"]])
 
-    async def render_pages(self, src: bytes | BinaryIO, first: int, count: int) -> list[tuple[bytes, int, int]]:
+    async def render_pages(self, src: bytes | BinaryIO, first: int, count: int,
+                           after_stop: bool = False) -> list[Rendered]:
         """Pages ``first .. first+count-1`` (0-based) of a PDF or TIFF as PNG bytes
-        (:func:`services.common.splitting.render_pages`), in a decoder process, each page within
-        ``decode.page_timeout_s``, all within ``decode.timeout_s``. The PNGs come back through a
-        ``memfd`` (no pipe copy); the caller holds ``count`` pages at most.
+        (:func:`services.common.splitting.render_pages`) in a decoder process, each page within
+        ``decode.page_timeout_s``, all within ``decode.timeout_s``, back through a ``memfd``.
+        A page that alone cannot be rendered is its ``OcrError`` in the list: the decoder's answer
+        (``corrupt_image``, ``image_too_large``, ``image_too_complex``), or a :class:`DecoderStopped`
+        when the process was stopped over it or died on it (a fresh one renders the pages after it).
+
+        Args:
+            after_stop: The page before ``first`` was a :class:`DecoderStopped` (the rule below spans batches).
 
         Returns:
-            ``[(png, width, height), ...]`` in page order (fewer past the last page).
+            ``[(png, width, height) or OcrError, ...]`` in page order (fewer past the last page).
 
         Raises:
-            OcrError: ``image_too_large``, ``corrupt_image``, ``decode_timeout``, ``image_too_complex``.
+            OcrError: the document cannot be read as a whole (``corrupt_image``, ``unsupported_format``),
+                or the decoder was stopped on two pages in a row (``decode_timeout``, ``image_too_complex``).
         """
+        pages: list[Rendered] = []
+        while len(pages) < count:
+            at = first + len(pages)
+            got: list[Rendered] = []
+            try:
+                await self._render_call(src, at, first + count - at, got)
+            except OcrError as err:
+                stopped = isinstance(pages[-1], DecoderStopped) if pages else after_stop
+                pages.extend(got)
+                if err.code not in (ErrorCode.DECODE_TIMEOUT, ErrorCode.IMAGE_TOO_COMPLEX) or (stopped and not got):
+                    raise
+                pages.append(DecoderStopped(err.code, f"page {first + len(pages) + 1}: {err.message}"))
+                continue
+            pages.extend(got)
+            break  # every page asked for, or the last page passed
+        return pages
+
+    async def _render_call(self, src: bytes | BinaryIO, first: int, count: int, got: list[Rendered]) -> None:
+        """One ``render`` request; every page it reported is appended to ``got``, also when it raises."""
         out = os.memfd_create("ocrstream-pngs", os.MFD_CLOEXEC)
         fd = None
-        try:
-            fd = _input_fd(src)
-            spans: list[tuple[int, int, int, int]] = []
+        spans: list[tuple[int, int, int, int] | OcrError] = []
 
-            def on_page(ans: dict) -> None:
+        def on_page(ans: dict) -> None:
+            if "failed" in ans:
+                spans.append(OcrError(ErrorCode(ans["failed"]), str(ans.get("message", ""))))
+            else:
                 spans.append((int(ans["offset"]), int(ans["length"]), *map(int, ans["size"])))
 
+        try:
+            fd = _input_fd(src)
             await self._call({"op": "render", "first": first, "count": count}, [fd, out], on_step=on_page,
                              timeout_s=self.cfg.timeout_s)
-            return [(os.pread(out, n, off), w, h) for off, n, w, h in spans]
         finally:
+            got.extend(sp if isinstance(sp, OcrError) else (os.pread(out, sp[1], sp[0]), sp[2], sp[3])
+                       for sp in spans)
             os.close(out)
             if fd is not None:
                 os.close(fd)

@@ -142,19 +142,30 @@ class IngestHandler(Handler):
                      started: float) -> list[Outgoing]:
         """A document: its pages rendered and stored (:func:`~services.ingest.split.split_pages`),
         its row registered in MariaDB, then one request per page on ``ocr.requests``, each keyed
-        by its page's hash (docs/documents.md)."""
+        by its page's hash; a page that could not be rendered gets its error result on
+        ``ocr.results`` instead, keyed by its request id, so the sink records it like any failed
+        page (docs/documents.md)."""
         doc = doc.model_copy(update={"document_id": doc.request_id, "page_count": doc.frames})
         pages = await split_pages(doc, data, self.decoder, self.store, self.s.split_batch_pages)
         timings = {"queue_ingest": queued, "ingest": (time.perf_counter() - started) * 1000}
         accepted = now_ms()
         doc = doc.model_copy(update={"timings_ms": timings, "accepted_at_ms": accepted})
         await documents.register(self.db, doc, len(pages), accepted)  # before any page can complete
-        log.info("ingest: %s[%d]@%d document %s accepted (%s, %d bytes, %d pages)", record.topic, record.partition,
-                 record.offset, doc.request_id, doc.format, doc.size_bytes, len(pages))
+        failed = [p for p in pages if p.error is not None]
+        log.info("ingest: %s[%d]@%d document %s accepted (%s, %d bytes, %d pages, %d not rendered)", record.topic,
+                 record.partition, record.offset, doc.request_id, doc.format, doc.size_bytes, len(pages), len(failed))
         headers = record.trace_headers()
-        return [Outgoing(self.s.topics.requests, p.content_sha256,
-                         dumps(p.model_copy(update={"timings_ms": timings, "accepted_at_ms": accepted})), headers)
-                for p in pages]
+        out = []
+        for page, err in pages:
+            page = page.model_copy(update={"timings_ms": timings, "accepted_at_ms": accepted})
+            if err is None:
+                out.append(Outgoing(self.s.topics.requests, page.content_sha256, dumps(page), headers))
+                continue
+            self.telemetry.requests_done.labels("ingest", "error", err.code.value).inc()
+            log.info("ingest: page %s not rendered: %s: %s", page.request_id, err.code.value, err.message[:300])
+            result = ResultEvent(request=page, status="error", error=ErrorInfo(code=err.code, message=err.message[:1000]))
+            out.append(Outgoing(self.s.topics.results, page.request_id, dumps(result), headers))
+        return out
 
     async def _own_or_derived(self, base: RequestEvent, chosen: str | None,
                               record: Record) -> tuple[RequestEvent, str]:

@@ -12,13 +12,16 @@ from tests.conftest import text_image
 from tests.stack import REPO, namespaced_pipeline, require_stack
 
 
+FAULT_ENV = {"OCRSTREAM_RETRY_MAX_BACKOFF_S": "2", "OCRSTREAM_SHUTDOWN_TIMEOUT_S": "15",
+             "OCRSTREAM_KAFKA__SESSION_TIMEOUT_MS": "10000", "OCRSTREAM_KAFKA__HEARTBEAT_INTERVAL_MS": "1000"}
+"""Settings of the fault tests' stages: short retry backoff and drain bound, a dead member gone in 10 s."""
+
+
 @pytest.fixture(scope="module")
 def fault_pipeline(tmp_path_factory):
-    """Stages in a fresh namespace, short retry backoff and drain bound."""
+    """Stages in a fresh namespace with :data:`FAULT_ENV`."""
     require_stack()
-    extra = {"OCRSTREAM_RETRY_MAX_BACKOFF_S": "2", "OCRSTREAM_SHUTDOWN_TIMEOUT_S": "15",
-             "OCRSTREAM_KAFKA__SESSION_TIMEOUT_MS": "10000", "OCRSTREAM_KAFKA__HEARTBEAT_INTERVAL_MS": "1000"}
-    with namespaced_pipeline(tmp_path_factory.mktemp("fault-logs"), extra) as p:
+    with namespaced_pipeline(tmp_path_factory.mktemp("fault-logs"), FAULT_ENV) as p:
         yield p
 
 

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-import io
 import subprocess
 import sys
 import urllib.request
 import uuid
 
-import boto3
 import pytest
-from botocore.config import Config
-from PIL import Image
 
 from schemas.errors import ErrorCode
-from schemas.events import CompletedEvent, DocumentResult
+from schemas.events import DocumentResult
 from schemas.ids import page_request_id
-from services.cli.client import Submitter
-from services.common.completions import CompletionWatcher
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
+from tests.documents import make_pdf, page_image, s3_count, s3_get, submit_and_watch, tiff_with_broken_page
 from tests.stack import REPO, Pipeline, db_rows, env_applied, metric_value, namespace_env
 
 INFER_MAX_PIXELS = 1_000_000  # infer's own page limit: a larger page fails there (the page made to fail)
@@ -31,22 +25,6 @@ TERMS_AT = (7, 29)
 
 def page_text(n: int) -> str:
     return TERMS if n in TERMS_AT else f"DOC PAGE {n:02d}"
-
-
-def make_pdf(pages: list[Image.Image]) -> bytes:
-    """A PDF of one raster page per image, at 200 dpi (ingest renders at 200 dpi: the same pixels)."""
-    buf = io.BytesIO()
-    pages[0].save(buf, "PDF", save_all=True, append_images=pages[1:], resolution=200.0)
-    return buf.getvalue()
-
-
-def page_image(text: str, size: tuple[int, int] | None = None) -> Image.Image:
-    """``text`` printed on a white page: square by default (RapidOCR's detector scales a page's
-    short side up to 736 px, so a square page is about a third of the work of a 400 x 112 strip)."""
-    img = Image.open(io.BytesIO(text_image([text]))).convert("L")
-    page = Image.new("L", size or (img.width, img.width), 255)
-    page.paste(img, (0, 0))
-    return page
 
 
 @pytest.fixture(scope="module")
@@ -68,54 +46,6 @@ def doc_pipeline(stack_env, tmp_path_factory):
             yield p
         finally:
             p.stop_all()
-
-
-async def submit_and_watch(data: bytes, name: str, timeout: float = 300, pages: int = 0,
-                           request_id: str | None = None) -> tuple[str, list[CompletedEvent]]:
-    """Submit one file; every completion on ``ocr.completed`` until its own and those of its first
-    ``pages`` pages have come (pages are keyed by their own ids: other partitions, read in any
-    order relative to the document's), in arrival order, the document's last."""
-    s = CommonSettings()
-    watcher, submitter = CompletionWatcher(s), Submitter(s)
-    await watcher.start()
-    await submitter.start()
-    try:
-        rid = await submitter.submit_bytes(data, filename=name, source="test", request_id=request_id)
-    finally:
-        await submitter.stop()
-    seen: list[CompletedEvent] = []
-    waiting = {rid, *(page_request_id(rid, n) for n in range(1, pages + 1))}
-
-    async def collect():
-        async for ev in watcher.completions_forever():
-            seen.append(ev)
-            waiting.discard(ev.request_id)
-            if not waiting or (ev.request_id == rid and ev.result.page_count is None):
-                return  # all in, or it ended as no document (refused): no page will come
-
-    try:
-        await asyncio.wait_for(collect(), timeout)
-    finally:
-        await watcher.stop()
-    [own] = [ev for ev in seen if ev.request_id == rid]
-    return rid, [ev for ev in seen if ev.request_id != rid] + [own]
-
-
-def s3_get(key: str) -> bytes:
-    cfg = CommonSettings().s3
-    client = boto3.client("s3", endpoint_url=cfg.endpoint_url, aws_access_key_id=cfg.access_key,
-                          aws_secret_access_key=cfg.secret_key.get_secret_value(), region_name=cfg.region,
-                          config=Config(s3={"addressing_style": "path"}))
-    return client.get_object(Bucket=cfg.bucket, Key=key)["Body"].read()
-
-
-def s3_count(prefix: str) -> int:
-    cfg = CommonSettings().s3
-    client = boto3.client("s3", endpoint_url=cfg.endpoint_url, aws_access_key_id=cfg.access_key,
-                          aws_secret_access_key=cfg.secret_key.get_secret_value(), region_name=cfg.region,
-                          config=Config(s3={"addressing_style": "path"}))
-    return sum(len(page.get("Contents", [])) for page in
-               client.get_paginator("list_objects_v2").paginate(Bucket=cfg.bucket, Prefix=prefix))
 
 
 def engine_calls_per_process(p: Pipeline) -> list[float]:
@@ -185,6 +115,30 @@ async def test_a_failed_page_leaves_the_document_partial_naming_it(doc_pipeline)
     assert failed.status == "error" and failed.error.code is ErrorCode.IMAGE_TOO_LARGE
     [req] = db_rows("SELECT status FROM requests WHERE request_id = %s", rid)
     assert req["status"] == "partial"
+
+
+async def test_a_page_that_cannot_be_decoded_fails_alone_and_the_others_are_read(doc_pipeline):
+    texts = [f"TIFF PAGE {n}" for n in range(1, 6)]
+    tiff = tiff_with_broken_page([page_image(t) for t in texts], broken=3)  # its strips do not inflate
+    rid, seen = await submit_and_watch(tiff, "scan.tiff", pages=5)
+    doc = seen[-1].result
+    assert (doc.status, doc.error, doc.failed_pages, doc.page_count) == ("partial", None, [3], 5)
+    assert doc.text == "TIFF PAGE 1\n\nTIFF PAGE 2\n\nTIFF PAGE 4\n\nTIFF PAGE 5"
+    # the page's own final state: its code, from ingest (it has no image: never announced to infer)
+    [failed] = [ev.result for ev in seen if ev.result.request_id == page_request_id(rid, 3)]
+    assert (failed.status, failed.error.code, failed.document_id, failed.page_number) == (
+        "error", ErrorCode.CORRUPT_IMAGE, rid, 3)
+    assert failed.error.message.startswith("TIFF page 3 could not be decoded: ") and failed.content_sha256 is None
+    whole = DocumentResult.model_validate_json(s3_get(f"documents/{rid}.json"))
+    assert [pg.status for pg in whole.pages] == ["ok", "ok", "error", "ok", "ok"]
+    assert [pg.text for pg in whole.pages] == [*texts[:2], "", *texts[3:]]
+    assert whole.pages[2].error.code is ErrorCode.CORRUPT_IMAGE and whole.failed_pages == [3]
+    assert db_rows("SELECT page_number, status, error_code FROM document_pages WHERE document_id = %s"
+                   " ORDER BY page_number", rid) == [
+        {"page_number": n, "status": "error" if n == 3 else "ok", "error_code": "corrupt_image" if n == 3 else None}
+        for n in range(1, 6)]
+    [row] = db_rows("SELECT status, completed_by FROM documents WHERE document_id = %s", rid)
+    assert row["status"] == "partial" and row["completed_by"] is not None
 
 
 async def test_a_replayed_document_ends_the_same_bytes_once_more(doc_pipeline):

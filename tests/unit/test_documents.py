@@ -11,10 +11,13 @@ from PIL import Image, ImageDraw
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, Line, RequestEvent, ResultDocument
 from schemas.ids import is_request_id, page_request_id
+from services.common.decoding import DecoderPool, DecoderStopped
 from services.common.errors import OcrError
+from services.common.settings import DecodeSettings, Limits
 from services.common.splitting import document_plan, render_pages
 from services.sink.documents import _page_of, assemble, document_status, summary
 from tests.conftest import CASES
+from tests.documents import make_pdf, page_image, tiff_with_broken_page
 
 BOX = [[0, 0], [10, 0], [10, 10], [0, 10]]
 
@@ -56,8 +59,10 @@ def test_pdf_page_count_and_pixels_are_checked_before_rendering():
     with pytest.raises(OcrError) as e:
         document_plan(pdf, 10**8, 2, 3000, 149_999)
     assert e.value.code is ErrorCode.DOCUMENT_TOO_LARGE and "150000 pixels, limit 149999" in e.value.message
-    with pytest.raises(OcrError) as e:
-        document_plan(pdf, 29_999, 2, 3000, 10**9)
+    # a page over the page limit fails alone when it would be rendered: not counted, not refused here
+    assert document_plan(pdf, 29_999, 2, 3000, 1)[1] == [(300, 100)] * 5
+    with pytest.raises(OcrError) as e:  # a one-page PDF is one request: refused as any image
+        document_plan(pdf_of(1), 29_999, 2, 3000, 10**9)
     assert e.value.code is ErrorCode.IMAGE_TOO_LARGE
 
 
@@ -79,6 +84,63 @@ def test_rendered_pages_are_pngs_the_same_every_time():
     tiff = (CASES / "img16_multipage.tiff").read_bytes()
     pages = list(render_pages(tiff, 0, 3, 10**8))
     assert len(pages) == 3 and Image.open(io.BytesIO(pages[2][0])).size == (1240, 600)
+
+
+def _shape(rendered) -> list:
+    return [(r.code, r.message) if isinstance(r, OcrError) else r[1:] for r in rendered]
+
+
+def test_a_page_that_cannot_be_rendered_fails_alone():
+    tiff = tiff_with_broken_page([page_image(f"T{n}") for n in range(1, 6)], broken=3)
+    assert document_plan(tiff, 10**8, 1, 3000, 10**9)[0].frames == 5  # its header is intact
+    pages = list(render_pages(tiff, 1, 4, 10**8))
+    assert _shape(pages) == [(400, 400), (ErrorCode.CORRUPT_IMAGE, "TIFF page 3 could not be decoded: decoder error -2"),
+                             (400, 400), (400, 400)]
+    assert pages[0] == next(render_pages(tiff_with_broken_page([page_image(f"T{n}") for n in range(1, 6)], 4), 1, 1,
+                                         10**8))  # the same page, the same PNG
+    pdf = make_pdf([page_image("P1"), page_image("P2", size=(1600, 1200)), page_image("P3")])
+    assert _shape(render_pages(pdf, 0, 3, 1_000_000)) == [
+        (400, 400), (ErrorCode.IMAGE_TOO_LARGE, "page 2: 1600x1200 = 1920000 pixels exceeds the limit of 1000000"),
+        (400, 400)]
+
+
+def _pdf_of_parts(parts: list[bytes]) -> bytes:
+    import pypdfium2 as pdfium
+
+    out = pdfium.PdfDocument.new()
+    for part in parts:
+        out.import_pages(pdfium.PdfDocument(part))
+    buf = io.BytesIO()
+    out.save(buf)
+    return buf.getvalue()
+
+
+async def test_a_page_that_kills_the_decoder_fails_alone_in_the_pool():
+    from tests.attacks import nested_xobject_pdf
+
+    pool = DecoderPool(DecodeSettings(workers=1, memory_mb=400, page_timeout_s=60, timeout_s=60), Limits())
+    await pool.start()
+    try:
+        plain, bomb = make_pdf([page_image("A")]), nested_xobject_pdf(depth=8)  # pdfium aborts past its cap
+        got = await pool.render_pages(_pdf_of_parts([plain, bomb, plain, plain]), 0, 4)
+        assert [r[1:] if not isinstance(r, OcrError) else r.code for r in got] == [
+            (400, 400), ErrorCode.IMAGE_TOO_COMPLEX, (400, 400), (400, 400)]
+        assert got[1].message.startswith("page 2: the decoder process died reading this image (SIGABRT")
+        assert got[0] == got[2] and pool.restarts["died"] == 1
+        with pytest.raises(OcrError) as e:  # two pages in a row: the document ends with it
+            await pool.render_pages(_pdf_of_parts([plain, bomb, bomb, plain]), 0, 4)
+        assert e.value.code is ErrorCode.IMAGE_TOO_COMPLEX and pool.restarts["died"] == 3
+        assert isinstance(got[1], DecoderStopped) and not isinstance(got[0], OcrError)
+        with pytest.raises(OcrError) as e:  # the page before this batch stopped it too (split_pages passes it on)
+            await pool.render_pages(_pdf_of_parts([plain, bomb, plain]), 1, 2, after_stop=True)
+        assert e.value.code is ErrorCode.IMAGE_TOO_COMPLEX and pool.restarts["died"] == 4
+        tiff = tiff_with_broken_page([page_image(f"T{n}") for n in range(1, 6)], broken=5)
+        got = await pool.render_pages(tiff, 2, 4)  # the worker answers the page's own error
+        assert _shape(got) == [(400, 400), (400, 400),
+                               (ErrorCode.CORRUPT_IMAGE, "TIFF page 5 could not be decoded: decoder error -2")]
+        assert _shape(got) == _shape(render_pages(tiff, 2, 4, 10**8)) and got[0] == next(render_pages(tiff, 2, 1, 10**8))
+    finally:
+        await pool.close()
 
 
 def _final(n: int, status: str = "ok") -> ResultDocument:
