@@ -28,7 +28,8 @@ import numpy as np
 
 from schemas.errors import ErrorCode
 from schemas.events import InferEvent, Line
-from services.common.decoding import DecodedPages, DecoderPool, Hold, PixelBudget, Plan
+from services.common.decoding import DecodedPages, DecoderPool, Plan
+from services.common.pixel_budget import Hold, PixelBudget
 from services.common.errors import OcrError
 from services.common.records import Record
 from services.common.s3 import ObjectStore

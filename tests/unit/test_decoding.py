@@ -17,7 +17,8 @@ import pytest
 from PIL import Image
 
 from schemas.errors import ErrorCode
-from services.common.decoding import DecoderPool, PixelBudget
+from services.common.decoding import DecoderPool
+from services.common.pixel_budget import PixelBudget
 from services.common.errors import OcrError
 from services.common.imaging import decode
 from services.common.settings import DecodeSettings, Limits
