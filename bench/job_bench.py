@@ -10,7 +10,10 @@ closed with ``expected = N``, then waited on until its ``ocr.job_completed.v1`` 
 Prints:
 
 * the raw engine's images/s on a sample of the distinct images (RapidOCR called in-process,
-  :func:`bench.common.raw_engine_rate`), measured in the same run before the stages start;
+  :func:`bench.common.raw_engine_rate`), measured in the same run before the stages start: one
+  image at a time with 2 ONNX Runtime threads, and as the infer stage runs it (its workers,
+  threads and micro-batch size from ``InferSettings``; the ratios are to this one: on small
+  images the 2 workers, not the threads, keep both cores busy);
 * the job's wall time (first submit to its completion event), images/s end to end, distinct
   images/s, and their ratios to the raw engine;
 * each stage's peak RSS (``VmHWM`` of its process, and of the processes it started: decoders,
@@ -48,6 +51,7 @@ from services.cli.client import Submitter
 from services.common.db import Database
 from services.common.jobs import JobStore
 from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN, CommonSettings
+from services.infer.settings import InferSettings
 from tests.jobs import job_completions, job_items
 from tests.stack import JOBS, REPO, Pipeline, env_applied, namespace_env
 
@@ -171,8 +175,15 @@ def main() -> None:
           f"({distinct} distinct, {args.n - distinct - 5} repeats, 5 bad); {args.infer_procs} infer process(es); "
           f"detector limit {args.det_limit} px; load average {os.getloadavg()[0]:.1f}")
     sample = [data for data, _ in items[:min(args.raw_sample, distinct)]]
-    raw_rate, raw_secs = raw_engine_rate(sample, det_limit_side_len=args.det_limit)
-    print(f"raw engine: {len(sample)} distinct images in {raw_secs:.1f} s = {raw_rate:.2f} images/s")
+    one_rate, one_secs = raw_engine_rate(sample, det_limit_side_len=args.det_limit)
+    print(f"raw engine, one image at a time (2 threads): {len(sample)} distinct images in {one_secs:.1f} s "
+          f"= {one_rate:.2f} images/s")
+    inf = InferSettings()
+    raw_rate, raw_secs = raw_engine_rate(sample, threads=inf.rapidocr_threads, det_limit_side_len=args.det_limit,
+                                         workers=inf.rapidocr_workers, batch=inf.max_batch)
+    print(f"raw engine as the infer stage runs it ({inf.rapidocr_workers} workers x {inf.rapidocr_threads} thread, "
+          f"batches of {inf.max_batch}): {len(sample)} in {raw_secs:.1f} s = {raw_rate:.2f} images/s "
+          f"(the ratios below are to this)")
 
     env = {**namespace_env(partitions=4), "OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN": str(args.det_limit)}
     with env_applied(env):
