@@ -9,6 +9,10 @@ under the staging prefix (and a spool file) while it is read and hashed, and bec
 object only once it is known to be new and valid (:class:`~services.api.uploads.StagedBody`,
 :func:`~services.common.accept.accept_staged`).
 
+A PDF or multi-page TIFF (``http_split_documents``) is checked against the document limits,
+stored, its id claimed, and handed to ingest on ``ocr.submit`` marked as the door's, to be split
+into pages (``docs/documents.md``): 202, and the id's final state is the assembled document.
+
 A request answered from the cache still gets its row in MariaDB, its completion on
 ``ocr.completed`` and its webhook: the door publishes the cache hit on ``ocr.results`` for the
 sink, without waiting for the broker's acknowledgement (the caller already has the result).
@@ -26,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from schemas.errors import ErrorCode, HttpErrorCode, http_status
-from schemas.events import OcrOutput, RequestEvent, ResultDocument, new_id, now_ms
+from schemas.events import OcrOutput, RequestEvent, ResultDocument, SubmitEvent, new_id, now_ms
 from schemas.keys import image_object_key
 from services.api.clients import Clients
 from services.api.errors import ApiError
@@ -40,12 +44,13 @@ from services.api.serving_read import ReadService
 from services.api.serving_webhooks import validate_callback_url
 from services.api.uploads import MULTIPART_OVERHEAD, Upload, expected_hold, read_raw
 from services.common import claims
-from services.common.accept import accept_image, accept_staged
+from services.common.accept import Accepted, accept_image, accept_staged
 from services.common.cache import CacheUnavailable
 from services.common.claims import RequestClaim
 from services.common.errors import OcrError
 from services.common.events import dumps
 from services.common.results import cache_hit_event, result_document
+from services.common.splitting import DOCUMENT_FORMATS
 from services.common.telemetry import SpanKind
 
 log = logging.getLogger(__name__)
@@ -263,21 +268,16 @@ class SubmitService:
                     # once, like every other completion), not fire-and-forget as plain hits
                     await self._hit_published(base.request_id)
                 return 200, answer
-            try:
-                if up.staged is not None:  # streamed: checked from its spool file, then made the content object
-                    acc = await accept_staged(up.staged.spool, up.staged.size, up.sha256, up.staged.upload,
-                                              s.limits, c.store, c.decoder)
-                else:
-                    acc = await accept_image(up.data, s.limits, c.store, c.decoder, sha256=up.sha256)
-            except OcrError as err:
-                raise image_error(err) from None
-            except Exception as exc:  # S3 down: nothing was promised yet, the caller may retry
-                raise ApiError(HttpErrorCode.UNAVAILABLE, f"the image could not be stored: {exc!r}") from None
+            acc = await self._store(up)
             req = base.model_copy(update={
                 "format": acc.info.format, "width": acc.info.width, "height": acc.info.height,
                 "frames": acc.info.frames, "accepted_at_ms": now_ms(),
                 "timings_ms": {"http": round((time.perf_counter() - started) * 1000, 3)},
             })
+            if s.http_split_documents and acc.info.format in DOCUMENT_FORMATS and acc.info.frames > 1:
+                await self._send_document(req, claimed=bool(opts.request_id))  # ingest splits it
+                await self._mark_accepted(rid, principal, up.sha256)
+                return 202, self.reads.pending(rid)
             try:
                 await c.producer.send_and_wait(s.topics.requests, dumps(req), key=up.sha256.encode(),
                                                headers=c.telemetry.inject())
@@ -285,6 +285,62 @@ class SubmitService:
                 raise ApiError(HttpErrorCode.UNAVAILABLE, f"Kafka did not acknowledge the request: {exc!r}") from None
             await self._mark_accepted(rid, principal, up.sha256)
             return 202, self.reads.pending(rid)
+
+    async def _store(self, up: Upload) -> Accepted:
+        """Check ``up`` from its header and store it under its SHA-256. With
+        ``http_split_documents`` a PDF or TIFF is checked against the document limits (page count,
+        every page's and all pages' pixels; nothing rendered), as ingest checks it before a split;
+        without it, against ``limits.max_pages`` as one request.
+
+        Raises:
+            ApiError: the image's 4xx (:func:`image_error`: 413 ``document_too_many_pages``,
+                ``document_too_large``, ``image_too_large``, ...); 503 ``unavailable`` when S3
+                does not take it.
+        """
+        c, s = self.c, self.s
+        try:
+            info = None
+            if s.http_split_documents:
+                info = (await c.decoder.document_plan(up.staged.spool if up.staged is not None else up.data)).info
+            if up.staged is not None:  # streamed: checked from its spool file, then made the content object
+                return await accept_staged(up.staged.spool, up.staged.size, up.sha256, up.staged.upload,
+                                           s.limits, c.store, c.decoder, info=info)
+            return await accept_image(up.data, s.limits, c.store, c.decoder, sha256=up.sha256, info=info)
+        except OcrError as err:
+            raise image_error(err) from None
+        except Exception as exc:  # S3 down: nothing was promised yet, the caller may retry
+            raise ApiError(HttpErrorCode.UNAVAILABLE, f"the image could not be stored: {exc!r}") from None
+
+    async def _send_document(self, req: RequestEvent, claimed: bool) -> None:
+        """Hand a stored document to ingest: a ``SubmitEvent`` on ``ocr.submit`` marked ``door:
+        http`` with the caller's API key, its ``image_uri`` the stored content object. Ingest
+        believes the mark from the id's claim (``services/ingest/door.py``), so the id is claimed
+        here first unless the client chose it (``claimed``: :meth:`_claim_id` already did).
+        Ingest splits it; the sink's assembled document is this id's final state
+        (docs/documents.md).
+
+        Raises:
+            ApiError: 503 ``unavailable`` when MariaDB cannot claim the id or Kafka does not
+                acknowledge the event.
+        """
+        c = self.c
+        if not claimed:  # the door's own random id: always new
+            mine = RequestClaim(request_id=req.request_id, content_sha256=req.content_sha256, task=req.task,
+                                door="http", api_key_id=req.api_key_id)
+            try:
+                await claims.claim(c.db, mine)
+            except Exception as exc:  # noqa: BLE001 - MariaDB down: nothing was sent
+                raise ApiError(HttpErrorCode.UNAVAILABLE, f"the document's request_id could not be claimed "
+                               f"(MariaDB): {exc!r}", {"Retry-After": "1"}) from None
+        ev = SubmitEvent(request_id=req.request_id, image_uri=req.image_uri, filename=req.filename, task=req.task,
+                         task_params=req.task_params, source=req.source, callback_url=req.callback_url,
+                         submitted_at_ms=req.submitted_at_ms, metadata=req.metadata, job_id=req.job_id,
+                         door="http", api_key_id=req.api_key_id)
+        try:
+            await c.producer.send_and_wait(self.s.topics.submit, dumps(ev), key=req.request_id.encode(),
+                                           headers=c.telemetry.inject())
+        except Exception as exc:  # noqa: BLE001 - not acknowledged: not accepted
+            raise ApiError(HttpErrorCode.UNAVAILABLE, f"Kafka did not acknowledge the document: {exc!r}") from None
 
     async def _mark_accepted(self, rid: str, principal: Principal, sha: str) -> None:
         try:
