@@ -52,6 +52,11 @@ class IngestHandler(Handler):
     document limits before any page is rendered, stored as it is, then split: each page rendered
     and stored under its own hash, the document registered in MariaDB, and one request per page
     on ``ocr.requests`` (:mod:`services.ingest.split`, ``docs/documents.md``).
+
+    A submission marked as the HTTP door's (``door: http`` or an ``api_key_id``: a document the
+    door stored) is believed only when the door's claim of its id and the stored object's hash
+    say the same (:mod:`services.ingest.door`); then it carries the API key and is not claimed
+    again. Else it ends ``http_door_unverified`` under its derived id.
     """
 
     def __init__(self, settings: IngestSettings, store: ObjectStore, telemetry: Telemetry,

@@ -7,6 +7,10 @@ import asyncio
 import hashlib
 import io
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -22,15 +26,15 @@ from tests.integration.conftest import API_ENV
 from tests.integration.test_documents import make_pdf, page_image
 from tests.integration.test_http_events import sse
 from tests.integration.test_http_webhooks import Receiver
-from tests.stack import API, db_rows
+from tests.stack import API, REPO, db_rows
 
 pytestmark = pytest.mark.stack
 
 PDF_TEXTS = [f"DOC PAGE {n:02d}" for n in (1, 2, 3, 4)]
 TIFF_TEXTS = [f"TIFF PAGE {n:02d}" for n in (1, 2, 3)]
-#: The second door's limits: 4 pages per document, and pages up to 500 Mpx (ingest's stay 100 Mpx).
-STRICT_DOOR_ENV = {**API_ENV, "OCRSTREAM_LIMITS__MAX_DOCUMENT_PAGES": "4",
-                   "OCRSTREAM_LIMITS__MAX_PIXELS": "500000000"}
+#: The second door: API keys required, 4 pages per document, pages up to 500 Mpx (ingest's stay 100 Mpx).
+KEYED_DOOR_ENV = {**API_ENV, "OCRSTREAM_AUTH_REQUIRED": "true", "OCRSTREAM_LIMITS__MAX_DOCUMENT_PAGES": "4",
+                  "OCRSTREAM_LIMITS__MAX_PIXELS": "500000000"}
 
 
 def make_tiff(pages: list[Image.Image]) -> bytes:
@@ -66,13 +70,21 @@ def client(api):
 
 
 @pytest.fixture(scope="module")
-def strict_door(pipeline):
-    st = pipeline.start(API, extra_env=STRICT_DOOR_ENV)
+def keyed_door(pipeline):
+    """The second door and a key made by ``ocrstream keys create``: ``(client sending the key, key id)``."""
+    out = subprocess.run([sys.executable, "-m", "services.cli", "keys", "create", "--name", f"doc-{time.time_ns()}",
+                          "--rate", "0"], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, COLUMNS="200"), timeout=60)
+    assert out.returncode == 0, out.stderr
+    fields = dict(re.findall(r"^(\w+):\s+(\S+)$", out.stdout, re.M))
+    st = pipeline.start(API, extra_env=KEYED_DOOR_ENV)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{st.port}", timeout=90) as c:
-            yield c
+        with httpx.Client(base_url=f"http://127.0.0.1:{st.port}", timeout=90,
+                          headers={"X-API-Key": fields["api_key"]}) as c:
+            yield c, fields["key_id"]
     finally:
         pipeline.stop(st)
+        db_rows("DELETE FROM api_keys WHERE key_id = %s", fields["key_id"])
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +196,28 @@ def test_batch_with_a_document_and_an_image(client):
     assert img["status"] == "ok" and img["result"]["page_count"] is None and img["result"]["text"] == "LONE IMAGE"
 
 
-def test_over_limit_documents_are_refused_at_the_door_or_end_with_ingests_code(strict_door):
+def test_a_keyed_document_is_the_keys_pages_and_all(keyed_door):
+    c, key_id = keyed_door
+    pdf = make_pdf([page_image(t) for t in ("KEYED PAGE 01", "KEYED PAGE 02")])
+    r = c.post("/v1/ocr", content=pdf, headers={"Content-Type": "application/pdf"})
+    assert r.status_code == 202, r.text
+    rid = r.json()["request_id"]
+    body = wait_result(c, rid)
+    assert body["status"] == "ok" and body["result"]["text"] == "KEYED PAGE 01\n\nKEYED PAGE 02", body
+    assert body["result"]["api_key_id"] == key_id
+    rows = db_rows("SELECT request_id, document_json FROM requests WHERE request_id IN (%s, %s, %s)"
+                   " ORDER BY request_id", rid, f"{rid}:p1", f"{rid}:p2")
+    assert [(row["request_id"], json.loads(row["document_json"])["api_key_id"]) for row in rows] == [
+        (rid, key_id), (f"{rid}:p1", key_id), (f"{rid}:p2", key_id)]
+    [claim] = db_rows("SELECT door, api_key_id, content_sha256 FROM request_claims WHERE request_id = %s", rid)
+    assert claim == {"door": "http", "api_key_id": key_id, "content_sha256": hashlib.sha256(pdf).hexdigest()}
+    # the same file again with the key: the document's cache entry answers it
+    again = c.post("/v1/ocr", content=pdf, headers={"Content-Type": "application/pdf"})
+    assert again.status_code == 200 and again.json()["cache_hit"] is True, again.text
+
+
+def test_over_limit_documents_are_refused_at_the_door_or_end_with_ingests_code(keyed_door):
+    strict_door, _ = keyed_door
     five = make_pdf([page_image(f"P{n}") for n in range(5)])
     r = strict_door.post("/v1/ocr", content=five, headers={"Content-Type": "application/pdf"})
     assert r.status_code == 413, r.text
