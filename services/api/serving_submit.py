@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import orjson
@@ -72,6 +73,17 @@ def image_error(err: OcrError) -> ApiError:
     if status is not None and 400 <= status < 500:
         return ApiError(err.code, err.message)
     return ApiError(HttpErrorCode.UNAVAILABLE, f"the image could not be stored: {err.message}")
+
+
+def is_document_file(up: Upload) -> bool:
+    """Whether ``up`` starts like a PDF (``%PDF-`` in its first 1,024 bytes, as PDF readers
+    look for it) or a TIFF (``II*\\0`` or ``MM\\0*``), from its first bytes only (in memory, or read
+    from its spool file): what a cache hit of more than one page is answered as a document for."""
+    if up.staged is not None:
+        head = os.pread(up.staged.spool.fileno(), 1024, 0)
+    else:
+        head = up.data[:1024]
+    return b"%PDF-" in head or head.startswith((b"II*\x00", b"MM\x00*"))
 
 
 class SubmitService:
@@ -262,6 +274,9 @@ class SubmitService:
             marker = orjson.dumps({"key": principal.key_id, "sha": up.sha256})
             hit = await self._cached(key, rid, marker, limit) if s.cache_enabled else None
             if hit is not None:
+                if s.http_split_documents and len(hit[1].pages) > 1 and is_document_file(up):
+                    # an assembled document's entry (services/sink/document_cache.py): answered as the document
+                    base = base.model_copy(update={"document_id": rid, "page_count": len(hit[1].pages)})
                 answer = self._answer_from_cache(base, key, gen, *hit, started)
                 if base.callback_url or base.job_id:
                     # its webhook (its job's count) rides on this publish: answered only once Kafka has it (at least

@@ -155,9 +155,14 @@ def test_repeat_upload_is_answered_from_the_cache(client, pdf_done):
     assert [(p["index"], p["width"], p["height"]) for p in hit["result"]["pages"]] == [
         (p["index"], p["width"], p["height"]) for p in body["result"]["pages"]]
     assert hit["result"]["content_sha256"] == hashlib.sha256(pdf).hexdigest()
+    # answered as the document it is
+    doc = hit["result"]
+    assert (doc["document_id"], doc["page_count"], doc["failed_pages"], doc["page_number"]) == (
+        hit["request_id"], 4, [], None)
     # ... and still gets its row through the sink, as an image's hit does
     stored = wait_result(client, hit["request_id"])
     assert stored["status"] == "ok" and stored["result"]["cache_hit"] is True
+    assert (stored["result"]["document_id"], stored["result"]["page_count"]) == (hit["request_id"], 4)
 
 
 def test_another_file_of_the_same_pages_is_split_and_every_page_is_a_cache_hit(client, pdf_done, s3):

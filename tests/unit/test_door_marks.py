@@ -1,6 +1,7 @@
 """Documents handed over by the HTTP door (pure logic): ingest's check of the door's mark
 (``services/ingest/door.py``, the claim read from an in-memory ``request_claims``) and the sink's
-choice of which assembled documents are cached under their file's key (``services/sink/document_cache.py``)."""
+choice of which assembled documents are cached under their file's key (``services/sink/document_cache.py``),
+and the door's test of which cache hits are answered as a document."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 from schemas.errors import ErrorCode
 from schemas.events import RequestEvent, ResultDocument, SubmitEvent
 from schemas.keys import image_object_key, result_object_key
+from services.api.serving_submit import is_document_file
+from services.api.uploads import Upload
 from services.common.errors import OcrError
 from services.common.s3 import ObjectStore
 from services.ingest import door
@@ -119,3 +122,13 @@ def test_an_ok_document_of_this_generation_is_cached_under_its_files_key():
 ])
 def test_a_partial_document_or_a_page_of_another_generation_is_not_cached(finals, final):
     assert document_cache_key(S, STORE, DOC, finals, final) is None
+
+
+# -- the door: which cache hits are answered as a document ----------------------------------------
+
+@pytest.mark.parametrize("head, expected", [
+    (b"%PDF-1.4\n", True), (b"\xef\xbb\xbf junk %PDF-1.7\n", True), (b"II*\x00\x08\x00", True),
+    (b"MM\x00*\x00\x00", True), (b"\x89PNG\r\n\x1a\n", False), (b"GIF89a", False), (b"II+\x00", False),
+])
+def test_a_file_is_a_document_by_its_first_bytes(head, expected):
+    assert is_document_file(Upload(head + b"\x00" * 64, "0" * 64, None)) is expected
