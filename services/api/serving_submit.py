@@ -310,7 +310,8 @@ class SubmitService:
 
         Raises:
             ApiError: the image's 4xx (:func:`image_error`: 413 ``document_too_many_pages``,
-                ``document_too_large``, ``image_too_large``, ...); 503 ``unavailable`` when S3
+                ``document_too_large``; a page of a document over the pixel limit is left to fail
+                alone at ingest, as ingest leaves it; ...); 503 ``unavailable`` when S3
                 does not take it.
         """
         c, s = self.c, self.s

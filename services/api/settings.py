@@ -98,7 +98,7 @@ class ApiSettings(CommonSettings):
     http_split_documents: bool = Field(
         default=True,
         description="a PDF or multi-page TIFF posted to the door is checked against the document limits (413 "
-                    "document_too_many_pages, document_too_large, image_too_large), stored, and handed to ingest on "
+                    "document_too_many_pages, document_too_large), stored, and handed to ingest on "
                     "ocr.submit to be split into pages (docs/documents.md); false: one request of at most "
                     "limits.max_pages pages, straight to ocr.requests, as before")
     http_cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty = closed")

@@ -23,7 +23,7 @@ from services.cli.client import Submitter
 from services.common.events import derived_request_id, dumps
 from services.common.settings import CommonSettings
 from tests.integration.conftest import API_ENV
-from tests.integration.test_documents import make_pdf, page_image
+from tests.documents import make_pdf, page_image
 from tests.integration.test_http_events import sse
 from tests.integration.test_http_webhooks import Receiver
 from tests.stack import API, REPO, db_rows
@@ -32,9 +32,10 @@ pytestmark = pytest.mark.stack
 
 PDF_TEXTS = [f"DOC PAGE {n:02d}" for n in (1, 2, 3, 4)]
 TIFF_TEXTS = [f"TIFF PAGE {n:02d}" for n in (1, 2, 3)]
-#: The second door: API keys required, 4 pages per document, pages up to 500 Mpx (ingest's stay 100 Mpx).
-KEYED_DOOR_ENV = {**API_ENV, "OCRSTREAM_AUTH_REQUIRED": "true", "OCRSTREAM_LIMITS__MAX_DOCUMENT_PAGES": "4",
-                  "OCRSTREAM_LIMITS__MAX_PIXELS": "500000000"}
+#: The second door: API keys required, 200 pages per document (ingest: 3,000) and 13 Gpx per document
+#: (ingest: 12 Gpx), so one document is refused by the door and another only by ingest.
+KEYED_DOOR_ENV = {**API_ENV, "OCRSTREAM_AUTH_REQUIRED": "true", "OCRSTREAM_LIMITS__MAX_DOCUMENT_PAGES": "200",
+                  "OCRSTREAM_LIMITS__MAX_DOCUMENT_PIXELS": "13000000000"}
 
 
 def make_tiff(pages: list[Image.Image]) -> bytes:
@@ -43,12 +44,12 @@ def make_tiff(pages: list[Image.Image]) -> bytes:
     return buf.getvalue()
 
 
-def huge_page_pdf() -> bytes:
-    """A one-page PDF of a 20,000 x 20,000 px page at 200 dpi (400 Mpx: over ingest's 100 Mpx),
-    a few KB: a 1,000 px image placed at 10 dpi. Two pages, so it is a document."""
-    small = Image.new("L", (1000, 1000), 255)
+def blank_pages_pdf(n: int, side: int) -> bytes:
+    """A PDF of ``n`` blank ``side`` x ``side`` px pages at 200 dpi, a few hundred bytes each (a
+    10 px image placed at a low resolution): page counts and pixel totals for the limits, nothing to read."""
+    img = Image.new("L", (10, 10), 255)
     buf = io.BytesIO()
-    small.save(buf, "PDF", save_all=True, append_images=[small.copy()], resolution=10.0)
+    img.save(buf, "PDF", save_all=True, append_images=[img.copy() for _ in range(n - 1)], resolution=10 * 200 / side)
     return buf.getvalue()
 
 
@@ -222,18 +223,22 @@ def test_a_keyed_document_is_the_keys_pages_and_all(keyed_door):
 
 
 def test_over_limit_documents_are_refused_at_the_door_or_end_with_ingests_code(keyed_door):
-    strict_door, _ = keyed_door
-    five = make_pdf([page_image(f"P{n}") for n in range(5)])
-    r = strict_door.post("/v1/ocr", content=five, headers={"Content-Type": "application/pdf"})
-    assert r.status_code == 413, r.text
-    err = r.json()["error"]
-    assert err["code"] == "document_too_many_pages"
-    assert err["message"] == "PDF has 5 pages, limit 4"
-    # the door's page limit is 500 Mpx, ingest's 100 Mpx: ingest refuses and the caller reads its error
-    r = strict_door.post("/v1/ocr", content=huge_page_pdf(), headers={"Content-Type": "application/pdf"})
+    c, _ = keyed_door
+    pdf = {"Content-Type": "application/pdf"}
+    r = c.post("/v1/ocr", content=blank_pages_pdf(201, 100), headers=pdf)
+    assert (r.status_code, r.json()["error"]) == (413, {"code": "document_too_many_pages",
+                                                        "message": "PDF has 201 pages, limit 200"})
+    r = c.post("/v1/ocr", content=blank_pages_pdf(134, 9900), headers=pdf)  # 98 Mpx a page, 13.13 Gpx in all
+    assert (r.status_code, r.json()["error"]) == (413, {
+        "code": "document_too_large", "message": "the 134 pages hold 13133340000 pixels, limit 13000000000"})
+    # 12.15 Gpx: within the door's 13, over ingest's 12: ingest refuses, and the caller reads its error
+    r = c.post("/v1/ocr", content=blank_pages_pdf(124, 9900), headers=pdf)
     assert r.status_code == 202, r.text
-    body = wait_result(strict_door, r.json()["request_id"])
-    assert body["status"] == "error" and body["error"]["code"] == "image_too_large", body
+    rid = r.json()["request_id"]
+    body = wait_result(c, rid)
+    assert body["status"] == "error" and body["error"] == {
+        "code": "document_too_large", "message": "the 124 pages hold 12153240000 pixels, limit 12000000000"}, body
+    assert db_rows("SELECT document_id FROM documents WHERE document_id = %s", rid) == []  # nothing was split
 
 
 def test_a_forged_http_door_mark_on_kafka_is_refused(pdf_done):
