@@ -48,6 +48,7 @@ class ErrorCode(str, Enum):
     DOCUMENT_TOO_MANY_PAGES = "document_too_many_pages"
     DOCUMENT_TOO_LARGE = "document_too_large"
     DOCUMENT_PAGES_FAILED = "document_pages_failed"
+    HTTP_DOOR_UNVERIFIED = "http_door_unverified"
 
 
 class HttpErrorCode(str, Enum):
@@ -151,6 +152,11 @@ _ROWS = (
     ErrorSpec(_E.DOCUMENT_PAGES_FAILED, None, "A document's share of failed pages was above "
               "`OCRSTREAM_MAX_PAGE_ERROR_RATE` (or every page failed): the document ends `error`; each page's own "
               "error is in the document result (docs/documents.md). Below it the document ends `partial`."),
+    ErrorSpec(_E.HTTP_DOOR_UNVERIFIED, None, "A submission on `ocr.submit` marked as the HTTP door's (`door: http` "
+              "or an `api_key_id`) that the HTTP door did not make: its `request_id` is not claimed by the HTTP door "
+              "with that API key, content SHA-256 and task, its `image_uri` is not that content's object, or the "
+              "object's bytes do not hash to it. It ends under its derived id (the message names the id it asked "
+              "for); nothing was split or announced. Only the HTTP door may speak for an API key."),
     ErrorSpec(_H.UNAUTHORIZED, 401, "API keys are required (`OCRSTREAM_AUTH_REQUIRED`) and the call carried none, or "
               "a malformed, unknown or revoked one (`X-API-Key` or `Authorization: Bearer`); the answer has "
               "`WWW-Authenticate`."),

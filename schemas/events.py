@@ -162,6 +162,13 @@ class SubmitEvent(_Frozen):
     submitted_at_ms: int = Field(default_factory=now_ms)
     metadata: dict[str, str] = Field(default_factory=dict)
     job_id: JobIdField = None
+    door: Literal["kafka", "http"] = Field(
+        default="kafka", description="http: published by the HTTP door for a document it stored (docs/documents.md); "
+        "ingest verifies the claim (the door's request_claims row and the object's SHA-256) or refuses it with "
+        "http_door_unverified")
+    api_key_id: str | None = Field(
+        default=None, max_length=64, description="the API key of an HTTP door submission (door http); verified "
+        "like door")
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 

@@ -120,7 +120,11 @@ def _submit_routes(app: FastAPI, clients: Clients, submits: SubmitService) -> No
                          **p.error_responses(*p.SUBMIT_ERRORS)},
               openapi_extra={"parameters": p.submit_parameters(), "requestBody": p.submit_body()})
     async def submit(request: Request) -> Response:
-        """Submit one image: 200 with the result when cached, else 202 with the request id."""
+        """Submit one image: 200 with the result when cached, else 202 with the request id.
+
+        A PDF or multi-page TIFF is split into one request per page by the pipeline; the request
+        id's result is the assembled document (`document_id`, `page_count`, `failed_pages`, the
+        pages' text in order; docs/documents.md). Over the document limits: 413."""
         return await submits.handle(request)
 
     if clients.s.http_fast_path:  # the hot route skips the routing layers (added first: CORS, when on, wraps it)
@@ -136,7 +140,9 @@ def _submit_routes(app: FastAPI, clients: Clients, submits: SubmitService) -> No
         """Submit many images in one multipart body (every file part; options shared by all, from the
         query string or form fields as for ``POST /v1/ocr``; a form field wins). A ``request_id``
         is refused: each item gets its own. The batch costs one rate-limit token and one
-        submission per image, all or none, charged once its files are read."""
+        submission per image, all or none, charged once its files are read. A PDF or multi-page
+        TIFF item is split as by ``POST /v1/ocr``; one over the document limits is an item with
+        its 413 code."""
         return await submits.handle_batch(request)
 
 

@@ -9,6 +9,10 @@ under the staging prefix (and a spool file) while it is read and hashed, and bec
 object only once it is known to be new and valid (:class:`~services.api.uploads.StagedBody`,
 :func:`~services.common.accept.accept_staged`).
 
+A PDF or multi-page TIFF (``http_split_documents``) is checked against the document limits,
+stored, its id claimed, and handed to ingest on ``ocr.submit`` marked as the door's, to be split
+into pages (``docs/documents.md``): 202, and the id's final state is the assembled document.
+
 A request answered from the cache still gets its row in MariaDB, its completion on
 ``ocr.completed`` and its webhook: the door publishes the cache hit on ``ocr.results`` for the
 sink, without waiting for the broker's acknowledgement (the caller already has the result).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import orjson
@@ -26,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from schemas.errors import ErrorCode, HttpErrorCode, http_status
-from schemas.events import OcrOutput, RequestEvent, ResultDocument, new_id, now_ms
+from schemas.events import OcrOutput, RequestEvent, ResultDocument, SubmitEvent, new_id, now_ms
 from schemas.keys import image_object_key
 from services.api.clients import Clients
 from services.api.errors import ApiError
@@ -40,12 +45,13 @@ from services.api.serving_read import ReadService
 from services.api.serving_webhooks import validate_callback_url
 from services.api.uploads import MULTIPART_OVERHEAD, Upload, expected_hold, read_raw
 from services.common import claims
-from services.common.accept import accept_image, accept_staged
+from services.common.accept import Accepted, accept_image, accept_staged
 from services.common.cache import CacheUnavailable
 from services.common.claims import RequestClaim
 from services.common.errors import OcrError
 from services.common.events import dumps
 from services.common.results import cache_hit_event, result_document
+from services.common.splitting import DOCUMENT_FORMATS
 from services.common.telemetry import SpanKind
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,17 @@ def image_error(err: OcrError) -> ApiError:
     if status is not None and 400 <= status < 500:
         return ApiError(err.code, err.message)
     return ApiError(HttpErrorCode.UNAVAILABLE, f"the image could not be stored: {err.message}")
+
+
+def is_document_file(up: Upload) -> bool:
+    """Whether ``up`` starts like a PDF (``%PDF-`` in its first 1,024 bytes, as PDF readers
+    look for it) or a TIFF (``II*\\0`` or ``MM\\0*``), from its first bytes only (in memory, or read
+    from its spool file): what a cache hit of more than one page is answered as a document for."""
+    if up.staged is not None:
+        head = os.pread(up.staged.spool.fileno(), 1024, 0)
+    else:
+        head = up.data[:1024]
+    return b"%PDF-" in head or head.startswith((b"II*\x00", b"MM\x00*"))
 
 
 class SubmitService:
@@ -189,7 +206,8 @@ class SubmitService:
         if opts.callback_url:  # URL checks, then webhooks enabled here, then a secret to sign with
             await validate_callback_url(opts.callback_url, self.s, principal.key_id,
                                         enabled=self.c.webhooks is not None)
-        # the door's own ids are random (UUID4, 122 bits), never claimed: no other request can know one in advance
+        # the door's own ids are random (UUID4, 122 bits), not claimed (but a document's, _send_document): no
+        # other request can know one in advance
         rid = opts.request_id or new_id()
         mine: RequestClaim | None = None
         if opts.request_id:  # idempotent: a known id is answered with its state, not sent again
@@ -257,27 +275,25 @@ class SubmitService:
             marker = orjson.dumps({"key": principal.key_id, "sha": up.sha256})
             hit = await self._cached(key, rid, marker, limit) if s.cache_enabled else None
             if hit is not None:
+                if s.http_split_documents and len(hit[1].pages) > 1 and is_document_file(up):
+                    # an assembled document's entry (services/sink/document_cache.py): answered as the document
+                    base = base.model_copy(update={"document_id": rid, "page_count": len(hit[1].pages)})
                 answer = self._answer_from_cache(base, key, gen, *hit, started)
                 if base.callback_url or base.job_id:
                     # its webhook (its job's count) rides on this publish: answered only once Kafka has it (at least
                     # once, like every other completion), not fire-and-forget as plain hits
                     await self._hit_published(base.request_id)
                 return 200, answer
-            try:
-                if up.staged is not None:  # streamed: checked from its spool file, then made the content object
-                    acc = await accept_staged(up.staged.spool, up.staged.size, up.sha256, up.staged.upload,
-                                              s.limits, c.store, c.decoder)
-                else:
-                    acc = await accept_image(up.data, s.limits, c.store, c.decoder, sha256=up.sha256)
-            except OcrError as err:
-                raise image_error(err) from None
-            except Exception as exc:  # S3 down: nothing was promised yet, the caller may retry
-                raise ApiError(HttpErrorCode.UNAVAILABLE, f"the image could not be stored: {exc!r}") from None
+            acc = await self._store(up)
             req = base.model_copy(update={
                 "format": acc.info.format, "width": acc.info.width, "height": acc.info.height,
                 "frames": acc.info.frames, "accepted_at_ms": now_ms(),
                 "timings_ms": {"http": round((time.perf_counter() - started) * 1000, 3)},
             })
+            if s.http_split_documents and acc.info.format in DOCUMENT_FORMATS and acc.info.frames > 1:
+                await self._send_document(req, claimed=bool(opts.request_id))  # ingest splits it
+                await self._mark_accepted(rid, principal, up.sha256)
+                return 202, self.reads.pending(rid)
             try:
                 await c.producer.send_and_wait(s.topics.requests, dumps(req), key=up.sha256.encode(),
                                                headers=c.telemetry.inject())
@@ -285,6 +301,63 @@ class SubmitService:
                 raise ApiError(HttpErrorCode.UNAVAILABLE, f"Kafka did not acknowledge the request: {exc!r}") from None
             await self._mark_accepted(rid, principal, up.sha256)
             return 202, self.reads.pending(rid)
+
+    async def _store(self, up: Upload) -> Accepted:
+        """Check ``up`` from its header and store it under its SHA-256. With
+        ``http_split_documents`` a PDF or TIFF is checked against the document limits (page count,
+        every page's and all pages' pixels; nothing rendered), as ingest checks it before a split;
+        without it, against ``limits.max_pages`` as one request.
+
+        Raises:
+            ApiError: the image's 4xx (:func:`image_error`: 413 ``document_too_many_pages``,
+                ``document_too_large``; a page of a document over the pixel limit is left to fail
+                alone at ingest, as ingest leaves it; ...); 503 ``unavailable`` when S3
+                does not take it.
+        """
+        c, s = self.c, self.s
+        try:
+            info = None
+            if s.http_split_documents:
+                info = (await c.decoder.document_plan(up.staged.spool if up.staged is not None else up.data)).info
+            if up.staged is not None:  # streamed: checked from its spool file, then made the content object
+                return await accept_staged(up.staged.spool, up.staged.size, up.sha256, up.staged.upload,
+                                           s.limits, c.store, c.decoder, info=info)
+            return await accept_image(up.data, s.limits, c.store, c.decoder, sha256=up.sha256, info=info)
+        except OcrError as err:
+            raise image_error(err) from None
+        except Exception as exc:  # S3 down: nothing was promised yet, the caller may retry
+            raise ApiError(HttpErrorCode.UNAVAILABLE, f"the image could not be stored: {exc!r}") from None
+
+    async def _send_document(self, req: RequestEvent, claimed: bool) -> None:
+        """Hand a stored document to ingest: a ``SubmitEvent`` on ``ocr.submit`` marked ``door:
+        http`` with the caller's API key, its ``image_uri`` the stored content object. Ingest
+        believes the mark from the id's claim (``services/ingest/door.py``), so the id is claimed
+        here first unless the client chose it (``claimed``: :meth:`_claim_id` already did).
+        Ingest splits it; the sink's assembled document is this id's final state
+        (docs/documents.md).
+
+        Raises:
+            ApiError: 503 ``unavailable`` when MariaDB cannot claim the id or Kafka does not
+                acknowledge the event.
+        """
+        c = self.c
+        if not claimed:  # the door's own random id: always new
+            mine = RequestClaim(request_id=req.request_id, content_sha256=req.content_sha256, task=req.task,
+                                door="http", api_key_id=req.api_key_id)
+            try:
+                await claims.claim(c.db, mine)
+            except Exception as exc:  # noqa: BLE001 - MariaDB down: nothing was sent
+                raise ApiError(HttpErrorCode.UNAVAILABLE, f"the document's request_id could not be claimed "
+                               f"(MariaDB): {exc!r}", {"Retry-After": "1"}) from None
+        ev = SubmitEvent(request_id=req.request_id, image_uri=req.image_uri, filename=req.filename, task=req.task,
+                         task_params=req.task_params, source=req.source, callback_url=req.callback_url,
+                         submitted_at_ms=req.submitted_at_ms, metadata=req.metadata, job_id=req.job_id,
+                         door="http", api_key_id=req.api_key_id)
+        try:
+            await c.producer.send_and_wait(self.s.topics.submit, dumps(ev), key=req.request_id.encode(),
+                                           headers=c.telemetry.inject())
+        except Exception as exc:  # noqa: BLE001 - not acknowledged: not accepted
+            raise ApiError(HttpErrorCode.UNAVAILABLE, f"Kafka did not acknowledge the document: {exc!r}") from None
 
     async def _mark_accepted(self, rid: str, principal: Principal, sha: str) -> None:
         try:

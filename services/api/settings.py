@@ -95,6 +95,12 @@ class ApiSettings(CommonSettings):
         default=True,
         description="POST /v1/ocr skips FastAPI's routing layers (same endpoint, same answers; 5-13 % less door "
                     "CPU per cached request: bench/README.md); false only to measure it (bench/http_bench.py --routed)")
+    http_split_documents: bool = Field(
+        default=True,
+        description="a PDF or multi-page TIFF posted to the door is checked against the document limits (413 "
+                    "document_too_many_pages, document_too_large), stored, and handed to ingest on "
+                    "ocr.submit to be split into pages (docs/documents.md); false: one request of at most "
+                    "limits.max_pages pages, straight to ocr.requests, as before")
     http_cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty = closed")
 
     auth_required: bool = Field(default=False, description="require an API key (X-API-Key or Bearer) on /v1/ routes")

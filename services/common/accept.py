@@ -63,7 +63,7 @@ async def accept_image(data: bytes, limits: Limits, store: ObjectStore, decoder:
 
 
 async def accept_staged(spool: BinaryIO, size: int, sha256: str, upload: MultipartUpload, limits: Limits,
-                        store: ObjectStore, decoder: DecoderPool) -> Accepted:
+                        store: ObjectStore, decoder: DecoderPool, info: ImageInfo | None = None) -> Accepted:
     """:func:`accept_image` for a large HTTP upload that was streamed to S3 while it was read.
 
     The bytes are in two places: every part in the open multipart ``upload`` (to a staging key)
@@ -84,6 +84,8 @@ async def accept_staged(spool: BinaryIO, size: int, sha256: str, upload: Multipa
         store: Where images are kept.
         decoder: Runs the format check in a decoder process (the spool file is passed to it as
             a descriptor, not read here).
+        info: The header check's answer when the caller already ran it (the HTTP door's
+            document check); None: sniffed here.
 
     Raises:
         OcrError: the same input errors as :func:`accept_image`; the upload is then left open
@@ -91,7 +93,8 @@ async def accept_staged(spool: BinaryIO, size: int, sha256: str, upload: Multipa
     """
     if size > limits.max_image_bytes:
         raise OcrError(ErrorCode.INPUT_TOO_LARGE, f"{size} bytes exceeds the limit of {limits.max_image_bytes}")
-    info = await decoder.sniff(spool)
+    if info is None:
+        info = await decoder.sniff(spool)
     key = image_object_key(sha256)
     await store.put_staged_if_absent(upload, key, CONTENT_TYPES.get(info.format, "application/octet-stream"))
     return Accepted(content_sha256=sha256, image_uri=store.uri(key), size_bytes=size, info=info)

@@ -25,6 +25,7 @@ from services.common.handler import Handler, Outgoing, Record
 from services.common.s3 import ObjectStore, reference_problem
 from services.common.telemetry import Telemetry
 from services.common.accept import accept_image
+from services.ingest import door
 from services.ingest.settings import IngestSettings
 from services.ingest.split import is_document, split_pages
 
@@ -51,6 +52,11 @@ class IngestHandler(Handler):
     document limits before any page is rendered, stored as it is, then split: each page rendered
     and stored under its own hash, the document registered in MariaDB, and one request per page
     on ``ocr.requests`` (:mod:`services.ingest.split`, ``docs/documents.md``).
+
+    A submission marked as the HTTP door's (``door: http`` or an ``api_key_id``: a document the
+    door stored) is believed only when the door's claim of its id and the stored object's hash
+    say the same (:mod:`services.ingest.door`); then it carries the API key and is not claimed
+    again. Else it ends ``http_door_unverified`` under its derived id.
     """
 
     def __init__(self, settings: IngestSettings, store: ObjectStore, telemetry: Telemetry,
@@ -111,14 +117,25 @@ class IngestHandler(Handler):
             log.info("ingest: request %s rejected: %s: %s", request.request_id, code.value, message[:300])
             return [Outgoing(self.s.topics.results, request.request_id, dumps(result), headers)]
 
+        held = None  # the HTTP door's claim of a submission it marked (services/ingest/door.py)
+        if door.is_marked(event):
+            try:
+                held = await door.verify_claim(self.db, self.store, event)
+            except OcrError as err:
+                return failed(*_unverified(base, record, err))
+            base = base.model_copy(update={"api_key_id": event.api_key_id})
         try:
-            req, data = await self._accept(event, base)
+            req, data = await self._accept(event, base, trusted=held is not None)
+            if held is not None:
+                door.check_content(held, req.content_sha256)
         except OcrError as err:
-            owned, note = await self._own_or_derived(base, chosen, record)
+            if err.code == ErrorCode.HTTP_DOOR_UNVERIFIED:
+                return failed(*_unverified(base, record, err))
+            owned, note = (base, "") if held is not None else await self._own_or_derived(base, chosen, record)
             if err.code == ErrorCode.MISSING_OBJECT and not note:
                 raise  # retried a bounded number of times, then DLQ + error result (Handler.poison)
             return failed(owned, err.code, note + err.message)
-        if chosen is not None:
+        if chosen is not None and held is None:  # a verified HTTP door submission holds the door's claim
             outcome = await claims.claim(self.db, RequestClaim(
                 request_id=chosen, content_sha256=req.content_sha256, task=req.task, door="kafka",
                 origin=_origin(record)))
@@ -186,8 +203,11 @@ class IngestHandler(Handler):
         return (base.model_copy(update={"request_id": derived}),
                 f"{outcome.reason}: this submission ends under its derived request id {derived}; ")
 
-    async def _accept(self, event: SubmitEvent, base: RequestEvent) -> tuple[RequestEvent, bytes]:
+    async def _accept(self, event: SubmitEvent, base: RequestEvent,
+                      trusted: bool = False) -> tuple[RequestEvent, bytes]:
         """The checked request of ``event`` and its image bytes (a document is split from them).
+        ``trusted``: its ``image_uri`` is the HTTP door's content object (a verified claim), read
+        outside the allowed prefixes.
 
         With ``split_documents`` a PDF or TIFF is checked against the document limits
         (:meth:`~services.common.decoding.DecoderPool.document_plan`: page count and total pixels
@@ -207,7 +227,7 @@ class IngestHandler(Handler):
             except (ValueError, binascii.Error) as exc:
                 raise OcrError(ErrorCode.INVALID_REQUEST, f"image_b64 is not valid base64: {exc}") from exc
         else:
-            if (outside := reference_problem(event.image_uri, self.allowed)) is not None:
+            if not trusted and (outside := reference_problem(event.image_uri, self.allowed)) is not None:
                 raise OcrError(ErrorCode.IMAGE_URI_NOT_ALLOWED, outside)  # before any S3 call
             data = await self.store.get_uri(event.image_uri, max_bytes=limits.max_image_bytes)
         info = None
@@ -234,6 +254,14 @@ class IngestHandler(Handler):
         _, request, _, _ = _parse(record)
         return poison_messages(stage="ingest", topics=self.s.topics, record=record, exc=exc, attempts=attempts,
                                request=request)
+
+
+def _unverified(base: RequestEvent, record: Record, err: OcrError) -> tuple[RequestEvent, ErrorCode, str]:
+    """A marked submission the HTTP door did not make: ``(request, code, message)`` of its error
+    result, under its derived id (it may not end the id it named)."""
+    derived = derived_request_id(record.topic, record.partition, record.offset)
+    return (base.model_copy(update={"request_id": derived, "api_key_id": None}), err.code,
+            f"{err.message}; this submission ends under its derived request id {derived}")
 
 
 def _origin(record: Record) -> str:

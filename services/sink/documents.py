@@ -10,6 +10,8 @@ its completion is the first one MariaDB holds: byte-identical on a replay.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from schemas.errors import ErrorCode
 from schemas.events import DocumentPage, DocumentResult, ErrorInfo, Line, Page, RequestEvent, ResultDocument
 from schemas.keys import document_object_key
@@ -105,13 +107,19 @@ class DocumentAssembler:
         store: S3 (page outputs read, the document result written).
         outputs: The sink's LRU of stored outputs (a page over the row bound is read whole from it).
         max_page_error_rate: ``OCRSTREAM_MAX_PAGE_ERROR_RATE``.
+        on_assembled: Awaited with ``(document request, pages' final states, document's final
+            state)`` after each assembly, before it is returned (the sink caches an ok document
+            under its file's key: :mod:`services.sink.document_cache`).
     """
 
-    def __init__(self, db: Database, store: ObjectStore, outputs: OutputLru, max_page_error_rate: float):
+    def __init__(self, db: Database, store: ObjectStore, outputs: OutputLru, max_page_error_rate: float,
+                 on_assembled: Callable[[RequestEvent, list[ResultDocument], ResultDocument],
+                                        Awaitable[object]] | None = None):
         self.db = db
         self.store = store
         self.outputs = outputs
         self.rate = max_page_error_rate
+        self.on_assembled = on_assembled
 
     async def completed_documents(self, finals: list[ResultDocument]) -> list[str]:
         """Record every page among ``finals`` (final states as MariaDB holds them); the ids of the
@@ -155,4 +163,7 @@ class DocumentAssembler:
         await self.store.put_if_absent(key, dumps(result), "application/json")  # the first written is kept
         uri = self.store.uri(key)
         await documents.mark_assembled(self.db, document_id, result.status, uri)
-        return summary(doc, result, finals, uri, _trace_id(doc.traceparent))
+        final = summary(doc, result, finals, uri, _trace_id(doc.traceparent))
+        if self.on_assembled is not None:
+            await self.on_assembled(doc, finals, final)
+        return final

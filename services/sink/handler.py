@@ -24,6 +24,7 @@ from services.common.outputs import OutputLru
 from services.common.results import document_output, ocr_output, result_document
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Span, Telemetry
+from services.sink.document_cache import cache_document
 from services.sink.documents import DocumentAssembler
 from services.sink.settings import SinkSettings
 
@@ -45,7 +46,8 @@ class SinkHandler(Handler):
        them only after 1 and 2 are durable, and commits only after Kafka acknowledged them.
     4. a page of a document: its final state recorded in ``document_pages``; when it is the page
        that makes every page final, the document is assembled (:mod:`services.sink.documents`),
-       its own final state inserted like any request's and its completion emitted after the page's.
+       its own final state inserted like any request's and its completion emitted after the page's;
+       an ``ok`` one is cached under its file's key (:mod:`services.sink.document_cache`).
 
     A cache hit reads the stored document (through an in-memory LRU). A hit from the S3 tier warms
     Redis again; a hit whose document is gone (a purged bucket) ends with ``missing_object``, its
@@ -63,7 +65,9 @@ class SinkHandler(Handler):
         self.cache = cache
         self.telemetry = telemetry
         self._outputs = OutputLru(store, settings.output_lru_entries, settings.output_lru_bytes)
-        self.documents = DocumentAssembler(db, store, self._outputs, settings.max_page_error_rate)
+        self.documents = DocumentAssembler(
+            db, store, self._outputs, settings.max_page_error_rate,
+            on_assembled=lambda doc, finals, final: cache_document(settings, store, db, cache, doc, finals, final))
         self._spans: dict[str, Span] = {}  # request id -> its span in this batch
         self._settle: list[Outgoing] = []  # settlements of this batch
 

@@ -91,6 +91,7 @@ def test_error_codes_are_the_documented_list():
         "stage_crash",
         "unsupported_task", "unparsable_output",
         "document_too_many_pages", "document_too_large", "document_pages_failed",
+        "http_door_unverified",
     ]
 
 
