@@ -151,7 +151,9 @@ def submit(
             head = f"== {sub.path.name}  [{res.status}{' cache hit' if res.cache_hit else ''}]  {sub.request_id}"
             if res.status != "ok":
                 failed += 1
-                _print_error(head, res)
+                console.print(failure_lines(head, res), highlight=False, markup=False)
+                if res.status == "partial" and not quiet:
+                    _print_result(res)  # the text of the pages that did not fail
             elif not quiet:
                 what = f"{len(res.lines)} lines" if res.task == "ocr" else res.task
                 console.print(f"{head}  {what}, {res.timings_ms.get('total', 0):.0f} ms", highlight=False, markup=False)
@@ -225,12 +227,25 @@ def _task_params(s: CommonSettings, task: str, fields: str | None, to: str | Non
         raise typer.Exit(2) from None
 
 
-def _print_error(head: str, res) -> None:
-    """A failed result's line: ``head``, then its error code and message (through
-    :func:`services.cli.render.safe_text`: the message may quote a server's answer)."""
+def failure_lines(head: str, res) -> str:
+    """What ``submit`` prints for a result that is not ``ok``: ``head``, then on the next line
+    for ``error`` its code and message (through :func:`services.cli.render.safe_text`: the
+    message may quote a server's answer), for a ``partial`` document (some pages failed, which
+    carries no ``error``) its failed pages, e.g. ``   pages 2, 5 of 7 failed (ocrstream status ID)``.
+
+    Args:
+        head: The result's first line (``== name  [status]  request-id``).
+        res: A :class:`~schemas.events.ResultDocument` whose status is ``error`` or ``partial``.
+    """
     from services.cli.render import safe_text
 
-    console.print(f"{head}\n   error {res.error.code.value}: {safe_text(res.error.message)}", highlight=False, markup=False)
+    if res.status == "partial":
+        pages = ", ".join(str(n) for n in res.failed_pages)
+        of = f" of {res.page_count}" if res.page_count else ""
+        return f"{head}\n   pages {pages}{of} failed (ocrstream status {res.request_id})"
+    if res.error is None:
+        return f"{head}\n   {res.status} (no error recorded; ocrstream status {res.request_id})"
+    return f"{head}\n   error {res.error.code.value}: {safe_text(res.error.message)}"
 
 
 def _print_result(res) -> None:

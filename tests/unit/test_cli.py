@@ -50,3 +50,18 @@ def test_a_folder_gives_every_regular_file_whatever_its_name(tmp_path):
     assert got == sorted(folder / n for n in names + ["link.png"])
     # files named directly are taken as they are, after the folder's
     assert collect_files([folder / "sub", folder / ".DS_Store"]) == [folder / "sub/scan.tif", folder / ".DS_Store"]
+
+
+def test_a_partial_document_shows_its_failed_pages_and_an_error_its_code():
+    from schemas.errors import ErrorCode
+    from schemas.events import ErrorInfo, ResultDocument
+    from services.cli.main import failure_lines
+
+    doc = ResultDocument(request_id="d" * 32, status="partial", page_count=7, failed_pages=[2, 5])
+    assert doc.error is None  # what made `submit` stop with AttributeError before
+    assert failure_lines("== a.pdf  [partial]  " + "d" * 32, doc) == (
+        "== a.pdf  [partial]  " + "d" * 32 + "\n   pages 2, 5 of 7 failed (ocrstream status " + "d" * 32 + ")")
+    bad = ResultDocument(request_id="e" * 32, status="error",
+                         error=ErrorInfo(code=ErrorCode.CORRUPT_IMAGE, message="cannot decode\x1b[2J"))
+    assert failure_lines("== b.png  [error]  " + "e" * 32, bad) == (
+        "== b.png  [error]  " + "e" * 32 + "\n   error corrupt_image: cannot decode␛[2J")
