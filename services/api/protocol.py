@@ -215,6 +215,9 @@ class JobCreate(BaseModel):
     task: str | None = Field(default=None, max_length=64, description="the task its images run (report columns)")
     fields: list[str] | None = Field(default=None, max_length=50,
                                      description="`task=extract`: the field names (one report column each)")
+    to: str | None = Field(default=None, max_length=16,
+                           description="`task=translate`: the target language (en, zh, ja, ko, fr, de, es, it, pt, "
+                                       "ru, ar, vi, th)")
     webhook_url: str | None = Field(default=None, max_length=2048,
                                     description="the job's completion event is POSTed there once, signed like a "
                                                 "request's webhook (same allow-list and secret rules as `callback_url`)")

@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 
 from schemas.errors import ErrorCode, HttpErrorCode
 from schemas.jobs import JobEvent, JobProgress
-from schemas.tasks import TaskError
+from schemas.tasks import TaskError, TaskParams
 from services.api.clients import Clients
 from services.api.errors import ApiError
 from services.api.events import EventStream, KEEPALIVE, encode
@@ -83,6 +83,27 @@ async def check_job_of(clients: Clients, job_id: str | None, principal: Principa
         await job_for_key(JobStore(clients.db), job_id, principal, clients.s.http_job_wait_s)
 
 
+def job_task_params(settings, body: JobCreate) -> TaskParams | None:
+    """A job's task parameters from ``POST /v1/jobs``' body (``fields``, ``to`` as ``target_lang``),
+    checked as a submission's are (:meth:`CommonSettings.check_task`); None without a task.
+
+    Raises:
+        ApiError: 400 ``invalid_request``: ``fields`` or ``to`` without a ``task`` (not dropped:
+            the caller expects them used), or the task or a parameter refused (the reason).
+    """
+    if body.fields is not None and not body.task:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "fields: a job's fields need its task (task=extract)")
+    if body.to is not None and not body.task:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "to: a job's target language needs its task (task=translate)")
+    if not body.task:
+        return None
+    given = {k: v for k, v in (("fields", body.fields), ("target_lang", body.to)) if v is not None}
+    try:
+        return settings.check_task(body.task, given or None)
+    except TaskError as exc:
+        raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+
 class JobService:
     """The job routes' logic over the door's clients (Kafka producer, MariaDB)."""
 
@@ -108,13 +129,7 @@ class JobService:
             ApiError: 400 ``invalid_request`` (a task the deployment does not list, bad fields,
                 ``fields`` without a ``task``), 503 ``unavailable`` (Kafka did not acknowledge).
         """
-        if body.fields is not None and not body.task:  # not dropped: the caller expects report columns
-            raise ApiError(ErrorCode.INVALID_REQUEST, "fields: a job's fields need its task (task=extract)")
-        try:
-            params = (self.c.s.check_task(body.task, {"fields": body.fields} if body.fields is not None else None)
-                      if body.task else None)
-        except TaskError as exc:
-            raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        params = job_task_params(self.c.s, body)
         if body.webhook_url:  # URL checks, webhooks enabled here, a secret to sign with: as for callback_url
             await validate_callback_url(body.webhook_url, self.c.s, principal.key_id,
                                         enabled=self.c.webhooks is not None)

@@ -30,8 +30,22 @@ async def test_a_close_beyond_2_31_minus_1_is_400_invalid_request(expected):
     ({"fields": []}, "fields: a job's fields need its task (task=extract)"),
     ({"task": "ocr", "fields": ["total"]}, "task 'ocr' takes no fields"),
     ({"task": "extract", "fields": []}, "fields: name at least one field"),
+    ({"to": "en"}, "to: a job's target language needs its task (task=translate)"),
+    ({"task": "translate"}, "task 'translate' needs target_lang"),
+    ({"task": "ocr", "to": "en"}, "task 'ocr' takes no target_lang"),
 ])
 async def test_fields_without_a_task_that_reads_them_are_400_not_dropped(body, message):
     r = await _post("/v1/jobs", body)
     assert r.status_code == 400, r.text
     assert r.json() == {"error": {"code": "invalid_request", "message": message}}
+
+
+def test_a_translate_job_takes_its_language_from_to():
+    from schemas.tasks import TaskParams
+    from services.api.protocol import JobCreate
+    from services.api.serving_jobs import job_task_params
+
+    s = ApiSettings(webhook_enabled=False)
+    assert job_task_params(s, JobCreate(task="translate", to="en")) == TaskParams(target_lang="en")
+    assert job_task_params(s, JobCreate(task="extract", fields=["total", " total"])) == TaskParams(fields=["total"])
+    assert job_task_params(s, JobCreate(name="no task")) is None
