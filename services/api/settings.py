@@ -25,7 +25,8 @@ class ApiSettings(CommonSettings):
     http_max_waiters: int = Field(default=10_000, ge=1, description="long-polls held at once per process; more get 503")
     http_batch_max_files: int = Field(default=64, ge=1, description="images per POST /v1/ocr/batch (and request ids per GET /v1/events)")
     http_events_max_s: float = Field(
-        default=300.0, gt=0, description="longest a GET /v1/events stream stays open (its `timeout` is capped to it), s")
+        default=300.0, gt=0, description="longest a GET /v1/events or GET /v1/jobs/{id}/events stream stays open "
+                                         "(its `timeout` defaults to it and is capped to it), s")
     http_job_wait_s: float = Field(
         default=10.0, ge=0, le=120,
         description="longest the door waits for a job the jobs stage has not recorded yet (one just created): "
