@@ -11,8 +11,8 @@ bash scripts/install.sh
 bash deploy/local/up.sh
 bash deploy/local/stages.sh start
 if [[ $# -eq 0 ]]; then
-  # the samples folder holds the documents and manifest.json (their true text lines): OCR the documents
+  # the samples folder holds the images and manifest.json (their true text lines): OCR the images
   mapfile -t FILES < <(find "$INPUT" -maxdepth 1 -type f ! -name manifest.json ! -name '.*' | sort)
-  exec .venv/bin/ocrstream submit "${FILES[@]}" --wait --out "$OUT"
+  exec .venv/bin/ocrstream submit "${FILES[@]}" --wait --out "$OUT" --name "$(basename "$INPUT")"
 fi
 exec .venv/bin/ocrstream submit "$INPUT" --wait --out "$OUT"
