@@ -49,7 +49,7 @@ def report_columns(fields: list[str]) -> list[str]:
 
 def report_record(row: dict, fields: list[str]) -> dict:
     """One ``job_requests`` row (:data:`~services.common.jobs.REPORT_SQL`) as a report row, keys in
-    :func:`report_columns` order (absent values None; times in ms)."""
+    :func:`report_columns` order (absent values None; times in ms, rounded to 0.001 ms)."""
     timings = orjson.loads(row["timings_json"]) if row.get("timings_json") else {}
     values = orjson.loads(row["fields_json"]) if row.get("fields_json") else {}
     conf = row.get("mean_confidence")
@@ -57,7 +57,7 @@ def report_record(row: dict, fields: list[str]) -> dict:
            "error_code": row.get("error_code"), "pages": row.get("pages"), "lines": row.get("line_count"),
            "characters": row.get("char_count"), "mean_confidence": None if conf is None else round(float(conf), 4),
            "cache_hit": bool(row.get("cache_hit")), "total_ms": row.get("total_ms")}
-    out.update({f"{s}_ms": timings.get(s) for s in STAGE_TIMES})
+    out.update({f"{s}_ms": None if timings.get(s) is None else round(float(timings[s]), 3) for s in STAGE_TIMES})
     out.update({f"field:{f}": (values or {}).get(f) for f in fields})
     return out
 

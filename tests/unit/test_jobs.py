@@ -79,7 +79,8 @@ def test_report_rows_stream_to_csv_and_jsonl_with_a_column_per_field_and_totals(
     rows = [
         {"request_id": "r1", "filename": "a.png", "status": "ok", "error_code": None, "pages": 1, "line_count": 2,
          "char_count": 6, "mean_confidence": 0.75, "cache_hit": 0, "total_ms": 20.0, "inference_ms": 7.5,
-         "timings_json": '{"total": 20.0, "inference": 7.5}', "fields_json": '{"total": "3", "date": null}'},
+         "timings_json": '{"total": 20.0, "inference": 7.5, "queue_dedup": 3.006591796875}',
+         "fields_json": '{"total": "3", "date": null}'},
         {"request_id": "r2", "filename": "b.jpg", "status": "error", "error_code": "empty_input", "pages": 1,
          "line_count": 0, "char_count": 0, "mean_confidence": None, "cache_hit": 1, "total_ms": 40.0,
          "inference_ms": None, "timings_json": '{"total": 40.0}', "fields_json": None},
@@ -89,7 +90,8 @@ def test_report_rows_stream_to_csv_and_jsonl_with_a_column_per_field_and_totals(
     cols = report_columns(["total", "date"])
     lines = fcsv.getvalue().splitlines()
     assert lines[0] == ",".join(cols) and cols[-2:] == ["field:total", "field:date"]
-    assert lines[1] == "a.png,r1,ok,,1,2,6,0.75,false,20.0," + ",,,,,,,," + "7.5,,,,,3,"  # 13 stage times
+    # 13 stage times, rounded to 0.001 ms (queue_dedup 3.006591796875 -> 3.007)
+    assert lines[1] == "a.png,r1,ok,,1,2,6,0.75,false,20.0," + ",,3.007,,,,,," + "7.5,,,,,3,"
     assert lines[2].startswith("b.jpg,r2,error,empty_input,1,0,0,,true,40.0,")
     first = orjson.loads(fjsonl.getvalue().splitlines()[0])
     assert list(first) == cols and first["field:total"] == "3" and first["field:date"] is None
