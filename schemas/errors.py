@@ -127,7 +127,8 @@ _ROWS = (
     ErrorSpec(_E.IMAGE_TOO_COMPLEX, 422, "Decoding the image needed more memory than the decoder process may use "
               "(`OCRSTREAM_DECODE__MEMORY_MB`), or the decoder process died reading it."),
     ErrorSpec(_E.REQUEST_ID_CONFLICT, 409, "The chosen `request_id` is already taken by another request: another "
-              "image (content SHA-256), another task, or another API key, at either door. The first request keeps "
+              "image (content SHA-256), another task, or another API key, at either door; or it names a request "
+              "no claim holds (a document's page `<document id>:p<n>`, an id the system made). The first request keeps "
               "the id and its result; on the Kafka door the refused submission ends under its derived id (the "
               "message names the id it asked for), on the HTTP door it is answered 409. Resending the same image "
               "with the same id is an idempotent retry, not a conflict."),

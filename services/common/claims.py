@@ -15,6 +15,13 @@ it by :func:`compare`, the one rule:
   before the image was read) conflicts with every other submission: that id already has its
   final state.
 
+Some ids are never claimed: a document's pages (``<document id>:p<n>``, named by ingest's
+split), the HTTP door's own random ids and ingest's derived ids. A new claim on an id that
+already has a final state in ``requests``, or that names a page of a registered document
+(``documents``), is a conflict too (:func:`unclaimed_holder`, asked when no claim holds it): the
+first final state is kept, so the claimer would otherwise be answered with another request's
+result, or wait for one that never comes.
+
 The row is never overwritten. Only its claimer may delete it again (:func:`release`, by its
 ``token``): the HTTP door does when the submission is refused or fails before it is accepted,
 so the client's retry is not a conflict with a request that never started.
@@ -22,6 +29,7 @@ so the client's retry is not a conflict with a request that never started.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,6 +40,7 @@ from services.common.db import Database
 from services.common.errors import StoreUnavailable
 
 _DUPLICATE_KEY = 1062  # MariaDB/MySQL ER_DUP_ENTRY
+_PAGE_ID = re.compile(r"(.+):p([1-9][0-9]{0,8})")  # schemas.ids.page_request_id's form
 
 _INSERT = """
 INSERT INTO request_claims (request_id, content_sha256, task, api_key_id, door, origin, token, claimed_at_ms)
@@ -139,8 +148,9 @@ async def held_claim(db: Database, request_id: str) -> RequestClaim | None:
 async def claim(db: Database, mine: RequestClaim) -> ClaimOutcome:
     """Take ``mine.request_id`` for ``mine``, or say who holds it and whether ``mine`` is a retry of it.
 
-    One ``INSERT`` when the id is new; a duplicate key is followed by one ``SELECT`` of the holder
-    and :func:`compare`. Idempotent for the same submission (a redelivered Kafka record is a
+    When no claim holds the id, first whether it is taken unclaimed (:func:`unclaimed_holder`:
+    a conflict, with ``held`` this call's own, not inserted); then one ``INSERT`` when the id is
+    new; a duplicate key is followed by one ``SELECT`` of the holder and :func:`compare`. Idempotent for the same submission (a redelivered Kafka record is a
     ``retry`` of its own claim).
 
     Raises:
@@ -151,6 +161,10 @@ async def claim(db: Database, mine: RequestClaim) -> ClaimOutcome:
     """
     args = (mine.request_id, mine.content_sha256, mine.task, mine.api_key_id, mine.door, mine.origin,
             mine.token, mine.claimed_at_ms)
+    if await held_claim(db, mine.request_id) is None:
+        reason = await unclaimed_holder(db, mine.request_id)
+        if reason is not None:  # taken for good (nobody can claim it): no twin can slip in
+            return ClaimOutcome("conflict", mine, reason)
     for _ in range(3):
         try:
             await db.execute(_INSERT, *args)
@@ -167,6 +181,28 @@ async def claim(db: Database, mine: RequestClaim) -> ClaimOutcome:
             await db.execute(_UPGRADE, mine.content_sha256, mine.task, mine.request_id, mine.origin)
         return ClaimOutcome(kind, held, reason)
     raise StoreUnavailable(f"request_id {mine.request_id!r} was claimed and released repeatedly; try again")
+
+
+async def unclaimed_holder(db: Database, request_id: str) -> str | None:
+    """Why ``request_id``, though no claim holds it, is taken (a conflict's reason), or None.
+
+    Taken: it has a final state in ``requests`` (a document's page, or an id the system made),
+    or it is ``<document id>:p<n>`` of a document registered in ``documents`` with at least
+    ``n`` pages (a page still in flight). A page id in its hashed form (a document id over 60
+    characters) is seen only once it has its final state.
+
+    Raises:
+        pymysql.MySQLError: MariaDB failed.
+    """
+    if await db.query("SELECT 1 FROM requests WHERE request_id = %s", request_id):
+        return f"request_id {request_id!r} is already used by another request (it has its final state)"
+    page = _PAGE_ID.fullmatch(request_id)
+    if page is None:
+        return None
+    rows = await db.query("SELECT page_count FROM documents WHERE document_id = %s", page.group(1))
+    if rows and int(page.group(2)) <= int(rows[0]["page_count"]):
+        return f"request_id {request_id!r} is page {page.group(2)} of the document {page.group(1)!r}"
+    return None
 
 
 async def release(db: Database, mine: RequestClaim) -> bool:
