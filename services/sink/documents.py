@@ -22,6 +22,9 @@ from services.common.outputs import OutputLru
 from services.common.s3 import ObjectStore
 
 _TASK_SLOTS = ("markdown", "html", "latex", "fields", "translation")
+_JOINED_SLOTS = ("markdown", "html", "latex", "translation")
+"""The task slots a document's own answer holds, its pages' in page order separated by a blank
+line, as its ``text`` (``fields``, one object a page, is left to the pages)."""
 
 
 def document_status(page_count: int, failed: int, max_page_error_rate: float) -> str:
@@ -71,9 +74,20 @@ def assemble(doc: RequestEvent, page_count: int, pages: list[DocumentPage], fina
         submitted_at_ms=doc.submitted_at_ms, completed_at_ms=max(done) if done else None)
 
 
+def _joined_slots(pages: list[DocumentPage]) -> dict[str, str | None]:
+    """:data:`_JOINED_SLOTS` of the document: each one's pages' values (those that have one) in
+    page order, separated by a blank line; None where no page has one."""
+    joined: dict[str, str | None] = {}
+    for k in _JOINED_SLOTS:
+        parts = [getattr(p, k) for p in pages if getattr(p, k)]
+        joined[k] = "\n\n".join(parts) if parts else None
+    return joined
+
+
 def summary(doc: RequestEvent, result: DocumentResult, finals: list[ResultDocument], result_uri: str,
             trace_id: str | None) -> ResultDocument:
-    """The document's own final state: its status, pages, lines (page numbers set), text and the
+    """The document's own final state: its status, pages, lines (page numbers set), text, the
+    task's ``markdown``/``html``/``latex``/``translation`` (:func:`_joined_slots`) and the
     pointer to the whole; MariaDB bounds it like any request's (``lines_omitted``, ``text_truncated``)."""
     first_ok = next((f for f in finals if f.status == "ok"), None)
     pages = [Page(index=p.page_number, width=p.width or 1, height=p.height or 1,
@@ -90,7 +104,8 @@ def summary(doc: RequestEvent, result: DocumentResult, finals: list[ResultDocume
         source=doc.source, filename=doc.filename, result_uri=result_uri, submitted_at_ms=doc.submitted_at_ms,
         completed_at_ms=result.completed_at_ms, timings_ms={**doc.timings_ms, "total": total}, trace_id=trace_id,
         callback_url=doc.callback_url, api_key_id=doc.api_key_id, metadata=doc.metadata,
-        document_id=doc.request_id, page_count=result.page_count, failed_pages=result.failed_pages, job_id=doc.job_id)
+        document_id=doc.request_id, page_count=result.page_count, failed_pages=result.failed_pages, job_id=doc.job_id,
+        **_joined_slots(result.pages))
 
 
 def _trace_id(traceparent: str | None) -> str | None:
@@ -156,7 +171,8 @@ class DocumentAssembler:
             lines = final.lines
             if (final.lines_omitted or final.text_truncated) and final.result_uri:  # over the row bound
                 whole = await self.outputs.load(final.result_uri)
-                lines, final = whole.lines, final.model_copy(update={"text": whole.text})
+                lines, final = whole.lines, final.model_copy(update={  # the row may have left its slots out too
+                    "text": whole.text, **{k: getattr(whole, k) for k in _TASK_SLOTS if getattr(final, k) is None}})
             pages.append(_page_of(number, final, lines))
         result = assemble(doc, page_count, pages, finals, self.rate)
         key = document_object_key(document_id)

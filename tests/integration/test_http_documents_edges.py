@@ -86,3 +86,21 @@ def test_a_page_id_of_a_document_in_flight_is_refused(client):
     assert r.status_code == 202, r.text
     body = wait_result(client, doc)
     assert (body["status"], body["result"]["page_count"]) == ("ok", 2)
+
+
+def test_a_doc_parse_document_answers_with_its_pages_markdown_and_so_does_its_repeat(client):
+    """Before: the document's answer (and the cached repeat's) had ``markdown`` null; only each
+    page's own answer (``<id>:p<n>``) had it."""
+    u = time.time_ns() % 10**6
+    texts = [f"EDGE PARSE {u} {n}" for n in (1, 2)]
+    pdf = make_pdf([page_image(t) for t in texts])
+    r = client.post("/v1/ocr", content=pdf, headers=PDF, params={"task": "doc_parse"})
+    assert r.status_code == 202, r.text
+    body = wait_result(client, r.json()["request_id"])
+    want = "\n\n".join(f"# {t}" for t in texts)
+    assert (body["status"], body["result"]["markdown"], body["result"]["text"]) == ("ok", want, want), body
+    assert (body["result"]["html"], body["result"]["fields"]) == (None, None)
+    again = client.post("/v1/ocr", content=pdf, headers=PDF, params={"task": "doc_parse"})
+    assert again.status_code == 200, again.text
+    hit = again.json()["result"]
+    assert (hit["cache_hit"], hit["page_count"], hit["markdown"], hit["text"]) == (True, 2, want, want)
