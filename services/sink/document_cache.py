@@ -5,8 +5,8 @@ it checks or stores it (``services/api/serving_submit.py``); an image's key gets
 sink stores its computed output. A document is never computed under the file's key (its pages
 are, each under its own), so the sink gives it one when it assembles it: the document's whole
 output (:func:`~services.common.results.document_output` of its final state: every page's lines,
-the pages' texts, the page sizes) at ``results/...`` under the file's key, its ``results`` row, and
-its Redis entry, exactly as for an image's computed output. Then a repeat of the file is a
+the pages' texts and the task's Markdown/HTML/LaTeX/translation, the page sizes) at
+``results/...`` under the file's key, its ``results`` row, and its Redis entry, exactly as for an image's computed output. Then a repeat of the file is a
 plain cache hit at the door (200, ``cache_hit`` true) and, where a Kafka submission is not split
 (``OCRSTREAM_SPLIT_DOCUMENTS=false``), at dedup.
 
