@@ -168,7 +168,10 @@ def test_bad_id_lists_get_400_and_all_unknown_ids_404(api):
             "code": "invalid_request",
             "message": "65 request ids: a stream watches at most 64 (OCRSTREAM_HTTP_BATCH_MAX_FILES)"}
         # 64 distinct ids are allowed (then 404: none exists); duplicates count once
-        r = c.get("/v1/events", params={"id": [f"id-{i}" for i in range(64)] * 2})
+        for _ in range(5):  # a Redis or MariaDB lookup that fails under load answers 200 (fail open): ask again
+            r = c.get("/v1/events", params={"id": [f"id-{i}" for i in range(64)] * 2, "timeout": 1})
+            if r.status_code != 200:
+                break
         assert r.status_code == 404 and r.json()["error"] == {"code": "not_found",
                                                               "message": "none of the 64 requests exists"}
         r = c.get("/v1/events")

@@ -110,7 +110,10 @@ async def test_a_job_of_1000_images_counts_each_once_completes_once_and_reads_th
         name: code.value for _, name, code in BAD}
     ok = {r["name"]: r for r in rows if r["status"] == "ok"}
     assert (ok["img007.png"]["lines"], ok["img694.png"]["characters"]) == ("1", str(len(f"JOB {TAG} 694")))
-    assert [ok[f"again{i:03d}.png"]["cache_hit"] for i in (0, 299)] == ["true", "true"]
+    # of an image and its repeat, exactly one was computed and the other answered from it: which one
+    # depends on which reached dedup first (they were submitted on different ingest partitions)
+    assert [sorted((ok[f"img{i:03d}.png"]["cache_hit"], ok[f"again{i:03d}.png"]["cache_hit"]))
+            for i in (0, 299)] == [["false", "true"]] * 2
     # the same job over HTTP: its progress, its event stream (completed at once) and its report
     with httpx.Client(base_url=scale.url, timeout=60) as c:  # nothing else runs on this loop now
         over_http = c.get(f"/v1/jobs/{job_id}").json()
