@@ -140,6 +140,7 @@ async def drained(group: str, topic: str, bound_s: float = 120) -> None:
     await consumer.start()
     try:
         tps = [TopicPartition(topic, n) for n in consumer.partitions_for_topic(topic) or set()]
+        assert tps, f"no partitions known for {topic}"
         deadline = time.monotonic() + bound_s
         while time.monotonic() < deadline:
             end = await consumer.end_offsets(tps)

@@ -14,6 +14,7 @@ from aiokafka import TopicPartition
 from schemas.events import CompletedEvent, ResultEvent
 from services.common.kafka import make_consumer
 from services.common.settings import CommonSettings
+from tests.documents import drained
 from tests.fault.conftest import reads_as, distinct_images
 from tests.stack import STAGES, db_rows, metric_value
 
@@ -103,24 +104,6 @@ async def _completions(s: CommonSettings, ids: set[str]) -> dict[str, list[bytes
     return out
 
 
-async def _drained(s: CommonSettings, group: str, topic: str, bound_s: float = 180) -> None:
-    """Wait until ``group`` has committed the end of every partition of ``topic`` (a liveness bound)."""
-    consumer = make_consumer(s.kafka, [], group, "test-rebalance-offsets")  # never subscribes: no join
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, n) for n in consumer.partitions_for_topic(topic) or set()]
-        assert tps, f"no partitions known for {topic}"
-        for _ in range(int(bound_s / 0.5)):
-            end = await consumer.end_offsets(tps)
-            committed = {tp: (await consumer.committed(tp)) or 0 for tp in tps}
-            if all(committed[tp] >= end[tp] for tp in tps):
-                return
-            await asyncio.sleep(0.5)
-        raise AssertionError(f"{group} did not commit the end of {topic} in {bound_s}s")
-    finally:
-        await consumer.stop()
-
-
 async def _await_log(path, pattern: str, after: int, bound_s: float = 120) -> None:
     """Wait until ``path`` has a line matching ``pattern`` past byte ``after`` (a liveness bound)."""
     for _ in range(int(bound_s / 0.5)):
@@ -180,8 +163,8 @@ async def test_second_infer_joins_and_first_leaves_mid_run(fault_pipeline):
     docs = await run
     await _check(docs, items)
     # the redone records may still be on their way when every request has completed once
-    await _drained(s, p.env["OCRSTREAM_INFER_GROUP_ID"], s.topics.infer)
-    await _drained(s, p.env["OCRSTREAM_SINK_GROUP_ID"], s.topics.results)
+    await drained(p.env["OCRSTREAM_INFER_GROUP_ID"], s.topics.infer, bound_s=180)
+    await drained(p.env["OCRSTREAM_SINK_GROUP_ID"], s.topics.results, bound_s=180)
     in_flight_second = _revoked_in_flight(p, second)
 
     ids = {d.request_id for d in docs}
