@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check: the infer stage's batcher (InferHandler.handle) with the real vLLM engine on a tiny
-# random Qwen2-VL, at max_batch 1 / 8 / 32, printing images/s and the ratios b8/b1, b32/b1.
+# GPU check: the infer stage's handler with the real vLLM engine on a tiny random Qwen2-VL, in
+# micro-batches of 1 and 16 (a barrier after each) and in a window of 256 pages in flight,
+# printing images/s and the ratios b16/b1, w256/b1 and w256/b16.
 #
 # For one single-GPU machine with no internet (on an H200 with the bundle, 2026-11-30: 153 s;
 # 161 s with ENFORCE_EAGER=0). Worst case 475 s: the whole script runs under
@@ -14,11 +15,12 @@
 #   3. a tiny randomly initialised Qwen2-VL checkpoint built locally (bench/gpu/tiny_vlm.py:
 #      tokenizer trained here, no download);
 #   4. bench/gpu/throughput.py: VllmEngine.start() (load + warm-up), a timeout/abort check,
-#      then InferHandler.handle over in-memory PNG records at max_batch 1, 8, 32 (only Kafka
-#      and S3 are stand-ins) and the ratios, for every task (ocr, doc_parse, table, formula,
+#      then InferHandler over in-memory PNG records in micro-batches of 1 and 16 and a window of
+#      256 (only Kafka and S3 are stand-ins) and the ratios, for every task (ocr, doc_parse, table, formula,
 #      chart, extract, translate; HunyuanOCR's prompts, extract with four invoice fields,
 #      translate into English): pages/s and output tokens/s per task and batch size, one table
-#      (bench/gpu/tasks.py), last line RESULT {json}. TASKS=ocr gives the ocr-only run of before.
+#      (bench/gpu/tasks.py), last line RESULT {json}. The default is TASKS=ocr (a window of 256 reads
+#      512 pages per task); TASKS=all runs every task.
 #
 # Providing vLLM, one of:
 #   a) a machine image where `python3 -c 'import vllm'` works (then nothing is installed);
@@ -44,8 +46,8 @@
 #
 # Environment knobs: PYTHON, GPU_BUNDLE (default .gpu-bundle), GPU_BUNDLE_SITE (default
 # /tmp/ocrstream-gpu-site), WHEEL_DIR, GPU_CHECK_TIMEOUT_S, ENFORCE_EAGER (1 = no CUDA graphs,
-# default, faster start; 0 = CUDA graphs, closer to production), BATCHES (default 1,8,32),
-# TASKS (default all; or a comma-separated list such as ocr,extract).
+# default, faster start; 0 = CUDA graphs, closer to production), BATCHES (default 1,16), WINDOWS (default 256),
+# TASKS (default ocr; all, or a comma-separated list such as ocr,extract).
 set -euo pipefail
 
 if [[ -z "${GPU_CHECK_INNER:-}" ]]; then
@@ -233,9 +235,9 @@ LOAD_FORMAT="$(sed -n 's/^load_format=//p' "$WORK/tiny.log" | tail -1)"
 [[ -n "$LOAD_FORMAT" ]] || die "tiny_vlm.py did not say which load_format to use"
 ls -la "$MODEL"
 
-step "4/4 InferHandler + VllmEngine throughput, tasks ${TASKS:-all}, max_batch ${BATCHES:-1,8,32} (load_format=$LOAD_FORMAT, enforce_eager=${ENFORCE_EAGER:-1})"
-"$PY" bench/gpu/throughput.py --model "$MODEL" --load-format "$LOAD_FORMAT" --tasks "${TASKS:-all}" \
-    --batches "${BATCHES:-1,8,32}" --enforce-eager "${ENFORCE_EAGER:-1}" 2>&1 | tee "$WORK/throughput.log" \
+step "4/4 InferHandler + VllmEngine throughput, tasks ${TASKS:-ocr}, micro-batches ${BATCHES:-1,16}, windows ${WINDOWS:-256} (load_format=$LOAD_FORMAT, enforce_eager=${ENFORCE_EAGER:-1})"
+"$PY" bench/gpu/throughput.py --model "$MODEL" --load-format "$LOAD_FORMAT" --tasks "${TASKS:-ocr}" \
+    --batches "${BATCHES:-1,16}" --windows "${WINDOWS:-256}" --enforce-eager "${ENFORCE_EAGER:-1}" 2>&1 | tee "$WORK/throughput.log" \
     || die "throughput run failed (log: $WORK/throughput.log)"
 
 step "done in $((SECONDS - T0)) s"

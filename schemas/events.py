@@ -58,6 +58,21 @@ Fields = Annotated[dict[str, str | None] | None, Field(
 Translation = Annotated[str | None, Field(description="translate: the text in task_params.target_lang")]
 JobIdField = Annotated[JobId | None, Field(
     description="the job the request belongs to (docs/jobs.md); null: none")]
+
+Priority = Literal["interactive", "bulk"]
+"""The lane a request is read in (docs/delivery.md, "Two lanes"): ``interactive`` requests (a
+single image at either door) take the infer window's free slots first and have slots of their
+own; ``bulk`` ones (a job's requests, a document's pages) fill the rest."""
+PRIORITIES: tuple[str, ...] = ("interactive", "bulk")
+
+
+def request_priority(priority: Priority | None, job_id: str | None) -> Priority:
+    """The lane of a request submitted at either door: ``priority`` when the submitter gave one,
+    else ``bulk`` for a request in a job and ``interactive`` for a single one (a document's pages
+    are ``bulk`` whatever this says: the split sets it)."""
+    if priority is not None:
+        return priority
+    return "bulk" if job_id else "interactive"
 RawOutput = Annotated[str | None, Field(
     description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")]
 
@@ -169,6 +184,10 @@ class SubmitEvent(_Frozen):
     api_key_id: str | None = Field(
         default=None, max_length=64, description="the API key of an HTTP door submission (door http); verified "
         "like door")
+    priority: Priority | None = Field(
+        default=None, description="the lane the request is read in: interactive (read before bulk work, with "
+        "slots of its own) or bulk; null: bulk for a request in a job, interactive otherwise (a document's pages "
+        "are always bulk; docs/delivery.md)")
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -237,6 +256,9 @@ class RequestEvent(_Frozen):
     document_id: DocumentId = None
     page_number: PageNumber = None
     page_count: PageCount = None
+    priority: Priority = Field(
+        default="bulk", description="the lane the request is read in: dedup sends an interactive miss to "
+        "ocr.infer-interactive, a bulk one to ocr.infer (docs/delivery.md)")
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -328,9 +350,10 @@ class ResultDocument(_Frozen):
         text: All lines joined with newlines; pages separated by a blank line.
         width, height: Size of page 1 in pixels (upright); every page in ``pages``.
         timings_ms: Where the time went, in ms: ``queue_<stage>`` waits (from Kafka timestamps),
-            ``ingest``, ``dedup``, ``fetch``, ``decode``, ``preprocess``, ``inference`` (this
-            image's share of its engine batch), ``postprocess``, ``batch_wait`` (in infer,
-            waiting on the rest of the batch), ``write`` and ``total`` (submit to completion).
+            ``ingest``, ``dedup``, ``fetch``, ``decode``, ``preprocess``, ``inference`` (the
+            engine's time for this image's pages), ``postprocess``, ``engine_wait`` (in infer,
+            waiting for decoded-pixel room or a free engine slot), ``write`` and ``total``
+            (submit to completion).
         trace_id: The request's OpenTelemetry trace id (32 hex digits).
         callback_url: Where the completion is delivered as a signed webhook (HTTP submissions).
         api_key_id: The API key that submitted the request over HTTP, when keys are required.

@@ -6,7 +6,8 @@ from pydantic import BaseModel, ConfigDict
 class Topics(BaseModel):
     """Topic names; every stage reads them from its settings (env ``OCRSTREAM_TOPICS__<FIELD>``).
 
-    Flow: submit -> requests -> infer -> results -> completed; any stage may write to dlq.
+    Flow: submit -> requests -> infer-interactive or infer -> results -> completed; any stage may
+    write to dlq.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -16,7 +17,11 @@ class Topics(BaseModel):
     requests: str = "ocr.requests"
     """Accepted requests, image in S3, keyed by content SHA-256. Read by dedup."""
     infer: str = "ocr.infer"
-    """Cache misses, one per cache key in flight (the holder), keyed by content SHA-256. Read by infer."""
+    """Cache misses of the bulk lane (a job's requests, a document's pages), one per cache key in flight
+    (the holder), keyed by content SHA-256. Read by infer."""
+    infer_interactive: str = "ocr.infer-interactive"
+    """Cache misses of the interactive lane (a single request at either door), as ``infer``. Read by infer
+    before ``infer``, with slots of its own (docs/delivery.md, "Two lanes")."""
     results: str = "ocr.results"
     """Results from infer, cache hits from dedup and rejections from ingest. Read by sink."""
     completed: str = "ocr.completed"
@@ -39,7 +44,7 @@ class Topics(BaseModel):
 
     def all(self) -> list[str]:
         """Every topic name, in flow order."""
-        return [self.submit, self.requests, self.infer, self.results, self.completed, self.dlq, self.settled,
+        return [self.submit, self.requests, self.infer_interactive, self.infer, self.results, self.completed, self.dlq, self.settled,
                 self.dedup_changelog, self.jobs, self.job_completed]
 
     def compacted(self) -> list[str]:

@@ -53,11 +53,12 @@ def task_params(task: str) -> TaskParams | None:
 
 @dataclass(frozen=True)
 class TaskRun:
-    """One task at one ``max_batch``, measured through ``InferHandler.handle``.
+    """One task in one mode: micro-batches through ``InferHandler.handle``, or a window through
+    ``InferHandler.handle_record``.
 
     Attributes:
         task: The task.
-        batch: ``max_batch``.
+        batch: Records per micro-batch, or in the window.
         ok: Pages answered ``ok``.
         unparsable: Pages answered ``unparsable_output`` (the engine answered, the parser refused).
         errors: Pages ending with any other error.
@@ -72,6 +73,12 @@ class TaskRun:
     errors: int
     seconds: float
     output_tokens: int | None
+    window: bool = False  # a window of ``batch`` records in flight, not micro-batches of ``batch``
+
+    @property
+    def key(self) -> str:
+        """``b<N>`` for micro-batches of N, ``w<N>`` for a window of N."""
+        return f"{'w' if self.window else 'b'}{self.batch}"
 
     @property
     def answered(self) -> int:
@@ -100,40 +107,40 @@ def format_report(runs: list[TaskRun]) -> str:
         task        b1 pages/s  b1 tok/s  b8 pages/s  b8 tok/s  bmax/b1
         ocr               3.14     201.0       11.42     730.9     3.64
     """
-    batches = sorted({r.batch for r in runs})
+    keys = sorted({r.key for r in runs}, key=lambda k: (k[0] == "w", int(k[1:])))
     tasks = list(dict.fromkeys(r.task for r in runs))
-    by = {(r.task, r.batch): r for r in runs}
+    by = {(r.task, r.key): r for r in runs}
     head = ["task".ljust(10)]
-    for b in batches:
-        head += [f"b{b} pages/s".rjust(11), f"b{b} tok/s".rjust(10)]
-    head.append(f"b{batches[-1]}/b1".rjust(8) if len(batches) > 1 and batches[0] == 1 else "")
+    for k in keys:
+        head += [f"{k} pages/s".rjust(11), f"{k} tok/s".rjust(10)]
+    head.append(f"{keys[-1]}/b1".rjust(8) if len(keys) > 1 and keys[0] == "b1" else "")
     lines = ["  ".join(head).rstrip()]
     for t in tasks:
         cells = [t.ljust(10)]
-        for b in batches:
-            r = by.get((t, b))
+        for k in keys:
+            r = by.get((t, k))
             tok = None if r is None else r.tokens_per_s
             cells += ["-".rjust(11) if r is None else f"{r.pages_per_s:11.2f}",
                       ("-" if tok is None else f"{tok:.1f}").rjust(10)]
-        first, last = by.get((t, 1)), by.get((t, batches[-1]))
+        first, last = by.get((t, "b1")), by.get((t, keys[-1]))
         ratio = ""
-        if len(batches) > 1 and first and last and first.pages_per_s > 0:
+        if len(keys) > 1 and first and last and first.pages_per_s > 0:
             ratio = f"{last.pages_per_s / first.pages_per_s:7.2f}x"
         cells.append(ratio)
         lines.append("  ".join(cells).rstrip())
     bad = [r for r in runs if r.unparsable or r.errors]
     for r in bad:
-        lines.append(f"  {r.task} b{r.batch}: {r.unparsable} unparsable_output, {r.errors} other errors")
+        lines.append(f"  {r.task} {r.key}: {r.unparsable} unparsable_output, {r.errors} other errors")
     return "\n".join(lines)
 
 
 def result_json(runs: list[TaskRun]) -> dict[str, dict[str, dict[str, float | int | None]]]:
-    """``{task: {"b<batch>": {"pages_per_s", "output_tokens_per_s", "ok", "unparsable", "errors"}}}``
+    """``{task: {"b<batch>" or "w<window>": {"pages_per_s", "output_tokens_per_s", "ok", "unparsable", "errors"}}}``
     (rates rounded to 3 decimals), for the ``RESULT`` line."""
     out: dict[str, dict[str, dict[str, float | int | None]]] = {}
     for r in runs:
         tok = r.tokens_per_s
-        out.setdefault(r.task, {})[f"b{r.batch}"] = {
+        out.setdefault(r.task, {})[r.key] = {
             "pages_per_s": round(r.pages_per_s, 3), "output_tokens_per_s": None if tok is None else round(tok, 3),
             "ok": r.ok, "unparsable": r.unparsable, "errors": r.errors}
     return out

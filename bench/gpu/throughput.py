@@ -1,16 +1,20 @@
-"""Infer-stage throughput with the vLLM engine at max_batch 1, 8 and 32 (GPU machine).
+"""Infer-stage throughput with the vLLM engine: micro-batches with a barrier vs a window (GPU machine).
 
-Drives the infer stage's own batcher the way its StageRunner does, minus Kafka and S3: for
-each ``max_batch`` it builds an :class:`~services.infer.handler.InferHandler` (real settings,
-real PNG decode, downscale/tiling, engine call, line grouping, ``ResultEvent`` building), feeds
-it ``ocr.infer`` records in micro-batches of ``max_batch`` (prefetching the next batch while
-the current one is on the engine, as the runner does) and reads the results it returns. Only
-the transports are stand-ins: an in-memory object store holds the PNG pages, and the records
-are built in memory instead of consumed from Kafka. The engine is the real
+Drives the infer stage's handler minus Kafka and S3: it builds an
+:class:`~services.infer.handler.InferHandler` (real settings, real PNG decode, downscale/tiling,
+engine call, line grouping, ``ResultEvent`` building) and feeds it ``ocr.infer`` records two ways:
+
+* ``b<N>`` (``--batches``): micro-batches of N records, each batch started only when the slowest
+  record of the one before is done (``InferHandler.handle``: the batch runner's barrier);
+* ``w<N>`` (``--windows``): a window of N records in flight, the next one started the moment one
+  is done (``InferHandler.handle_record`` under a semaphore: what the window runner does).
+
+Only the transports are stand-ins: an in-memory object store holds the PNG pages, and the
+records are built in memory instead of consumed from Kafka. The engine is the real
 :class:`~services.infer.engines.vllm_engine.VllmEngine`.
 
-Prints images/s per batch size and the ratios b8/b1 and b32/b1 (last line:
-``RESULT {json}``). With ``--tasks`` (``all``, or e.g. ``ocr,doc_parse,extract``) it runs every
+Prints images/s per mode and the ratios to b1 and of each window to the largest batch (last
+line: ``RESULT {json}``). With ``--tasks`` (``all``, or e.g. ``ocr,doc_parse,extract``) it runs every
 task named at each batch size on the same engine, and prints per task pages/s and output tokens/s
 (:mod:`bench.gpu.tasks`: the parameters sent, how pages are counted, the table); ``RESULT`` then
 also has ``tasks``. With a random-weight model the text is garbage; ``ignore_eos`` with a
@@ -22,8 +26,8 @@ plus a cost per image, no GPU) to smoke-test the harness on any machine; its num
 nothing about vLLM.
 
 Usage:
-    python bench/gpu/throughput.py --model DIR [--load-format auto|dummy] [--batches 1,8,32] [--tasks all]
-    python bench/gpu/throughput.py --fake-engine --batches 1,8,32 [--tasks all]
+    python bench/gpu/throughput.py --model DIR [--load-format auto|dummy] [--batches 1,16] [--windows 256] [--tasks all]
+    python bench/gpu/throughput.py --fake-engine --batches 1,16 --windows 256 [--tasks all]
 """
 
 from __future__ import annotations
@@ -102,8 +106,8 @@ def fake_engine_class():
     from services.infer.engines.base import EngineOutput, OcrEngine
 
     class FakeEngine(OcrEngine):
-        """Harness smoke test only: ``per_call_s`` per engine call + ``per_image_s`` per image;
-        every task; ``tokens_per_image`` counted in :attr:`output_tokens` per image answered."""
+        """Harness smoke test only: ``per_call_s`` + ``per_image_s`` per page; every task;
+        ``tokens_per_image`` counted in :attr:`output_tokens` per page answered."""
 
         name = "fake"
         max_side = 2048
@@ -117,32 +121,29 @@ def fake_engine_class():
         async def start(self) -> None:
             self.ready = True
 
-        async def ocr(self, images, task, timeout_s):
+        async def page(self, image, task, timeout_s, lane="bulk"):
             t0 = time.perf_counter()
-            await asyncio.sleep(self.per_call_s + self.per_image_s * len(images))
+            await asyncio.sleep(self.per_call_s + self.per_image_s)
             ms = (time.perf_counter() - t0) * 1000
-            out = []
-            for img in images:
-                h, w = img.shape[:2]
-                self.output_tokens += self.tokens_per_image
-                if task.name == "extract":
-                    out.append(EngineOutput([], ms, answer={f: "fake" for f in task.params.fields}))
-                elif task.name != "ocr":
-                    out.append(EngineOutput([], ms, answer=f"fake {task.name}"))
-                else:
-                    out.append(EngineOutput([Segment([[0, 0], [w, 0], [w, 20], [0, 20]], "fake", 1.0)], ms))
-            return out
+            h, w = image.shape[:2]
+            self.output_tokens += self.tokens_per_image
+            if task.name == "extract":
+                return EngineOutput([], ms, answer={f: "fake" for f in task.params.fields})
+            if task.name != "ocr":
+                return EngineOutput([], ms, answer=f"fake {task.name}")
+            return EngineOutput([Segment([[0, 0], [w, 0], [w, 20], [0, 20]], "fake", 1.0)], ms)
 
     return FakeEngine
 
 
-def infer_settings(args, max_batch: int):
-    """The infer stage's settings for this run (vLLM engine fields as production reads them)."""
+def infer_settings(args, in_flight: int):
+    """The infer stage's settings for this run (vLLM engine fields as production reads them),
+    ``in_flight`` records at most at once."""
     from services.common.settings import EngineIdentity, Limits
     from services.infer.settings import InferSettings
 
     return InferSettings(
-        max_batch=max_batch, fetch_concurrency=max(8, max_batch), vlm_dialect=getattr(args, "dialect", "auto"),
+        max_in_flight=in_flight, fetch_concurrency=max(8, in_flight), vlm_dialect=getattr(args, "dialect", "auto"),
         limits=Limits(infer_timeout_s=args.timeout),
         engine_kind="vllm", engine=EngineIdentity(engine="vllm", model=args.model or "none", model_revision="tiny-random"),
         device=args.device, vllm_model=args.model or "none", vllm_max_tokens=args.max_tokens,
@@ -152,7 +153,7 @@ def infer_settings(args, max_batch: int):
         vllm_engine_args={"load_format": args.load_format, "seed": 0}, vllm_sampling_args={"ignore_eos": True},
         vllm_trust_remote_code=False, vllm_repetition_penalty=1.0, vllm_dtype="bfloat16",
     ) if not args.fake_engine else InferSettings(
-        max_batch=max_batch, fetch_concurrency=max(8, max_batch), limits=Limits(infer_timeout_s=args.timeout),
+        max_in_flight=in_flight, fetch_concurrency=max(8, in_flight), limits=Limits(infer_timeout_s=args.timeout),
     )
 
 
@@ -194,46 +195,61 @@ def records(store: MemoryStore, pages: list[np.ndarray], tag: str, gen_id: str, 
     return out
 
 
-async def run_batch_size(args, engine, telemetry, b: int, task: str = "ocr") -> tuple[task_runs.TaskRun, list[float]]:
-    """``task`` through ``InferHandler.handle`` at ``max_batch`` = ``b``; returns the measured
-    :class:`~bench.gpu.tasks.TaskRun` and the per-request inference ms of the pages answered ok."""
+async def run_mode(args, engine, telemetry, mode: str, task: str = "ocr") -> tuple[task_runs.TaskRun, list[float]]:
+    """``task`` through the handler in ``mode``: ``b<N>`` micro-batches of N with a barrier
+    (``InferHandler.handle``), ``w<N>`` a window of N in flight (``handle_record`` under a
+    semaphore); returns the measured :class:`~bench.gpu.tasks.TaskRun` (its ``batch`` is N) and
+    the per-request inference ms of the pages answered ok."""
     import orjson
 
     from schemas.events import ResultEvent
     from services.infer.handler import InferHandler
 
+    n_in_flight = int(mode[1:])
+    window = mode.startswith("w")
     store = MemoryStore()
-    settings = infer_settings(args, b)
+    settings = infer_settings(args, n_in_flight)
     gen_id = settings.generation(task, task_runs.task_params(task)).gen_id
     handler = InferHandler(settings, store, engine, telemetry)
-    n = max(args.min_images, 2 * b)
-    n -= n % b
-    tag = f"{task}-b{b}"
-    warm = records(store, make_pages(b, seed=1000 + b), f"warm-{tag}", gen_id, task)
-    await handler.handle(warm)  # untimed: this batch size once
-    recs = records(store, make_pages(n, seed=b), tag, gen_id, task)
-    ok = errors = unparsable = 0
+    n = max(args.min_images, 2 * n_in_flight)
+    n -= n % n_in_flight
+    tag = f"{task}-{mode}"
+    warm = records(store, make_pages(min(n_in_flight, 32), seed=1000 + n_in_flight), f"warm-{tag}", gen_id, task)
+    await handler.handle(warm)  # untimed
+    recs = records(store, make_pages(n, seed=n_in_flight + (7 if window else 0)), tag, gen_id, task)
+    counts = {"ok": 0, "errors": 0, "unparsable": 0}
     inference: list[float] = []
-    tokens0 = getattr(engine, "output_tokens", None)
-    start = time.perf_counter()
-    for i in range(0, n, b):
-        nxt = recs[i + b:i + 2 * b]
-        if nxt:
-            handler.prefetch(nxt)  # as the runner does: next batch's fetch/decode overlaps this one
-        for o in await handler.handle(recs[i:i + b]):
+
+    def tally(out) -> None:
+        for o in out:
             ev = ResultEvent.model_validate(orjson.loads(o.value))
             if ev.status == "ok":
-                ok += 1
+                counts["ok"] += 1
                 inference.append(ev.request.timings_ms.get("inference", 0.0))
             elif ev.error.code.value == "unparsable_output":  # a random-weight model writes no JSON
-                unparsable += 1
+                counts["unparsable"] += 1
             else:
-                errors += 1
-                if errors <= 3:
-                    print(f"  error at {task} batch {b}: {ev.error.code.value}: {ev.error.message}", flush=True)
+                counts["errors"] += 1
+                if counts["errors"] <= 3:
+                    print(f"  error at {task} {mode}: {ev.error.code.value}: {ev.error.message}", flush=True)
+
+    tokens0 = getattr(engine, "output_tokens", None)
+    start = time.perf_counter()
+    if window:
+        slots = asyncio.Semaphore(n_in_flight)
+
+        async def one(rec) -> None:
+            async with slots:
+                tally(await handler.handle_record(rec))
+
+        await asyncio.gather(*(one(r) for r in recs))
+    else:
+        for i in range(0, n, n_in_flight):
+            tally(await handler.handle(recs[i:i + n_in_flight]))
     dt = time.perf_counter() - start
     tokens = None if tokens0 is None else engine.output_tokens - tokens0
-    return task_runs.TaskRun(task, b, ok, unparsable, errors, dt, tokens), inference
+    return task_runs.TaskRun(task, n_in_flight, counts["ok"], counts["unparsable"], counts["errors"], dt,
+                             tokens, window=window), inference
 
 
 async def engine_checks(engine) -> bool:
@@ -241,12 +257,18 @@ async def engine_checks(engine) -> bool:
     answers afterwards."""
     from services.infer.engines.base import EngineOutput, EngineTimeout
 
-    (res,) = await engine.ocr(make_pages(1, seed=999), OCR, timeout_s=0.001)
+    try:
+        res = await engine.page(make_pages(1, seed=999)[0], OCR, timeout_s=0.001)
+    except Exception as exc:  # noqa: BLE001 - the check is which one
+        res = exc
     print(f"check: timeout -> {type(res).__name__}", flush=True)
     if not isinstance(res, EngineTimeout):
         print("FAIL: a 1 ms timeout did not give EngineTimeout", flush=True)
         return False
-    (res,) = await engine.ocr(make_pages(1, seed=998), OCR, timeout_s=60)
+    try:
+        res = await engine.page(make_pages(1, seed=998)[0], OCR, timeout_s=60)
+    except Exception as exc:  # noqa: BLE001
+        res = exc
     if not isinstance(res, EngineOutput):
         print(f"FAIL: request after an abort failed: {res!r}", flush=True)
         return False
@@ -273,32 +295,40 @@ async def run(args) -> int:
             return 1
 
         telemetry = Telemetry("infer", TelemetrySettings())
+        modes = [f"b{b}" for b in args.batches] + [f"w{w}" for w in getattr(args, "windows", None) or []]
         for task in tasks:
-            for b in args.batches:
-                r, inf = await run_batch_size(args, engine, telemetry, b, task)
+            for mode in modes:
+                r, inf = await run_mode(args, engine, telemetry, mode, task)
                 runs.append(r)
                 p50 = float(np.median(inf)) if inf else float("nan")
                 tok = "" if r.tokens_per_s is None else f", {r.tokens_per_s:8.1f} output tokens/s"
                 unp = f", unparsable {r.unparsable}" if r.unparsable else ""
-                print(f"{task:<9} max_batch {b:>3}: {r.ok + r.unparsable + r.errors} requests through "
-                      f"InferHandler.handle, {r.pages_per_s:7.2f} images/s{tok}, inference share p50 {p50:.0f} ms, "
+                how = (f"window {r.batch:>3}: {r.ok + r.unparsable + r.errors} requests through InferHandler.handle_record"
+                       if mode.startswith("w") else
+                       f"max_batch {r.batch:>3}: {r.ok + r.unparsable + r.errors} requests through InferHandler.handle")
+                print(f"{task:<9} {how}, {r.pages_per_s:7.2f} images/s{tok}, inference p50 {p50:.0f} ms, "
                       f"errors {r.errors}{unp}", flush=True)
                 if r.answered == 0:
-                    print(f"FAIL: every request failed for {task} at max_batch {b}", flush=True)
+                    print(f"FAIL: every request failed for {task} at {mode}", flush=True)
                     return 1
     finally:
         await engine.close()
 
-    results = {r.batch: r.pages_per_s for r in runs if r.task == "ocr"}
+    results = {r.key: r.pages_per_s for r in runs if r.task == "ocr"}
     ratios = {}
     if results:
-        print("\nthroughput (images/s): " + ", ".join(f"b{b}={v:.2f}" for b, v in results.items()))
-        base = results.get(1)
-        for b in results:
-            if base and b != 1:
-                ratios[f"b{b}/b1"] = round(results[b] / base, 2)
-                print(f"ratio b{b}/b1 = {results[b] / base:.2f}x")
-    out = {"engine": engine.name, "images_per_s": {f"b{b}": round(v, 3) for b, v in results.items()}, "ratios": ratios}
+        print("\nthroughput (images/s): " + ", ".join(f"{m}={v:.2f}" for m, v in results.items()))
+        base = results.get("b1")
+        batches = [m for m in results if m.startswith("b")]
+        widest = max(batches, key=lambda m: int(m[1:]), default=None)
+        for m, v in results.items():
+            if base and m != "b1":
+                ratios[f"{m}/b1"] = round(v / base, 2)
+                print(f"ratio {m}/b1 = {v / base:.2f}x")
+            if m.startswith("w") and widest and results[widest]:
+                ratios[f"{m}/{widest}"] = round(v / results[widest], 2)
+                print(f"ratio {m}/{widest} = {v / results[widest]:.2f}x")
+    out = {"engine": engine.name, "images_per_s": {m: round(v, 3) for m, v in results.items()}, "ratios": ratios}
     if tasks != ["ocr"]:
         print("\nper task (pages/s: pages the engine answered, unparsable_output included; tok/s: generated tokens):")
         print(task_runs.format_report(runs))
@@ -318,14 +348,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fake-engine", action="store_true", help="harness smoke test without vLLM or a GPU")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="1,16", help="micro-batch sizes (a barrier after each batch)")
+    ap.add_argument("--windows", default="256", help="window sizes (records in flight, no barrier); '' for none")
     ap.add_argument("--tasks", default="ocr", help="all, or a comma-separated list of tasks (default ocr)")
     ap.add_argument("--dialect", default="hunyuan", choices=("auto", "hunyuan", "generic"),
                     help="prompts of the tasks other than ocr (default hunyuan: HunyuanOCR's own)")
     ap.add_argument("--min-images", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="vLLM max_num_seqs (256: the window of 256 all on the GPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=32768)
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--timeout", type=float, default=120.0)
@@ -340,6 +371,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError
     except ValueError:
         ap.error(f"--batches: positive integers, comma-separated, not {given!r}")
+    given = args.windows
+    try:
+        args.windows = [int(w) for w in given.split(",") if w.strip()]
+        if args.windows and min(args.windows) < 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--windows: positive integers, comma-separated, not {given!r}")
     try:
         args.tasks = task_runs.parse_tasks(args.tasks)
     except ValueError as exc:

@@ -11,7 +11,7 @@ import orjson
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from schemas.errors import ERRORS, ErrorCode, HttpErrorCode
-from schemas.events import ResultDocument
+from schemas.events import Priority, ResultDocument
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
 from schemas.jobs import JOB_EXPECTED_MAX
 from schemas.tasks import TaskError, TaskParams, parse_fields
@@ -63,6 +63,11 @@ class SubmitOptions(BaseModel):
         default=None, min_length=1, max_length=REQUEST_ID_MAX_LENGTH, pattern=REQUEST_ID_PATTERN,
         description="the job the image joins (`POST /v1/jobs` made it; docs/jobs.md): it counts in the job's "
                     "progress and report")
+    priority: Priority | None = Field(
+        default=None,
+        description="the lane the image is read in: `interactive` (read before bulk work, with engine slots of its "
+                    "own) or `bulk`; default `interactive` for one image, `bulk` in a job or a batch (a document's "
+                    "pages are always `bulk`; docs/delivery.md)")
     _task_params: TaskParams | None = PrivateAttr(default=None)
 
     @property

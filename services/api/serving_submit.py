@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from schemas.errors import ErrorCode, HttpErrorCode, http_status
-from schemas.events import OcrOutput, RequestEvent, ResultDocument, SubmitEvent, new_id, now_ms
+from schemas.events import OcrOutput, RequestEvent, ResultDocument, SubmitEvent, new_id, now_ms, request_priority
 from schemas.keys import image_object_key
 from services.api.clients import Clients
 from services.api.errors import ApiError
@@ -269,7 +269,7 @@ class SubmitService:
                 size_bytes=up.size_bytes, task=opts.task, task_params=opts.task_params, source=opts.source,
                 filename=opts.filename or up.filename, callback_url=opts.callback_url, submitted_at_ms=submitted,
                 metadata=opts.metadata, traceparent=c.telemetry.traceparent(), api_key_id=principal.key_id,
-                job_id=opts.job_id,
+                job_id=opts.job_id, priority=request_priority(opts.priority, opts.job_id),
             )
             # on a hit the id is remembered in the same round trip, so GET knows it until the sink stores its row
             marker = orjson.dumps({"key": principal.key_id, "sha": up.sha256})
@@ -454,6 +454,8 @@ class SubmitService:
                 await check_job_of(c, opts.job_id, principal)  # with keys on: the key's own job, else 404
                 decided = True
                 await c.guard.charge_batch(limit, len(ups))
+                if opts.priority is None:  # several images in one call: bulk unless asked
+                    opts.priority = "bulk"
                 return await self._batch_submit(request, principal, ups, opts)
             finally:
                 for up in ups:  # aborts each streamed file's multipart upload unless it became its image

@@ -13,7 +13,7 @@ from pathlib import Path
 from opentelemetry import trace
 
 from schemas.errors import ErrorCode
-from schemas.events import SubmitEvent
+from schemas.events import Priority, SubmitEvent
 from schemas.jobs import JobEvent
 from schemas.tasks import TaskParams
 from services.common.errors import OcrError
@@ -107,17 +107,18 @@ class Submitter:
                            f"{limit} (OCRSTREAM_LIMITS__MAX_IMAGE_BYTES): not submitted, nothing uploaded")
 
     async def _event(self, data: bytes, filename: str | None, task: str, source: str, rid: str,
-                     task_params: TaskParams | None = None, job_id: str | None = None) -> SubmitEvent:
+                     task_params: TaskParams | None = None, job_id: str | None = None,
+                     priority: Priority | None = None) -> SubmitEvent:
         self.check_size(len(data), filename)
         if len(data) <= self.s.limits.inline_max_bytes:
             return SubmitEvent(request_id=rid, image_b64=base64.b64encode(data).decode(), filename=filename,
-                               task=task, task_params=task_params, source=source, job_id=job_id)
+                               task=task, task_params=task_params, source=source, job_id=job_id, priority=priority)
         # written again even when present: a rewrite restarts the object's time under the upload
         # prefix's lifecycle rule (S3Settings.upload_expiry_days), so it is not expired before ingest reads it
         key = f"{self.s.s3.upload_prefix}{hashlib.sha256(data).hexdigest()}"
         await self.store.put(key, data)
         return SubmitEvent(request_id=rid, image_uri=self.store.uri(key), filename=filename, task=task,
-                           task_params=task_params, source=source, job_id=job_id)
+                           task_params=task_params, source=source, job_id=job_id, priority=priority)
 
     async def submit_bytes(self, data: bytes, *, filename: str | None, task: str = "ocr", source: str = "cli",
                            request_id: str | None = None, task_params: TaskParams | None = None) -> str:
@@ -134,9 +135,11 @@ class Submitter:
         return rid
 
     async def submit_many(self, items: list[tuple[bytes, str | None]], task: str = "ocr", source: str = "cli",
-                          task_params: TaskParams | None = None, job_id: str | None = None) -> list[str]:
+                          task_params: TaskParams | None = None, job_id: str | None = None,
+                          priority: Priority | None = None) -> list[str]:
         """Publish ``(bytes, filename)`` items without waiting for each ack in turn (all acked on return),
-        each with ``task`` and its parameters ``task_params`` (and ``job_id``: the job they join).
+        each with ``task`` and its parameters ``task_params`` (and ``job_id``: the job they join;
+        ``priority``: their lane, None = ingest's default: :func:`schemas.events.request_priority`).
 
         Returns:
             The request ids, in order.
@@ -150,7 +153,7 @@ class Submitter:
         ids, acks = [], []
         for data, filename in items:
             rid = uuid.uuid4().hex
-            ev = await self._event(data, filename, task, source, rid, task_params, job_id)
+            ev = await self._event(data, filename, task, source, rid, task_params, job_id, priority)
             acks.append(await self.producer.send(self.s.topics.submit, dumps(ev), key=rid.encode(),
                                                  headers=_trace_headers(rid)))
             ids.append(rid)
@@ -158,11 +161,13 @@ class Submitter:
         return ids
 
     async def submit_files(self, files: list[Path], task: str = "ocr", source: str = "cli",
-                           task_params: TaskParams | None = None, job_id: str | None = None) -> list[Submission]:
-        """Publish every file (read one at a time), in job ``job_id`` when given; returns one
-        :class:`Submission` each."""
+                           task_params: TaskParams | None = None, job_id: str | None = None,
+                           priority: Priority | None = None) -> list[Submission]:
+        """Publish every file (read one at a time), in job ``job_id`` when given, in lane
+        ``priority`` (None: ingest's default); returns one :class:`Submission` each."""
         items = [(await asyncio.to_thread(f.read_bytes), f.name) for f in files]
-        ids = await self.submit_many(items, task=task, source=source, task_params=task_params, job_id=job_id)
+        ids = await self.submit_many(items, task=task, source=source, task_params=task_params, job_id=job_id,
+                                     priority=priority)
         return [Submission(f, rid) for f, rid in zip(files, ids)]
 
     async def job_event(self, event: JobEvent) -> None:

@@ -91,6 +91,9 @@ def submit(
     source: str = typer.Option("cli", help="source label (selects the cache TTL)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the text"),
     job_name: Optional[str] = typer.Option(None, "--name", help="the job's name (default: the first path's name)"),
+    priority: Optional[str] = typer.Option(
+        None, "--priority", help="the lane the images are read in: interactive (before bulk work) or bulk; default "
+        "interactive for one file, bulk for more"),
 ) -> None:
     """Publish images to ocr.submit as one job (its id printed first: `ocrstream job status ID`,
     `ocrstream job report ID`); with --wait, show progress and print each image's text."""
@@ -103,7 +106,11 @@ def submit(
             err.print(f"[red]error:[/red] {name} must be 1 to 64 characters, not {len(value)}")
             raise typer.Exit(2)
     params = _task_params(s, task, fields, to)
+    if priority not in (None, "interactive", "bulk"):
+        err.print(f"[red]error:[/red] --priority must be interactive or bulk, not {priority!r}")
+        raise typer.Exit(2)
     files, too_large = _files_to_submit(s, paths)
+    lane = priority or ("interactive" if len(files) == 1 else "bulk")
 
     async def _run() -> int:
         watcher = CompletionWatcher(s) if wait else None
@@ -112,7 +119,8 @@ def submit(
             await watcher.start()
         await submitter.start()
         try:
-            job_id, subs = await _submit_job(submitter, files, job_name or paths[0].resolve().name, task, source, params)
+            job_id, subs = await _submit_job(submitter, files, job_name or paths[0].resolve().name, task, source, params,
+                                             lane)
         finally:
             await submitter.stop()
         console.print(f"job {job_id}: {len(subs)} requests (ocrstream job status {job_id})", highlight=False)
@@ -194,8 +202,9 @@ def _files_to_submit(s: CommonSettings, paths: list[Path]) -> tuple[list[Path], 
     return files, too_large
 
 
-async def _submit_job(submitter, files: list[Path], name: str, task: str, source: str, params):
-    """Create a job (``ocr.jobs`` create), submit ``files`` in it, close it with their count.
+async def _submit_job(submitter, files: list[Path], name: str, task: str, source: str, params, priority: str):
+    """Create a job (``ocr.jobs`` create), submit ``files`` in it (in lane ``priority``), close it
+    with their count.
 
     Returns:
         ``(job_id, submissions)``; the job id is a new 32-hex-digit id.
@@ -206,7 +215,8 @@ async def _submit_job(submitter, files: list[Path], name: str, task: str, source
 
     job_id = uuid.uuid4().hex
     await submitter.job_event(JobEvent(action="create", job_id=job_id, name=name[:256], task=task, task_params=params))
-    subs = await submitter.submit_files(files, task=task, source=source, task_params=params, job_id=job_id)
+    subs = await submitter.submit_files(files, task=task, source=source, task_params=params, job_id=job_id,
+                                        priority=priority)
     await submitter.job_event(JobEvent(action="close", job_id=job_id, expected=len(subs)))
     return job_id, subs
 

@@ -20,7 +20,7 @@ from rich.table import Table
 # Stage timings in pipeline order (keys of ``ResultDocument.timings_ms``), ``total`` apart.
 STAGES = (
     "queue_ingest", "ingest", "queue_dedup", "dedup", "queue_infer", "fetch", "decode", "preprocess",
-    "inference", "postprocess", "batch_wait", "queue_sink", "write",
+    "engine_wait", "inference", "postprocess", "queue_sink", "write",
 )
 _UNITS = {"s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
 

@@ -19,6 +19,7 @@ from services.common.retry import capped_backoff_s, retry_outages
 from services.common.runner import Handler, StageRunner
 from services.common.settings import CommonSettings
 from services.common.telemetry import Telemetry, TraceIdLogFilter
+from services.common.window import WindowRunner
 
 log = logging.getLogger("ocrstream")
 
@@ -89,11 +90,12 @@ async def run_stage(
     topic: str | list[str],
     group_id: str,
     build_handler: Callable[[StageContext], Awaitable[Handler]],
-    max_batch: int,
-    max_wait_ms: int,
+    max_batch: int = 64,
+    max_wait_ms: int = 0,
     max_poll_interval_ms: int | None = None,
     assignors: tuple | None = None,
     drain_on_revoke: bool = False,
+    window: Callable[[Handler], tuple[int, int]] | None = None,
 ) -> None:
     """Run one stage until SIGTERM/SIGINT, then finish the batch in flight, commit and exit.
 
@@ -103,11 +105,14 @@ async def run_stage(
         topic: Input topic, or topics (read in one consumer group).
         group_id: Consumer group (each stage has its own).
         build_handler: Opens the stage's clients and returns its handler (after any warm-up).
-        max_batch: Most records per batch.
-        max_wait_ms: Longest wait for a batch to fill.
+        max_batch: Most records per batch (the batch runner).
+        max_wait_ms: Longest wait for a batch to fill (the batch runner).
         max_poll_interval_ms: Override of the consumer's ``max.poll.interval.ms``.
         assignors: The group's partition assignment strategy (:func:`~services.common.kafka.make_consumer`).
         drain_on_revoke: See :class:`~services.common.runner.StageRunner`.
+        window: For a :class:`~services.common.handler.WindowHandler`: its handler ->
+            ``(max_in_flight, interactive_reserve)``; the stage then runs on the window runner
+            (:class:`~services.common.window.WindowRunner`) instead of in batches.
     """
     topics = [topic] if isinstance(topic, str) else list(topic)
     setup_logging(stage, settings.telemetry.log_level)
@@ -128,7 +133,7 @@ async def run_stage(
     await _start_with_retry(stage, producer.start, stop, settings.retry_max_backoff_s)
     size_limits = await _message_limits(stage, settings)
     admin = None
-    if settings.poison_after_deaths:  # reads the deaths recorded in the group's commit metadata
+    if settings.poison_after_deaths or window is not None:  # reads the deaths (and the window's progress) in the commit metadata
         admin = make_admin(settings.kafka, f"ocrstream-{stage}-offsets")
         await _start_with_retry(stage, admin.start, stop, settings.retry_max_backoff_s)
     ctx = StageContext(settings=settings, telemetry=telemetry, producer=producer)
@@ -137,22 +142,17 @@ async def run_stage(
         settings.kafka, [], group_id, client_id=f"ocrstream-{stage}", max_poll_interval_ms=max_poll_interval_ms,
         assignors=assignors,
     )
-    runner = StageRunner(
-        stage=stage,
-        consumer=consumer,
-        producer=producer,
-        handler=handler,
-        telemetry=telemetry,
-        max_batch=max_batch,
-        max_wait_ms=max_wait_ms,
-        max_attempts=settings.max_attempts,
-        max_backoff_s=settings.retry_max_backoff_s,
-        dlq_topic=settings.topics.dlq,
-        size_limits=size_limits,
-        poison_after_deaths=settings.poison_after_deaths,
-        read_committed=admin_reader(admin, group_id) if admin is not None else None,
-        drain_on_revoke=drain_on_revoke,
-    )
+    common = dict(stage=stage, consumer=consumer, producer=producer, handler=handler, telemetry=telemetry,
+                  max_attempts=settings.max_attempts, max_backoff_s=settings.retry_max_backoff_s,
+                  dlq_topic=settings.topics.dlq, size_limits=size_limits, poison_after_deaths=settings.poison_after_deaths,
+                  read_committed=admin_reader(admin, group_id) if admin is not None else None)
+    if window is not None:
+        max_in_flight, reserve = window(handler)
+        log.info("%s: a window of %d records in flight, %d reserved for the interactive lane", stage, max_in_flight,
+                 reserve)
+        runner: StageRunner = WindowRunner(max_in_flight=max_in_flight, interactive_reserve=reserve, **common)
+    else:
+        runner = StageRunner(max_batch=max_batch, max_wait_ms=max_wait_ms, drain_on_revoke=drain_on_revoke, **common)
     consumer.subscribe(topics, listener=runner.listener)  # before start: the first join already has it
     await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)
     started.set()

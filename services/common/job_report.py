@@ -28,7 +28,7 @@ from services.common.s3 import ObjectStore
 
 #: Per-stage times in the report (keys of ``ResultDocument.timings_ms``, pipeline order), as ``<name>_ms`` columns.
 STAGE_TIMES = ("queue_ingest", "ingest", "queue_dedup", "dedup", "queue_infer", "fetch", "decode", "preprocess",
-               "inference", "postprocess", "batch_wait", "queue_sink", "write")
+               "engine_wait", "inference", "postprocess", "queue_sink", "write")
 BASE_COLUMNS = ("name", "request_id", "status", "error_code", "pages", "lines", "characters", "mean_confidence",
                 "cache_hit", "total_ms")
 REPORT_PARTS = {"csv": ("report.csv", "text/csv"), "jsonl": ("report.jsonl", "application/x-ndjson"),

@@ -71,10 +71,19 @@ class Telemetry:
         self.cache = Counter("ocrstream_cache", "Cache lookups by outcome (hit, miss, joined, promoted, error)", ["stage", "outcome", "tier"], registry=r)
         self.batch_size = Histogram("ocrstream_batch_size", "Records per batch", ["stage"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.batch_seconds = Histogram("ocrstream_batch_seconds", "Batch wall time", ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.engine_images = Counter("ocrstream_engine_images", "Images run through the OCR engine", ["engine"], registry=r)
+        self.engine_images = Counter("ocrstream_engine_images", "Requests (images) run through the OCR engine", ["engine"], registry=r)
         self.store_seconds = Histogram("ocrstream_store_call_seconds", "S3/Redis/MySQL call latency", ["store", "op"], buckets=_LATENCY_BUCKETS, registry=r)
         self.errors = Counter("ocrstream_errors", "Records given up on (DLQ) by error code", ["stage", "code"], registry=r)
-        self.engine_batch_seconds = Histogram("ocrstream_engine_batch_seconds", "Engine call wall time per batch", ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.engine_seconds = Histogram("ocrstream_engine_seconds", "Engine wall time per request (all its pages and tiles, "
+                                        "engine slot waits included)", ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.window_in_flight = Gauge("ocrstream_window_in_flight", "Records in the window now (being fetched, decoded "
+                                      "or on the engine), by lane", ["stage", "lane"], registry=r)
+        self.window_waiting = Gauge("ocrstream_window_waiting", "Records fetched and waiting for a window slot, by lane",
+                                    ["stage", "lane"], registry=r)
+        self.window_slots = Gauge("ocrstream_window_slots", "The window's size (max_in_flight) and its interactive "
+                                  "reserve", ["stage", "kind"], registry=r)
+        self.lane_wait = Histogram("ocrstream_lane_queue_wait_seconds", "From a record's Kafka timestamp to its start in "
+                                   "the window, by lane", ["stage", "lane"], buckets=_LATENCY_BUCKETS, registry=r)
         self.consumer_lag = Gauge("ocrstream_consumer_lag", "Records behind the partition end (highwater - position)", ["stage", "topic", "partition"], registry=r)
         self.state_size = Gauge("ocrstream_dedup_state", "Dedup's keyed state now: keys in flight, waiting copies, "
                                 "settled keys", ["kind"], registry=r)
@@ -279,10 +288,19 @@ class Telemetry:
         self._pixel_gauges[0].set_function(lambda: budget.used)
         self._pixel_gauges[1].set_function(lambda: budget.peak)
 
-    def engine_batch(self, engine: str, images: int, seconds: float) -> None:
-        """The engine ran ``images`` images in one call of ``seconds``."""
-        self.engine_images.labels(engine).inc(images)
-        self.engine_batch_seconds.labels(engine).observe(seconds)
+    def engine_request(self, engine: str, seconds: float) -> None:
+        """The engine read one request's pages in ``seconds`` (wall time)."""
+        self.engine_images.labels(engine).inc()
+        self.engine_seconds.labels(engine).observe(seconds)
+
+    def watch_engine(self, engine) -> None:
+        """Export ``engine`` (an :class:`~services.infer.engines.base.OcrEngine`) as
+        ``ocrstream_engine_slots`` (pages it can work on at once) and ``ocrstream_engine_slots_busy``
+        (pages on it now): an operator sees whether the GPU is kept full."""
+        Gauge("ocrstream_engine_slots", "Pages the engine can work on at once", ["engine"],
+              registry=self.registry).labels(engine.name).set_function(lambda: engine.slots)
+        Gauge("ocrstream_engine_slots_busy", "Pages on the engine now", ["engine"],
+              registry=self.registry).labels(engine.name).set_function(lambda: engine.busy)
 
     def produce_span(self, topic: str, headers: Sequence[tuple[str, bytes]] | None) -> tuple[Span | None, list[tuple[str, bytes]]]:
         """A ``<topic> publish`` producer span under the message's ``traceparent`` (None when it

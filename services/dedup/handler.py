@@ -57,7 +57,8 @@ class DedupHandler(Handler):
        :meth:`_fields`), its key and document, the sink answering only the fields asked;
     5. with near duplicates on, a verified look-alike: a hit (its result is stored under this key
        by the sink, which settles the key);
-    6. otherwise it becomes the key's holder and goes to ``ocr.infer``.
+    6. otherwise it becomes the key's holder and goes to inference: ``ocr.infer-interactive`` for an
+       interactive request, ``ocr.infer`` for a bulk one.
 
     A settlement completes the key's waiters with the holder's result (hits, tier
     ``single_flight``, carrying the stored document's S3 pointer), promotes one after a retryable
@@ -398,7 +399,9 @@ class DedupHandler(Handler):
         return Outgoing(topic, req.content_sha256, dumps(ev), headers)
 
     def _infer(self, req: RequestEvent, key: str, attempt: int, headers, traced: bool = False) -> Outgoing:
-        return self._out(self.s.topics.infer, req, InferEvent(request=req, cache_key=key, attempt=attempt), headers, traced)
+        """``req`` to inference: on ``ocr.infer-interactive`` for an interactive request, else ``ocr.infer``."""
+        topic = self.s.topics.infer_interactive if req.priority == "interactive" else self.s.topics.infer
+        return self._out(topic, req, InferEvent(request=req, cache_key=key, attempt=attempt), headers, traced)
 
     def _hit(self, req: RequestEvent, key: str, s: Settled, tier: str, headers, cacheable: bool = True,
              traced: bool = False) -> Outgoing:

@@ -1,30 +1,34 @@
-"""Infer logic: a micro-batch of ``ocr.infer`` events -> fetch, decode, tile, engine -> ``ocr.results``.
+"""Infer logic: one ``ocr.infer`` (or ``ocr.infer-interactive``) record -> fetch, decode, tile,
+engine -> its result on ``ocr.results``. The window runner (:mod:`services.common.window`) keeps
+many records in flight at once and produces each result the moment it is made.
 
 Memory: decoded pages live in shared memory written by decoder processes and are held within the
-process's pixel budget (``pixel_budget_mb``, :mod:`services.infer.loading`): a micro-batch whose
-pages do not fit goes through the engine in parts, so the pixels held at once stay under the
-budget (or one image's, when a single image is larger) whatever the mix of images. The raw bytes
-of at most ``2 x max_batch`` records are held besides (this batch and the prefetched next, each
-at most ``limits.max_image_bytes``), and each decoder process at most ``decode.memory_mb``.
+process's pixel budget (``pixel_budget_mb``, :mod:`services.infer.loading`): a record whose
+pages do not fit waits for room, so the pixels held at once stay under the budget (or one
+image's, when a single image is larger) however many records are in flight. The raw bytes of at
+most ``max_in_flight`` records are held besides (each at most ``limits.max_image_bytes``), and
+each decoder process at most ``decode.memory_mb``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 
 import numpy as np
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, InferEvent, Line, LineSegment, Page, ResultEvent
+from schemas.events import ErrorInfo, InferEvent, Line, LineSegment, Page, Priority, ResultEvent
 from schemas.keys import CacheGeneration, split_cache_key
 from services.common.dlq import oversized_result, poison_messages
 from services.common.errors import OcrError
 from services.common.events import dumps
 from services.common.decoding import DecoderPool
-from services.common.handler import Handler, Outgoing, Record
+from services.common.handler import Outgoing, Record, WindowHandler
 from services.common.s3 import ObjectStore
 from services.common.telemetry import StatusCode, Telemetry
 from services.common.textlines import group_lines
@@ -97,20 +101,69 @@ def join_answers(answers: list, task: EngineTask) -> str | dict[str, str | None]
     return "\n\n".join(a for a in answers if isinstance(a, str) and a)
 
 
-class InferHandler(Handler):
-    """Runs one micro-batch: S3 gets in parallel, decoding in threads, every tile of every page
-    of the batch submitted to the engine at once, then one result per request.
+class EngineGate:
+    """The engine shared by every page in flight, or held by one alone.
 
-    A failing image (bad data, timeout, engine error) gets an error result; the rest of the
-    batch goes on. A store outage raises (the runner retries the batch with backoff).
+    A suspect (an image during whose read the engine went away) is read with nothing else on
+    the engine (:meth:`exclusive`), so a second crash is its own; every other page reads under
+    :meth:`shared`. A waiting exclusive holder stops new shared ones, so it gets its turn as
+    soon as the pages on the engine are done.
+    """
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._exclusive_waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        """``async with gate.shared():`` the engine, alongside other shared holders."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._exclusive and not self._exclusive_waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """``async with gate.exclusive():`` the engine alone (waits for the shared holders to finish)."""
+        async with self._cond:
+            self._exclusive_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._exclusive and not self._shared)
+            finally:
+                self._exclusive_waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class InferHandler(WindowHandler):
+    """Reads one record at a time, many at once: S3 get, plan and decode within the pixel
+    budget, every tile of every page on the engine at once, then the request's result.
+
+    A failing image (bad data, timeout, engine error) gets an error result; other records are
+    unaffected. A store or engine outage raises (the window runner reads the record again with
+    backoff, committing nothing past it).
+
+    Lanes: a record of ``ocr.infer-interactive`` is interactive, one of ``ocr.infer`` bulk; an
+    interactive page waits for decoded-pixel room and for an engine slot only behind other
+    interactive pages (:class:`~services.infer.engines.slots.PrioritySlots`), and a VLM engine
+    passes the lane on as the request's priority.
 
     Time limit: ``limits.infer_timeout_s`` is one deadline per request, over all its tiles and
     pages together (see :meth:`_engine_request`), not per tile or page: a 20-page TIFF gets the
     same time as a one-page PNG. A request past its deadline gets a ``timeout`` result and its
-    unfinished pieces are cancelled; the others in the batch go on.
-
-    Memory: decoded pixels are held within ``pixel_budget_mb`` (module docstring); a batch over
-    it goes through the engine in parts (:meth:`Loader.waves`).
+    unfinished pieces are cancelled.
 
     Generation check (rolling upgrades): dedup put its own generation in the event's cache key;
     when this process's generation (:meth:`CommonSettings.generation`: engine, model, revision,
@@ -147,18 +200,23 @@ class InferHandler(Handler):
         self.engine = engine
         self.telemetry = telemetry
         self.loader = Loader(settings, store, decoder or DecoderPool(settings.decode, settings.limits), telemetry)
+        self.gate = EngineGate()
         self._gens: dict[str, CacheGeneration] = {}  # task -> this process's generation
         # content SHA-256 -> lone reads during which the engine went away (see _infer); oldest first
         self._crashes: OrderedDict[str, int] = OrderedDict()
         self._convicted: dict[str, float] = {}  # content SHA-256 -> until when copies fail at once (monotonic s)
 
     def consumes(self) -> dict[str, type[InferEvent]]:
-        """``ocr.infer`` -> :class:`InferEvent` (see :meth:`Handler.consumes`)."""
-        return {self.s.topics.infer: InferEvent}
+        """``ocr.infer-interactive`` and ``ocr.infer`` -> :class:`InferEvent` (see :meth:`Handler.consumes`)."""
+        return {self.s.topics.infer_interactive: InferEvent, self.s.topics.infer: InferEvent}
+
+    def lane(self, topic: str) -> Priority:
+        """``interactive`` for ``ocr.infer-interactive``, else ``bulk``."""
+        return "interactive" if topic == self.s.topics.infer_interactive else "bulk"
 
     async def undecodable(self, record: Record, exc: Exception) -> list[Outgoing]:
         """An event that does not decode goes to the DLQ at once as ``invalid_request`` (and fails
-        its request when its id can be read); the rest of its batch goes on."""
+        its request when its id can be read)."""
         return self.poison(record, OcrError(ErrorCode.INVALID_REQUEST, str(exc)[:500]), 1)
 
     def oversize(self, msg: Outgoing, exc: BaseException, stub: Outgoing) -> list[Outgoing]:
@@ -166,294 +224,247 @@ class InferHandler(Handler):
         copies waiting on its image) as ``input_too_large`` (:func:`~services.common.dlq.oversized_result`)."""
         return [stub, *oversized_result(msg, exc)]
 
-    def prefetch(self, records: list[Record[InferEvent]]) -> None:
-        """Start fetching the next batch's images, and decoding those that fit the pixel budget
-        (:meth:`Loader.prefetch`); the runner hands over at most one batch ahead."""
-        self.loader.prefetch(records)
-
-    def forget(self, records: list[Record]) -> None:
-        """Cancel the prefetches of ``records`` (their partitions were revoked; see :meth:`Handler.forget`)."""
-        self.loader.forget(records)
-
-    async def handle(self, records: list[Record[InferEvent]]) -> list[Outgoing]:
-        """See :meth:`Handler.handle`: load every record, then the batch in waves that fit the
-        pixel budget through the engine, then one result per request in record order. Each
-        request's span runs from here to its result."""
-        out: list[Outgoing] = []
-        items = [Item(rec, rec.value, {"queue_infer": rec.queue_wait_ms()}, span=rec.span) for rec in records]
-        try:
-            # every load ends before a failure is raised: one still running would adopt its
-            # prefetched pages after the release below, and their bytes would stay taken for good
-            failed = [r for r in await asyncio.gather(*(self.loader.load(it) for it in items), return_exceptions=True)
-                      if isinstance(r, BaseException)]
-            if failed:
-                raise failed[0]
-            async for wave in self.loader.waves([it for it in items if it.error is None]):
-                await self._infer([it for it in wave if it.error is None])
-                for it in wave:
-                    it.release()
-        finally:
-            for it in items:
-                it.release()
-        for it in items:
-            out.append(self._result(it))
-            it.data = None
-        return out
-
-    async def _infer(self, items: list[Item]) -> None:
-        """``items`` through the engine, with an image that takes the engine down isolated.
-
-        The engine says when it went away *while it held* an image of the call
-        (:attr:`EngineUnavailable.took_down`: the ``openai`` engine's connection carrying the
-        image was dropped mid-exchange and the retry refused; a server that was already down
-        refuses the first connection and counts for nothing). Then each image of that batch
-        becomes a suspect: from then on, and before the rest of any batch, suspects are read one
-        at a time, each after the engine answers a health check. A suspect read without trouble
-        is cleared. One that took the engine down ``engine_crash_limit`` times while read alone
-        (a batch of one counts as a lone read) ends with ``engine_crash`` instead of being
-        retried for ever, so the next images go through; later copies of its bytes fail at once
-        for :data:`CRASH_MEMORY_S` seconds (in this process). Every other outage is retried by
-        the runner as before. Infer processes sharing one server count apart: an image read
-        alone here while another process's image takes the server down is counted too (see
-        README).
+    async def handle_record(self, record: Record[InferEvent]) -> list[Outgoing]:
+        """See :meth:`WindowHandler.handle_record`: load the image, decode it within the pixel
+        budget, run it through the engine, and return its one result. The request's span runs
+        from here to its result.
 
         Raises:
-            EngineUnavailable: the engine is down or went away; the runner retries the batch.
+            OcrError: ``missing_object`` (the image is not in S3; tried again, then the DLQ).
+            EngineUnavailable: the engine is down (retried as an outage).
         """
-        limit = self.s.engine_crash_limit
-        now = time.monotonic()
-        rest: list[Item] = []
-        suspects: list[Item] = []
-        for it in items:
-            sha = it.event.request.content_sha256
-            until = self._convicted.get(sha)
-            if until is not None and now >= until:
-                del self._convicted[sha]
-                until = None
-            if until is not None:
-                it.error = self._crash_error()
-            elif sha in self._crashes:
-                suspects.append(it)
-            else:
-                rest.append(it)
-        for it in suspects:
-            # Copies of one image (cache off, Redis down, two tasks) are suspects together: an
-            # earlier copy may just have been convicted, or read through (no longer suspect).
-            sha = it.event.request.content_sha256
-            if sha in self._convicted:
-                it.error = self._crash_error()
-                continue
-            if sha not in self._crashes:
-                rest.append(it)
-                continue
-            if limit and self._crashes[sha] >= limit:
-                del self._crashes[sha]
-                self._convicted[sha] = now + CRASH_MEMORY_S
-                while len(self._convicted) > CRASH_MEMORY:
-                    self._convicted.pop(next(iter(self._convicted)))
-                log.error("infer: %s took the OCR engine down %d times while read alone; ending it with engine_crash",
-                          it.event.request.request_id, limit)
-                it.error = self._crash_error()
-                continue
-            if not await self.engine.health():
-                raise EngineUnavailable("the OCR engine does not answer its health check yet")
-            await self._guarded([it])
-        await self._guarded(rest)
+        it = Item(record, record.value, {"queue_infer": record.queue_wait_ms()}, span=record.span,
+                  lane=self.lane(record.topic))
+        try:
+            await self.loader.fetch_plan(it)
+            if it.error is None:
+                async with self.loader.decoded(it):
+                    if it.error is None:
+                        await self._infer(it)
+        finally:
+            it.release()
+        out = [self._result(it)]
+        it.data = None
+        return out
+
+    async def _infer(self, it: Item) -> None:
+        """``it`` through the engine, an image that takes the engine down isolated.
+
+        The engine says when it went away *while it held* this image
+        (:attr:`EngineUnavailable.took_down`: the ``openai`` engine's connection carrying the
+        image was dropped mid-exchange and the retry refused; a server that was already down
+        refuses the first connection and counts for nothing). Then the image becomes a suspect:
+        from then on its copies are read alone (:meth:`EngineGate.exclusive`: nothing else on
+        the engine), each after the engine answers a health check. A suspect read without
+        trouble is cleared. One that took the engine down ``engine_crash_limit`` times while read
+        alone ends with ``engine_crash`` instead of being retried for ever, so the next images go
+        through; later copies of its bytes fail at once for :data:`CRASH_MEMORY_S` seconds (in
+        this process). Every other outage is retried by the window runner. Infer processes
+        sharing one server count apart: an image read alone here while another process's image
+        takes the server down is counted too (docs/engines.md).
+
+        Raises:
+            EngineUnavailable: the engine is down or went away; the runner reads the record again.
+        """
+        sha = it.event.request.content_sha256
+        if self._convicted_now(sha):
+            it.error = self._crash_error()
+            return
+        if sha in self._crashes:
+            async with self.gate.exclusive():
+                # another copy may have been convicted or read through while this one waited
+                if self._convicted_now(sha):
+                    it.error = self._crash_error()
+                    return
+                if sha in self._crashes:
+                    limit = self.s.engine_crash_limit
+                    if limit and self._crashes[sha] >= limit:
+                        self._convict(it, sha, limit)
+                        return
+                    if not await self.engine.health():
+                        raise EngineUnavailable("the OCR engine does not answer its health check yet")
+                    await self._guarded(it, alone=True)
+                    return
+        async with self.gate.shared():
+            await self._guarded(it, alone=False)
+
+    def _convicted_now(self, sha: str) -> bool:
+        """Whether copies of ``sha`` fail at once now (a conviction past its time is dropped)."""
+        until = self._convicted.get(sha)
+        if until is not None and time.monotonic() >= until:
+            del self._convicted[sha]
+            until = None
+        return until is not None
+
+    def _convict(self, it: Item, sha: str, limit: int) -> None:
+        """``sha`` took the engine down ``limit`` times read alone: ``engine_crash`` for this
+        copy and, for :data:`CRASH_MEMORY_S`, for every later one."""
+        del self._crashes[sha]
+        self._convicted[sha] = time.monotonic() + CRASH_MEMORY_S
+        while len(self._convicted) > CRASH_MEMORY:
+            self._convicted.pop(next(iter(self._convicted)))
+        log.error("infer: %s took the OCR engine down %d times while read alone; ending it with engine_crash",
+                  it.event.request.request_id, limit)
+        it.error = self._crash_error()
 
     def _crash_error(self) -> OcrError:
         """``engine_crash`` for an image convicted of taking the engine down (:meth:`_infer`)."""
         return OcrError(ErrorCode.ENGINE_CRASH, f"the OCR engine went away {self.s.engine_crash_limit} times while "
                         "reading this image alone; not retried")
 
-    async def _guarded(self, items: list[Item]) -> None:
-        """:meth:`_infer_group`, noting which images were on the engine when it went away."""
-        if not items:
-            return
+    async def _guarded(self, it: Item, alone: bool) -> None:
+        """:meth:`_infer_item`, noting when the engine went away while it held ``it`` (a lone
+        read counts against the image; a read beside others makes it a suspect)."""
+        sha = it.event.request.content_sha256
         try:
-            await self._infer_group(items)
+            await self._infer_item(it)
         except EngineUnavailable as exc:
             if exc.took_down:
-                for it in items:
-                    sha = it.event.request.content_sha256
-                    n = self._crashes.pop(sha, 0) + (1 if len(items) == 1 else 0)
-                    self._crashes[sha] = n
-                    log.warning("infer: the OCR engine went away while reading %s%s (%d lone reads so far)",
-                                it.event.request.request_id, "" if len(items) == 1 else f" in a batch of {len(items)}", n)
+                n = self._crashes.pop(sha, 0) + (1 if alone else 0)
+                self._crashes[sha] = n
+                log.warning("infer: the OCR engine went away while reading %s%s (%d lone reads so far)",
+                            it.event.request.request_id, "" if alone else " beside other pages", n)
                 while len(self._crashes) > CRASH_MEMORY:
                     self._crashes.popitem(last=False)
             raise
-        for it in items:  # read through: no longer a suspect
-            self._crashes.pop(it.event.request.content_sha256, None)
+        self._crashes.pop(sha, None)  # read through: no longer a suspect
 
-    async def _infer_group(self, items: list[Item]) -> None:
-        """Every tile of every page of ``items`` through the engine at once (:meth:`_engine_batch`).
+    async def _infer_item(self, it: Item) -> None:
+        """Every tile of every page of ``it`` through the engine at once, under one deadline,
+        then its lines (task ``ocr``) or its answer.
 
-        Timings per item: ``preprocess`` and ``postprocess`` are equal shares of the batch's
-        tiling and line grouping; ``inference`` is the item's share of the engine call's wall
-        time, weighted by the engine time its tiles took.
+        Timings: ``preprocess`` (tiling), ``engine_wait`` (until its first piece got an engine
+        slot), ``inference`` (from then until its last piece came back), ``postprocess`` (line
+        grouping).
         """
-        if not items:
+        task = item_task(it)
+        if not self.engine.supports(task):  # final: no page goes to the engine
+            it.error = OcrError(ErrorCode.UNSUPPORTED_TASK, str(self.engine.unsupported(task)))
             return
-        links = [lk for it in items for lk in self.telemetry.link(it.span)]
-        # one span per batch, in a trace of its own, linked to every request's span
-        with self.telemetry.span("infer.engine_batch", root=True, links=links,
-                                 attributes={"ocrstream.batch_size": len(items), "ocrstream.engine": self.engine.name}) as sp:
+        with self.telemetry.use(it.span), self.telemetry.span(
+                "infer.engine", attributes={"ocrstream.engine": self.engine.name, "ocrstream.lane": it.lane}) as sp:
             t0 = time.perf_counter()
-            jobs = []  # (item, page index, tile)
-            for it in items:
-                task = item_task(it)
-                if not self.engine.supports(task):  # final: no page goes to the engine
-                    exc = self.engine.unsupported(task)
-                    it.error = OcrError(ErrorCode.UNSUPPORTED_TASK, str(exc))
-                    continue
-                # text spotting slices long pages into tiles; the other tasks read each page whole
-                aspect = self.s.tile_max_aspect if task.name == "ocr" else float("inf")
-                for p, page in enumerate(it.pages):
-                    for tile in make_tiles(page, aspect, self.engine.max_side):
-                        jobs.append((it, p, tile))
+            # text spotting slices long pages into tiles; the other tasks read each page whole
+            aspect = self.s.tile_max_aspect if task.name == "ocr" else float("inf")
+            jobs = [(p, tile) for p, page in enumerate(it.pages) for tile in make_tiles(page, aspect, self.engine.max_side)]
             sp.set_attribute("ocrstream.tiles", len(jobs))
             t_engine = time.perf_counter()
-            prep_ms = (t_engine - t0) * 1000
-            outputs = await self._engine_batch(jobs)
+            outputs, first_start = await self._engine_request([tile.image for _, tile in jobs], task, it.lane)
             t1 = time.perf_counter()
-            engine_ms = (t1 - t_engine) * 1000
-            self.telemetry.engine_batch(self.engine.name, len(items), t1 - t_engine)
-            per_page: dict[tuple[int, int], list] = {}
-            answers: dict[int, list] = {}  # item -> its pages' answers (tasks other than ocr), in page order
-            weight: dict[int, float] = {}
-            for (it, p, tile), res in zip(jobs, outputs):
-                if it.error is not None or res is None:
-                    continue
-                if isinstance(res, BaseException):
-                    it.error = engine_error(it, res)
-                    continue
-                weight[id(it)] = weight.get(id(it), 0.0) + res.inference_ms
-                it.warnings.extend(w for w in res.warnings if w not in it.warnings)
-                if res.answer is not None:
-                    answers.setdefault(id(it), []).append(res.answer)
-                    continue
-                h, w = it.pages[p].shape[:2]
-                per_page.setdefault((id(it), p), []).extend(map_back(tile, res.segments, w, h))
-            for it in items:
-                if it.error is not None:
-                    continue
-                if it.event.request.task != "ocr":
-                    it.answer = join_answers(answers.get(id(it), []), item_task(it))
-                    continue
-                lines = []
-                for p in range(len(it.pages)):
-                    for seg in group_lines(per_page.get((id(it), p), [])):
-                        parts = [LineSegment(text=s.text.strip(), box=s.box,
-                                             confidence=round(min(1.0, max(0.0, s.confidence)), 4)) for s in seg.parts]
-                        lines.append(Line(text=seg.text, box=seg.box, confidence=round(seg.confidence, 4), page=p + 1,
-                                          segments=parts))
-                it.lines = lines
-            post_ms = (time.perf_counter() - t1) * 1000
-            total_w = sum(weight.get(id(it), 0.0) for it in items)
-            for it in items:
-                share = weight.get(id(it), 0.0) / total_w if total_w > 0 else 1 / len(items)
-                it.timings["preprocess"] = prep_ms / len(items)
-                it.timings["inference"] = engine_ms * share
-                it.timings["postprocess"] = post_ms / len(items)
+            self.telemetry.engine_request(self.engine.name, t1 - t_engine)
+            started = t_engine if first_start is None else max(t_engine, min(t1, first_start))
+            it.timings["preprocess"] = (t_engine - t0) * 1000
+            it.timings["engine_wait"] = it.timings.get("engine_wait", 0.0) + (started - t_engine) * 1000
+            it.timings["inference"] = (t1 - started) * 1000
+            self._collect(it, task, jobs, outputs)
+            it.timings["postprocess"] = (time.perf_counter() - t1) * 1000
 
-    async def _engine_batch(self, jobs: list[tuple[Item, int, Tile]]) -> list[EngineOutput | BaseException | None]:
-        """Run every job's tile on the engine, all submitted at once, each request under its own deadline.
+    def _collect(self, it: Item, task: EngineTask, jobs: list[tuple[int, Tile]],
+                 outputs: list[EngineOutput | BaseException | None]) -> None:
+        """``it``'s error, warnings and lines (task ``ocr``: its pieces' segments mapped back to
+        page pixels and grouped into lines) or answer (every other task) from its pieces' outputs."""
+        per_page: dict[int, list] = {}
+        answers: list = []  # tasks other than ocr: the pages' answers, in page order
+        for (p, tile), res in zip(jobs, outputs):
+            if it.error is not None or res is None:
+                continue
+            if isinstance(res, BaseException):
+                it.error = engine_error(it, res)
+                continue
+            it.warnings.extend(w for w in res.warnings if w not in it.warnings)
+            if res.answer is not None:
+                answers.append(res.answer)
+                continue
+            h, w = it.pages[p].shape[:2]
+            per_page.setdefault(p, []).extend(map_back(tile, res.segments, w, h))
+        if it.error is not None:
+            return
+        if task.name != "ocr":
+            it.answer = join_answers(answers, task)
+            return
+        lines = []
+        for p in range(len(it.pages)):
+            for seg in group_lines(per_page.get(p, [])):
+                parts = [LineSegment(text=s.text.strip(), box=s.box, confidence=round(min(1.0, max(0.0, s.confidence)), 4))
+                         for s in seg.parts]
+                lines.append(Line(text=seg.text, box=seg.box, confidence=round(seg.confidence, 4), page=p + 1,
+                                  segments=parts))
+        it.lines = lines
 
-        Each tile is its own ``engine.ocr`` call (the engines run concurrent calls as they run
-        the images of one call: vLLM batches them, RapidOCR queues them for its workers in
-        submission order), so one request's pieces can be cancelled without touching the others.
-
-        Returns:
-            One entry per job, in order: the tile's :class:`EngineOutput`, the exception it
-            ended with (:class:`EngineTimeout` when its request ran past its deadline), or None
-            when it was cancelled because another piece of its request had already failed.
+    async def _engine_piece(self, image: np.ndarray, task: EngineTask, timeout_s: float,
+                            lane: Priority) -> tuple[EngineOutput | BaseException, float]:
+        """One tile (or page) through the engine: its output (or the exception it ended with)
+        and when it came back (``time.perf_counter``, s).
 
         Raises:
-            Whatever ``engine.ocr`` raises (an engine that is down): the runner retries the batch.
+            EngineUnavailable: the engine is down (the whole record is read again).
         """
-        timeout = self.s.limits.infer_timeout_s
-        tasks = [asyncio.ensure_future(self._engine_piece(tile.image, item_task(it), timeout)) for it, _, tile in jobs]
-        by_item: dict[int, list[int]] = {}
-        for j, (it, _, _) in enumerate(jobs):
-            by_item.setdefault(id(it), []).append(j)
         try:
-            per_item = await asyncio.gather(*(self._engine_request([tasks[j] for j in js], timeout)
-                                               for js in by_item.values()))
-        finally:
-            for t in tasks:  # no "exception never retrieved" for pieces no request waited for
-                t.cancel()
-                t.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
-        outputs: list[EngineOutput | BaseException | None] = [None] * len(jobs)
-        for js, results in zip(by_item.values(), per_item):
-            for j, res in zip(js, results):
-                outputs[j] = res
-        return outputs
+            res: EngineOutput | BaseException = await self.engine.page(image, task, timeout_s, lane)
+        except EngineUnavailable:
+            raise
+        except Exception as exc:  # the piece's own failure: timeout, engine_error, unparsable_output, ...
+            res = exc
+        return res, time.perf_counter()
 
-    async def _engine_piece(self, image: np.ndarray, task: EngineTask,
-                            timeout_s: float) -> tuple[EngineOutput | BaseException, float]:
-        """One tile (or page) through the engine for ``task``: its output (or exception) and when
-        it came back (``time.monotonic``, s)."""
-        [res] = await self.engine.ocr([image], task, timeout_s)
-        return res, time.monotonic()
+    async def _engine_request(self, images: list[np.ndarray], task: EngineTask,
+                              lane: Priority) -> tuple[list[EngineOutput | BaseException | None], float | None]:
+        """One request's pieces (tiles of all its pages) on the engine at once, under one deadline.
 
-    @staticmethod
-    async def _engine_request(tasks: list[asyncio.Task], timeout_s: float) -> list[EngineOutput | BaseException | None]:
-        """Wait for one request's pieces (tiles of all its pages) under one deadline.
-
-        The deadline is ``timeout_s`` after the request's work started on the engine: the
-        earliest start (return time minus ``inference_ms``) of its pieces that have come back,
-        so time spent queued behind other requests for an engine worker does not count, time
-        spent on its own earlier pieces does. Until its first piece comes back, the engine's
-        own per-piece limit (the same ``timeout_s``) bounds it. When the deadline passes, the
+        The deadline is ``limits.infer_timeout_s`` after the request's work started on the
+        engine: the earliest start (return time minus ``inference_ms``) of its pieces that have
+        come back, so time spent waiting for an engine slot behind other requests does not
+        count, time spent on its own earlier pieces does. Until its first piece comes back, the
+        engine's own per-piece limit (the same time) bounds it. When the deadline passes, the
         unfinished pieces are cancelled and answered with :class:`EngineTimeout`; when a piece
         fails (an exception result), the rest are cancelled (None).
 
-        Args:
-            tasks: :meth:`_engine_piece` tasks of one request, in page and tile order.
-            timeout_s: The request's time limit in seconds (``limits.infer_timeout_s``).
-
         Returns:
-            One entry per task, in order (see :meth:`_engine_batch`).
+            One entry per image, in order (its output, its exception, or None when cancelled),
+            and when the first piece started on the engine (``time.perf_counter``, s; None if
+            none came back).
+
+        Raises:
+            EngineUnavailable: the engine is down (the unfinished pieces are cancelled).
         """
+        timeout_s = self.s.limits.infer_timeout_s
+        tasks = [asyncio.ensure_future(self._engine_piece(img, task, timeout_s, lane)) for img in images]
         results: dict[asyncio.Task, EngineOutput | BaseException | None] = {}
         pending = set(tasks)
-        started: float | None = None  # time.monotonic() when the request's first piece started
+        started: float | None = None  # time.perf_counter() when the request's first piece started
         expired = failed = False
-        while pending and not (expired or failed):
-            wait = None if started is None else started + timeout_s - time.monotonic()
-            done: set[asyncio.Task] = set()
-            if wait is None or wait > 0:
-                done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                expired = True
-                break
-            for t in done:
-                res, ended = t.result()
-                results[t] = res
-                if isinstance(res, BaseException):
-                    failed = True
-                else:
-                    began = ended - res.inference_ms / 1000
-                    started = began if started is None else min(started, began)
-                    if ended - started > timeout_s:
-                        expired = True
-        for t in pending:
-            t.cancel()
-            t.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)  # no "never retrieved"
+        try:
+            while pending and not (expired or failed):
+                wait = None if started is None else started + timeout_s - time.perf_counter()
+                done: set[asyncio.Task] = set()
+                if wait is None or wait > 0:
+                    done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    expired = True
+                    break
+                for t in done:
+                    res, ended = t.result()  # EngineUnavailable propagates
+                    results[t] = res
+                    if isinstance(res, BaseException):
+                        failed = True
+                    else:
+                        began = ended - res.inference_ms / 1000
+                        started = began if started is None else min(started, began)
+                        if ended - started > timeout_s:
+                            expired = True
+        finally:
+            for t in tasks:  # unfinished pieces (a deadline, a failure, an outage) are cancelled
+                if not t.done():
+                    t.cancel()
+                t.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)  # no "never retrieved"
         if expired:
             late = EngineTimeout(f"the request's tiles and pages took longer than {timeout_s:g} s in all")
-            return [late if not isinstance(results.get(t), BaseException) else results[t] for t in tasks]
-        return [results.get(t) for t in tasks]
+            return [late if not isinstance(results.get(t), BaseException) else results[t] for t in tasks], started
+        return [results.get(t) for t in tasks], started
 
     def _result(self, it: Item) -> Outgoing:
+        """The request's result event on ``ocr.results`` (ok or error), its span ended."""
         ev, req = it.event, it.event.request
-        # The record's whole stay in this stage (Kafka timestamp -> now) = queue + own work +
-        # waiting on the rest of the batch. Prefetched images were fetched and decoded while
-        # still "queued", so the queue share is what the work does not explain.
-        stay = max(0.0, time.time() * 1000 - it.record.timestamp_ms)
-        work = sum(it.timings.get(k, 0.0) for k in ("fetch", "decode", "preprocess", "inference", "postprocess"))
-        it.timings["queue_infer"] = min(it.timings.get("queue_infer", 0.0), max(0.0, stay - work))
-        it.timings["batch_wait"] = max(0.0, stay - work - it.timings["queue_infer"])
         timings = dict(req.timings_ms, **{k: round(v, 3) for k, v in it.timings.items()})
         own = self._generation(req.task, req.task_params)
         cacheable = generation_matches(ev.cache_key, own)

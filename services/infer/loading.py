@@ -1,24 +1,21 @@
-"""Getting a micro-batch's images into memory: S3 get, plan, pixel budget, decode in a worker.
+"""Getting a record's image into memory: S3 get, plan, pixel budget, decode in a worker.
 
-Each record of ``ocr.infer`` becomes an :class:`Item`. Loading it is two steps:
+Each record of ``ocr.infer`` (or ``ocr.infer-interactive``) becomes an :class:`Item`. Loading
+it is two steps, both per item, so every record of the infer window loads on its own:
 
 1. :meth:`Loader.fetch_plan`: the image's bytes from S3 and its plan (format check and every
    page's size, from the headers, in a decoder process: :class:`~services.common.decoding.DecoderPool`);
-2. :meth:`Loader.waves`: the batch's items in *waves* that fit the process's
-   :class:`~services.common.decoding.PixelBudget` (``pixel_budget_mb``), each item's bytes taken
-   before it is decoded and given back once the wave has been through the engine. A batch that
-   fits is one wave; a batch of huge pages runs in parts; an image larger than the whole budget
-   runs alone. So the pixels in flight stay under the budget whatever the mix of images.
-
-Prefetching (:meth:`Loader.prefetch`, while the batch before is on the engine) does step 1 for
-the next batch's records and decodes an item only when its bytes fit the budget at once. When the
-batch in flight cannot get bytes for its next wave, the prefetched pages give theirs back first
-(they are decoded again when their turn comes), so the batch in flight never waits on the next.
+2. :meth:`Loader.decoded`: the item's pixel bytes taken from the process's
+   :class:`~services.common.pixel_budget.PixelBudget` (``pixel_budget_mb``; an interactive page
+   waits only behind other interactive pages), the pages decoded into shared memory, and given
+   back when the block ends. An image larger than the whole budget runs alone. So the pixels in
+   flight stay under the budget however many records the window holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -27,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from schemas.errors import ErrorCode
-from schemas.events import InferEvent, Line
+from schemas.events import InferEvent, Line, Priority
 from services.common.decoding import DecodedPages, DecoderPool, Plan
 from services.common.pixel_budget import Hold, PixelBudget
 from services.common.errors import OcrError
@@ -39,7 +36,7 @@ from services.infer.settings import InferSettings
 
 @dataclass
 class Item:
-    """One request of the batch: its record and event, and what loading and inference made of it."""
+    """One request in the infer window: its record and event, and what loading and inference made of it."""
 
     record: Record[InferEvent]
     event: InferEvent
@@ -55,6 +52,7 @@ class Item:
     warnings: list[str] = field(default_factory=list)  # from the engine, once each, in order seen
     error: OcrError | None = None
     span: Span | None = None  # the request's ``infer`` span, ended with its result
+    lane: Priority = "bulk"  # interactive: waits for pixels and engine slots only behind interactive records
 
     @property
     def pages(self) -> list[np.ndarray]:
@@ -72,16 +70,9 @@ class Item:
             self.decoded.release()
             self.decoded = None
 
-    def adopt(self, other: "Item") -> None:
-        """Take over what a prefetch of the same record loaded."""
-        self.data, self.plan, self.decoded, self.error = other.data, other.plan, other.decoded, other.error
-        self.backgrounds, self.sizes = other.backgrounds, other.sizes
-        self.timings.update(other.timings)
-        other.decoded = None
-
 
 def _load_span(fn):
-    """Run a loading step of ``it`` in an ``infer.load`` span of the request's trace (prefetched or not)."""
+    """Run a loading step of ``it`` in an ``infer.load`` span of the request's trace."""
 
     @functools.wraps(fn)
     async def wrapper(self: "Loader", it: Item):
@@ -92,7 +83,7 @@ def _load_span(fn):
 
 
 class Loader:
-    """Fetches, plans and decodes the images of infer's micro-batches (module docstring).
+    """Fetches, plans and decodes the images of the infer window's records (module docstring).
 
     Args:
         settings: ``limits.max_image_bytes`` (bytes per image), ``fetch_concurrency`` (S3 gets in
@@ -110,65 +101,6 @@ class Loader:
         self.budget = PixelBudget(settings.pixel_budget_mb << 20)
         telemetry.watch_pixel_budget(self.budget)
         self._fetch_sem = asyncio.Semaphore(settings.fetch_concurrency)
-        # next batch's items, fetched (and decoded when they fit) while the current batch is on the engine
-        self._prefetched: dict[tuple[str, int, int], asyncio.Task] = {}
-        self._squeezing = False  # the batch in flight waits for bytes: prefetched pages give theirs back
-
-    # -- prefetching ------------------------------------------------------------------------
-    def prefetch(self, records: list[Record[InferEvent]]) -> None:
-        """Start loading the next batch's images (the runner hands over at most one batch ahead,
-        only records that decoded)."""
-        for rec in records:
-            if not isinstance(rec.value, InferEvent):
-                continue  # did not decode: the runner sends it to the DLQ
-            task = asyncio.ensure_future(self._prefetch_one(Item(rec, rec.value)))
-            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)  # no "never retrieved"
-            self._prefetched[(rec.topic, rec.partition, rec.offset)] = task
-
-    async def _prefetch_one(self, it: Item) -> Item:
-        await self.fetch_plan(it)
-        if it.error is None and not self._squeezing and self.budget.try_acquire(it.plan.nbytes):
-            await self._decode(it, Hold(self.budget, it.plan.nbytes))
-            if self._squeezing:
-                it.release()
-        return it
-
-    def forget(self, records: list[Record]) -> None:
-        """Cancel the prefetches of ``records`` (their partitions were revoked) and free their pages."""
-        for rec in records:
-            self._drop(self._prefetched.pop((rec.topic, rec.partition, rec.offset), None))
-
-    @staticmethod
-    def _drop(task: asyncio.Task | None) -> None:
-        if task is None:
-            return
-        if task.done():
-            if not task.cancelled() and task.exception() is None:
-                task.result().release()
-        else:
-            task.cancel()
-
-    def _squeeze(self) -> None:
-        """Prefetched pages give their bytes back (kept: the bytes and the plan); decodes still
-        running give theirs back when they end."""
-        self._squeezing = True
-        for task in self._prefetched.values():
-            if task.done() and not task.cancelled() and task.exception() is None:
-                task.result().release()
-
-    # -- loading a batch --------------------------------------------------------------------
-    async def load(self, it: Item) -> None:
-        """Step 1 for ``it``: what its prefetch loaded, or :meth:`fetch_plan` now.
-
-        Raises:
-            OcrError: ``missing_object`` (the runner retries, then sends the record to the DLQ).
-        """
-        rec = it.record
-        task = self._prefetched.pop((rec.topic, rec.partition, rec.offset), None)
-        if task is not None:
-            it.adopt(await task)
-        else:
-            await self.fetch_plan(it)
 
     @_load_span
     async def fetch_plan(self, it: Item) -> None:
@@ -193,6 +125,23 @@ class Loader:
                 raise  # retried a bounded number of times, then DLQ + error result (Handler.poison)
             it.error = err
 
+    @contextlib.asynccontextmanager
+    async def decoded(self, it: Item) -> AsyncIterator[Item]:
+        """``async with loader.decoded(it):`` ``it``'s pages decoded and held within the budget
+        for the block (planned ``it`` without error); a decoding error is kept in ``it.error``.
+        The wait for room counts as ``engine_wait`` ms; an interactive item waits only behind
+        other interactive ones."""
+        t0 = time.perf_counter()
+        await self.budget.acquire(it.plan.nbytes, urgent=it.lane == "interactive")
+        it.timings["engine_wait"] = it.timings.get("engine_wait", 0.0) + (time.perf_counter() - t0) * 1000
+        hold = Hold(self.budget, it.plan.nbytes)
+        try:
+            await self._decode(it, hold)
+            yield it
+        finally:
+            it.release()
+            hold.release()
+
     async def _decode(self, it: Item, hold: Hold) -> None:
         """Decode ``it`` into shared memory; ``hold`` is its ``plan.nbytes`` taken from the budget,
         given back when its pages are released (or at once when decoding fails)."""
@@ -208,54 +157,6 @@ class Loader:
                 hold.release()
         it.timings["decode"] = it.timings.get("decode", 0.0) + (time.perf_counter() - t0) * 1000
 
-    async def waves(self, items: list[Item]) -> AsyncIterator[list[Item]]:
-        """Yield ``items`` (planned, no error) in groups whose pages are decoded and held within
-        the budget; the caller releases each group's pages before asking for the next.
-
-        Each group holds the items already decoded (prefetched) and then, in order, as many of the
-        rest as fit the budget now; when none fits, prefetched pages give their bytes back and the
-        first waits for its own (it runs alone if it is larger than the whole budget).
-        """
-        rest = list(items)
-        while rest:
-            wave = [it for it in rest if it.decoded is not None]
-            todo = [it for it in rest if it.decoded is None]
-            taken: list[tuple[Item, Hold]] = []
-            try:
-                for it in todo:
-                    if not self.budget.try_acquire(it.plan.nbytes):
-                        break
-                    taken.append((it, Hold(self.budget, it.plan.nbytes)))
-                if not wave and not taken and todo:
-                    self._squeeze()
-                    try:
-                        await self.budget.acquire(todo[0].plan.nbytes)
-                    finally:
-                        self._squeezing = False
-                    taken.append((todo[0], Hold(self.budget, todo[0].plan.nbytes)))
-                    for it in todo[1:]:
-                        if not self.budget.try_acquire(it.plan.nbytes):
-                            break
-                        taken.append((it, Hold(self.budget, it.plan.nbytes)))
-                # every decode ends before an error is raised: one still running would otherwise
-                # take its pages after the caller released this batch's items
-                done = await asyncio.gather(*(self._decode(it, hold) for it, hold in taken), return_exceptions=True)
-                first = next((r for r in done if isinstance(r, BaseException)), None)
-                if first is not None:
-                    raise first
-            except BaseException:
-                for it, hold in taken:
-                    if it.decoded is None:
-                        hold.release()
-                raise
-            group = wave + [it for it, _ in taken]
-            held = {id(it) for it in group}
-            rest = [it for it in rest if id(it) not in held]
-            yield group
-
     async def close(self) -> None:
-        """Drop the prefetched images and stop the decoder processes."""
-        for task in self._prefetched.values():
-            self._drop(task)
-        self._prefetched.clear()
+        """Stop the decoder processes."""
         await self.decoder.close()

@@ -28,12 +28,14 @@ def build_engine(s: InferSettings) -> OcrEngine:
 
 
 async def main(settings: InferSettings | None = None) -> None:
-    """Run infer until SIGTERM: consume ``ocr.infer``, produce ``ocr.results``.
+    """Run infer until SIGTERM: consume ``ocr.infer-interactive`` and ``ocr.infer`` in a window of
+    records in flight (:class:`~services.common.window.WindowRunner`, sized from the engine's
+    slots: :meth:`InferSettings.window`), produce ``ocr.results``.
 
     ``/readyz`` answers 200 while the engine is ready: its ``health()`` is polled every
     ``telemetry.probe_interval_s`` (``engine`` in the not-ready list), and ``engine.ready``
-    turns False as soon as a batch finds the engine unavailable (then the runner retries that
-    batch with backoff and commits nothing until it goes through). ``/metrics`` also carries
+    turns False as soon as a page finds the engine unavailable (then the runner reads that
+    record again with backoff and commits nothing past it until it goes through). ``/metrics`` also carries
     GPU memory and utilisation per device when NVML sees a GPU (:mod:`services.infer.gpu_metrics`).
     """
     s = settings or load_settings(InferSettings)
@@ -48,6 +50,7 @@ async def main(settings: InferSettings | None = None) -> None:
         ctx.telemetry.add_probe("engine", engine.health)
         if callable(getattr(engine, "dead", None)):  # vLLM: a dead engine core never comes back in-process
             ctx.telemetry.live_checks["engine"] = lambda: not engine.dead()
+        ctx.telemetry.watch_engine(engine)  # ocrstream_engine_slots{,_busy}: is the engine kept full?
         gpu_metrics.watch(ctx.telemetry.registry)  # ocrstream_gpu_* when NVML sees a GPU; else nothing
         store = ObjectStore(s.s3, ctx.telemetry)
         ctx.telemetry.add_probe("s3", store.ping)
@@ -56,7 +59,7 @@ async def main(settings: InferSettings | None = None) -> None:
         return InferHandler(s, store, engine, ctx.telemetry, decoder)
 
     await run_stage(
-        stage="infer", settings=s, topic=s.topics.infer, group_id=s.infer_group_id,
-        build_handler=build, max_batch=s.max_batch, max_wait_ms=s.max_wait_ms,
-        max_poll_interval_ms=s.infer_max_poll_interval_ms,
+        stage="infer", settings=s, topic=[s.topics.infer_interactive, s.topics.infer], group_id=s.infer_group_id,
+        build_handler=build, max_poll_interval_ms=s.infer_max_poll_interval_ms,
+        window=lambda handler: s.window(handler.engine.slots),
     )

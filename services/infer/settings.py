@@ -15,22 +15,31 @@ class InferSettings(CommonSettings):
     """
 
     infer_group_id: str = Field(default="ocrstream-infer", description="consumer group of the infer stage")
-    max_batch: int = Field(default=8, ge=1, description="events per micro-batch")
-    max_wait_ms: int = Field(default=20, ge=0, description="longest wait for a micro-batch to fill")
-    infer_max_poll_interval_ms: int = Field(default=300_000, ge=1, description="partitions are paused while a batch runs")
-    fetch_concurrency: int = Field(default=8, ge=1, description="S3 gets in flight per batch")
+    max_in_flight: int | None = Field(
+        default=None, ge=1,
+        description="the window: records being fetched, decoded or on the engine at once, each result produced the "
+                    "moment its page is done; unset = the engine's slots + a decoded-ahead margin + the interactive "
+                    "reserve (rapidocr: workers + 2 + 1; openai: openai_max_concurrency x 1.25; vllm: 2 x "
+                    "vllm_max_num_seqs x 1.25; docs/delivery.md)")
+    interactive_reserve: int | None = Field(
+        default=None, ge=0,
+        description="window slots only interactive requests may take, so one starts at once however much bulk work "
+                    "waits; each lane holds at most max_in_flight minus this; unset = an eighth of the engine's "
+                    "slots, at least 1")
+    infer_max_poll_interval_ms: int = Field(default=300_000, ge=1, description="the consumer's max.poll.interval.ms (the window polls without pause)")
+    fetch_concurrency: int = Field(default=8, ge=1, description="S3 gets in flight")
     pixel_budget_mb: int = Field(
         default=1024, ge=0,
-        description="decoded pixels this process holds at once, MiB (RGB, 3 bytes a pixel; the batch on the engine "
-                    "and the next one's prefetched pages together); a micro-batch over it runs in parts, an image "
-                    "larger than all of it runs alone. 0 = no bound")
+        description="decoded pixels this process holds at once, MiB (RGB, 3 bytes a pixel; every page of the window "
+                    "together); a page that does not fit waits for room (interactive pages first), an image larger "
+                    "than all of it runs alone. 0 = no bound")
     engine_crash_limit: int = Field(
         default=2, ge=0,
         description="times the engine's server may go away while reading one image alone (a connection carrying it "
                     "dropped, the retry refused) until that image ends with engine_crash instead of being retried; 0 = retried forever")
     # RapidOCR (CPU) engine
     rapidocr_threads: int = Field(default=1, ge=1, description="ONNX Runtime intra-op threads per image (bench/engine_tuning.py)")
-    rapidocr_workers: int = Field(default=2, ge=1, description="images in flight per process (2 per 2 cores: bench/infer_bench.py)")
+    rapidocr_workers: int = Field(default=2, ge=1, description="pages read at once per process (2 per 2 cores: bench/infer_bench.py)")
     tile_max_aspect: float = Field(default=3.0, ge=1, description="pages longer than engine_max_side and longer/shorter above this are sliced into tiles")
     device: str = Field(default="cuda:0", description="GPU engines: the one device this process uses")
     # vLLM (in-process, GPU) engine; model default HunyuanOCR. Keep engine.model equal to vllm_model.
@@ -38,7 +47,8 @@ class InferSettings(CommonSettings):
     vllm_revision: str | None = Field(default=None, description="HF revision of vllm_model")
     vllm_dtype: str = Field(default="auto", description="weights/activations dtype as vLLM names it (auto = the model's own, e.g. bfloat16)")
     vllm_gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1, description="fraction (0..1] of the GPU's memory vLLM may take (weights + KV cache)")
-    vllm_max_num_seqs: int = Field(default=64, ge=1, description="requests decoded together")
+    vllm_max_num_seqs: int = Field(default=64, ge=1, description="requests decoded together (the window keeps twice this submitted)")
+    vllm_scheduling_policy: Literal["priority", "fcfs"] = Field(default="priority", description="vLLM's scheduling_policy: priority admits interactive pages before bulk ones; fcfs in arrival order")
     vllm_max_model_len: int = Field(default=16384, ge=1, description="prompt (a 2K page is ~4,100 image tokens) + output")
     vllm_max_num_batched_tokens: int = Field(default=32768, ge=1, description="well above one page's tokens, so pages overlap")
     vllm_max_tokens: int = Field(default=4096, ge=1, description="generation cap per image")
@@ -59,8 +69,25 @@ class InferSettings(CommonSettings):
     openai_retries: int = Field(default=3, ge=1, description="attempts per image, the first included (1 = no retry), on 5xx, 429, unreachable server, dropped connection")
     openai_backoff_s: float = Field(default=0.5, ge=0, description="seconds before the first retry, doubling (at most 8 s), each wait drawn from half to all of it")
     openai_retry_after_max_s: float = Field(default=30.0, ge=0, description="cap in seconds on a 429/503's Retry-After, which replaces the backoff")
-    openai_max_concurrency: int = Field(default=32, ge=1, description="cap on HTTP requests in flight over all engine calls together (one per image or tile of the batch, all at once up to this)")
+    openai_max_concurrency: int = Field(default=32, ge=1, description="requests in flight to the server (one per page or tile): the server's concurrency, from which the window is sized")
+    openai_send_priority: bool = Field(default=False, description="send each page's lane as vLLM's request priority (0 interactive, 1 bulk); only for a server started with --scheduling-policy priority")
     openai_ready_timeout_s: float = Field(default=900.0, gt=0, description="seconds to wait for the server at start-up")
     openai_image_format: Literal["png", "jpeg"] = Field(default="png", description="encoding of the inline image (png lossless, jpeg quality 95)")
     openai_repetition_penalty: float = Field(default=1.0, gt=0, description="1.0 = off, as vLLM's HunyuanOCR recipe")
     openai_extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields (JSON)")
+
+    def window(self, engine_slots: int) -> tuple[int, int]:
+        """``(max_in_flight, interactive_reserve)`` for an engine of ``engine_slots`` slots
+        (:attr:`OcrEngine.slots`): the settings where set, else the slots plus a decoded-ahead
+        margin (an eighth of them, at least 2: no slot waits for S3 or decoding) plus the
+        interactive reserve (an eighth of them, at least 1).
+
+        Raises:
+            ValueError: a reserve that leaves a lane no slot (each lane holds at most
+                ``max_in_flight - interactive_reserve``).
+        """
+        reserve = self.interactive_reserve if self.interactive_reserve is not None else max(1, engine_slots // 8)
+        size = self.max_in_flight or engine_slots + max(2, engine_slots // 8) + reserve
+        if size - reserve < 1:
+            raise ValueError(f"interactive_reserve {reserve} leaves no slot of max_in_flight {size} to a lane")
+        return size, reserve

@@ -11,7 +11,7 @@ import orjson
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
+from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms, request_priority
 from schemas.ids import is_request_id, request_id_problem
 from schemas.tasks import TaskError
 from services.common import claims, documents
@@ -282,7 +282,8 @@ def _request_of(event: SubmitEvent, rid: str, record: Record) -> RequestEvent:
     """The request a submission starts, under ``rid``."""
     return RequestEvent(request_id=rid, task=event.task, task_params=event.task_params, source=event.source, filename=event.filename,
                         callback_url=event.callback_url, submitted_at_ms=_submitted_at(event, record),
-                        metadata=event.metadata, job_id=event.job_id)
+                        metadata=event.metadata, job_id=event.job_id,
+                        priority=request_priority(event.priority, event.job_id))
 
 
 def _parse(record: Record) -> tuple[SubmitEvent | None, RequestEvent, str | None, str | None]:

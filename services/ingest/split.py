@@ -65,7 +65,7 @@ async def split_pages(doc: RequestEvent, data: bytes, decoder: DecoderPool, stor
             number = first + i + 1
             page = doc.model_copy(update={
                 "request_id": page_request_id(doc.request_id, number), "callback_url": None, "frames": 1,
-                "document_id": doc.request_id, "page_number": number, "page_count": n})
+                "document_id": doc.request_id, "page_number": number, "page_count": n, "priority": "bulk"})
             if sha is None:  # this page alone could not be rendered
                 pages.append(SplitPage(page.model_copy(update={
                     "content_sha256": None, "image_uri": None, "size_bytes": 0, "format": None,

@@ -97,7 +97,7 @@ async def _infer_records(s: CommonSettings, partition: int) -> list[tuple[int, I
     consumer = make_consumer(s.kafka, [], None, "test-poison-restarts-infer")
     await consumer.start()
     try:
-        tp = TopicPartition(s.topics.infer, partition)
+        tp = TopicPartition(s.topics.infer_interactive, partition)
         consumer.assign([tp])
         await consumer.seek_to_beginning(tp)
         end = (await consumer.end_offsets([tp]))[tp]
@@ -155,7 +155,7 @@ async def test_kill_infer_twice_while_it_holds_a_poison_record(poison_pipeline, 
         assert doc.status == "ok" and doc.text == ANSWER, (doc.status, doc.error, doc.text)
     assert wedging.held == 2  # the third infer never sent it to the engine
     [dlq] = await _dlq(s)
-    assert (dlq.stage, dlq.topic, dlq.request_id) == ("infer", s.topics.infer, bad.request_id)
+    assert (dlq.stage, dlq.topic, dlq.request_id) == ("infer", s.topics.infer_interactive, bad.request_id)
     assert dlq.partition == partition_of(poison)
     later = {ev.request.request_id for off, ev in await _infer_records(s, dlq.partition) if off > dlq.offset}
     assert len(later) == 3 and later <= {d.request_id for d in await behind_run}
@@ -163,5 +163,5 @@ async def test_kill_infer_twice_while_it_holds_a_poison_record(poison_pipeline, 
     assert "in progress when the infer stage died 2 times" in dlq.reason
     [row] = db_rows("SELECT status, error_code FROM requests WHERE request_id = %s", bad.request_id)
     assert row == {"status": "error", "error_code": "stage_crash"}
-    assert await _lag(s, p.env["OCRSTREAM_INFER_GROUP_ID"], s.topics.infer) == dict.fromkeys(range(4), 0)
+    assert await _lag(s, p.env["OCRSTREAM_INFER_GROUP_ID"], s.topics.infer_interactive) == dict.fromkeys(range(4), 0)
     assert time.monotonic() - started < 300

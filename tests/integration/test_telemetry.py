@@ -30,7 +30,7 @@ SOURCE = f"tel-{uuid.uuid4().hex[:8]}"  # unique: the report filters on it
 N_SAMPLES = 4
 SERVICES = {f"ocrstream-{s}" for s in ("ingest", "dedup", "infer", "sink")}
 MISS_KEYS = ("queue_ingest", "ingest", "queue_dedup", "dedup", "queue_infer", "fetch", "decode", "preprocess",
-             "inference", "postprocess", "batch_wait", "queue_sink", "write", "total")
+             "inference", "postprocess", "engine_wait", "queue_sink", "write", "total")
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +66,12 @@ def _spans(path: Path) -> list[dict]:
 def _expected_spans(p: Pipeline) -> set[tuple[str, str]]:
     """(service, span name) pairs every request's trace must hold."""
     t = p.env
-    return {("ingest", "ingest"), ("dedup", "dedup"), ("infer", "infer"), ("infer", "infer.load"),
+    return {("ingest", "ingest"), ("dedup", "dedup"), ("infer", "infer"), ("infer", "infer.load"), ("infer", "infer.engine"),
             ("infer", "s3.get"), ("infer", "decode"), ("sink", "sink"), ("sink", "s3.put"),
             ("sink", "mysql.write_result"), ("sink", "redis.set"),
             ("sink", f"{t['OCRSTREAM_TOPICS__SETTLED']} publish"),
             ("ingest", f"{t['OCRSTREAM_TOPICS__REQUESTS']} publish"),
-            ("dedup", f"{t['OCRSTREAM_TOPICS__INFER']} publish"),
+            ("dedup", f"{t['OCRSTREAM_TOPICS__INFER_INTERACTIVE']} publish"),  # single images: the interactive lane
             ("infer", f"{t['OCRSTREAM_TOPICS__RESULTS']} publish"),
             ("sink", f"{t['OCRSTREAM_TOPICS__COMPLETED']} publish")}
 
@@ -118,12 +118,11 @@ def test_one_trace_per_request_across_all_four_services(tel_pipeline, run):
         for s in mine:
             if s["parent_span_id"] in ids:
                 assert by_id[s["parent_span_id"]]["trace_id"] == doc.trace_id, s
-        # the engine batch is a span of its own linked to this request's infer span
+        # the request's time on the engine is one span, a child of its infer span, naming its lane
         infer_span = next(s for s in mine if s["name"] == "infer")
-        batches = [s for s in spans if s["name"] == "infer.engine_batch"
-                   and {"trace_id": doc.trace_id, "span_id": infer_span["span_id"]} in s["links"]]
-        assert len(batches) == 1, batches
-        assert batches[0]["attributes"]["ocrstream.batch_size"] == len(batches[0]["links"])
+        [engine] = [s for s in mine if s["name"] == "infer.engine"]
+        assert engine["parent_span_id"] == infer_span["span_id"], engine
+        assert engine["attributes"]["ocrstream.lane"] == "interactive" and engine["attributes"]["ocrstream.tiles"] == 1
         # the batched MySQL insert links to the request's sink span
         assert any(s["name"] == "sink.write_requests" and any(lk["trace_id"] == doc.trace_id for lk in s["links"])
                    for s in spans)
@@ -144,7 +143,7 @@ def test_stage_timings_present_and_sum_to_the_total(run):
 
     The parts are disjoint intervals of a request's life (each queue wait runs from the
     Kafka timestamp of the record to the moment the stage starts on it, and infer's
-    ``batch_wait`` absorbs its wait on the rest of the batch), so their sum never exceeds
+    ``engine_wait`` is its wait for pixel room and an engine slot), so their sum never exceeds
     the total by more than ms rounding (``total`` is whole ms; 5 hops, 1 ms each). What they
     do not cover is each hand-off: the time from a request's own work ending to its
     message being sent (the rest of its ingest/dedup batch finishing, the produce call) and
@@ -171,16 +170,18 @@ def test_metrics_count_every_request(tel_pipeline, run):
     n = len(docs)
     env = tel_pipeline.env
     m = {st: tel_pipeline.metrics(st) for st in ("ingest", "dedup", "infer", "sink")}
-    inputs = {"ingest": "SUBMIT", "dedup": "REQUESTS", "infer": "INFER", "sink": "RESULTS"}
+    # single images: infer reads them on the interactive lane's topic
+    inputs = {"ingest": "SUBMIT", "dedup": "REQUESTS", "infer": "INFER_INTERACTIVE", "sink": "RESULTS"}
     for st in m:
         topic = env[f"OCRSTREAM_TOPICS__{inputs[st]}"]
         assert metric_value(m[st], "ocrstream_messages_in_total", stage=st, topic=topic) == n, st
         # dedup also reads the settlements of the keys it sent to inference (one per computed request)
         extra = sum(not d.cache_hit for d in docs) if st == "dedup" else 0
         assert metric_value(m[st], "ocrstream_messages_in_total", stage=st) == n + extra, st
-        assert metric_value(m[st], "ocrstream_batch_size_count", stage=st) >= 1
-        assert metric_value(m[st], "ocrstream_batch_size_sum", stage=st) == n + extra
-        assert metric_value(m[st], "ocrstream_batch_seconds_count", stage=st) >= 1
+        if st != "infer":  # the batch runner's stages; infer runs a window (below)
+            assert metric_value(m[st], "ocrstream_batch_size_count", stage=st) >= 1
+            assert metric_value(m[st], "ocrstream_batch_size_sum", stage=st) == n + extra
+            assert metric_value(m[st], "ocrstream_batch_seconds_count", stage=st) >= 1
         assert "ocrstream_consumer_lag{" in m[st], st
         # the gauge is refreshed at most once a second: it may still show the last record in flight
         deadline = time.monotonic() + 10
@@ -190,12 +191,20 @@ def test_metrics_count_every_request(tel_pipeline, run):
         assert metric_value(m[st], "ocrstream_consumer_lag", stage=st) == 0, st
         assert metric_value(m[st], "ocrstream_dependency_up", dependency="kafka") == 1
     assert metric_value(m["ingest"], "ocrstream_messages_out_total", topic=env["OCRSTREAM_TOPICS__REQUESTS"]) == n
-    assert metric_value(m["dedup"], "ocrstream_messages_out_total", topic=env["OCRSTREAM_TOPICS__INFER"]) == n
+    assert metric_value(m["dedup"], "ocrstream_messages_out_total", topic=env["OCRSTREAM_TOPICS__INFER_INTERACTIVE"]) == n
     assert metric_value(m["dedup"], "ocrstream_cache_total", outcome="miss") == n
     assert metric_value(m["dedup"], "ocrstream_cache_total", outcome="hit") == 0
     assert metric_value(m["infer"], "ocrstream_messages_out_total", topic=env["OCRSTREAM_TOPICS__RESULTS"]) == n
     assert metric_value(m["infer"], "ocrstream_engine_images_total") == n
-    assert metric_value(m["infer"], "ocrstream_engine_batch_seconds_count") >= 1
+    assert metric_value(m["infer"], "ocrstream_engine_seconds_count") == n
+    # the window: its size, every record started on the interactive lane, nothing left in it
+    assert metric_value(m["infer"], "ocrstream_window_slots", kind="max_in_flight") == 5  # rapidocr: 2 workers + 2 + 1
+    assert metric_value(m["infer"], "ocrstream_window_slots", kind="interactive_reserve") == 1
+    assert metric_value(m["infer"], "ocrstream_lane_queue_wait_seconds_count", lane="interactive") == n
+    assert metric_value(m["infer"], "ocrstream_lane_queue_wait_seconds_count", lane="bulk") == 0
+    assert metric_value(m["infer"], "ocrstream_window_in_flight") == 0
+    assert metric_value(m["infer"], "ocrstream_engine_slots", engine="rapidocr") == 2
+    assert metric_value(m["infer"], "ocrstream_engine_slots_busy", engine="rapidocr") == 0
     assert metric_value(m["infer"], "ocrstream_requests_total", stage="infer", status="ok") == n
     assert metric_value(m["sink"], "ocrstream_messages_out_total", topic=env["OCRSTREAM_TOPICS__COMPLETED"]) == n
     assert metric_value(m["sink"], "ocrstream_requests_total", stage="sink", status="ok") == n

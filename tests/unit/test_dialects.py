@@ -7,6 +7,7 @@ import pytest
 
 from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
 from schemas.tasks import TaskParams
+from tests.engines import read_all
 from services.infer.engines.base import EngineOutput, EngineTask, UnparsableOutput, UnsupportedTask
 from services.infer.engines.dialects import dialect, parsers
 from services.infer.engines.registry import engines_for
@@ -108,7 +109,7 @@ async def test_rapid_answers_unsupported_task_naming_the_vlm_engines():
     from services.infer.engines.rapid import RapidOcrEngine
 
     eng = RapidOcrEngine()
-    (out,) = await eng.ocr([np.full((32, 32, 3), 255, np.uint8)], EXTRACT, timeout_s=5)
+    (out,) = await read_all(eng, [np.full((32, 32, 3), 255, np.uint8)], EXTRACT, timeout_s=5)
     assert isinstance(out, UnsupportedTask)
     assert str(out) == "engine 'rapidocr' cannot do task 'extract'; engines that can: vllm, openai"
     assert engines_for("ocr") == ("rapidocr", "vllm", "openai")
@@ -130,7 +131,7 @@ async def test_openai_engine_per_task(task):
     with FakeServer() as srv:
         srv.canned[HUNYUAN[task][0]] = CANNED[task][:2]
         eng = engine(srv.url)
-        (out,) = await eng.ocr([page(OK)], task, timeout_s=10)
+        (out,) = await read_all(eng, [page(OK)], task, timeout_s=10)
         body = srv.requests[-1]["body"]
         assert body["messages"][1]["content"][1]["text"] == HUNYUAN[task][0]
         assert (body["temperature"], body["top_p"], body["top_k"], body["repetition_penalty"], body["max_tokens"]) == \
@@ -144,7 +145,7 @@ async def test_openai_engine_prose_for_extract_is_unparsable_output():
     with FakeServer() as srv:
         srv.canned[HUNYUAN[EXTRACT][0]] = (PROSE, "stop")
         eng = engine(srv.url)
-        (out,) = await eng.ocr([page(OK)], EXTRACT, timeout_s=10)
+        (out,) = await read_all(eng, [page(OK)], EXTRACT, timeout_s=10)
         assert isinstance(out, UnparsableOutput) and out.raw == PROSE
         await eng.close()
 
@@ -152,7 +153,7 @@ async def test_openai_engine_prose_for_extract_is_unparsable_output():
 async def test_openai_engine_max_tokens_capped_by_its_own():
     with FakeServer() as srv:
         eng = engine(srv.url, max_tokens=1000)
-        await eng.ocr([page(OK)], EngineTask("doc_parse"), timeout_s=10)
+        await read_all(eng, [page(OK)], EngineTask("doc_parse"), timeout_s=10)
         assert srv.requests[-1]["body"]["max_tokens"] == 1000
         await eng.close()
 

@@ -1,4 +1,6 @@
-"""The infer handler's batch logic with a small in-memory engine and store (no Kafka, no S3)."""
+"""The infer handler's per-record logic with a small in-memory engine and store (no Kafka, no S3):
+records handled concurrently (``handle`` runs every record's ``handle_record`` at once, as the
+window runner keeps them in flight)."""
 
 from __future__ import annotations
 
@@ -48,20 +50,16 @@ class ScriptedEngine(OcrEngine):
     async def start(self) -> None:
         self.ready = True
 
-    async def ocr(self, images, task, timeout_s):
-        out = []
-        for img in images:
-            h, w = img.shape[:2]
-            self.calls.append((h, w))
-            if h == 111:
-                out.append(EngineTimeout("too slow"))
-            elif h == 222:
-                out.append(RuntimeError("kaboom"))
-            else:
-                warnings = ("truncated_max_tokens",) if h == 333 else ()
-                out.append(EngineOutput([Segment([[0, 0], [w, 0], [w, h], [0, h]], f"TEXT {h}x{w}", 0.9)], 5.0,
-                                        warnings))
-        return out
+    async def page(self, image, task, timeout_s, lane="bulk"):
+        h, w = image.shape[:2]
+        self.calls.append((h, w))
+        await asyncio.sleep(0)
+        if h == 111:
+            raise EngineTimeout("too slow")
+        if h == 222:
+            raise RuntimeError("kaboom")
+        warnings = ("truncated_max_tokens",) if h == 333 else ()
+        return EngineOutput([Segment([[0, 0], [w, 0], [w, h], [0, h]], f"TEXT {h}x{w}", 0.9)], 5.0, warnings)
 
 
 def png(w: int, h: int) -> bytes:
@@ -129,25 +127,6 @@ def test_engine_warnings_reach_the_result_once():
     assert results[1].warnings == []
 
 
-def test_forget_cancels_the_prefetches_of_revoked_records():
-    class BlockingStore(MemoryStore):
-        async def get_uri(self, uri: str, max_bytes: int | None = None) -> bytes:
-            await asyncio.Event().wait()  # never answers: the prefetch is still running when forgotten
-
-    async def main():
-        handler = InferHandler(InferSettings(), BlockingStore({}), ScriptedEngine(), Telemetry("infer", TelemetrySettings()))
-        kept, gone = record(1, "s3://b/a"), record(2, "s3://b/b")
-        handler.prefetch([kept, gone])
-        tasks = dict(handler.loader._prefetched)
-        handler.forget([gone])
-        await asyncio.sleep(0)
-        assert list(handler.loader._prefetched) == [("ocr.infer", 0, 1)]
-        assert tasks[("ocr.infer", 0, 2)].cancelled() and not tasks[("ocr.infer", 0, 1)].done()
-        await handler.close()
-
-    asyncio.run(main())
-
-
 class OneAtATimeEngine(OcrEngine):
     """One image at a time (like RapidOCR with one worker), each taking ``seconds``; an empty result."""
 
@@ -162,15 +141,12 @@ class OneAtATimeEngine(OcrEngine):
     async def start(self) -> None:
         self.ready = True
 
-    async def ocr(self, images, task, timeout_s):
-        out = []
-        for img in images:
-            async with self._lock:
-                began = asyncio.get_running_loop().time()
-                self.started.append(img.shape[:2])
-                await asyncio.sleep(self.seconds)
-                out.append(EngineOutput([], (asyncio.get_running_loop().time() - began) * 1000))
-        return out
+    async def page(self, image, task, timeout_s, lane="bulk"):
+        async with self._lock:
+            began = asyncio.get_running_loop().time()
+            self.started.append(image.shape[:2])
+            await asyncio.sleep(self.seconds)
+            return EngineOutput([], (asyncio.get_running_loop().time() - began) * 1000)
 
 
 def test_the_time_limit_is_one_deadline_per_request_over_all_its_pages():
@@ -189,25 +165,36 @@ def test_the_time_limit_is_one_deadline_per_request_over_all_its_pages():
     assert results[0].error.code is ErrorCode.TIMEOUT
     assert results[0].error.message == "the request's tiles and pages took longer than 1 s in all"
     assert results[1].pages[0].height == 50
-    # page 3 never started: the request's deadline passed during page 2, which was cancelled
-    assert engine.started == [(100, 300), (101, 300), (50, 300)]
+    # page 3 never started: the request's deadline passed during page 2, which was cancelled; the
+    # one-page image's turn on the engine (before or between them) did not count against the TIFF
+    assert {(100, 300), (101, 300), (50, 300)} <= set(engine.started) and (102, 300) not in engine.started
 
 
-class DownOnBatchEngine(ScriptedEngine):
-    """Goes away (``took_down``) when a call carries two or more images; reads one image at a time."""
+class DownWhenNotAloneEngine(ScriptedEngine):
+    """Goes away (``took_down``) when a page arrives while another is on it; reads one page at a time."""
+
+    def __init__(self):
+        super().__init__()
+        self.on = 0
 
     async def health(self) -> bool:
         return True
 
-    async def ocr(self, images, task, timeout_s):
-        if len(images) > 1:
-            raise EngineUnavailable("connection dropped", took_down=True)
-        return await super().ocr(images, task, timeout_s)
+    async def page(self, image, task, timeout_s, lane="bulk"):
+        self.on += 1
+        try:
+            await asyncio.sleep(0.01)
+            if self.on > 1:
+                raise EngineUnavailable("connection dropped", took_down=True)
+            return await super().page(image, task, timeout_s, lane)
+        finally:
+            self.on -= 1
 
 
-def test_copies_of_one_suspect_image_in_a_batch_are_each_settled():
-    """Two copies of a suspect (same content hash; cache off or Redis down) in one micro-batch: the
-    first copy's lone read clears or convicts the image, and the second copy follows it."""
+def test_copies_of_one_suspect_image_in_flight_together_are_each_settled():
+    """Two copies of a suspect (same content hash; cache off or Redis down) in flight at once: each
+    is read alone (nothing else on the engine), the first copy's read clears or convicts the
+    image, and the second copy follows it."""
     sha = "a" * 64
 
     def copies() -> list[Record]:
@@ -215,8 +202,8 @@ def test_copies_of_one_suspect_image_in_a_batch_are_each_settled():
                           cache_key=f"abcdefabcdef:{sha}") for i in range(2)]
         return [DECODE(ConsumerRecord("ocr.infer", 0, i, 0, 0, None, dumps(ev), None, 0, 0, [])) for i, ev in enumerate(evs)]
 
-    # read through: the first copy's lone read clears it, the second is read (with the others)
-    engine = DownOnBatchEngine()
+    # read through: the first copy's lone read clears it, the second is read too (alone or not)
+    engine = DownWhenNotAloneEngine()
     handler = InferHandler(InferSettings(), MemoryStore({"s3://b/x": png(300, 100)}), engine,
                            Telemetry("infer", TelemetrySettings()))
     handler._crashes[sha] = 1  # one lone crash so far
@@ -227,7 +214,7 @@ def test_copies_of_one_suspect_image_in_a_batch_are_each_settled():
     assert sha not in handler._crashes and sha not in handler._convicted
 
     # at the limit: the first copy is convicted, the second shares its engine_crash without a read
-    engine = DownOnBatchEngine()
+    engine = DownWhenNotAloneEngine()
     handler = InferHandler(InferSettings(), MemoryStore({"s3://b/x": png(300, 100)}), engine,
                            Telemetry("infer", TelemetrySettings()))
     handler._crashes[sha] = InferSettings().engine_crash_limit
@@ -235,6 +222,40 @@ def test_copies_of_one_suspect_image_in_a_batch_are_each_settled():
     results = [ResultEvent.model_validate(orjson.loads(o.value)) for o in out]
     assert [r.error.code for r in results] == [ErrorCode.ENGINE_CRASH] * 2
     assert engine.calls == [] and sha in handler._convicted
+
+
+def test_a_suspect_is_read_with_nothing_else_on_the_engine():
+    """A suspect and three other images in flight together: the engine goes away whenever two
+    pages are on it, yet every image ends ok, because the suspect waits for the others to leave
+    the engine and the others wait while it is read."""
+    engine = DownWhenNotAloneEngine()
+    objs = {f"s3://b/{i}": png(300, 100 + i) for i in range(4)}
+    handler = InferHandler(InferSettings(), MemoryStore(objs), engine, Telemetry("infer", TelemetrySettings()))
+    handler._crashes[f"{0:064d}"] = 1  # record 0's image is a suspect
+
+    class OneAtATime(DownWhenNotAloneEngine):
+        pass
+
+    async def main():
+        try:
+            # the three others read one at a time here (the engine takes one page); the suspect alone
+            lock = asyncio.Lock()
+            plain = engine.page
+
+            async def serial(image, task, timeout_s, lane="bulk"):
+                if image.shape[0] == 100:  # the suspect: never serialised, so only the gate keeps it alone
+                    return await plain(image, task, timeout_s, lane)
+                async with lock:
+                    return await plain(image, task, timeout_s, lane)
+
+            engine.page = serial
+            return await handler.handle([record(i, f"s3://b/{i}") for i in range(4)])
+        finally:
+            await handler.close()
+
+    results = [ResultEvent.model_validate(orjson.loads(o.value)) for o in asyncio.run(main())]
+    assert [r.status for r in results] == ["ok"] * 4
+    assert f"{0:064d}" not in handler._crashes
 
 
 class BudgetWatchingEngine(ScriptedEngine):
@@ -245,42 +266,35 @@ class BudgetWatchingEngine(ScriptedEngine):
         self.handler: InferHandler | None = None
         self.held: list[int] = []
 
-    async def ocr(self, images, task, timeout_s):
+    async def page(self, image, task, timeout_s, lane="bulk"):
         self.held.append(self.handler.loader.budget.used)
-        return await super().ocr(images, task, timeout_s)
+        await asyncio.sleep(0.01)  # pages on the engine together hold their bytes together
+        return await super().page(image, task, timeout_s, lane)
 
 
-def budget_run(objs: dict[str, bytes], batches: list[list[str]], budget_mb: int, prefetch_next: bool = False):
-    """Each batch of URIs through one handler with ``pixel_budget_mb=budget_mb``; with
-    ``prefetch_next`` the next batch is prefetched before each batch is handled (as the runner
-    does while a batch is on the engine). Returns the results per batch, the engine and the
-    budget's use at the end."""
+def budget_run(objs: dict[str, bytes], uris: list[str], budget_mb: int):
+    """Every URI's record in flight at once through one handler with ``pixel_budget_mb=budget_mb``.
+    Returns the results, the engine and the budget's use at the end."""
     engine = BudgetWatchingEngine()
     handler = InferHandler(InferSettings(pixel_budget_mb=budget_mb), MemoryStore(objs), engine,
                            Telemetry("infer", TelemetrySettings()))
     engine.handler = handler
-    recs = [[record(10 * b + i, u) for i, u in enumerate(uris)] for b, uris in enumerate(batches)]
 
     async def main():
-        outs = []
         try:
-            for b, batch in enumerate(recs):
-                if prefetch_next and b + 1 < len(recs):
-                    handler.prefetch(recs[b + 1])
-                    await asyncio.sleep(0.5)  # the prefetch decodes what fits meanwhile
-                outs.append(await asyncio.wait_for(handler.handle(batch), 60))
-            return outs, handler.loader.budget.used
+            out = await asyncio.wait_for(handler.handle([record(i, u) for i, u in enumerate(uris)]), 60)
+            return out, handler.loader.budget.used
         finally:
             await handler.close()
 
-    outs, used = asyncio.run(main())
-    return [[ResultEvent.model_validate(orjson.loads(o.value)) for o in out] for out in outs], engine, used
+    out, used = asyncio.run(main())
+    return [ResultEvent.model_validate(orjson.loads(o.value)) for o in out], engine, used
 
 
-def test_a_batch_over_the_pixel_budget_goes_through_the_engine_in_parts():
-    # 600 x 600 RGB = 1,080,000 bytes a page; a 2 MiB budget holds one at a time... plus a part
+def test_records_over_the_pixel_budget_wait_for_room():
+    # 600 x 600 RGB = 1,080,000 bytes a page; a 2 MiB budget holds one at a time
     objs = {f"s3://b/{i}": png(600, 600 + i) for i in range(5)}
-    [results], engine, used = budget_run(objs, [list(objs)], budget_mb=2)
+    results, engine, used = budget_run(objs, list(objs), budget_mb=2)
     assert [r.status for r in results] == ["ok"] * 5
     assert [r.pages[0].height for r in results] == [600, 601, 602, 603, 604]
     assert max(engine.held) <= 2 << 20 and len(engine.calls) == 5
@@ -289,47 +303,26 @@ def test_a_batch_over_the_pixel_budget_goes_through_the_engine_in_parts():
 
 def test_an_image_larger_than_the_whole_budget_runs_alone():
     objs = {"s3://b/big": png(1500, 1000), "s3://b/small": png(300, 100)}  # 4.5 MB > 1 MiB
-    [results], engine, used = budget_run(objs, [["s3://b/big", "s3://b/small"]], budget_mb=1)
+    results, engine, used = budget_run(objs, ["s3://b/big", "s3://b/small"], budget_mb=1)
     assert [r.status for r in results] == ["ok", "ok"]
-    assert engine.held[0] == 4_500_032 and used == 0  # the big one alone (64-byte aligned)
+    [big] = [held for (h, w), held in zip(engine.calls, engine.held) if w == 1000]  # downscaled for the engine
+    assert big == 4_500_032 and used == 0  # the big one alone (64-byte aligned)
 
 
-def test_prefetched_pages_give_their_bytes_back_to_the_batch_in_flight():
-    # the next batch's prefetch fills the budget before this batch is handled: this batch must
-    # not wait on it (the prefetched pages are dropped and decoded again on their turn)
-    objs = {f"s3://b/{i}": png(600, 600 + i) for i in range(6)}
-    uris = list(objs)
-    (first, second), engine, used = budget_run(objs, [uris[:3], uris[3:]], budget_mb=2, prefetch_next=True)
-    assert [r.status for r in first + second] == ["ok"] * 6
-    assert [r.pages[0].height for r in first + second] == [600, 601, 602, 603, 604, 605]
-    assert max(engine.held) <= 2 << 20 and used == 0
-
-
-def test_a_batch_that_fails_to_load_leaves_no_pixels_held():
-    """One record of a prefetched batch fails to load (its image gone from S3: the runner retries
-    it) while another's prefetch is still decoding: that decode ends after the batch failed, and
-    its pages must be given back, not kept by an item nobody releases (the budget stayed
-    taken for good, and a later image that did not fit the rest waited for ever)."""
-    big = png(3000, 2000)  # 18,000,000 bytes of RGB: a prefetch that takes a moment to decode
-    objs = {"s3://b/big": big, "s3://b/small": png(300, 100)}
+def test_a_record_that_fails_to_load_leaves_no_pixels_held():
+    """One record fails to load (its image gone from S3: the runner retries it) while another,
+    in flight beside it, decodes: the failure is raised only once the other has ended, and no
+    pixels stay taken (a budget taken for good made a later image that did not fit wait for ever)."""
+    objs = {"s3://b/big": png(3000, 2000), "s3://b/small": png(300, 100)}
 
     async def main():
         handler = InferHandler(InferSettings(pixel_budget_mb=32), MemoryStore(objs), ScriptedEngine(),
                                Telemetry("infer", TelemetrySettings()))
         try:
-            batch = [record(1, "s3://b/gone"), record(2, "s3://b/big")]
-            handler.prefetch(batch)
-            await asyncio.sleep(0)
             with pytest.raises(OcrError) as err:
-                await handler.handle(batch)
+                await handler.handle([record(1, "s3://b/gone"), record(2, "s3://b/big")])
             assert err.value.code is ErrorCode.MISSING_OBJECT
-            deadline = asyncio.get_running_loop().time() + 10
-            pool = handler.loader.decoder
-            while pool._slots.qsize() < pool.cfg.workers and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.05)  # until every decoder process is idle again (the prefetch ended)
-            await asyncio.sleep(0.1)
             assert handler.loader.budget.used == 0
-            # the runner's retry one record at a time: the big image alone goes through
             out = await asyncio.wait_for(handler.handle([record(2, "s3://b/big")]), 30)
             assert [ResultEvent.model_validate(orjson.loads(o.value)).status for o in out] == ["ok"]
             assert handler.loader.budget.used == 0
@@ -337,3 +330,50 @@ def test_a_batch_that_fails_to_load_leaves_no_pixels_held():
             await handler.close()
 
     asyncio.run(main())
+
+
+def test_an_interactive_record_waits_for_pixels_only_behind_interactive_ones():
+    """The budget is full and two bulk records wait for room; an interactive record arriving after
+    them is decoded first when room frees."""
+    objs = {f"s3://b/{i}": png(600, 600 + i) for i in range(4)}
+    order: list[int] = []
+    release = asyncio.Event()
+
+    class Recording(ScriptedEngine):
+        async def page(self, image, task, timeout_s, lane="bulk"):
+            order.append(image.shape[0] - 600)
+            if image.shape[0] == 600:
+                await release.wait()  # record 0 holds the budget until every other record waits for room
+            return await super().page(image, task, timeout_s, lane)
+
+    def rec(i: int, topic: str) -> Record:
+        ev = InferEvent(request=RequestEvent(request_id=f"r{i}", content_sha256=f"{i:064d}", image_uri=f"s3://b/{i}"),
+                        cache_key=f"abcdefabcdef:{i:064d}")
+        return Decoder({topic: InferEvent})(ConsumerRecord(topic, 0, i, 0, 0, None, dumps(ev), None, 0, 0, []))
+
+    async def main():
+        handler = InferHandler(InferSettings(pixel_budget_mb=1), MemoryStore(objs), Recording(),
+                               Telemetry("infer", TelemetrySettings()))
+        try:
+            budget = handler.loader.budget
+
+            async def until(cond):
+                for _ in range(600):
+                    if cond():
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError("timed out")
+
+            first = asyncio.ensure_future(handler.handle_record(rec(0, "ocr.infer")))  # holds the whole budget
+            await until(lambda: budget.used > 0)
+            bulk = [asyncio.ensure_future(handler.handle_record(rec(i, "ocr.infer"))) for i in (1, 2)]
+            await until(lambda: budget.waiting == 2)
+            urgent = asyncio.ensure_future(handler.handle_record(rec(3, "ocr.infer-interactive")))
+            await until(lambda: budget.waiting == 3)
+            release.set()
+            await asyncio.wait_for(asyncio.gather(first, urgent, *bulk), 30)
+        finally:
+            await handler.close()
+
+    asyncio.run(main())
+    assert order[:2] == [0, 3] and sorted(order[2:]) == [1, 2]

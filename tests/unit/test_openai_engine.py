@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.engines import read_all
 from services.common.errors import is_transient
 from services.common.prompts import SPOTTING_PROMPT
 from services.infer.engines.base import OCR
@@ -180,7 +181,7 @@ async def test_start_gives_up_when_server_never_answers():
 
 async def test_batch_parses_answer_into_pixel_boxes(server):
     eng = engine(server.url)
-    out = await eng.ocr([page(OK, 2000, 1000), page(OK, 1000, 1000)], OCR, timeout_s=10)
+    out = await read_all(eng, [page(OK, 2000, 1000), page(OK, 1000, 1000)], OCR, timeout_s=10)
     assert all(isinstance(o, EngineOutput) for o in out)
     first = out[0].segments
     assert [(s.text, s.box) for s in first] == [
@@ -196,7 +197,7 @@ async def test_batch_parses_answer_into_pixel_boxes(server):
 async def test_per_image_timeout_does_not_fail_the_batch(server):
     eng = engine(server.url)
     t0 = time.monotonic()
-    out = await eng.ocr([page(SLOW), page(OK)], OCR, timeout_s=0.5)
+    out = await read_all(eng, [page(SLOW), page(OK)], OCR, timeout_s=0.5)
     assert time.monotonic() - t0 < 1.4
     assert type(out[0]) is EngineTimeout and str(out[0]) == "inference took longer than 0.5 s"
     assert isinstance(out[1], EngineOutput) and len(out[1].segments) == 3
@@ -205,7 +206,7 @@ async def test_per_image_timeout_does_not_fail_the_batch(server):
 
 async def test_retry_after_a_500(server):
     eng = engine(server.url, retries=3)
-    (out,) = await eng.ocr([page(FLAKY)], OCR, timeout_s=10)
+    (out,) = await read_all(eng, [page(FLAKY)], OCR, timeout_s=10)
     assert isinstance(out, EngineOutput) and len(out.segments) == 3
     assert server.flaky_failures == 2  # failed once, answered on the retry
     await eng.close()
@@ -213,7 +214,7 @@ async def test_retry_after_a_500(server):
 
 async def test_failing_images_do_not_fail_the_others(server):
     eng = engine(server.url, retries=2)
-    out = await eng.ocr([page(BROKEN), page(OK), page(BAD_REQ)], OCR, timeout_s=10)
+    out = await read_all(eng, [page(BROKEN), page(OK), page(BAD_REQ)], OCR, timeout_s=10)
     assert isinstance(out[0], ServerError) and out[0].status == 500
     assert isinstance(out[1], EngineOutput) and len(out[1].segments) == 3
     assert isinstance(out[2], ServerError) and out[2].status == 400
@@ -227,7 +228,7 @@ async def test_connection_refused_raises_a_retriable_error():
     infer runner backs off and retries the batch) instead of returning engine errors."""
     eng = engine("http://127.0.0.1:9/v1", retries=2)
     with pytest.raises(EngineUnavailable, match="unreachable") as err:
-        await eng.ocr([page(OK), page(OK)], OCR, timeout_s=5)
+        await read_all(eng, [page(OK), page(OK)], OCR, timeout_s=5)
     assert is_transient(err.value) and err.value.took_down is False
     await eng.close()
 
@@ -250,10 +251,10 @@ async def test_a_server_that_dies_holding_the_image_is_told_apart_from_one_alrea
     threading.Thread(target=die_on_first_request, daemon=True).start()
     eng = engine(f"http://127.0.0.1:{port}/v1", retries=2)
     with pytest.raises(EngineUnavailable) as died:
-        await eng.ocr([page(OK)], OCR, timeout_s=5)
+        await read_all(eng, [page(OK)], OCR, timeout_s=5)
     assert died.value.took_down is True
     with pytest.raises(EngineUnavailable) as down:  # still down: refused at once, held nothing
-        await eng.ocr([page(OK)], OCR, timeout_s=5)
+        await read_all(eng, [page(OK)], OCR, timeout_s=5)
     assert down.value.took_down is False
     await eng.close()
 
@@ -261,7 +262,7 @@ async def test_a_server_that_dies_holding_the_image_is_told_apart_from_one_alrea
 async def test_dns_failure_raises_a_retriable_error():
     eng = engine("http://ocr-server.invalid:8000/v1", retries=1)
     with pytest.raises(EngineUnavailable):
-        await eng.ocr([page(OK)], OCR, timeout_s=5)
+        await read_all(eng, [page(OK)], OCR, timeout_s=5)
     await eng.close()
 
 
@@ -276,19 +277,19 @@ async def test_server_stopped_then_started_again():
         assert eng.ready
     # stopped: nothing listens on the port any more
     with pytest.raises(EngineUnavailable):
-        await eng.ocr([page(OK), page(OK)], OCR, timeout_s=5)
+        await read_all(eng, [page(OK), page(OK)], OCR, timeout_s=5)
     assert not eng.ready
     assert await eng.health() is False and not eng.ready
     with FakeServer(port=port) as again:
         assert await eng.health() is True and eng.ready
-        out = await eng.ocr([page(OK, 2000, 1000)], OCR, timeout_s=10)
+        out = await read_all(eng, [page(OK, 2000, 1000)], OCR, timeout_s=10)
         assert [s.text for s in out[0].segments] == ["INVOICE", "发票号码", "TOTAL 97.50"]
         assert len(again.requests) == 1
     with pytest.raises(EngineUnavailable):  # down again: a successful call is what brings it back
-        await eng.ocr([page(OK)], OCR, timeout_s=5)
+        await read_all(eng, [page(OK)], OCR, timeout_s=5)
     assert not eng.ready
     with FakeServer(port=port):
-        (ok,) = await eng.ocr([page(OK)], OCR, timeout_s=10)
+        (ok,) = await read_all(eng, [page(OK)], OCR, timeout_s=10)
         assert isinstance(ok, EngineOutput) and len(ok.segments) == 3 and eng.ready
     await eng.close()
 
@@ -297,7 +298,7 @@ async def test_a_500_answer_stays_that_images_error(server):
     """Up but failing one image (HTTP 5xx answer) is that image's engine_error, not an outage."""
     eng = engine(server.url, retries=1)
     await eng.start()
-    broken, ok = await eng.ocr([page(BROKEN), page(OK)], OCR, timeout_s=10)
+    broken, ok = await read_all(eng, [page(BROKEN), page(OK)], OCR, timeout_s=10)
     assert isinstance(broken, ServerError) and broken.status == 500 and not is_transient(broken)
     assert isinstance(ok, EngineOutput) and eng.ready
     await eng.close()
@@ -305,7 +306,7 @@ async def test_a_500_answer_stays_that_images_error(server):
 
 async def test_per_attempt_socket_timeout_is_reported_as_such(server):
     eng = engine(server.url, request_timeout_s=0.3, retries=3)
-    (out,) = await eng.ocr([page(SLOW)], OCR, timeout_s=10)
+    (out,) = await read_all(eng, [page(SLOW)], OCR, timeout_s=10)
     assert type(out) is AttemptTimeout and isinstance(out, EngineTimeout)
     assert "within the 0.3 s socket timeout of one attempt" in str(out)
     assert len(server.requests) == 1  # a timeout is not retried
@@ -315,13 +316,13 @@ async def test_per_attempt_socket_timeout_is_reported_as_such(server):
 async def test_requests_in_flight_equal_the_batch_up_to_the_cap(server):
     server.gate_at = 4
     eng = engine(server.url)  # cap 32
-    out = await eng.ocr([page(GATED) for _ in range(4)], OCR, timeout_s=20)
+    out = await read_all(eng, [page(GATED) for _ in range(4)], OCR, timeout_s=20)
     assert all(isinstance(o, EngineOutput) for o in out)
     assert server.max_inflight == 4
     await eng.close()
     server.max_inflight, server.arrived, server.gate_at = 0, 0, 3
     eng = engine(server.url, max_concurrency=3)
-    out = await eng.ocr([page(GATED) for _ in range(6)], OCR, timeout_s=20)
+    out = await read_all(eng, [page(GATED) for _ in range(6)], OCR, timeout_s=20)
     assert all(isinstance(o, EngineOutput) for o in out)
     assert server.max_inflight == 3
     await eng.close()
@@ -329,7 +330,7 @@ async def test_requests_in_flight_equal_the_batch_up_to_the_cap(server):
 
 async def test_retry_after_is_read_from_the_answer(server):
     eng = engine(server.url, retries=1)
-    (out,) = await eng.ocr([page(BUSY)], OCR, timeout_s=10)
+    (out,) = await read_all(eng, [page(BUSY)], OCR, timeout_s=10)
     assert isinstance(out, ServerError) and out.status == 429 and out.retry_after == 7.0
     await eng.close()
 
@@ -353,7 +354,7 @@ def test_retry_waits_honour_retry_after_capped_and_backoff_is_jittered():
 
 async def test_an_answer_without_entries_is_kept_and_flagged(server):
     eng = engine(server.url)
-    (out,) = await eng.ocr([page(PROSE, 300, 100)], OCR, timeout_s=10)
+    (out,) = await read_all(eng, [page(PROSE, 300, 100)], OCR, timeout_s=10)
     assert out.warnings == ("unparsed_output",)
     assert [(s.text, s.box, s.confidence) for s in out.segments] == [
         ("I can see a receipt. The total is 97.50 EUR.", [[0.0, 0.0], [300.0, 0.0], [300.0, 100.0], [0.0, 100.0]], 0.0)]
@@ -362,7 +363,7 @@ async def test_an_answer_without_entries_is_kept_and_flagged(server):
 
 async def test_thin_images_are_padded_and_boxes_clipped(server):
     eng = engine(server.url)
-    (out,) = await eng.ocr([page(OK, 3000, 10)], OCR, timeout_s=10)
+    (out,) = await read_all(eng, [page(OK, 3000, 10)], OCR, timeout_s=10)
     sent = server.requests[-1]["body"]["messages"][1]["content"][0]["image_url"]["url"]
     img = Image.open(io.BytesIO(base64.b64decode(sent.split(",", 1)[1])))
     assert img.size == (3000, 32)
@@ -372,7 +373,7 @@ async def test_thin_images_are_padded_and_boxes_clipped(server):
 
 async def test_truncated_answers_are_flagged(server):
     eng = engine(server.url)
-    cut, loop, ok = await eng.ocr([page(LENGTH, 1000, 1000), page(LOOP, 1000, 1000), page(OK)], OCR, timeout_s=10)
+    cut, loop, ok = await read_all(eng, [page(LENGTH, 1000, 1000), page(LOOP, 1000, 1000), page(OK)], OCR, timeout_s=10)
     assert [s.text for s in cut.segments] == ["INVOICE"] and cut.warnings == ("truncated_max_tokens",)
     assert [s.text for s in loop.segments] == ["Signature: ________", "重复"]
     assert loop.warnings == ("truncated_repetition",)

@@ -5,6 +5,7 @@ import asyncio
 import numpy as np
 import pytest_asyncio
 
+from tests.engines import read_all
 from services.infer.engines.base import OCR
 from services.infer.engines.base import EngineTimeout
 from services.infer.engines.rapid import RapidOcrEngine
@@ -22,7 +23,7 @@ async def engine():
 
 async def test_thin_strips_are_handled_without_blowing_up_memory(engine):
     white = lambda h, w: np.full((h, w, 3), 255, np.uint8)  # noqa: E731
-    out = await engine.ocr([white(1, 100_000), white(30, 1999), white(1999, 30)], OCR, timeout_s=120)
+    out = await read_all(engine, [white(1, 100_000), white(30, 1999), white(1999, 30)], OCR, timeout_s=120)
     assert all(not isinstance(o, BaseException) and o.segments == [] for o in out), out
 
 
@@ -33,9 +34,9 @@ async def test_a_timed_out_image_does_not_eat_the_next_images_budget(engine):
 
     page = np.asarray(Image.open(BytesIO(text_image(["TIMEOUT CHECK 42"]))).convert("RGB"))
     assert engine.workers == 1
-    [first] = await engine.ocr([page], OCR, timeout_s=0.001)
+    [first] = await read_all(engine, [page], OCR, timeout_s=0.001)
     assert isinstance(first, EngineTimeout)
-    [second] = await engine.ocr([page], OCR, timeout_s=60)
+    [second] = await read_all(engine, [page], OCR, timeout_s=60)
     assert not isinstance(second, BaseException), second
     assert " ".join(s.text for s in second.segments) == "TIMEOUT CHECK 42"
 
@@ -61,7 +62,7 @@ def test_detector_limit_setting_reaches_rapidocr():
             det = engine._ocr.text_det
             assert det.limit_side_len == 96
             assert det.get_preprocess(max(page.shape[:2])).resize(page).shape[:2] == (96, 416)
-            [out] = await engine.ocr([page], OCR, timeout_s=60)
+            [out] = await read_all(engine, [page], OCR, timeout_s=60)
             assert not isinstance(out, BaseException), out
             assert len(out.segments) == 1
         finally:
@@ -81,7 +82,7 @@ async def test_spaces_the_recogniser_drops_are_put_back_and_light_text_on_dark_t
     page = np.asarray(Image.open(BytesIO(text_image(lines))).convert("RGB"))
     inverted = np.asarray(ImageOps.invert(Image.fromarray(page)))
 
-    outs = await engine.ocr([page, inverted], OCR, timeout_s=120)
+    outs = await read_all(engine, [page, inverted], OCR, timeout_s=120)
     raw_texts = [str(r[1]) for r in engine._ocr(page)[0]]
     assert "TICKET5590" in raw_texts, raw_texts  # RapidOCR alone drops the space
     for out in outs:

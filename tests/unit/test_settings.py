@@ -31,11 +31,11 @@ def test_bad_values_name_each_variable_and_hide_secrets(monkeypatch):
 
 
 def test_a_stage_started_with_a_bad_value_exits_with_one_message():
-    env = {**os.environ, "OCRSTREAM_MAX_BATCH": "abc", "OCRSTREAM_REDIS__TIMEOUT_MS": "soon"}
+    env = {**os.environ, "OCRSTREAM_MAX_IN_FLIGHT": "abc", "OCRSTREAM_REDIS__TIMEOUT_MS": "soon"}
     proc = subprocess.run([sys.executable, "-m", "services.infer"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert "OCRSTREAM_MAX_BATCH='abc': Input should be a valid integer" in proc.stderr
+    assert "OCRSTREAM_MAX_IN_FLIGHT='abc': Input should be a valid integer" in proc.stderr
     assert "OCRSTREAM_REDIS__TIMEOUT_MS='soon': Input should be a valid integer" in proc.stderr
     assert "Traceback" not in proc.stderr
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest_asyncio
 from PIL import Image
 
+from tests.engines import read_all
 from services.common.textlines import Segment, group_lines
 from services.infer.engines.base import OCR, EngineTask
 from services.infer.engines.rapid import RapidOcrEngine
@@ -108,7 +109,7 @@ async def test_the_real_models_read_a_title_a_paragraph_and_a_table(engine):
     page = np.asarray(Image.open(io.BytesIO(order_page())).convert("RGB"))
     regions = engine._structure.regions(np.ascontiguousarray(page[:, :, ::-1]))
     assert sorted(r.label for r in regions) == ["table", "text", "title"]
-    [doc], [table] = await engine.ocr([page], EngineTask("doc_parse"), 120), await engine.ocr([page], EngineTask("table"), 120)
+    [doc], [table] = await read_all(engine, [page], EngineTask("doc_parse"), 120), await read_all(engine, [page], EngineTask("table"), 120)
     html = "<table>" + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in ORDER_TABLE) + "</table>"
     assert table.answer == html and table.segments == []
     title, paragraph, tab = doc.answer.split("\n\n")
@@ -122,7 +123,7 @@ async def test_doc_parse_of_a_receipt_keeps_every_ocr_line(engine):
     page = np.asarray(Image.open(SAMPLES / "sroie_007.jpg").convert("RGB"))
     regions = engine._structure.regions(np.ascontiguousarray(page[:, :, ::-1]))
     assert [r.label for r in regions] == ["figure"]
-    [ocr], [doc] = await engine.ocr([page], OCR, 120), await engine.ocr([page], EngineTask("doc_parse"), 120)
+    [ocr], [doc] = await read_all(engine, [page], OCR, 120), await read_all(engine, [page], EngineTask("doc_parse"), 120)
     lines = [ln.text for ln in group_lines(ocr.segments)]
     assert len(lines) == 19
     assert doc.answer.replace("\\", "").split("\n\n") == [t.strip() for t in lines]
@@ -133,7 +134,7 @@ async def test_extract_translate_formula_and_chart_stay_unsupported(engine):
 
     page = np.full((64, 64, 3), 255, np.uint8)
     for task in ("extract", "translate", "formula", "chart"):
-        [out] = await engine.ocr([page], EngineTask(task), 10)
+        [out] = await read_all(engine, [page], EngineTask(task), 10)
         assert isinstance(out, UnsupportedTask) and out.able == ("vllm", "openai"), out
     assert RapidOcrEngine.tasks == {"ocr", "doc_parse", "table"}
 

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.engines import read_all
 from services.common.errors import is_transient
 from services.common.prompts import SPOTTING_PROMPT
 from services.infer.engines.base import OCR
@@ -55,6 +56,7 @@ class EngineArgs:
     enforce_eager: bool = False
     mm_processor_cache_gb: float = 4
     load_format: str = "auto"
+    scheduling_policy: str = "fcfs"
 
 
 class SamplingParams:
@@ -91,6 +93,7 @@ class FakeAsyncLLM:
         self.prompts: list[str] = []
         self.aborted: list[str] = []
         self.chunks_sent: dict[str, int] = {}
+        self.priorities: list[int] = []
         self.shut = False
         self.errored = False
         self.tok = Tokenizer(self.tokenizer_template)
@@ -118,8 +121,9 @@ class FakeAsyncLLM:
         # one token per character, cumulative as vLLM's default RequestOutputKind.CUMULATIVE
         return SimpleNamespace(outputs=[SimpleNamespace(text=text, finish_reason=finish, token_ids=list(range(len(text))))])
 
-    async def generate(self, inputs, sampling, request_id):
+    async def generate(self, inputs, sampling, request_id, priority: int = 0):
         self.prompts.append(inputs["prompt"])
+        self.priorities.append(priority)
         kind = inputs["multi_modal_data"]["image"].getpixel((0, 0))[0]
         self.chunks_sent[request_id] = 0
 
@@ -305,7 +309,7 @@ def test_a_cache_key_naming_another_model_is_reported(caplog):
 
 async def test_batch_results_warnings_and_failures(fake_vllm):
     eng = await started()
-    ok, cut, boom = await eng.ocr([page(OK, 2000, 1000), page(LENGTH), page(RAISE)], OCR, timeout_s=10)
+    ok, cut, boom = await read_all(eng, [page(OK, 2000, 1000), page(LENGTH), page(RAISE)], OCR, timeout_s=10)
     assert isinstance(ok, EngineOutput) and ok.warnings == ()
     assert [(s.text, s.box) for s in ok.segments][0] == (
         "INVOICE", [[200.0, 50.0], [800.0, 50.0], [800.0, 90.0], [200.0, 90.0]])
@@ -319,13 +323,13 @@ async def test_output_tokens_counts_every_generated_token_once(fake_vllm):
     eng = await started()
     before = eng.output_tokens
     assert before == len(ANSWER)  # the warm-up request
-    await eng.ocr([page(OK), page(LENGTH), page(RAISE)], OCR, timeout_s=10)
+    await read_all(eng, [page(OK), page(LENGTH), page(RAISE)], OCR, timeout_s=10)
     assert eng.output_tokens - before == len(ANSWER) + len(CUT)  # the failed request generated none
 
 
 async def test_an_answer_of_nested_brackets_fails_no_other_image(fake_vllm):
     eng = await started()
-    ok, nested, ok2 = await eng.ocr([page(OK), page(NESTED), page(OK)], OCR, timeout_s=10)
+    ok, nested, ok2 = await read_all(eng, [page(OK), page(NESTED), page(OK)], OCR, timeout_s=10)
     assert [s.text for s in ok.segments] == [s.text for s in ok2.segments] == ["INVOICE", "发票号码", "TOTAL 97.50"]
     assert isinstance(nested, EngineOutput) and nested.warnings == ("truncated_max_tokens", "unparsed_output")
     assert [(s.text, s.confidence) for s in nested.segments] == [("[" * 5000, 0.0)]  # kept, flagged
@@ -341,14 +345,14 @@ async def test_a_parse_failure_is_that_images_error(fake_vllm, monkeypatch):
         return real(text, *a, **kw)
 
     monkeypatch.setattr(hunyuan, "parse_spotting", parse)
-    ok, nested = await eng.ocr([page(OK), page(NESTED)], OCR, timeout_s=10)
+    ok, nested = await read_all(eng, [page(OK), page(NESTED)], OCR, timeout_s=10)
     assert isinstance(ok, EngineOutput) and len(ok.segments) == 3
     assert isinstance(nested, RuntimeError) and "could not be parsed" in str(nested) and "simulated" in str(nested)
 
 
 async def test_per_image_timeout_aborts_only_that_request(fake_vllm):
     eng = await started()
-    slow, ok = await eng.ocr([page(SLOW), page(OK)], OCR, timeout_s=0.3)
+    slow, ok = await read_all(eng, [page(SLOW), page(OK)], OCR, timeout_s=0.3)
     assert isinstance(slow, EngineTimeout) and "0.3 s" in str(slow)
     assert isinstance(ok, EngineOutput) and len(ok.segments) == 3
     fake = fake_vllm.last
@@ -358,7 +362,7 @@ async def test_per_image_timeout_aborts_only_that_request(fake_vllm):
 
 async def test_runaway_loop_is_stopped_early_and_flagged(fake_vllm):
     eng = await started()
-    (out,) = await eng.ocr([page(LOOP)], OCR, timeout_s=10)
+    (out,) = await read_all(eng, [page(LOOP)], OCR, timeout_s=10)
     fake = fake_vllm.last
     rid = fake.aborted[0]
     assert fake.aborted == [rid] and fake.chunks_sent[rid] < 60  # of 1000 it would have sent
@@ -368,7 +372,7 @@ async def test_runaway_loop_is_stopped_early_and_flagged(fake_vllm):
 
 async def test_forms_leaders_and_long_numbers_run_to_the_end(fake_vllm):
     eng = await started()
-    (out,) = await eng.ocr([page(FORM)], OCR, timeout_s=10)
+    (out,) = await read_all(eng, [page(FORM)], OCR, timeout_s=10)
     assert fake_vllm.last.aborted == [] and out.warnings == ()
     assert [s.text for s in out.segments] == [
         "Signature: " + "_" * 300, "Total 1" + "0" * 300, "Chapter 1 " + "." * 400 + " 5",
@@ -378,15 +382,29 @@ async def test_forms_leaders_and_long_numbers_run_to_the_end(fake_vllm):
 
 async def test_repeat_stop_off_lets_the_loop_run(fake_vllm):
     eng = await started(repeat_stop=False)
-    (out,) = await eng.ocr([page(LOOP)], OCR, timeout_s=10)
+    (out,) = await read_all(eng, [page(LOOP)], OCR, timeout_s=10)
     # ran to the cap; the parser still trims the loop, and the page is flagged
     assert fake_vllm.last.aborted == [] and out.warnings == ("truncated_max_tokens", "truncated_repetition")
     assert [s.text for s in out.segments] == ["Title", "重复"]
 
 
-async def test_ocr_before_start_is_an_error():
+async def test_the_lane_is_the_requests_priority_under_the_priority_policy(fake_vllm):
+    eng = await started()  # scheduling_policy "priority", the default
+    assert fake_vllm.last.args.scheduling_policy == "priority"
+    fake_vllm.last.priorities.clear()
+    await eng.page(page(OK), OCR, timeout_s=10, lane="interactive")
+    await eng.page(page(OK), OCR, timeout_s=10, lane="bulk")
+    assert fake_vllm.last.priorities == [0, 1]  # vLLM admits the lower first
+    fcfs = await started(scheduling_policy="fcfs")
+    fake_vllm.last.priorities.clear()
+    await fcfs.page(page(OK), OCR, timeout_s=10, lane="bulk")
+    assert fake_vllm.last.priorities == [0]  # not passed: vLLM refuses a priority under fcfs
+    assert fcfs.slots == 2 * fcfs.max_num_seqs and fcfs.busy == 0
+
+
+async def test_a_page_before_start_is_an_error():
     with pytest.raises(RuntimeError, match="not started"):
-        await VllmEngine("m").ocr([page(OK)], OCR, timeout_s=1)
+        await VllmEngine("m").page(page(OK), OCR, timeout_s=1)
 
 
 async def test_old_vllm_without_v1_falls_back_to_async_llm_engine(fake_vllm, monkeypatch):
@@ -420,10 +438,10 @@ async def test_a_dead_engine_core_is_not_ready_and_commits_nothing(fake_vllm):
     eng = await started()
     assert eng.ready and await eng.health()
     with pytest.raises(EngineUnavailable, match="engine core dead") as err:
-        await eng.ocr([page(OK), page(DIE)], OCR, timeout_s=10)
+        await read_all(eng, [page(OK), page(DIE)], OCR, timeout_s=10)
     assert is_transient(err.value) and not eng.ready and await eng.health() is False
     with pytest.raises(EngineUnavailable):  # a failing image on a dead engine: still not its fault
-        await eng.ocr([page(RAISE)], OCR, timeout_s=10)
+        await read_all(eng, [page(RAISE)], OCR, timeout_s=10)
 
 
 async def test_health_notices_a_core_that_died_between_batches(fake_vllm):

@@ -1,10 +1,12 @@
-"""The engine interface the infer stage talks to: ``ocr(images, task, timeout_s)``.
+"""The engine interface the infer stage talks to: ``page(image, task, timeout_s, lane)``.
 
-A call names one :class:`EngineTask` (a task of :data:`schemas.tasks.TASKS` and its
-parameters) for all its images; each image answers an :class:`EngineOutput` (``segments`` for
-``ocr``, ``answer`` for the other tasks) or its own exception, among them
-:class:`UnsupportedTask` and :class:`UnparsableOutput` (final: not retried). Which engine does
-which task: each engine class's :attr:`OcrEngine.tasks`, collected by
+One call is one page (or one tile of a long page) for one :class:`EngineTask` (a task of
+:data:`schemas.tasks.TASKS` and its parameters); it answers an :class:`EngineOutput`
+(``segments`` for ``ocr``, ``answer`` for the other tasks) or raises that page's error, among
+them :class:`UnsupportedTask` and :class:`UnparsableOutput` (final: not retried). The infer stage
+keeps many pages in flight at once (its window, docs/delivery.md); whatever batching an engine
+does (vLLM's continuous batching, a pool of CPU workers) it does itself across those concurrent
+calls. Which engine does which task: each engine class's :attr:`OcrEngine.tasks`, collected by
 :mod:`services.infer.engines.registry` (``docs/engines.md``).
 """
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from schemas.events import Priority
 from schemas.tasks import DEFAULT_TASK, TaskParams
 from services.common.textlines import Segment
 
@@ -67,24 +70,24 @@ class UnparsableOutput(Exception):
 
 
 class EngineTimeout(Exception):
-    """One image took longer than the per-image inference timeout (or, for the ``openai``
-    engine, than one HTTP attempt's own socket timeout: the message says which)."""
+    """One page took longer than its time limit (or, for the ``openai`` engine, than one HTTP
+    attempt's own socket timeout: the message says which)."""
 
 
 class EngineUnavailable(Exception):
     """The engine cannot take work at all right now (its model server is unreachable, its
-    engine core died): no image of the call has a result.
+    engine core died): the page has no result.
 
-    ``OcrEngine.ocr`` *raises* it instead of returning it per image, so nothing is committed:
-    ``retriable`` makes the runner back off and run the whole batch again, for as long as it
-    lasts (see :func:`services.common.errors.is_transient` and README "Delivery: the runner").
+    ``retriable`` makes the infer window back off and read the record again, for as long as it
+    lasts; nothing past it is committed (see :func:`services.common.errors.is_transient` and
+    docs/delivery.md).
 
     Args:
         message: What happened.
-        took_down: True when the engine went away while it held one of the call's images (the
-            server dropped a connection carrying it, then refused the retry), False when it was
-            already gone or the engine cannot tell: the infer handler counts only the former
-            against an image (:meth:`services.infer.handler.InferHandler._infer`).
+        took_down: True when the engine went away while it held this page (the server dropped
+            the connection carrying it, then refused the retry), False when it was already gone
+            or the engine cannot tell: the infer handler counts only the former against an
+            image (:meth:`services.infer.handler.InferHandler._guarded`).
     """
 
     retriable = True
@@ -96,7 +99,7 @@ class EngineUnavailable(Exception):
 
 @dataclass(frozen=True)
 class EngineOutput:
-    """What the engine found in one image and how long that image took (ms of engine time).
+    """What the engine found in one page and how long that page took (ms of engine time).
 
     ``segments``: task ``ocr``, the text segments (boxes in pixels of the image). ``answer``:
     any other task, its answer for the task's result slot (:class:`schemas.tasks.TaskSpec`):
@@ -113,22 +116,35 @@ class EngineOutput:
 
 
 class OcrEngine(ABC):
-    """A batch of decoded images in, one list of text segments per image out.
+    """One decoded page in, its text segments (or a task's answer) out; many pages at once.
 
     Lifecycle: ``await start()`` (load the model, answer a warm-up request), then any number
-    of ``ocr`` calls, then ``await close()``. ``ready`` turns True only after the warm-up.
+    of concurrent :meth:`page` calls, then ``await close()``. ``ready`` turns True only after
+    the warm-up.
 
     Attributes:
         name: Engine name as in the cache key (``rapidocr``, ``vllm``, ``openai``).
         max_side: Longest image side in pixels the engine reads well; larger inputs are
             downscaled by the infer stage and boxes mapped back.
+        tasks: The tasks this engine can do; any other answers :class:`UnsupportedTask`.
     """
 
     name: str = "engine"
     max_side: int = 2000
     ready: bool = False
     tasks: frozenset[str] = frozenset({DEFAULT_TASK})
-    """The tasks this engine can do; any other answers :class:`UnsupportedTask` per image."""
+
+    @property
+    def slots(self) -> int:
+        """Pages this engine can usefully work on at once (its worker threads, the server's
+        requests in flight, twice vLLM's ``max_num_seqs``); the infer window is sized from it
+        (:meth:`services.infer.settings.InferSettings.window`). Default 1."""
+        return 1
+
+    @property
+    def busy(self) -> int:
+        """Pages on the engine now (the ``ocrstream_engine_slots_busy`` gauge). Default 0."""
+        return 0
 
     def supports(self, task: EngineTask) -> bool:
         """True when :attr:`tasks` holds ``task.name``."""
@@ -145,25 +161,30 @@ class OcrEngine(ABC):
         """Load the model and run a warm-up request; set ``ready``."""
 
     @abstractmethod
-    async def ocr(self, images: list[np.ndarray], task: EngineTask,
-                  timeout_s: float) -> list[EngineOutput | BaseException]:
-        """Do ``task`` on every image.
+    async def page(self, image: np.ndarray, task: EngineTask, timeout_s: float,
+                   lane: Priority = "bulk") -> EngineOutput:
+        """Do ``task`` on one page.
+
+        Many calls run at once (the infer window); an engine with bounded concurrency serves
+        waiting interactive pages before bulk ones (:class:`~services.infer.engines.slots.PrioritySlots`)
+        and a VLM engine passes ``lane`` on as the request's priority where its scheduler has one.
 
         Args:
-            images: ``uint8`` RGB arrays, shape ``(height, width, 3)``.
+            image: ``uint8`` RGB array, shape ``(height, width, 3)``.
             task: What to do (:data:`OCR`: text spotting).
-            timeout_s: Per-image time limit in seconds.
+            timeout_s: Time limit in seconds, counted from when the page gets an engine slot.
+            lane: ``interactive`` or ``bulk`` (:data:`schemas.events.Priority`).
 
         Returns:
-            One entry per image, in order: its output (boxes in pixels of that image, or the
-            task's answer), or the exception that image raised (:class:`EngineTimeout` on
-            timeout, :class:`UnsupportedTask` for a task not in :attr:`tasks`,
-            :class:`UnparsableOutput` for an answer not in the task's format). One image
-            failing never fails the others.
+            The page's output: boxes in pixels of ``image``, or the task's answer.
 
         Raises:
-            EngineUnavailable: the engine cannot answer any image now (retriable: the batch is
-                run again later, nothing is committed).
+            EngineTimeout: past ``timeout_s``.
+            UnsupportedTask: a task not in :attr:`tasks` (no work done).
+            UnparsableOutput: an answer not in the task's format.
+            EngineUnavailable: the engine cannot answer now (retriable: the record is read again
+                later, nothing past it is committed).
+            Exception: any other failure of this page (``engine_error``); other pages go on.
         """
 
     async def health(self) -> bool:

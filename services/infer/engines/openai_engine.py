@@ -2,21 +2,21 @@
 
 HTTP goes through the standard library (``http.client``) in a thread pool (the project has no
 async HTTP client dependency, and one request per image with the image inline makes the
-connection set-up negligible next to the generation); attempts are driven by tenacity. Each image is one chat-completions call;
-the images of one ``ocr`` call are all in flight at once, up to ``max_concurrency``, so the
-server's continuous batching sees the whole micro-batch. Requests go straight to the URL: no
-proxy, no redirects.
+connection set-up negligible next to the generation); attempts are driven by tenacity. Each page is
+one chat-completions call (:meth:`OpenAiEngine.page`); the infer window keeps up to
+``max_concurrency`` of them in flight, so the server's continuous batching always has work.
+Requests go straight to the URL: no proxy, no redirects.
 
 Failures, after the attempts (``retries``, jittered exponential backoff, ``Retry-After``
 honoured on 429/503):
 
 * the server cannot be reached (connection refused, DNS failure, connect or TLS timeout):
-  :class:`~services.infer.engines.base.EngineUnavailable` is *raised* by :meth:`OpenAiEngine.ocr`
-  (retriable: the infer runner backs off and runs the batch again, nothing is committed) and
-  :attr:`OpenAiEngine.ready` is False until the server answers again;
-* the server answered with an error status: that image's :class:`ServerError` (an
-  ``engine_error`` result), the other images are unaffected;
-* no answer within one attempt's socket timeout: that image's :class:`AttemptTimeout`.
+  :class:`~services.infer.engines.base.EngineUnavailable` (retriable: the infer window backs off
+  and reads the record again, nothing past it is committed) and :attr:`OpenAiEngine.ready` is
+  False until the server answers again;
+* the server answered with an error status: that page's :class:`ServerError` (an
+  ``engine_error`` result), the other pages are unaffected;
+* no answer within one attempt's socket timeout: that page's :class:`AttemptTimeout`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ from schemas.events import WARNING_TRUNCATED_MAX_TOKENS
 from services.common.prompts import SPOTTING_PROMPT
 from schemas.tasks import TASKS
 from services.infer.engines import dialects, hunyuan, hunyuan_prompts
+from schemas.events import Priority
 from services.infer.engines.base import OCR, EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine
+from services.infer.engines.slots import PrioritySlots
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +122,8 @@ class OpenAiEngine(OcrEngine):
         retry_after_max_s: Cap in seconds on a 429/503 answer's ``Retry-After``, which
             replaces the backoff for that wait. No attempt starts that could not end before the
             image's timeout.
-        max_concurrency: Cap on the requests in flight per ``ocr`` call (each call sends its
-            images at once, one request each, up to this many); also the HTTP thread count.
+        max_concurrency: Cap on the requests in flight, all pages together (the server's
+            concurrency: the infer window is sized from it); also the HTTP thread count.
         ready_timeout_s: How long :meth:`start` waits for the server to answer, in seconds.
         ready_poll_s: Seconds between those checks.
         probe_timeout_s: Socket timeout in seconds of one readiness check (``/health``, then
@@ -134,6 +136,9 @@ class OpenAiEngine(OcrEngine):
             downscales or tiles larger pages); default
             :data:`~services.infer.engines.hunyuan_prompts.VLM_MAX_SIDE`.
         extra_body: More request fields (merged last).
+        send_priority: Send each request's lane as vLLM's ``priority`` field (0 interactive, 1
+            bulk). Only for a server started with ``--scheduling-policy priority``: vLLM refuses
+            a non-zero priority otherwise.
         dialect: Prompts, sampling and parsers of the tasks other than ``ocr``
             (:mod:`services.infer.engines.dialects`: ``auto``, ``hunyuan``, ``generic``). Task
             ``ocr`` always sends ``prompt`` with the sampling above; another task sends the
@@ -179,6 +184,7 @@ class OpenAiEngine(OcrEngine):
         max_side: int | None = None,
         extra_body: dict[str, Any] | None = None,
         dialect: str = "auto",
+        send_priority: bool = False,
     ):
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -202,10 +208,11 @@ class OpenAiEngine(OcrEngine):
             self.max_side = max_side
         self.extra_body = dict(extra_body or {})
         self.dialect = dialects.dialect(dialect, model)
+        self.send_priority = send_priority
         self._started = False
         self._reachable = True
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-ocr")
-        self._slots = asyncio.Semaphore(self.max_concurrency)  # HTTP requests in flight, all calls together
+        self._slots = PrioritySlots(self.max_concurrency)  # HTTP requests in flight, interactive pages first
         # readiness checks never queue behind long generations
         self._probe_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai-probe")
 
@@ -233,7 +240,7 @@ class OpenAiEngine(OcrEngine):
             max_concurrency=s.openai_max_concurrency, ready_timeout_s=s.openai_ready_timeout_s,
             image_format=s.openai_image_format,
             repetition_penalty=s.openai_repetition_penalty, max_side=s.engine_max_side, extra_body=s.openai_extra_body,
-            dialect=s.vlm_dialect,
+            dialect=s.vlm_dialect, send_priority=s.openai_send_priority,
         )
 
     # ------------------------------------------------------------------ HTTP (in threads)
@@ -332,11 +339,9 @@ class OpenAiEngine(OcrEngine):
         warm = np.full((96, 384, 3), 255, dtype=np.uint8)
         warm[40:56, 24:340] = 0
         try:
-            (res,) = await self.ocr([warm], OCR, timeout_s=self.warmup_timeout_s)
-        except EngineUnavailable as exc:
+            await self.page(warm, OCR, timeout_s=self.warmup_timeout_s)
+        except Exception as exc:
             raise RuntimeError(f"openai warm-up failed: {exc!r}") from exc
-        if isinstance(res, BaseException):
-            raise RuntimeError(f"openai warm-up failed: {res!r}") from res
         self._reachable = True
         self._started = True
 
@@ -357,8 +362,10 @@ class OpenAiEngine(OcrEngine):
 
     # ------------------------------------------------------------------ inference
 
-    def payload(self, image: np.ndarray, task: EngineTask = OCR) -> dict[str, Any]:
-        """The chat-completions request body for one image and ``task`` (see the class's ``dialect``)."""
+    def payload(self, image: np.ndarray, task: EngineTask = OCR, lane: Priority = "bulk") -> dict[str, Any]:
+        """The chat-completions request body for one image and ``task`` (see the class's
+        ``dialect``); with ``send_priority``, ``priority`` 0 for an interactive page and 1 for a
+        bulk one (vLLM's request priority, lower first: ``vllm serve --scheduling-policy priority``)."""
         if task.name == "ocr":
             prompt, max_tokens, top_p = self.prompt, self.max_tokens, 1.0
             extras: dict[str, Any] = {"top_k": hunyuan_prompts.DEFAULT_TOP_K, "repetition_penalty": self.repetition_penalty}
@@ -377,6 +384,8 @@ class OpenAiEngine(OcrEngine):
             "skip_special_tokens": True,
             "stream": False,
         }
+        if self.send_priority:
+            body["priority"] = 0 if lane == "interactive" else 1
         body.update(self.extra_body)
         return body
 
@@ -388,12 +397,13 @@ class OpenAiEngine(OcrEngine):
         base = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
         return base * random.uniform(0.5, 1.0)
 
-    async def _call(self, image: np.ndarray, deadline: float, task: EngineTask = OCR) -> tuple[str, tuple[str, ...]]:
+    async def _call(self, image: np.ndarray, deadline: float, task: EngineTask = OCR,
+                    lane: Priority = "bulk") -> tuple[str, tuple[str, ...]]:
         """One chat-completions call, attempted up to ``retries`` times (see :func:`_retryable`);
         returns the answer text and its warnings (``truncated_max_tokens`` when
         ``finish_reason`` is "length"). Raises the last attempt's error."""
         loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(self._pool, lambda: json.dumps(self.payload(image, task)).encode())
+        body = await loop.run_in_executor(self._pool, lambda: json.dumps(self.payload(image, task, lane)).encode())
         url = f"{self.base_url}/chat/completions"
 
         dropped = False  # a connection carrying this image broke mid-exchange (the server went away under it)
@@ -440,43 +450,51 @@ class OpenAiEngine(OcrEngine):
             return text, (WARNING_TRUNCATED_MAX_TOKENS,)
         return text, ()
 
-    async def _one(self, image: np.ndarray, task: EngineTask, timeout_s: float,
-                   slots: asyncio.Semaphore) -> EngineOutput | BaseException:
+    @property
+    def slots(self) -> int:
+        """``max_concurrency``: the requests in flight the server is sized for."""
+        return self.max_concurrency
+
+    @property
+    def busy(self) -> int:
+        """Requests in flight now."""
+        return self._slots.busy
+
+    async def page(self, image: np.ndarray, task: EngineTask, timeout_s: float,
+                   lane: Priority = "bulk") -> EngineOutput:
+        """See :meth:`OcrEngine.page`: one chat-completions request. At most ``max_concurrency``
+        are in flight; a waiting interactive page gets the next free one before any bulk page,
+        and with ``send_priority`` the request carries vLLM's ``priority`` (0 interactive, 1
+        bulk). The timeout starts when the page gets its slot; a timed-out request's HTTP thread
+        ends at its socket timeout (at most what was left of ``timeout_s``) and its answer is
+        discarded.
+
+        Raises:
+            UnsupportedTask: a task not in :attr:`tasks`.
+            EngineTimeout: past ``timeout_s`` (:class:`AttemptTimeout`: one attempt's socket timeout).
+            EngineUnavailable: the server is unreachable after the attempts (:attr:`ready` turns False).
+            ServerError: the server answered with an error status.
+        """
+        if not self.supports(task):
+            raise self.unsupported(task)
         h, w = image.shape[:2]
         padded = hunyuan_prompts.pad_for_vlm(image)
         ph, pw = padded.shape[:2]
-        async with slots:
+        async with self._slots.hold(lane):
             started = time.perf_counter()
             try:
-                text, warnings = await asyncio.wait_for(self._call(padded, time.monotonic() + timeout_s, task), timeout_s)
+                text, warnings = await asyncio.wait_for(
+                    self._call(padded, time.monotonic() + timeout_s, task, lane), timeout_s)
             except asyncio.TimeoutError:
-                return EngineTimeout(f"inference took longer than {timeout_s:g} s")
-            except Exception as exc:  # AttemptTimeout included: it says which timeout fired
-                return exc
+                raise EngineTimeout(f"inference took longer than {timeout_s:g} s") from None
+            except Unreachable as exc:
+                self._mark(False, exc)
+                raise EngineUnavailable(f"OCR server at {self.base_url} unreachable: {exc}",
+                                        took_down=getattr(exc, "took_down", False)) from exc
         if task.name != "ocr":
-            return dialects.task_output(self.dialect, task, text, warnings, started)
-        return hunyuan.answer_to_output(text, (pw, ph), (w, h), warnings, started)
-
-    async def ocr(self, images: list[np.ndarray], task: EngineTask,
-                  timeout_s: float) -> list[EngineOutput | BaseException]:
-        """See :meth:`OcrEngine.ocr`. The call's images are all in flight at once, up to
-        ``max_concurrency`` requests over all concurrent calls (the infer handler sends each tile
-        as its own call); an image's ``timeout_s`` starts when it gets one of those slots. A timed-out image's HTTP thread ends at its socket timeout (at most
-        what was left of ``timeout_s``) and its answer is discarded.
-
-        Raises:
-            EngineUnavailable: an image found the server unreachable after its attempts (the
-                whole call is then retried by the infer runner; :attr:`ready` is False).
-        """
-        if not images:
-            return []
-        if not self.supports(task):
-            return [self.unsupported(task) for _ in images]
-        out = list(await asyncio.gather(*(self._one(img, task, timeout_s, self._slots) for img in images)))
-        down = next((o for o in out if isinstance(o, Unreachable)), None)
-        if down is not None:
-            self._mark(False, down)
-            took_down = any(getattr(o, "took_down", False) for o in out if isinstance(o, Unreachable))
-            raise EngineUnavailable(f"OCR server at {self.base_url} unreachable: {down}", took_down=took_down) from down
+            out = dialects.task_output(self.dialect, task, text, warnings, started)
+        else:
+            out = hunyuan.answer_to_output(text, (pw, ph), (w, h), warnings, started)
+        if isinstance(out, BaseException):  # the parsers return the page's failure: unparsable_output, engine_error
+            raise out
         return out
-

@@ -16,7 +16,9 @@ import numpy as np
 
 from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN, RAPIDOCR_STRUCTURE_TASKS
 from services.common.textlines import Segment, restore_spaces
+from schemas.events import Priority
 from services.infer.engines.base import EngineOutput, EngineTask, EngineTimeout, OcrEngine
+from services.infer.engines.slots import PrioritySlots
 
 
 MIN_SIDE = 8
@@ -30,7 +32,7 @@ class RapidOcrEngine(OcrEngine):
 
     Args:
         intra_op_threads: ONNX Runtime threads per inference (``intra_op_num_threads``).
-        workers: Images processed in parallel within a batch (each uses ``intra_op_threads``).
+        workers: Pages read at once (each uses ``intra_op_threads``).
         max_side: Longest side in pixels handed to the detector (RapidOCR's ``max_side_len``).
         det_limit_side_len: The detector scales an image up until its short side has at least
             this many pixels (RapidOCR's ``Det.limit_side_len``, ``limit_type: min``; its default
@@ -39,9 +41,8 @@ class RapidOcrEngine(OcrEngine):
             samples' mean CER went 0.1175 -> 0.1294 (receipts under 736 px wide lose the upscale).
 
     RapidOCR has no cross-image batch API for detection (recognition batches the crops of one
-    image, ``rec_batch_num``); batching here means the whole micro-batch is handed over at once
-    (the infer handler submits each tile as its own call) and ``workers`` images run in flight,
-    which keeps every core busy.
+    image, ``rec_batch_num``): ``workers`` pages run at once, each a :meth:`page` call of its own
+    from the infer window, which keeps every core busy whatever the mix of page sizes.
 
     Thread safety: the ``workers`` threads share one ``RapidOCR`` object. ONNX Runtime sessions
     may be run from several threads at once; RapidOCR 1.4.4's only per-call state is the
@@ -61,7 +62,7 @@ class RapidOcrEngine(OcrEngine):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rapidocr")
         self._ocr = None
         self._structure = None  # StructureModels: doc_parse and table
-        self._slots = asyncio.Semaphore(workers)
+        self._slots = PrioritySlots(workers)
 
     @classmethod
     def from_settings(cls, s) -> RapidOcrEngine:
@@ -94,8 +95,8 @@ class RapidOcrEngine(OcrEngine):
         self._structure = await loop.run_in_executor(self._pool, StructureModels, self.intra_op_threads)
         warm = np.full((64, 256, 3), 255, dtype=np.uint8)
         warm[28:36, 20:200] = 0
-        await self.ocr([warm], EngineTask(), timeout_s=120)
-        await self.ocr([warm], EngineTask("doc_parse"), timeout_s=120)
+        await self.page(warm, EngineTask(), timeout_s=120)
+        await self.page(warm, EngineTask("doc_parse"), timeout_s=120)
         self.ready = True
 
     def _one(self, image: np.ndarray, task: str = "ocr") -> EngineOutput:
@@ -137,30 +138,42 @@ class RapidOcrEngine(OcrEngine):
             for row in (result or [])
         ]
 
-    async def ocr(self, images: list[np.ndarray], task: EngineTask,
-                  timeout_s: float) -> list[EngineOutput | BaseException]:
-        """See :meth:`OcrEngine.ocr`. At most ``workers`` images run at once; each image's
-        timeout starts when it starts. A timed-out image's thread finishes in the background
-        (ONNX Runtime cannot be interrupted) and its result is discarded. A task not in
-        :attr:`tasks`: :class:`~services.infer.engines.base.UnsupportedTask` for every image, no work."""
+    @property
+    def slots(self) -> int:
+        """The worker threads: pages read at once."""
+        return self.workers
+
+    @property
+    def busy(self) -> int:
+        """Worker threads reading a page now (a timed-out page's thread included until it ends)."""
+        return self._slots.busy
+
+    async def page(self, image: np.ndarray, task: EngineTask, timeout_s: float,
+                   lane: Priority = "bulk") -> EngineOutput:
+        """See :meth:`OcrEngine.page`. At most ``workers`` pages run at once; a waiting
+        interactive page takes the next free worker before any waiting bulk page. The timeout
+        starts when the page gets its worker. A timed-out page's thread finishes in the
+        background (ONNX Runtime cannot be interrupted) and keeps its worker until then, so it
+        never eats into the next page's time; its result is discarded.
+
+        Raises:
+            UnsupportedTask: a task not in :attr:`tasks` (no work).
+            EngineTimeout: past ``timeout_s``.
+        """
         if not self.supports(task):
-            return [self.unsupported(task) for _ in images]
+            raise self.unsupported(task)
         loop = asyncio.get_running_loop()
-
-        async def one(img: np.ndarray) -> EngineOutput | BaseException:
-            # The slot is held until the thread really finishes (not just until the timeout), so a
-            # timed-out image never eats into the next image's time budget.
-            await self._slots.acquire()
-            fut = loop.run_in_executor(self._pool, self._one, img, task.name)
-            fut.add_done_callback(lambda _: self._slots.release())
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-            except asyncio.TimeoutError:
-                return EngineTimeout(f"inference took longer than {timeout_s:g} s")
-            except Exception as exc:
-                return exc
-
-        return list(await asyncio.gather(*(one(img) for img in images)))
+        await self._slots.acquire(lane)
+        try:
+            fut = loop.run_in_executor(self._pool, self._one, image, task.name)
+        except BaseException:
+            self._slots.release()
+            raise
+        fut.add_done_callback(lambda _: self._slots.release())
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineTimeout(f"inference took longer than {timeout_s:g} s") from None
 
     async def close(self) -> None:
         """Stop the worker threads."""

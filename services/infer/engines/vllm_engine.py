@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
+from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION, Priority
 from services.common.prompts import SPOTTING_PROMPT
 from schemas.tasks import TASKS
 from services.infer.engines import dialects, hunyuan, hunyuan_prompts
@@ -79,11 +79,11 @@ def _supported_args(cls: type, wanted: dict[str, Any]) -> dict[str, Any]:
 
 
 class VllmEngine(OcrEngine):
-    """vLLM's async engine in this process, continuous batching across the images of a batch.
+    """vLLM's async engine in this process: continuous batching across every page in flight.
 
-    Every image of an ``ocr`` call is its own request (own id), all submitted at once so vLLM
-    schedules them together; each has its own timeout, after which the request is aborted and
-    the image gets :class:`EngineTimeout`. Output is streamed; when the text ends in a runaway
+    Every page is its own request (own id, :meth:`page`); the infer window keeps :attr:`slots`
+    of them submitted, so vLLM's scheduler always has pages to admit. Each has its own timeout,
+    after which the request is aborted and the page gets :class:`EngineTimeout`. Output is streamed; when the text ends in a runaway
     loop (:func:`~services.infer.engines.hunyuan.find_tail_loop`: a unit of 3+ distinct
     characters repeated over 256+ characters, or 12 identical lines; runs of one character such
     as ``______`` or ``000000`` never count) the request is aborted early, the text so far is
@@ -116,6 +116,8 @@ class VllmEngine(OcrEngine):
             such instruction is wrapped as ``prompt`` is (:meth:`prompt_mode`), ``max_tokens``
             is the smaller of the dialect's for the task and this engine's, and ``sampling_args``
             apply over it. Task ``ocr`` is unchanged.
+        scheduling_policy: vLLM's ``scheduling_policy``: ``priority`` (the default here) admits
+            interactive pages before bulk ones; ``fcfs`` in arrival order.
     """
 
     name = "vllm"
@@ -149,8 +151,12 @@ class VllmEngine(OcrEngine):
         sampling_args: dict[str, Any] | None = None,
         warmup_timeout_s: float = 600.0,
         dialect: str = "auto",
+        scheduling_policy: str = "priority",
     ):
         self.model = model
+        self.scheduling_policy = scheduling_policy
+        self._priority = False  # set in start(): the lane goes to vLLM as the request's priority
+        self._in_flight = 0
         self.revision = revision
         self.device = device
         self.dtype = dtype
@@ -198,6 +204,7 @@ class VllmEngine(OcrEngine):
             repetition_penalty=s.vllm_repetition_penalty, max_side=s.engine_max_side, repeat_stop=s.vllm_repeat_stop,
             engine_args=s.vllm_engine_args, sampling_args=s.vllm_sampling_args,
             warmup_timeout_s=s.vllm_warmup_timeout_s, dialect=s.vlm_dialect,
+            scheduling_policy=s.vllm_scheduling_policy,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -219,6 +226,7 @@ class VllmEngine(OcrEngine):
             trust_remote_code=self.trust_remote_code,
             enforce_eager=self.enforce_eager,
             disable_log_stats=True,
+            scheduling_policy=self.scheduling_policy,
         )
         if arg_fields is None or "mm_processor_cache_gb" in arg_fields:
             kw["mm_processor_cache_gb"] = 0  # vLLM >= 0.10.2
@@ -250,6 +258,10 @@ class VllmEngine(OcrEngine):
 
         fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         args = AsyncEngineArgs(**_supported_args(AsyncEngineArgs, self.engine_kwargs(fields)))
+        # the lane as the request's priority only where this vLLM took the policy and its
+        # generate() takes a priority (vLLM refuses a non-zero priority under fcfs)
+        self._priority = (getattr(args, "scheduling_policy", "fcfs") == "priority"
+                          and "priority" in inspect.signature(Engine.generate).parameters)
         t0 = time.perf_counter()
         log.info("vllm: loading %s (vLLM %s) on CUDA_VISIBLE_DEVICES=%s", self.model, vllm.__version__,
                  os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -264,11 +276,9 @@ class VllmEngine(OcrEngine):
         warm = np.full((96, 384, 3), 255, dtype=np.uint8)
         warm[40:56, 24:340] = 0
         try:
-            (res,) = await self.ocr([warm], OCR, timeout_s=self.warmup_timeout_s)
-        except EngineUnavailable as exc:
+            res = await self.page(warm, OCR, timeout_s=self.warmup_timeout_s)
+        except Exception as exc:
             raise RuntimeError(f"vllm warm-up failed: {exc!r}") from exc
-        if isinstance(res, BaseException):
-            raise RuntimeError(f"vllm warm-up failed: {res!r}") from res
         log.info("vllm: warm-up answered in %.0f ms (%d segments)", res.inference_ms, len(res.segments))
         self.ready = True
 
@@ -389,15 +399,17 @@ class VllmEngine(OcrEngine):
         except Exception:  # pragma: no cover - finished requests may refuse
             log.debug("vllm: abort %s failed", request_id, exc_info=True)
 
-    async def _generate(self, image: np.ndarray, request_id: str, task: EngineTask = OCR) -> tuple[str, tuple[str, ...]]:
+    async def _generate(self, image: np.ndarray, request_id: str, task: EngineTask = OCR,
+                        lane: Priority = "bulk") -> tuple[str, tuple[str, ...]]:
         """One request; returns its (possibly early-stopped) text and its warnings."""
         from PIL import Image
 
         prompt, sampling, max_tokens = await self._inputs(task)
         inputs = {"prompt": prompt, "multi_modal_data": {"image": Image.fromarray(image[..., :3])}}
         text, checked, finish, tokens = "", 0, None, 0
+        extra = {"priority": 0 if lane == "interactive" else 1} if self._priority else {}
         try:
-            async for out in self._engine.generate(inputs, sampling, request_id):
+            async for out in self._engine.generate(inputs, sampling, request_id, **extra):
                 if out.outputs:
                     text = out.outputs[0].text
                     finish = getattr(out.outputs[0], "finish_reason", None) or finish
@@ -415,47 +427,61 @@ class VllmEngine(OcrEngine):
             return text, (WARNING_TRUNCATED_MAX_TOKENS,)
         return text, ()
 
-    async def _one(self, image: np.ndarray, task: EngineTask, timeout_s: float) -> EngineOutput | BaseException:
+    @property
+    def slots(self) -> int:
+        """Twice ``max_num_seqs``: as many pages again wait in vLLM's own queue, so its scheduler
+        always has one to admit when a sequence ends."""
+        return 2 * self.max_num_seqs
+
+    @property
+    def busy(self) -> int:
+        """Requests submitted to vLLM and not finished (running or waiting in its queue)."""
+        return self._in_flight
+
+    async def page(self, image: np.ndarray, task: EngineTask, timeout_s: float,
+                   lane: Priority = "bulk") -> EngineOutput:
+        """See :meth:`OcrEngine.page`: one vLLM request, streamed; vLLM's scheduler batches the
+        requests of every concurrent call (continuous batching). With the ``priority``
+        scheduling policy the lane is the request's priority (0 interactive, 1 bulk: vLLM admits
+        the lower first). The timeout starts at submission; past it the request is aborted.
+
+        Raises:
+            RuntimeError: called before :meth:`start`.
+            UnsupportedTask: a task not in :attr:`tasks`.
+            EngineTimeout: past ``timeout_s``.
+            EngineUnavailable: vLLM's engine core died (see :meth:`dead`); :attr:`ready` turns
+                False and stays so (the process must be restarted).
+        """
+        if self._engine is None:
+            raise RuntimeError("vllm engine not started")
+        if not self.supports(task):
+            raise self.unsupported(task)
+        image = np.ascontiguousarray(image)
         h, w = image.shape[:2]
         padded = hunyuan_prompts.pad_for_vlm(image)
         ph, pw = padded.shape[:2]
         request_id = f"ocr-{uuid.uuid4().hex}"
         started = time.perf_counter()
+        self._in_flight += 1
         try:
-            text, warnings = await asyncio.wait_for(self._generate(padded, request_id, task), timeout_s)
+            text, warnings = await asyncio.wait_for(self._generate(padded, request_id, task, lane), timeout_s)
         except asyncio.TimeoutError:
             await self._abort(request_id)
-            return EngineTimeout(f"inference took longer than {timeout_s:g} s")
+            raise EngineTimeout(f"inference took longer than {timeout_s:g} s") from None
         except Exception as exc:
             await self._abort(request_id)
-            return exc
+            if self.dead(exc) or self.dead():
+                if self.ready:
+                    log.error("vllm: engine core dead (%r): not ready; restart this process", exc)
+                self.ready = False
+                raise EngineUnavailable(f"vLLM engine core dead: {exc!r}") from exc
+            raise
+        finally:
+            self._in_flight -= 1
         if task.name != "ocr":
-            return dialects.task_output(self.dialect, task, text, warnings, started)
-        return hunyuan.answer_to_output(text, (pw, ph), (w, h), warnings, started)
-
-    async def ocr(self, images: list[np.ndarray], task: EngineTask,
-                  timeout_s: float) -> list[EngineOutput | BaseException]:
-        """See :meth:`OcrEngine.ocr`. All images are in flight at once (vLLM batches them);
-        each image's timeout starts at submission.
-
-        Raises:
-            RuntimeError: called before :meth:`start`.
-            EngineUnavailable: vLLM's engine core died (see :meth:`dead`); :attr:`ready`
-                turns False and stays so (the process must be restarted). Nothing of the call
-                is committed: the runner retries the batch until then.
-        """
-        if self._engine is None:
-            raise RuntimeError("vllm engine not started")
-        if not self.supports(task):
-            return [self.unsupported(task) for _ in images]
-        out = list(await asyncio.gather(*(self._one(np.ascontiguousarray(img), task, timeout_s) for img in images)))
-        failed = [o for o in out if isinstance(o, BaseException) and not isinstance(o, EngineTimeout)]
-        dead = next((o for o in failed if self.dead(o)), None)
-        if dead is None and failed and self.dead():
-            dead = failed[0]
-        if dead is not None:
-            if self.ready:
-                log.error("vllm: engine core dead (%r): not ready; restart this process", dead)
-            self.ready = False
-            raise EngineUnavailable(f"vLLM engine core dead: {dead!r}") from dead
+            out = dialects.task_output(self.dialect, task, text, warnings, started)
+        else:
+            out = hunyuan.answer_to_output(text, (pw, ph), (w, h), warnings, started)
+        if isinstance(out, BaseException):  # the parsers return the page's failure: unparsable_output, engine_error
+            raise out
         return out
