@@ -57,11 +57,12 @@ def pct(values: list[float], q: float) -> float:
 
 
 def raw_engine_rate(images: list[bytes], threads: int = 2, det_limit_side_len: int | None = None,
-                    workers: int = 1, batch: int = 1) -> tuple[float, float]:
+                    workers: int = 1) -> tuple[float, float]:
     """Images/s of RapidOCR called directly on ``images`` (decoded first, not timed), with the
     detector limit ``det_limit_side_len`` in px (None: the engine's default, RapidOCR's 736),
-    ``threads`` ONNX Runtime threads per image, ``workers`` images at once, ``batch`` images per
-    :meth:`~services.infer.engines.rapid.RapidOcrEngine.ocr` call (1 and 1: one image at a time).
+    ``threads`` ONNX Runtime threads per image and ``workers`` images at once: every image handed
+    to :meth:`~services.infer.engines.rapid.RapidOcrEngine.page` at once, the workers a pool with
+    no barrier (1 worker: one image at a time).
 
     Returns:
         ``(images per second, seconds)``.
@@ -74,9 +75,7 @@ def raw_engine_rate(images: list[bytes], threads: int = 2, det_limit_side_len: i
         await engine.start()
         pages = [decode(b, 10**9, 100)[0] for b in images]
         t0 = time.perf_counter()
-        for i in range(0, len(pages), batch):
-            for out in await engine.ocr(pages[i:i + batch], OCR, 600):
-                assert not isinstance(out, BaseException), out
+        await asyncio.gather(*(engine.page(p, OCR, 600) for p in pages))
         secs = time.perf_counter() - t0
         await engine.close()
         return secs

@@ -33,8 +33,7 @@ def _worker(paths: list[str], threads: int, start, ready, out) -> None:
         ready.put(os.getpid())
         start.wait()
         for page in pages:
-            [res] = await engine.ocr([page], OCR, 600)
-            assert not isinstance(res, BaseException), res
+            await engine.page(page, OCR, 600)
         out.put(time.perf_counter())
 
     asyncio.run(run())

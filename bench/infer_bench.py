@@ -1,4 +1,5 @@
-"""CPU engine vs pipeline throughput in ONE run: batching on/off, 1 vs 2 infer processes, thread counts.
+"""CPU engine vs pipeline throughput in ONE run: the raw engine's worker pool against the pipeline,
+on pages of one size or of mixed sizes, 1 vs 2 infer processes, thread counts.
 
 Every configuration reads the same images, and the rounds are interleaved (round 1 runs every
 configuration in order, round 2 in reverse order, and so on), so slow drifts in machine load
@@ -7,34 +8,38 @@ rounds is reported.
 
 Configurations (``--configs``, comma-separated):
 
-- ``engine:PxT[wW][bB]``: the raw engine, without Kafka or stores. P processes, each building
-  its engine with the infer stage's own ``build_engine(InferSettings())``, with
-  ``OCRSTREAM_RAPIDOCR_THREADS=T`` and ``OCRSTREAM_RAPIDOCR_WORKERS=W``. Each process calls
-  ``engine.ocr`` with a batch of B pages at a time (default 8; the infer stage hands the same
-  pages over as one call each, all at once, to the same ``workers`` slots), on
-  the tiles of ``make_tiles``. Decoding happens before the clock starts. Process i gets
-  the images of the partitions that infer process i would own.
-- ``pipe:PxT[wW][bB]``: the whole pipeline. Submit -> ingest -> dedup -> infer -> sink ->
-  ``ocr.completed``, with P infer processes, each with ``OCRSTREAM_MAX_BATCH=B`` and the same
-  engine settings. Dedup's cache is off (``OCRSTREAM_CACHE_ENABLED=false``), so every image
-  is inferred in every round. Each configuration has its own namespace (topics, groups and
-  Redis prefix), started once and warmed up before round 1. Between its rounds it is idle.
+- ``engine:PxT[wW]``: the raw engine, without Kafka or stores. P processes, each building its
+  engine with the infer stage's own ``build_engine(InferSettings())``, with
+  ``OCRSTREAM_RAPIDOCR_THREADS=T`` and ``OCRSTREAM_RAPIDOCR_WORKERS=W``, each handed its whole
+  share of pages at once (every tile of ``make_tiles`` a ``engine.page`` call): a pool of W
+  workers with no barrier, the best the engine can do. Decoding happens before the clock
+  starts. Process i gets the images of the partitions that infer process i would own.
+- ``pipe:PxT[wW][mM]``: the whole pipeline. Submit -> ingest -> dedup -> infer -> sink ->
+  ``ocr.completed``, with P infer processes, the same engine settings and, with ``mM``,
+  ``OCRSTREAM_MAX_IN_FLIGHT=M`` (default: the window the engine's slots give, W + 3). Dedup's
+  cache is off (``OCRSTREAM_CACHE_ENABLED=false``), so every image is inferred in every round.
+  Each configuration has its own namespace (topics, groups and Redis prefix), started once and
+  warmed up before round 1. Between its rounds it is idle.
 
 Throughput. A round submits the whole backlog of N images at once (or hands it to the engine
 processes at once) and measures N / (time from submission to the last completion). The warm-up
 is left out: every configuration has loaded its model, served an image in every process and
 settled its consumer groups before round 1. What is left in is one fill latency (the first
 image going through ingest and dedup before infer can start) and one drain latency (the last
-batch going through the sink). That is under 1 s against a round of 20-60 s, and it counts
-against the pipeline, so the pipeline/engine ratio is a slight underestimate. The time to the
-first completion is printed for every round so you can see the fill latency. "First to last
-completion" would leave the fill out too, but with micro-batches of 8 it has only a handful of
-completion groups per round, and with 2 processes their first groups overlap, so it is not used.
+page going through the sink): under 1 s against a round of tens of seconds, counted against the
+pipeline, so the pipeline/engine ratio is a slight underestimate.
 
-The images are generated printed-text pages (``tests.conftest.text_image``), all of the same
-shape (3 lines of similar length), so each one costs the engine about the same. They are
-chosen so that their SHA-256 keys fall evenly on the partitions. That way two infer processes
-get equal shares, and the end of a round does not measure partition imbalance.
+The images (``--pages``):
+
+- ``same``: generated printed-text pages (``tests.conftest.text_image``), all of the same shape
+  (3 lines of similar length), so each one costs the engine about the same;
+- ``mixed`` (the default): one-line images, receipts (the SROIE samples of ``../shared/samples``,
+  each made distinct by one changed pixel) and A4 pages at 150 dpi (1240 x 1754 px, 40 printed
+  lines) interleaved, so pages cost the engine from under a second to several: what a batch
+  with a barrier handles worst.
+
+Either way they are chosen so that their SHA-256 keys fall evenly on the partitions, so two
+infer processes get equal shares and the end of a round does not measure partition imbalance.
 
 Where the CPU goes. For each pipeline round, the CPU seconds per image of each stage process,
 of the local stack (Kafka, Redis, MariaDB, MinIO), of this bench process, of the idle
@@ -42,9 +47,9 @@ configurations, and of the rest of the machine (other users) are read from /proc
 
 Summary: images/s and every ratio as the median over all rounds, and again over the quiet rounds
 only (the rest of the machine under ``QUIET_REST_CPU``), side by side; quote one and say which.
+Target (the window, with the default settings): pipeline/engine >= 0.95 on mixed pages.
 
-Usage: python -m bench.infer_bench [--n 24] [--rounds 3] [--configs ...|review] [--json out.json]
-(``--configs review``: 2 processes x 2 threads against 1 x 2, and batching on/off with 2 workers.)
+Usage: python -m bench.infer_bench [--n 24] [--rounds 3] [--pages mixed|same] [--configs ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -71,10 +76,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/infer_bench.py` as well as `python -m bench.infer_bench`
     sys.path.insert(0, str(REPO))
 
-DEFAULT_CONFIGS = "engine:1x1,engine:1x2,engine:2x1,engine:1x1w2,pipe:1x1,pipe:1x1b1,pipe:2x1,pipe:1x1w2"
-REVIEW_CONFIGS = "engine:1x2,engine:2x2,pipe:1x2,pipe:2x2,engine:1x1w2,pipe:1x1w2,pipe:1x1w2b1"
-"""``--configs review``: 2 processes x 2 threads (against 1 x 2, raw engine and pipeline), and batching
-on vs off with 2 workers (``pipe:1x1w2`` vs ``pipe:1x1w2b1``), as the review asked."""
+DEFAULT_CONFIGS = "engine:1x1w2,pipe:1x1w2"
+"""The default settings (1 process, 2 workers of 1 thread), raw engine and pipeline."""
 WORDS = ("invoice total amount paid cash change receipt order number date station token item price "
          "quantity account balance payment customer service").split()
 
@@ -82,33 +85,37 @@ WORDS = ("invoice total amount paid cash change receipt order number date statio
 # -- configurations -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
-    """One measured configuration: raw engine or pipeline, P processes x T threads, W workers, batch B."""
+    """One measured configuration: raw engine or pipeline, P processes x T threads, W workers, a
+    window of M (0: the default)."""
 
     kind: str  # "engine" | "pipe"
     procs: int
     threads: int
     workers: int = 1
-    batch: int = 8
+    window: int = 0
 
     @property
     def name(self) -> str:
         w = f"w{self.workers}" if self.workers != 1 else ""
-        b = f"b{self.batch}" if self.batch != 8 else ""
-        return f"{self.kind}:{self.procs}x{self.threads}{w}{b}"
+        m = f"m{self.window}" if self.window else ""
+        return f"{self.kind}:{self.procs}x{self.threads}{w}{m}"
 
     def engine_env(self) -> dict[str, str]:
         """Settings of each infer (or raw engine) process."""
-        return {"OCRSTREAM_ENGINE_KIND": "rapidocr", "OCRSTREAM_RAPIDOCR_THREADS": str(self.threads),
-                "OCRSTREAM_RAPIDOCR_WORKERS": str(self.workers), "OCRSTREAM_MAX_BATCH": str(self.batch)}
+        env = {"OCRSTREAM_ENGINE_KIND": "rapidocr", "OCRSTREAM_RAPIDOCR_THREADS": str(self.threads),
+               "OCRSTREAM_RAPIDOCR_WORKERS": str(self.workers)}
+        if self.window:
+            env["OCRSTREAM_MAX_IN_FLIGHT"] = str(self.window)
+        return env
 
 
 def parse_config(text: str) -> Config:
-    """``engine:1x2``, ``pipe:2x1``, ``pipe:1x1w2b1`` -> :class:`Config`."""
-    m = re.fullmatch(r"(engine|pipe):(\d+)x(\d+)(?:w(\d+))?(?:b(\d+))?", text.strip())
-    if not m:
-        raise ValueError(f"bad configuration {text!r}: use engine:PxT[wW][bB] or pipe:PxT[wW][bB]")
-    kind, p, t, w, b = m.groups()
-    return Config(kind, int(p), int(t), int(w or 1), int(b or 8))
+    """``engine:1x2``, ``pipe:2x1``, ``pipe:1x1w2m8`` -> :class:`Config`."""
+    m = re.fullmatch(r"(engine|pipe):(\d+)x(\d+)(?:w(\d+))?(?:m(\d+))?", text.strip())
+    if not m or (m.group(1) == "engine" and m.group(5)):
+        raise ValueError(f"bad configuration {text!r}: use engine:PxT[wW] or pipe:PxT[wW][mM]")
+    kind, p, t, w, mm = m.groups()
+    return Config(kind, int(p), int(t), int(w or 1), int(mm or 0))
 
 
 # -- images ------------------------------------------------------------------------------------
@@ -119,23 +126,55 @@ def partition_of(key: str, partitions: int) -> int:
     return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
 
 
-def balanced_images(n: int, partitions: int, seed: int = 11) -> list[tuple[bytes, int]]:
-    """``n`` distinct printed-text PNGs of the same shape, ``n / partitions`` per partition.
+SAMPLES = REPO.parent / "shared" / "samples"
+
+
+def _same_page(rng: random.Random, i: int) -> bytes:
+    """A printed-text PNG of 3 lines, 640 px wide (every one about the same cost)."""
+    from tests.conftest import text_image
+
+    lines = [" ".join(rng.choice(WORDS) for _ in range(3)) + f" {i:04d}-{k}" for k in range(3)]
+    return text_image(lines, size=32, width=640)
+
+
+def _mixed_page(rng: random.Random, i: int) -> bytes:
+    """Page ``i`` of the mixed set: a one-line image, a receipt or an A4 page, in turn."""
+    import io
+
+    from PIL import Image
+
+    from tests.conftest import text_image
+
+    kind = i % 3
+    if kind == 0:
+        return text_image([" ".join(rng.choice(WORDS) for _ in range(4)) + f" {i:04d}"], size=32)
+    if kind == 1:
+        receipts = sorted(SAMPLES.glob("sroie_*.jpg"))
+        img = Image.open(receipts[(i // 3) % len(receipts)]).convert("RGB")
+        img.putpixel((i % img.width, 0), (i % 256, 255 - i % 256, 128))  # distinct bytes, same page
+        buf = io.BytesIO()
+        img.save(buf, "PNG")
+        return buf.getvalue()
+    lines = [" ".join(rng.choice(WORDS) for _ in range(6)) + f" {i:04d}-{k:02d}" for k in range(40)]
+    return text_image(lines, size=24, width=1240)  # 1240 x 1760 px
+
+
+def balanced_images(n: int, partitions: int, seed: int = 11, pages: str = "same") -> list[tuple[bytes, int]]:
+    """``n`` distinct PNGs (``pages``: ``same`` or ``mixed``, module docstring), ``n / partitions``
+    per partition.
 
     Returns:
         ``(png bytes, partition of its SHA-256 key)`` pairs, interleaved over the partitions.
     """
-    from tests.conftest import text_image
-
     if n % partitions:
         raise ValueError(f"--n must be a multiple of the partitions ({partitions})")
+    make = _mixed_page if pages == "mixed" else _same_page
     rng = random.Random(seed)
     per = n // partitions
     buckets: list[list[bytes]] = [[] for _ in range(partitions)]
     i = 0
     while any(len(b) < per for b in buckets):
-        lines = [" ".join(rng.choice(WORDS) for _ in range(3)) + f" {i:04d}-{k}" for k in range(3)]
-        data = text_image(lines, size=32, width=640)
+        data = make(rng, i)
         part = partition_of(hashlib.sha256(data).hexdigest(), partitions)
         if len(buckets[part]) < per:
             buckets[part].append(data)
@@ -190,8 +229,9 @@ def stack_pids() -> dict[str, list[int]]:
 
 
 # -- raw engine processes ----------------------------------------------------------------------
-def _engine_worker(env: dict[str, str], images: list[bytes], batch: int, conn) -> None:
-    """One raw engine process: build the engine like the infer stage, decode, then run on "go"."""
+def _engine_worker(env: dict[str, str], images: list[bytes], conn) -> None:
+    """One raw engine process: build the engine like the infer stage, decode, then on "go" hand
+    every page's tiles to the engine at once (its workers are the pool, no barrier)."""
     os.environ.update(env)
 
     from services.common.imaging import decode
@@ -205,17 +245,13 @@ def _engine_worker(env: dict[str, str], images: list[bytes], batch: int, conn) -
         await engine.start()
         pages = [p for data in images for p in decode(data, s.limits.max_pixels, s.limits.max_pages)]
         conn.send("ready")
+        async def one(page) -> float:
+            tiles = [t.image for t in make_tiles(page, s.tile_max_aspect, engine.max_side)]
+            await asyncio.gather(*(engine.page(t, OCR, s.limits.infer_timeout_s) for t in tiles))
+            return time.time()
+
         while conn.recv() == "go":
-            done: list[float] = []
-            for i in range(0, len(pages), batch):
-                tiles = [t.image for page in pages[i:i + batch]
-                         for t in make_tiles(page, s.tile_max_aspect, engine.max_side)]
-                outs = await engine.ocr(tiles, OCR, s.limits.infer_timeout_s)
-                bad = [o for o in outs if isinstance(o, BaseException)]
-                if bad:
-                    raise RuntimeError(f"engine failed: {bad[0]!r}")
-                done += [time.time()] * len(pages[i:i + batch])
-            conn.send(done)
+            conn.send(list(await asyncio.gather(*(one(p) for p in pages))))
         await engine.close()
 
     asyncio.run(main())
@@ -240,7 +276,7 @@ class EngineRunner:
             share = [data for data, part in self.images if part in own]
             parent, child = ctx.Pipe()
             env = {**self.cfg.engine_env(), "PYTHONPATH": str(REPO)}
-            p = ctx.Process(target=_engine_worker, args=(env, share, self.cfg.batch, child), daemon=True)
+            p = ctx.Process(target=_engine_worker, args=(env, share, child), daemon=True)
             p.start()
             self.procs.append(p)
             self.conns.append(parent)
@@ -328,16 +364,15 @@ class PipeRunner:
         return t0, [d.completed_at_ms / 1000 for d in docs]
 
     def infer_seconds(self) -> dict[str, float]:
-        """Seconds the infer processes spent so far in engine calls and in whole batches (all processes)."""
+        """Seconds the infer processes' requests spent on the engine so far (wall time per request,
+        engine slot waits included; all processes)."""
         from tests.stack import metric_value
 
-        text = self.pipeline.metrics("infer")
-        return {"engine": metric_value(text, "ocrstream_engine_batch_seconds_sum"),
-                "batch": metric_value(text, "ocrstream_batch_seconds_sum", stage="infer")}
+        return {"engine": metric_value(self.pipeline.metrics("infer"), "ocrstream_engine_seconds_sum")}
 
     def warm_up(self) -> None:
         """One image per partition through every stage (every infer process gets work), not timed."""
-        warm = balanced_images(self.partitions, self.partitions, seed=99)
+        warm = balanced_images(self.partitions, self.partitions, seed=99, pages="same")
         self.run_round([(data, f"warm-{i}.png") for i, (data, _) in enumerate(warm)])
 
     def stop(self) -> None:
@@ -382,12 +417,9 @@ def summarize(results: dict[str, list[dict]], names: list[str], rounds: int) -> 
     print("\n== images/s (median over all rounds, median over quiet rounds; every round in brackets, * = quiet)")
     for n in names:
         st = [x["rate"] for x in results[n]]
-        busy = [x["engine_busy"] for x in results[n]]
         rounds_txt = ", ".join(f"{x['rate']:.3f}" + ("*" if quiet(x) else "") for x in results[n])
         print(f"{n:16s} all {statistics.median(st):.3f}  quiet {med([x['rate'] for x in results[n] if quiet(x)])} "
-              f"[{rounds_txt}]   engine busy "
-              f"{statistics.median(busy):.3f} ({min(busy):.3f}-{max(busy):.3f}), "
-              f"{statistics.median(x['engine_s_per_img'] for x in results[n]):.3f} engine-s/img")
+              f"[{rounds_txt}]   {statistics.median(x['engine_s_per_img'] for x in results[n]):.3f} engine-s/img")
     print("\n== CPU seconds per image (mean over rounds)")
     for n in names:
         keys = [k for k in results[n][0] if k.startswith("cpu_")]
@@ -443,17 +475,12 @@ def _ratio_pairs(names: list[str]) -> list[tuple[str, str, str]]:
     for n in names:
         c = parse_config(n)
         if c.kind == "pipe":
-            eng = Config("engine", c.procs, c.threads, c.workers, c.batch).name
+            eng = Config("engine", c.procs, c.threads, c.workers).name
             if eng in names:
                 pairs.append((f"pipeline/engine {n[5:]}", n, eng))
     for n in names:
         c = parse_config(n)
-        off = Config(c.kind, c.procs, c.threads, c.workers, 1).name
-        if c.batch != 1 and off in names:
-            pairs.append((f"batch on/off {n}", n, off))
-    for n in names:
-        c = parse_config(n)
-        one = Config(c.kind, 1, c.threads, c.workers, c.batch).name
+        one = Config(c.kind, 1, c.threads, c.workers, c.window).name
         if c.procs == 2 and one in names:
             pairs.append((f"2 procs/1 proc {n}", n, one))
     return pairs
@@ -464,8 +491,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=24, help="images per round (a multiple of --partitions)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--partitions", type=int, default=4)
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
-                    help=f"comma-separated configurations, or 'review' for {REVIEW_CONFIGS}")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated configurations (module docstring)")
+    ap.add_argument("--pages", choices=("mixed", "same"), default="mixed", help="page sizes (module docstring)")
     ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--from-json", type=Path, help="only print the summary of a run saved with --json")
     args = ap.parse_args()
@@ -479,17 +506,16 @@ def main() -> None:
     missing = stack_reachable()
     if missing:
         sys.exit(f"local stack not reachable ({missing}): run deploy/local/up.sh")
-    configs = REVIEW_CONFIGS if args.configs == "review" else args.configs
-    cfgs = [parse_config(c) for c in configs.split(",")]
+    cfgs = [parse_config(c) for c in args.configs.split(",")]
     names = [c.name for c in cfgs]
-    images = balanced_images(args.n, args.partitions)
+    images = balanced_images(args.n, args.partitions, pages=args.pages)
     cpu_model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"machine: {platform.machine()} {cpu_model}, nproc {os.cpu_count()}; load {os.getloadavg()}")
     git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
     dirty = git("status", "--porcelain", "--", "services/infer", "services/common")
     print(f"code: {git('rev-parse', '--short', 'HEAD')}" + (f", uncommitted changes in: {' '.join(ln[3:] for ln in dirty.splitlines())}"
                                                            if dirty else ", services/infer and services/common as committed"))
-    print(f"{args.n} generated text images ({args.n // args.partitions} per partition), "
+    print(f"{args.n} {args.pages} pages ({args.n // args.partitions} per partition), "
           f"{args.rounds} interleaved rounds, configs: {', '.join(names)}", flush=True)
 
     logdir = Path(tempfile.mkdtemp(prefix="infer-bench-"))
@@ -550,13 +576,11 @@ def main() -> None:
                 if isinstance(r, PipeRunner):
                     # where infer's time goes: engine busy share and engine seconds per image
                     busy = r.last_infer_seconds
-                    rec.update(engine_busy=busy["engine"] / (c.procs * wall), batch_busy=busy["batch"] / (c.procs * wall),
-                               engine_s_per_img=busy["engine"] / args.n)
+                    rec.update(engine_s_per_img=busy["engine"] / args.n)
                 else:
-                    rec.update(engine_busy=1.0, batch_busy=1.0, engine_s_per_img=c.procs * wall / args.n)
+                    rec.update(engine_s_per_img=c.procs * wall / args.n)
                 results[n].append(rec)
                 print(f"round {rnd + 1} {n:16s} {rec['rate']:.3f} img/s  first completion {rec['first_s']:.1f}s  "
-                      f"engine busy {rec['engine_busy']:.2f} (in batches {rec['batch_busy']:.2f}), "
                       f"{rec['engine_s_per_img']:.3f} engine-s/img (wall {wall:.1f}s, load {load:.2f}, machine busy {rec['machine_busy_cores']:.2f} cores)  "
                       + "  ".join(f"{k[4:]} {v:.3f}" for k, v in cpu.items()) + " CPU-s/img", flush=True)
     finally:

@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=48)
     ap.add_argument("--dup-ratio", type=float, default=0.25)
     ap.add_argument("--infer-procs", type=int, default=1)
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-in-flight", type=int, default=0, help="infer's window (0: the engine's default)")
     args = ap.parse_args()
 
     items, unique = workload(args.n, args.dup_ratio)
@@ -47,7 +47,7 @@ def main() -> None:
     for st in ("ingest", "dedup", "sink"):
         p.start(st, wait_ready=False)
     for _ in range(args.infer_procs):
-        p.start("infer", {"OCRSTREAM_MAX_BATCH": str(args.max_batch)}, wait_ready=False)
+        p.start("infer", {"OCRSTREAM_MAX_IN_FLIGHT": str(args.max_in_flight)} if args.max_in_flight else {}, wait_ready=False)
     for sts in p.stages.values():
         for st in sts:
             p.wait_ready(st)

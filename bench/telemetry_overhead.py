@@ -33,14 +33,14 @@ def images(n: int, tag: str) -> list[tuple[bytes, str]]:
             for i in range(n)]
 
 
-def start(env: dict[str, str], logdir: Path, max_batch: int) -> Pipeline:
+def start(env: dict[str, str], logdir: Path, max_in_flight: int) -> Pipeline:
     """A pipeline in namespace ``env`` (topics created), one process per stage, ready."""
     with env_applied(env):
         subprocess.run([sys.executable, "-m", "services.cli", "init"], check=True, capture_output=True)
     p = Pipeline(env=env, logdir=logdir)
     for st in ("ingest", "dedup", "sink"):
         p.start(st, wait_ready=False)
-    p.start("infer", {"OCRSTREAM_MAX_BATCH": str(max_batch)}, wait_ready=False)
+    p.start("infer", {"OCRSTREAM_MAX_IN_FLIGHT": str(max_in_flight)} if max_in_flight else {}, wait_ready=False)
     for sts in p.stages.values():
         for st in sts:
             p.wait_ready(st)
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=40, help="images per round")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per setting (alternating)")
     ap.add_argument("--exporter", choices=("file", "console"), default="file")
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-in-flight", type=int, default=0, help="infer's window (0: the engine's default)")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-telemetry-"))
@@ -91,7 +91,7 @@ def main() -> None:
     on_env["OCRSTREAM_TELEMETRY__TRACES_FILE"] = str(tmp / "spans.jsonl")
     (tmp / "off").mkdir()
     (tmp / "on").mkdir()
-    pipes = {"off": start(off_env, tmp / "off", args.max_batch), "on": start(on_env, tmp / "on", args.max_batch)}
+    pipes = {"off": start(off_env, tmp / "off", args.max_in_flight), "on": start(on_env, tmp / "on", args.max_in_flight)}
     rates: dict[str, list[float]] = {"off": [], "on": []}
     lats: dict[str, list[float]] = {"off": [], "on": []}
     try:

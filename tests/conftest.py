@@ -51,6 +51,13 @@ def text_image(lines: list[str], size: int = 40, width: int | None = None, fmt: 
     return buf.getvalue()
 
 
+def solid_image(rgb: tuple[int, int, int], size: tuple[int, int] = (240, 120)) -> bytes:
+    """A PNG of one colour (the loopback model servers tell a red one apart: ``tests.stack.is_red_image``)."""
+    buf = io.BytesIO()
+    Image.new("RGB", size, rgb).save(buf, "PNG")
+    return buf.getvalue()
+
+
 @pytest.fixture(scope="session")
 def manifest() -> list[dict]:
     """``../shared/samples/manifest.json``."""

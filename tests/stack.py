@@ -375,6 +375,13 @@ class LoopbackOcrServer:
     ``hangs_on(body)``: for a body it returns True on, the request is held unanswered (a model
     server wedged on it) until :meth:`stop`; ``holding`` is set and ``held`` counts them.
 
+    ``holds_on(body)``: for a body it returns True on, the request is held until :meth:`let_go`,
+    then answered as usual (a page the model takes long to read); ``holding`` is set meanwhile.
+
+    ``delay_s``: every other chat completion is answered after this many seconds (requests are
+    served concurrently, one thread each), so pages stay in flight as on a busy GPU;
+    ``in_flight`` counts the chat completions being served now, ``most_in_flight`` the most at once.
+
     ``replies``: instruction text -> ``(answer, finish_reason)``, a canned answer per task's prompt
     (as it is, no spotting boxes added). ``received``: every chat completion's ``prompt`` (the
     instruction text), ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` and
@@ -382,12 +389,18 @@ class LoopbackOcrServer:
     """
 
     def __init__(self, answer: str, dies_on: Callable[[bytes], bool] | None = None, down_s: float = 1.5,
-                 hangs_on: Callable[[bytes], bool] | None = None):
+                 hangs_on: Callable[[bytes], bool] | None = None, holds_on: Callable[[bytes], bool] | None = None,
+                 delay_s: float = 0.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.answer = answer
         self.dies_on = dies_on
         self.hangs_on = hangs_on
+        self.holds_on = holds_on
+        self.delay_s = delay_s
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.let_go_event = threading.Event()
         self.down_s = down_s
         self.posts = 0
         self.crashes = 0
@@ -408,6 +421,16 @@ class LoopbackOcrServer:
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                with srv.lock:
+                    srv.in_flight += 1
+                    srv.most_in_flight = max(srv.most_in_flight, srv.in_flight)
+                try:
+                    self._post(body)
+                finally:
+                    with srv.lock:
+                        srv.in_flight -= 1
+
+            def _post(self, body: bytes):
                 if srv.dies_on is not None and srv.dies_on(body):
                     srv._die()
                     self.close_connection = True
@@ -419,6 +442,11 @@ class LoopbackOcrServer:
                     srv.holding.set()
                     srv.released.wait(600)  # the client is killed meanwhile
                     return
+                if srv.holds_on is not None and srv.holds_on(body):
+                    srv.holding.set()
+                    srv.let_go_event.wait(600)
+                elif srv.delay_s:
+                    time.sleep(srv.delay_s)
                 req = json.loads(body)
                 try:
                     prompt = req["messages"][-1]["content"][-1]["text"]
@@ -446,9 +474,14 @@ class LoopbackOcrServer:
         threading.Thread(target=httpd.shutdown, daemon=True).start()
         threading.Timer(self.down_s, self.start).start()
 
+    def let_go(self) -> None:
+        """Answer the requests ``holds_on`` held (and every later one at once)."""
+        self.let_go_event.set()
+
     def stop(self) -> None:
         """Close the port (held requests are let go)."""
         self.released.set()
+        self.let_go_event.set()
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()

@@ -202,6 +202,11 @@ class PartitionProgress:
         """Offsets being handled now."""
         return frozenset(self._running)
 
+    def seen(self, offset: int) -> bool:
+        """Whether ``offset`` was fetched already under this assignment, or is below the committed
+        offset it started from (offsets arrive in order)."""
+        return self._next is not None and offset < self._next
+
     def fetched(self, offset: int) -> Fate:
         """Register a record just fetched (offsets arrive in order) and say what to do with it."""
         if self.base is None:

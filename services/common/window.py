@@ -169,9 +169,15 @@ class WindowRunner(StageRunner):
         record already done (the last commit said so) is finished at once."""
         for tp, recs in got.items():
             prog = self._parts.get(tp)
-            if prog is None:  # fetched before its assignment was registered: start counting here
-                prog = self._parts[tp] = PartitionProgress(tp, None, self.poison_after)
+            if prog is None:
+                # fetched before its assignment was registered (aiokafka may hand out records of a
+                # new assignment before on_partitions_assigned has returned): fetched again later
+                if tp in self.consumer.assignment():
+                    self.consumer.seek(tp, recs[0].offset)
+                continue
             for r in recs:
+                if prog.seen(r.offset):
+                    continue  # fetched already under this assignment
                 self.telemetry.messages_in.labels(self.stage, r.topic).inc()
                 fate = prog.fetched(r.offset)
                 if fate is Fate.SKIP:
@@ -393,7 +399,7 @@ class WindowRunner(StageRunner):
         try:
             committed = await self._committed(sorted(assigned))
             for tp in assigned:
-                if tp not in self._parts:
+                if tp not in self._parts:  # kept across a rebalance that did not revoke it
                     om = committed.get(tp)
                     c = read_metadata(om.offset, om.metadata) if om is not None else None
                     self._parts[tp] = PartitionProgress(tp, c, self.poison_after)

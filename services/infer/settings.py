@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from services.common.settings import CommonSettings
 
@@ -40,6 +40,8 @@ class InferSettings(CommonSettings):
     # RapidOCR (CPU) engine
     rapidocr_threads: int = Field(default=1, ge=1, description="ONNX Runtime intra-op threads per image (bench/engine_tuning.py)")
     rapidocr_workers: int = Field(default=2, ge=1, description="pages read at once per process (2 per 2 cores: bench/infer_bench.py)")
+    rapidocr_interactive_workers: int = Field(default=1, ge=0, description="threads only interactive pages use, on top of rapidocr_workers: one starts at once instead of waiting for a bulk page to end (0: they take the next free worker first)")
+    rapidocr_bulk_nice: int = Field(default=10, ge=0, le=19, description="niceness of the worker threads (Linux): interactive pages and the pipeline's other stages get the cores first, bulk pages the rest (0: unchanged)")
     tile_max_aspect: float = Field(default=3.0, ge=1, description="pages longer than engine_max_side and longer/shorter above this are sliced into tiles")
     device: str = Field(default="cuda:0", description="GPU engines: the one device this process uses")
     # vLLM (in-process, GPU) engine; model default HunyuanOCR. Keep engine.model equal to vllm_model.
@@ -76,18 +78,33 @@ class InferSettings(CommonSettings):
     openai_repetition_penalty: float = Field(default=1.0, gt=0, description="1.0 = off, as vLLM's HunyuanOCR recipe")
     openai_extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields (JSON)")
 
+    @model_validator(mode="after")
+    def _reserve_below_window(self) -> "InferSettings":
+        if self.max_in_flight is not None and self.interactive_reserve is not None \
+                and self.interactive_reserve >= self.max_in_flight:
+            raise ValueError(f"interactive_reserve ({self.interactive_reserve}) must be below max_in_flight "
+                             f"({self.max_in_flight}): each lane holds at most max_in_flight - interactive_reserve")
+        return self
+
     def window(self, engine_slots: int) -> tuple[int, int]:
         """``(max_in_flight, interactive_reserve)`` for an engine of ``engine_slots`` slots
         (:attr:`OcrEngine.slots`): the settings where set, else the slots plus a decoded-ahead
         margin (an eighth of them, at least 2: no slot waits for S3 or decoding) plus the
-        interactive reserve (an eighth of them, at least 1).
+        interactive reserve (an eighth of them, at least 1, and below ``max_in_flight``).
 
         Raises:
             ValueError: a reserve that leaves a lane no slot (each lane holds at most
                 ``max_in_flight - interactive_reserve``).
         """
-        reserve = self.interactive_reserve if self.interactive_reserve is not None else max(1, engine_slots // 8)
-        size = self.max_in_flight or engine_slots + max(2, engine_slots // 8) + reserve
+        reserve = self.interactive_reserve
+        if self.max_in_flight:
+            size = self.max_in_flight
+            if reserve is None:
+                reserve = min(max(1, engine_slots // 8), size - 1)
+        else:
+            if reserve is None:
+                reserve = max(1, engine_slots // 8)
+            size = engine_slots + max(2, engine_slots // 8) + reserve
         if size - reserve < 1:
             raise ValueError(f"interactive_reserve {reserve} leaves no slot of max_in_flight {size} to a lane")
         return size, reserve

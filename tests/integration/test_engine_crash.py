@@ -11,25 +11,18 @@ the real stack.
 
 from __future__ import annotations
 
-import io
 import time
 
 import pytest
-from PIL import Image
 
 from schemas.errors import ErrorCode
+from tests.conftest import solid_image
 from tests.stack import LoopbackOcrServer, is_red_image, metric_value, namespaced_pipeline
 
 pytestmark = pytest.mark.stack
 
 DOWN_S = 1.5
 ANSWER = "SERVED AFTER THE CRASH 4242"
-
-
-def solid(rgb: tuple[int, int, int], size=(240, 120)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, rgb).save(buf, "PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +49,8 @@ def crash_pipeline(stack_env, crashing, tmp_path_factory):
 
 async def test_an_image_that_takes_the_server_down_ends_with_engine_crash_and_the_rest_go_through(crash_pipeline, crashing):
     p = crash_pipeline
-    poison = solid((230, 20, 20))
-    normal = [solid((255, 255, 255), size=(240 + i, 120)) for i in range(2)]  # new bytes each
+    poison = solid_image((230, 20, 20))
+    normal = [solid_image((255, 255, 255), size=(240 + i, 120)) for i in range(2)]  # new bytes each
     crashes = crashing.crashes
     started = time.monotonic()
     docs = await p.run([(poison, "poison.png"), (normal[0], "a.png"), (normal[1], "b.png")], timeout=240)

@@ -4,24 +4,26 @@ import hashlib
 
 import pytest
 
-from bench.infer_bench import (REVIEW_CONFIGS, Config, _ratio_pairs, backlog_rate, balanced_images, parse_config,
-                               partition_of, summarize)
+from bench.infer_bench import (Config, _ratio_pairs, backlog_rate, balanced_images, parse_config, partition_of,
+                               summarize)
 
 
 def test_parse_config_round_trips():
-    assert parse_config("engine:1x2") == Config("engine", 1, 2, 1, 8)
-    assert parse_config("pipe:2x1w2b1") == Config("pipe", 2, 1, 2, 1)
-    for name in ("engine:1x1", "pipe:1x1b1", "pipe:1x1w2", "engine:2x1w2b4"):
+    assert parse_config("engine:1x2") == Config("engine", 1, 2, 1, 0)
+    assert parse_config("pipe:2x1w2m8") == Config("pipe", 2, 1, 2, 8)
+    for name in ("engine:1x1", "pipe:1x1m4", "pipe:1x1w2", "engine:2x1w2"):
         assert parse_config(name).name == name
-    with pytest.raises(ValueError):
-        parse_config("pipe:2")
+    for bad in ("pipe:2", "engine:1x1m4"):  # a window is the pipeline's
+        with pytest.raises(ValueError):
+            parse_config(bad)
 
 
 def test_engine_env_is_the_infer_settings():
-    env = parse_config("pipe:2x1w2b1").engine_env()
+    env = parse_config("pipe:2x1w2m8").engine_env()
     assert env["OCRSTREAM_RAPIDOCR_THREADS"] == "1"
     assert env["OCRSTREAM_RAPIDOCR_WORKERS"] == "2"
-    assert env["OCRSTREAM_MAX_BATCH"] == "1"
+    assert env["OCRSTREAM_MAX_IN_FLIGHT"] == "8"
+    assert "OCRSTREAM_MAX_IN_FLIGHT" not in parse_config("pipe:1x1w2").engine_env()  # the engine's default
 
 
 def test_partition_of_matches_aiokafka_default_partitioner():
@@ -48,28 +50,29 @@ def test_backlog_rate_counts_from_submission():
 
 
 def test_ratio_pairs_pair_like_with_like():
-    names = ["engine:1x1", "engine:2x1", "pipe:1x1", "pipe:1x1b1", "pipe:2x1", "pipe:1x2"]
+    names = ["engine:1x1", "engine:2x1", "pipe:1x1", "pipe:1x1m8", "pipe:2x1", "pipe:1x2"]
     pairs = {label: (a, b) for label, a, b in _ratio_pairs(names)}
     assert pairs["pipeline/engine 1x1"] == ("pipe:1x1", "engine:1x1")
+    assert pairs["pipeline/engine 1x1m8"] == ("pipe:1x1m8", "engine:1x1")  # any window against the same pool
     assert pairs["pipeline/engine 2x1"] == ("pipe:2x1", "engine:2x1")
     assert "pipeline/engine 1x2" not in pairs  # engine:1x2 was not measured
-    assert pairs["batch on/off pipe:1x1"] == ("pipe:1x1", "pipe:1x1b1")
     assert pairs["2 procs/1 proc pipe:2x1"] == ("pipe:2x1", "pipe:1x1")
     assert pairs["2 procs/1 proc engine:2x1"] == ("engine:2x1", "engine:1x1")
 
 
-def test_review_configs_give_the_ratios_the_review_asked_for():
-    names = [parse_config(c).name for c in REVIEW_CONFIGS.split(",")]
-    pairs = {label: (a, b) for label, a, b in _ratio_pairs(names)}
-    assert pairs["2 procs/1 proc engine:2x2"] == ("engine:2x2", "engine:1x2")
-    assert pairs["2 procs/1 proc pipe:2x2"] == ("pipe:2x2", "pipe:1x2")
-    assert pairs["batch on/off pipe:1x1w2"] == ("pipe:1x1w2", "pipe:1x1w2b1")
-    assert pairs["pipeline/engine 2x2"] == ("pipe:2x2", "engine:2x2")
+def test_mixed_pages_interleave_one_line_images_receipts_and_a4_pages():
+    from PIL import Image
+    import io
+
+    sizes = [Image.open(io.BytesIO(data)).size for data, _ in balanced_images(8, 4, pages="mixed")]
+    assert any(w == 1240 and h > 1700 for w, h in sizes)  # A4 at 150 dpi
+    assert any(h < 100 for _, h in sizes)  # one line
+    assert len(set(sizes)) >= 3
 
 
 def test_summary_prints_all_rounds_next_to_quiet_rounds(capsys):
     def rnd(rate, rest):
-        return {"rate": rate, "engine_busy": 0.95, "engine_s_per_img": 1.0, "cpu_infer": 1.0, "cpu_rest_of_machine": rest}
+        return {"rate": rate, "engine_s_per_img": 1.0, "cpu_infer": 1.0, "cpu_rest_of_machine": rest}
 
     results = {"engine:1x1": [rnd(1.0, 0.0), rnd(1.0, 0.0), rnd(1.0, 0.0)],
                "pipe:1x1": [rnd(0.9, 0.0), rnd(2.0, 0.5), rnd(0.8, 0.0)]}  # round 2 noisy

@@ -87,3 +87,42 @@ async def test_spaces_the_recogniser_drops_are_put_back_and_light_text_on_dark_t
     assert "TICKET5590" in raw_texts, raw_texts  # RapidOCR alone drops the space
     for out in outs:
         assert [line.text for line in group_lines(out.segments)] == lines
+
+
+async def test_an_interactive_page_starts_at_once_beside_busy_workers_and_bulk_threads_yield_the_cpu():
+    """One worker reading a bulk page that has not ended: an interactive page runs at once on the
+    interactive thread (ONNX Runtime cannot be interrupted, so it would otherwise wait), and a
+    second bulk page waits. Worker threads run at niceness +10 (Linux), the interactive one as the
+    process does."""
+    import os
+    import sys
+    import threading
+
+    from services.infer.engines.base import EngineOutput
+
+    engine = RapidOcrEngine(workers=1, interactive_workers=1, bulk_nice=10)
+    release = threading.Event()
+    seen: list[tuple[int, int]] = []  # (page height, niceness of the thread reading it)
+
+    def one(image, task="ocr"):
+        seen.append((image.shape[0], os.getpriority(os.PRIO_PROCESS, 0)))
+        if image.shape[0] == 10:
+            release.wait(30)
+        return EngineOutput([], 1.0)
+
+    engine._one = one
+    page = lambda h: np.full((h, 40, 3), 255, np.uint8)  # noqa: E731
+    try:
+        slow = asyncio.ensure_future(engine.page(page(10), OCR, 60, "bulk"))
+        await asyncio.sleep(0.1)
+        waiting = asyncio.ensure_future(engine.page(page(30), OCR, 60, "bulk"))
+        await asyncio.wait_for(engine.page(page(20), OCR, 60, "interactive"), 10)  # while the worker is held
+        assert engine.busy == 1 and not waiting.done()
+        release.set()
+        await asyncio.wait_for(asyncio.gather(slow, waiting), 30)
+    finally:
+        release.set()
+        await engine.close()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    bulk_nice = base + 10 if sys.platform == "linux" else base
+    assert seen == [(10, bulk_nice), (20, base), (30, bulk_nice)]

@@ -19,6 +19,7 @@ from services.common.kafka import Outgoing
 from services.common.runner import Handler, StageRunner
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
+from tests.waits import until
 
 P0 = TopicPartition("t", 0)
 
@@ -101,17 +102,6 @@ class Recorder(Handler):
 
     def poison(self, record, exc, attempts):  # pragma: no cover - nothing fails here
         return []
-
-
-async def until(cond, what: str, bound_s: float) -> None:
-    """Wait for ``cond()``; fail naming ``what`` if it never holds within ``bound_s``."""
-    async def poll():
-        while not cond():
-            await asyncio.sleep(0.005)
-    try:
-        await asyncio.wait_for(poll(), bound_s)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"never happened within {bound_s}s: {what}") from None
 
 
 async def run_until(consumer: ScheduledConsumer, handler: Recorder, max_batch: int, max_wait_ms: int,

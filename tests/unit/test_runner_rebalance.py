@@ -17,6 +17,7 @@ from services.common.kafka import Outgoing
 from services.common.runner import Handler, StageRunner
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
+from tests.waits import until
 
 P0, P1 = TopicPartition("t", 0), TopicPartition("t", 1)
 
@@ -121,17 +122,6 @@ class Recorder(Handler):
 
     def forget(self, records: list[ConsumerRecord]) -> None:
         self.forgotten.extend(key(r) for r in records)
-
-
-async def until(cond, what: str, bound_s: float = 10.0) -> None:
-    """Wait for ``cond()``; fail naming ``what`` if it never holds (a liveness bound, not a speed check)."""
-    async def poll():
-        while not cond():
-            await asyncio.sleep(0.01)
-    try:
-        await asyncio.wait_for(poll(), bound_s)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"never happened: {what}") from None
 
 
 async def run_until(runner: StageRunner, cond, what: str) -> None:

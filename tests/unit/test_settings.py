@@ -291,3 +291,18 @@ def test_the_vlm_dialect_is_in_the_key_of_every_task_but_ocr(monkeypatch):
     monkeypatch.setenv("OCRSTREAM_ENGINE_KIND", "rapidocr")
     assert CommonSettings().generation("doc_parse").gen_id == CommonSettings(vlm_dialect="auto").generation(
         "doc_parse").gen_id
+
+
+def test_the_infer_window_is_sized_from_the_engines_slots():
+    from services.infer.settings import InferSettings
+
+    s = InferSettings()
+    assert s.window(2) == (5, 1)  # rapidocr's 2 workers: 2 decoded ahead, 1 reserved for interactive pages
+    assert s.window(32) == (40, 4)  # openai_max_concurrency 32
+    assert s.window(128) == (160, 16)  # vllm: 2 x max_num_seqs 64
+    assert InferSettings(max_in_flight=256, interactive_reserve=0).window(2) == (256, 0)
+    assert InferSettings(interactive_reserve=3).window(2) == (7, 3)
+    with pytest.raises(ValueError, match="must be below max_in_flight"):
+        InferSettings(max_in_flight=4, interactive_reserve=4)
+    assert InferSettings(max_in_flight=1).window(8) == (1, 0)  # no room for a reserve
+    assert InferSettings(max_in_flight=300).window(256) == (300, 32)

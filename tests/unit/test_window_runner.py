@@ -22,6 +22,7 @@ from services.common.progress import PartitionProgress, read_metadata, write_met
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.common.window import WindowRunner
+from tests.waits import until
 
 B0, B1, I0 = TopicPartition("bulk", 0), TopicPartition("bulk", 1), TopicPartition("inter", 0)
 
@@ -36,6 +37,7 @@ class FakeConsumer:
         self.pos = dict.fromkeys(n, 0)
         self.committed: dict[TopicPartition, OffsetAndMetadata] = {}
         self.commits: list[dict[TopicPartition, OffsetAndMetadata]] = []
+        self.seeks: list[tuple[TopicPartition, int]] = []
 
     def assignment(self) -> set[TopicPartition]:
         return set(self.assigned)
@@ -70,6 +72,10 @@ class FakeConsumer:
         return ConsumerRecord(topic=tp.topic, partition=tp.partition, offset=offset, timestamp=0, timestamp_type=0,
                               key=None, value=value, checksum=None, serialized_key_size=0,
                               serialized_value_size=len(value), headers=())
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.seeks.append((tp, offset))
+        self.pos[tp] = offset
 
     async def commit(self, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
         for tp in offsets:
@@ -138,17 +144,6 @@ class Gated(WindowHandler):
     def poison(self, record, exc, attempts):
         self.ended.append(f"poison:{record.value.decode()}:{exc}")
         return []
-
-
-async def until(cond, what: str, bound_s: float = 10.0) -> None:
-    """Wait for ``cond()``; fail naming ``what`` if it never holds (a liveness bound, not a speed check)."""
-    async def poll():
-        while not cond():
-            await asyncio.sleep(0.005)
-    try:
-        await asyncio.wait_for(poll(), bound_s)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"never happened: {what}") from None
 
 
 def make_runner(consumer: FakeConsumer, handler: Gated, window: int, reserve: int = 0,
@@ -302,6 +297,21 @@ async def test_records_wait_for_their_running_mark_when_deaths_are_counted():
     async with Running(runner):
         await until(lambda: consumer.offset(B0) == 3, "committed")
     assert len(seen) == 3
+
+
+async def test_records_fetched_before_their_assignment_is_registered_are_fetched_again():
+    """aiokafka may hand out records of a new assignment before on_partitions_assigned has run:
+    they are not counted under a progress that does not know the partition's commit metadata;
+    the partition is sought back and they come again once it is registered."""
+    consumer = FakeConsumer({B0: 4})
+    handler = Gated()
+    runner = make_runner(consumer, handler, window=4)
+    async with Running(runner, assign=False):
+        await until(lambda: consumer.seeks, "the early records sought back")
+        assert handler.started == []
+        await runner.listener.on_partitions_assigned({B0})
+        await until(lambda: consumer.offset(B0) == 4, "committed once registered")
+    assert handler.started == [f"bulk/0/{o}" for o in range(4)] and consumer.seeks[0] == (B0, 0)
 
 
 def test_the_watermark_is_the_first_record_not_done():

@@ -9,6 +9,9 @@ image, naming the engines that can (the VLM engines), never a made-up answer."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,11 +43,19 @@ class RapidOcrEngine(OcrEngine):
             one printed text line of 90x421 px took 1,627 ms at 736 and 70 ms at 96, and the
             samples' mean CER went 0.1175 -> 0.1294 (receipts under 736 px wide lose the upscale).
 
+        interactive_workers: Threads only interactive pages use, on top of ``workers``: an
+            interactive page starts at once instead of waiting for a bulk page to end (ONNX
+            Runtime cannot be interrupted); when they are busy it takes the next free worker
+            before any bulk page. 0: only the latter.
+        bulk_nice: The ``workers`` threads' niceness (Linux, per thread; 0 = unchanged): an
+            interactive page, infer's own event loop and the pipeline's other stages get the
+            cores first, and bulk pages take the rest (idle cores are used all the same).
+
     RapidOCR has no cross-image batch API for detection (recognition batches the crops of one
     image, ``rec_batch_num``): ``workers`` pages run at once, each a :meth:`page` call of its own
     from the infer window, which keeps every core busy whatever the mix of page sizes.
 
-    Thread safety: the ``workers`` threads share one ``RapidOCR`` object. ONNX Runtime sessions
+    Thread safety: the worker threads share one ``RapidOCR`` object. ONNX Runtime sessions
     may be run from several threads at once; RapidOCR 1.4.4's only per-call state is the
     detector's resize op, which it rebuilds from the image on every call with ``limit_type``
     ``min`` and this engine's fixed limits, so concurrent calls rebuild it the same way.
@@ -54,12 +65,18 @@ class RapidOcrEngine(OcrEngine):
     tasks = frozenset({"ocr", *RAPIDOCR_STRUCTURE_TASKS})
 
     def __init__(self, intra_op_threads: int = 1, workers: int = 1, max_side: int = 2000,
-                 det_limit_side_len: int = RAPIDOCR_DET_LIMIT_SIDE_LEN):
+                 det_limit_side_len: int = RAPIDOCR_DET_LIMIT_SIDE_LEN, interactive_workers: int = 0,
+                 bulk_nice: int = 0):
         self.intra_op_threads = intra_op_threads
         self.workers = workers
         self.max_side = max_side
         self.det_limit_side_len = det_limit_side_len
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rapidocr")
+        self.interactive_workers = interactive_workers
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rapidocr",
+                                        initializer=_be_nicer, initargs=(bulk_nice,))
+        self._fast_pool = (ThreadPoolExecutor(max_workers=interactive_workers, thread_name_prefix="rapidocr-interactive")
+                           if interactive_workers else None)
+        self._fast_free = interactive_workers
         self._ocr = None
         self._structure = None  # StructureModels: doc_parse and table
         self._slots = PrioritySlots(workers)
@@ -68,7 +85,7 @@ class RapidOcrEngine(OcrEngine):
     def from_settings(cls, s) -> RapidOcrEngine:
         """Build from :class:`~services.infer.settings.InferSettings`."""
         return cls(s.rapidocr_threads, s.rapidocr_workers, s.engine_max_side or cls.max_side,
-                   s.engine.det_limit_side_len)
+                   s.engine.det_limit_side_len, s.rapidocr_interactive_workers, s.rapidocr_bulk_nice)
 
     async def start(self) -> None:
         """Load the ONNX models (from the wheels: RapidOCR's, the layout and the table structure
@@ -146,15 +163,16 @@ class RapidOcrEngine(OcrEngine):
     @property
     def busy(self) -> int:
         """Worker threads reading a page now (a timed-out page's thread included until it ends)."""
-        return self._slots.busy
+        return self._slots.busy + self.interactive_workers - self._fast_free
 
     async def page(self, image: np.ndarray, task: EngineTask, timeout_s: float,
                    lane: Priority = "bulk") -> EngineOutput:
-        """See :meth:`OcrEngine.page`. At most ``workers`` pages run at once; a waiting
-        interactive page takes the next free worker before any waiting bulk page. The timeout
-        starts when the page gets its worker. A timed-out page's thread finishes in the
-        background (ONNX Runtime cannot be interrupted) and keeps its worker until then, so it
-        never eats into the next page's time; its result is discarded.
+        """See :meth:`OcrEngine.page`. At most ``workers`` pages run at once, plus
+        ``interactive_workers`` interactive ones; an interactive page takes a free interactive
+        thread, else the next free worker before any waiting bulk page. The timeout starts when
+        the page gets its thread. A timed-out page's thread finishes in the background (ONNX
+        Runtime cannot be interrupted) and keeps its slot until then, so it never eats into the
+        next page's time; its result is discarded.
 
         Raises:
             UnsupportedTask: a task not in :attr:`tasks` (no work).
@@ -163,21 +181,41 @@ class RapidOcrEngine(OcrEngine):
         if not self.supports(task):
             raise self.unsupported(task)
         loop = asyncio.get_running_loop()
-        await self._slots.acquire(lane)
+        if lane == "interactive" and self._fast_free > 0:
+            self._fast_free -= 1
+            pool, release = self._fast_pool, self._fast_release
+        else:
+            await self._slots.acquire(lane)
+            pool, release = self._pool, self._slots.release
         try:
-            fut = loop.run_in_executor(self._pool, self._one, image, task.name)
+            fut = loop.run_in_executor(pool, self._one, image, task.name)
         except BaseException:
-            self._slots.release()
+            release()
             raise
-        fut.add_done_callback(lambda _: self._slots.release())
+        fut.add_done_callback(lambda _: release())
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
         except asyncio.TimeoutError:
             raise EngineTimeout(f"inference took longer than {timeout_s:g} s") from None
 
+    def _fast_release(self) -> None:
+        self._fast_free += 1
+
     async def close(self) -> None:
         """Stop the worker threads."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._fast_pool is not None:
+            self._fast_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _be_nicer(nice: int) -> None:
+    """Thread initializer: raise the calling thread's niceness by ``nice`` (Linux schedules
+    threads on their own; raising it needs no privilege). Elsewhere, or for 0, nothing."""
+    if nice and sys.platform == "linux":
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        except OSError:  # pragma: no cover - a seccomp profile that forbids it: bulk runs at normal priority
+            pass
 
 
 def _grey(image: np.ndarray) -> np.ndarray:
