@@ -125,7 +125,7 @@ def test_examples_exist():
 
 def test_settings_introspection_knows_nested_and_stage_fields():
     names = env_names(InferSettings)
-    assert {"OCRSTREAM_KAFKA__BOOTSTRAP_SERVERS", "OCRSTREAM_S3__SECRET_KEY", "OCRSTREAM_MAX_BATCH"} <= names
+    assert {"OCRSTREAM_KAFKA__BOOTSTRAP_SERVERS", "OCRSTREAM_S3__SECRET_KEY", "OCRSTREAM_MAX_IN_FLIGHT"} <= names
     assert "OCRSTREAM_KAFKA" not in names and "OCRSTREAM_INGEST_MAX_BATCH" not in names
 
 
@@ -322,10 +322,11 @@ def test_autoscalers_off_by_default_and_render_when_enabled():
     (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"].endswith("-ingest")
     (so,) = by_kind(docs, "ScaledObject")
-    trig = so["spec"]["triggers"][0]
-    assert trig["type"] == "kafka"
-    assert trig["metadata"]["consumerGroup"] == InferSettings.model_fields["infer_group_id"].default
-    assert trig["metadata"]["topic"] == InferSettings.model_fields["topics"].default.infer
+    topics = InferSettings.model_fields["topics"].default
+    assert [t["metadata"]["topic"] for t in so["spec"]["triggers"]] == [topics.infer, topics.infer_interactive]
+    for trig in so["spec"]["triggers"]:  # one per lane: the larger lag scales
+        assert trig["type"] == "kafka"
+        assert trig["metadata"]["consumerGroup"] == InferSettings.model_fields["infer_group_id"].default
     assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "ocrstream-infer"}
     (infer,) = [d for d in by_kind(docs, "Deployment") if component(d) == "infer"]
     assert "replicas" not in infer["spec"], "KEDA owns the replica count"
