@@ -336,6 +336,7 @@ def test_autoscalers_off_by_default_and_render_when_enabled():
     "sets, message",
     [
         ((), "auth.existingSecret"),
+        (("infer.config.max_batch=16",), "infer.config.max_batch: infer reads a window of pages in flight now"),
         (("infer.terminationGracePeriodSeconds=100",), "terminationGracePeriodSeconds"),
         (("config.s3.secret_key=x",), "config.s3.secret_key"),
         (("infer.kind=DaemonSet", "infer.autoscaling.keda.enabled=true"), "KEDA"),

@@ -417,6 +417,11 @@ spec:
 {{- if and (eq $v.infer.kind "DaemonSet") $v.infer.autoscaling.keda.enabled -}}
 {{- $msgs = append $msgs "infer.autoscaling.keda.enabled: KEDA scales Deployments; use infer.kind Deployment" -}}
 {{- end -}}
+{{- range $old := list "max_batch" "max_wait_ms" -}}
+{{- if hasKey $v.infer.config $old -}}
+{{- $msgs = append $msgs (printf "infer.config.%s: infer reads a window of pages in flight now, not micro-batches; set infer.config.max_in_flight (or leave it empty: sized from the engine)" $old) -}}
+{{- end -}}
+{{- end -}}
 {{- if and $v.infer.gpu.enabled (eq (toString $v.infer.config.engine_kind) "rapidocr") -}}
 {{- $msgs = append $msgs "infer.gpu.enabled with engine_kind rapidocr: the CPU engine does not use the GPU; set infer.gpu.enabled=false" -}}
 {{- end -}}
