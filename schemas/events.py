@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from schemas.errors import ErrorCode
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
 from schemas.jobs import JobCompletedEvent, JobEvent, JobId
+from schemas.lanes import Priority
 from schemas.tasks import TaskParams
 
 
@@ -59,20 +60,6 @@ Translation = Annotated[str | None, Field(description="translate: the text in ta
 JobIdField = Annotated[JobId | None, Field(
     description="the job the request belongs to (docs/jobs.md); null: none")]
 
-Priority = Literal["interactive", "bulk"]
-"""The lane a request is read in (docs/delivery.md, "Two lanes"): ``interactive`` requests (a
-single image at either door) take the infer window's free slots first and have slots of their
-own; ``bulk`` ones (a job's requests, a document's pages) fill the rest."""
-PRIORITIES: tuple[str, ...] = ("interactive", "bulk")
-
-
-def request_priority(priority: Priority | None, job_id: str | None) -> Priority:
-    """The lane of a request submitted at either door: ``priority`` when the submitter gave one,
-    else ``bulk`` for a request in a job and ``interactive`` for a single one (a document's pages
-    are ``bulk`` whatever this says: the split sets it)."""
-    if priority is not None:
-        return priority
-    return "bulk" if job_id else "interactive"
 RawOutput = Annotated[str | None, Field(
     description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")]
 

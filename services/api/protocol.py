@@ -11,7 +11,8 @@ import orjson
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from schemas.errors import ERRORS, ErrorCode, HttpErrorCode
-from schemas.events import Priority, ResultDocument
+from schemas.events import ResultDocument
+from schemas.lanes import Priority
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
 from schemas.jobs import JOB_EXPECTED_MAX
 from schemas.tasks import TaskError, TaskParams, parse_fields

@@ -31,7 +31,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from schemas.errors import ErrorCode, HttpErrorCode, http_status
-from schemas.events import OcrOutput, RequestEvent, ResultDocument, SubmitEvent, new_id, now_ms, request_priority
+from schemas.events import OcrOutput, RequestEvent, ResultDocument, SubmitEvent, new_id, now_ms
+from schemas.lanes import request_priority
 from schemas.keys import image_object_key
 from services.api.clients import Clients
 from services.api.errors import ApiError

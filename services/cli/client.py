@@ -13,7 +13,8 @@ from pathlib import Path
 from opentelemetry import trace
 
 from schemas.errors import ErrorCode
-from schemas.events import Priority, SubmitEvent
+from schemas.events import SubmitEvent
+from schemas.lanes import Priority
 from schemas.jobs import JobEvent
 from schemas.tasks import TaskParams
 from services.common.errors import OcrError

@@ -16,7 +16,7 @@ import asyncio
 from aiokafka import TopicPartition  # re-exported: the partitions on_assigned and on_revoked are given
 from pydantic import BaseModel
 
-from schemas.events import Priority
+from schemas.lanes import Priority
 
 from services.common.kafka import Outgoing
 from services.common.records import Record

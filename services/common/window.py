@@ -52,7 +52,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
 from schemas.errors import ErrorCode
-from schemas.events import PRIORITIES
+from schemas.lanes import PRIORITIES
 from services.common.deaths import ReadCommitted
 from services.common.errors import OcrError
 from services.common.handler import WindowHandler

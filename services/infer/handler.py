@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, InferEvent, Line, LineSegment, Page, Priority, ResultEvent
+from schemas.events import ErrorInfo, InferEvent, Line, LineSegment, Page, ResultEvent
+from schemas.lanes import Priority
 from schemas.keys import CacheGeneration, split_cache_key
 from services.common.dlq import oversized_result, poison_messages
 from services.common.errors import OcrError

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from schemas.errors import ErrorCode
-from schemas.events import InferEvent, Line, Priority
+from schemas.events import InferEvent, Line
+from schemas.lanes import Priority
 from services.common.decoding import DecodedPages, DecoderPool, Plan
 from services.common.pixel_budget import Hold, PixelBudget
 from services.common.errors import OcrError

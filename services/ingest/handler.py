@@ -11,7 +11,8 @@ import orjson
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms, request_priority
+from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
+from schemas.lanes import request_priority
 from schemas.ids import is_request_id, request_id_problem
 from schemas.tasks import TaskError
 from services.common import claims, documents

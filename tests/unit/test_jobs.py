@@ -91,7 +91,7 @@ def test_report_rows_stream_to_csv_and_jsonl_with_a_column_per_field_and_totals(
     lines = fcsv.getvalue().splitlines()
     assert lines[0] == ",".join(cols) and cols[-2:] == ["field:total", "field:date"]
     # 13 stage times, rounded to 0.001 ms (queue_dedup 3.006591796875 -> 3.007)
-    assert lines[1] == "a.png,r1,ok,,1,2,6,0.75,false,20.0," + ",,3.007,,,,,," + "7.5,,,,,3,"
+    assert lines[1] == "a.png,r1,ok,,1,2,6,0.75,false,20.0," + ",,3.007,,,,,,," + "7.5,,,,3,"
     assert lines[2].startswith("b.jpg,r2,error,empty_input,1,0,0,,true,40.0,")
     first = orjson.loads(fjsonl.getvalue().splitlines()[0])
     assert list(first) == cols and first["field:total"] == "3" and first["field:date"] is None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schemas.events import Priority
+from schemas.lanes import Priority
 from schemas.tasks import DEFAULT_TASK, TaskParams
 from services.common.textlines import Segment
 

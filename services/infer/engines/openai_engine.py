@@ -41,7 +41,7 @@ from schemas.events import WARNING_TRUNCATED_MAX_TOKENS
 from services.common.prompts import SPOTTING_PROMPT
 from schemas.tasks import TASKS
 from services.infer.engines import dialects, hunyuan, hunyuan_prompts
-from schemas.events import Priority
+from schemas.lanes import Priority
 from services.infer.engines.base import OCR, EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine
 from services.infer.engines.slots import PrioritySlots
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN, RAPIDOCR_STRUCTURE_TASKS
 from services.common.textlines import Segment, restore_spaces
-from schemas.events import Priority
+from schemas.lanes import Priority
 from services.infer.engines.base import EngineOutput, EngineTask, EngineTimeout, OcrEngine
 from services.infer.engines.slots import PrioritySlots
 

@@ -10,7 +10,7 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator
 
-from schemas.events import PRIORITIES, Priority
+from schemas.lanes import PRIORITIES, Priority
 
 
 class PrioritySlots:

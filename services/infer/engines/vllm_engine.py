@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION, Priority
+from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
+from schemas.lanes import Priority
 from services.common.prompts import SPOTTING_PROMPT
 from schemas.tasks import TASKS
 from services.infer.engines import dialects, hunyuan, hunyuan_prompts
