@@ -166,7 +166,11 @@ class WindowRunner(StageRunner):
 
     def _route(self, got: dict) -> None:
         """Register fetched records with their partition's progress and queue them by lane; a
-        record already done (the last commit said so) is finished at once."""
+        record already done (the last commit said so) is finished at once. Records that come
+        during a rebalance are dropped: an assigned partition is fetched again from its committed
+        offset."""
+        if not self._ready.is_set():
+            return
         for tp, recs in got.items():
             prog = self._parts.get(tp)
             if prog is None:

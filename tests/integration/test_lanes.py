@@ -39,7 +39,7 @@ def lanes(tmp_path_factory):
              "OCRSTREAM_OPENAI_READY_TIMEOUT_S": "60", "OCRSTREAM_OPENAI_MAX_CONCURRENCY": "4"}
     try:
         with namespaced_pipeline(tmp_path_factory.mktemp("lanes-logs"), extra) as p:
-            door = p.start(API, extra_env={**API_ENV, **extra})
+            door = p.start(API, extra_env=API_ENV)  # the engine settings are the namespace's: the door keys the cache as dedup does
             door.url = f"http://127.0.0.1:{door.port}"
             yield p, door
     finally:

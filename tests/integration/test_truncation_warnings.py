@@ -2,7 +2,7 @@
 
 The VLM engines put ``truncated_max_tokens`` / ``truncated_repetition`` on a page whose
 generation was cut. Here the pipeline's own infer process is stopped and the test plays the
-infer stage: it consumes the real ``ocr.infer`` record, runs the real ``InferHandler`` (real
+infer stage: it consumes the real ``ocr.infer-interactive`` record, runs the real ``InferHandler`` (real
 S3 fetch and decode) with an engine that flags every page, and produces its result to
 ``ocr.results``. The sink, S3, MariaDB and the dedup cache are the real ones: the warning must
 reach the completion, the stored output, and the next request's cache hit.
@@ -40,9 +40,9 @@ class CutEngine(OcrEngine):
     async def start(self) -> None:
         self.ready = True
 
-    async def ocr(self, images, task, timeout_s):
-        return [EngineOutput([Segment([[10, 10], [200, 10], [200, 40], [10, 40]], "CUT HERE", 1.0)], 1.0,
-                             ("truncated_max_tokens",)) for _ in images]
+    async def page(self, image, task, timeout_s, lane="bulk"):
+        return EngineOutput([Segment([[10, 10], [200, 10], [200, 40], [10, 40]], "CUT HERE", 1.0)], 1.0,
+                            ("truncated_max_tokens",))
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,11 @@ def no_infer(stack_env, tmp_path_factory):
 
 
 async def play_infer(n: int) -> None:
-    """Consume ``n`` records from ``ocr.infer``, run InferHandler with CutEngine, produce the results."""
+    """Consume ``n`` records from infer's topics (a single image: ``ocr.infer-interactive``), run
+    InferHandler with CutEngine, produce the results."""
     s = InferSettings()
-    consumer = make_consumer(s.kafka, [s.topics.infer], f"warn-test-{uuid.uuid4().hex[:6]}", "warn-test")
+    consumer = make_consumer(s.kafka, [s.topics.infer_interactive, s.topics.infer], f"warn-test-{uuid.uuid4().hex[:6]}",
+                             "warn-test")
     producer = make_producer(s.kafka, "warn-test")
     await consumer.start()
     await producer.start()

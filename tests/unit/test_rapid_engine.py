@@ -126,3 +126,34 @@ async def test_an_interactive_page_starts_at_once_beside_busy_workers_and_bulk_t
     base = os.getpriority(os.PRIO_PROCESS, 0)
     bulk_nice = base + 10 if sys.platform == "linux" else base
     assert seen == [(10, bulk_nice), (20, base), (30, bulk_nice)]
+
+
+async def test_interactive_pages_alone_use_the_workers_only():
+    """With no bulk page on the workers, interactive pages take the workers (one here) and wait
+    for them: the interactive thread is for getting past bulk pages, not more pages at once."""
+    import threading
+
+    from services.infer.engines.base import EngineOutput
+
+    engine = RapidOcrEngine(workers=1, interactive_workers=1)
+    release = threading.Event()
+    running = []
+
+    def one(image, task="ocr"):
+        running.append(image.shape[0])
+        release.wait(30)
+        return EngineOutput([], 1.0)
+
+    engine._one = one
+    page = lambda h: np.full((h, 40, 3), 255, np.uint8)  # noqa: E731
+    try:
+        first = asyncio.ensure_future(engine.page(page(10), OCR, 60, "interactive"))
+        second = asyncio.ensure_future(engine.page(page(20), OCR, 60, "interactive"))
+        await asyncio.sleep(0.2)
+        assert running == [10] and engine.busy == 1 and not second.done()
+        release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 30)
+    finally:
+        release.set()
+        await engine.close()
+    assert running == [10, 20]

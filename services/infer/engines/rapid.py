@@ -43,10 +43,10 @@ class RapidOcrEngine(OcrEngine):
             one printed text line of 90x421 px took 1,627 ms at 736 and 70 ms at 96, and the
             samples' mean CER went 0.1175 -> 0.1294 (receipts under 736 px wide lose the upscale).
 
-        interactive_workers: Threads only interactive pages use, on top of ``workers``: an
-            interactive page starts at once instead of waiting for a bulk page to end (ONNX
-            Runtime cannot be interrupted); when they are busy it takes the next free worker
-            before any bulk page. 0: only the latter.
+        interactive_workers: Threads only interactive pages use, on top of ``workers``, while bulk
+            pages hold the workers: an interactive page starts at once instead of waiting for a
+            bulk page to end (ONNX Runtime cannot be interrupted). Otherwise it takes a free
+            worker, or the next one before any bulk page. 0: only the latter.
         bulk_nice: The ``workers`` threads' niceness (Linux, per thread; 0 = unchanged): an
             interactive page, infer's own event loop and the pipeline's other stages get the
             cores first, and bulk pages take the rest (idle cores are used all the same).
@@ -77,6 +77,7 @@ class RapidOcrEngine(OcrEngine):
         self._fast_pool = (ThreadPoolExecutor(max_workers=interactive_workers, thread_name_prefix="rapidocr-interactive")
                            if interactive_workers else None)
         self._fast_free = interactive_workers
+        self._bulk_on_workers = 0  # workers reading a bulk page now
         self._ocr = None
         self._structure = None  # StructureModels: doc_parse and table
         self._slots = PrioritySlots(workers)
@@ -168,8 +169,8 @@ class RapidOcrEngine(OcrEngine):
     async def page(self, image: np.ndarray, task: EngineTask, timeout_s: float,
                    lane: Priority = "bulk") -> EngineOutput:
         """See :meth:`OcrEngine.page`. At most ``workers`` pages run at once, plus
-        ``interactive_workers`` interactive ones; an interactive page takes a free interactive
-        thread, else the next free worker before any waiting bulk page. The timeout starts when
+        ``interactive_workers`` interactive ones while bulk pages hold workers
+        (:meth:`_thread_for`). The timeout starts when
         the page gets its thread. A timed-out page's thread finishes in the background (ONNX
         Runtime cannot be interrupted) and keeps its slot until then, so it never eats into the
         next page's time; its result is discarded.
@@ -181,12 +182,7 @@ class RapidOcrEngine(OcrEngine):
         if not self.supports(task):
             raise self.unsupported(task)
         loop = asyncio.get_running_loop()
-        if lane == "interactive" and self._fast_free > 0:
-            self._fast_free -= 1
-            pool, release = self._fast_pool, self._fast_release
-        else:
-            await self._slots.acquire(lane)
-            pool, release = self._pool, self._slots.release
+        pool, release = await self._thread_for(lane)
         try:
             fut = loop.run_in_executor(pool, self._one, image, task.name)
         except BaseException:
@@ -197,6 +193,26 @@ class RapidOcrEngine(OcrEngine):
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
         except asyncio.TimeoutError:
             raise EngineTimeout(f"inference took longer than {timeout_s:g} s") from None
+
+    async def _thread_for(self, lane: Priority):
+        """``(pool, release)`` of the thread a page of ``lane`` runs on, once it has one: a free
+        worker; for an interactive page while bulk pages hold every worker, the interactive thread
+        (so it need not wait for one to end, and interactive pages alone never oversubscribe the
+        cores); else the next free worker, interactive pages first."""
+        if lane == "interactive" and not self._slots.try_acquire():
+            if self._fast_free > 0 and self._bulk_on_workers > 0:
+                self._fast_free -= 1
+                return self._fast_pool, self._fast_release
+            await self._slots.acquire(lane)
+        elif lane != "interactive":
+            await self._slots.acquire(lane)
+            self._bulk_on_workers += 1
+            return self._pool, self._bulk_release
+        return self._pool, self._slots.release
+
+    def _bulk_release(self) -> None:
+        self._bulk_on_workers -= 1
+        self._slots.release()
 
     def _fast_release(self) -> None:
         self._fast_free += 1

@@ -35,11 +35,17 @@ class PrioritySlots:
         """Waiters of ``lane`` (or of every lane)."""
         return sum(len(q) for p, q in self._waiters.items() if lane in (None, p))
 
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free and nobody waits; True if taken."""
+        if self.busy < self.n and not self.waiting():
+            self.busy += 1
+            return True
+        return False
+
     async def acquire(self, lane: Priority = "bulk") -> None:
         """Take a slot, waiting behind the earlier waiters of ``lane`` and, for a bulk waiter,
         behind every interactive one."""
-        if self.busy < self.n and not self.waiting():
-            self.busy += 1
+        if self.try_acquire():
             return
         fut = asyncio.get_running_loop().create_future()
         self._waiters[lane].append(fut)
