@@ -90,10 +90,10 @@ async def test_spaces_the_recogniser_drops_are_put_back_and_light_text_on_dark_t
 
 
 async def test_an_interactive_page_starts_at_once_beside_busy_workers_and_bulk_threads_yield_the_cpu():
-    """One worker reading a bulk page that has not ended: an interactive page runs at once on the
-    interactive thread (ONNX Runtime cannot be interrupted, so it would otherwise wait), and a
-    second bulk page waits. Worker threads run at niceness +10 (Linux), the interactive one as the
-    process does."""
+    """One worker reading a bulk page that has not ended: an interactive page runs at once on an
+    interactive slot (ONNX Runtime cannot be interrupted, so it would otherwise wait), and a
+    second bulk page waits. Bulk pages run on threads at niceness +10 (Linux), interactive ones
+    as the process does."""
     import os
     import sys
     import threading

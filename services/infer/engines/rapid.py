@@ -72,10 +72,12 @@ class RapidOcrEngine(OcrEngine):
         self.max_side = max_side
         self.det_limit_side_len = det_limit_side_len
         self.interactive_workers = interactive_workers
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rapidocr",
+        # bulk pages run on threads of their own at a lower CPU priority, interactive pages on
+        # threads at the process's (the slots below bound how many of either run at once)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rapidocr-bulk",
                                         initializer=_be_nicer, initargs=(bulk_nice,))
-        self._fast_pool = (ThreadPoolExecutor(max_workers=interactive_workers, thread_name_prefix="rapidocr-interactive")
-                           if interactive_workers else None)
+        self._fast_pool = ThreadPoolExecutor(max_workers=workers + interactive_workers,
+                                             thread_name_prefix="rapidocr-interactive")
         self._fast_free = interactive_workers
         self._bulk_on_workers = 0  # workers reading a bulk page now
         self._ocr = None
@@ -195,20 +197,22 @@ class RapidOcrEngine(OcrEngine):
             raise EngineTimeout(f"inference took longer than {timeout_s:g} s") from None
 
     async def _thread_for(self, lane: Priority):
-        """``(pool, release)`` of the thread a page of ``lane`` runs on, once it has one: a free
-        worker; for an interactive page while bulk pages hold every worker, the interactive thread
-        (so it need not wait for one to end, and interactive pages alone never oversubscribe the
-        cores); else the next free worker, interactive pages first."""
-        if lane == "interactive" and not self._slots.try_acquire():
+        """``(pool, release)`` of the thread a page of ``lane`` runs on, once it has a slot: a bulk
+        page the next free worker slot, on a thread at ``bulk_nice``; an interactive page a free
+        worker slot, else (while bulk pages hold every worker) one of the ``interactive_workers``
+        extra slots, so it need not wait for a bulk page to end (interactive pages alone never
+        run more than ``workers`` at once), else the next free worker slot before any bulk page;
+        always on a thread at the process's priority."""
+        if lane != "interactive":
+            await self._slots.acquire(lane)
+            self._bulk_on_workers += 1
+            return self._pool, self._bulk_release
+        if not self._slots.try_acquire():
             if self._fast_free > 0 and self._bulk_on_workers > 0:
                 self._fast_free -= 1
                 return self._fast_pool, self._fast_release
             await self._slots.acquire(lane)
-        elif lane != "interactive":
-            await self._slots.acquire(lane)
-            self._bulk_on_workers += 1
-            return self._pool, self._bulk_release
-        return self._pool, self._slots.release
+        return self._fast_pool, self._slots.release
 
     def _bulk_release(self) -> None:
         self._bulk_on_workers -= 1
@@ -220,8 +224,7 @@ class RapidOcrEngine(OcrEngine):
     async def close(self) -> None:
         """Stop the worker threads."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._fast_pool is not None:
-            self._fast_pool.shutdown(wait=False, cancel_futures=True)
+        self._fast_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _be_nicer(nice: int) -> None:
