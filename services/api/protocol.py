@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 import orjson
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, StrictInt, ValidationError
 
 from schemas.errors import ERRORS, ErrorCode, HttpErrorCode
 from schemas.events import ResultDocument
@@ -211,13 +211,17 @@ class BatchResponse(BaseModel):
     links: BatchLinks = Field(default_factory=BatchLinks)
 
 
+_NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
+
+
 class JobCreate(BaseModel):
     """``POST /v1/jobs``'s body (JSON; every field optional)."""
 
     job_id: str | None = Field(default=None, min_length=1, max_length=REQUEST_ID_MAX_LENGTH, pattern=REQUEST_ID_PATTERN,
                                description="your own id for the job (default: a new 32-hex-digit id); creating it "
                                            "again changes nothing")
-    name: str | None = Field(default=None, max_length=256, description="a label for people")
+    name: str | None = Field(default=None, max_length=256, pattern=_NO_CONTROL,
+                             description="a label for people (no control characters)")
     task: str | None = Field(default=None, max_length=64, description="the task its images run (report columns)")
     fields: list[str] | None = Field(default=None, max_length=50,
                                      description="`task=extract`: the field names (one report column each)")
@@ -229,12 +233,13 @@ class JobCreate(BaseModel):
                                                 "request's webhook (same allow-list and secret rules as `callback_url`)")
 
 
+
 class JobClose(BaseModel):
     """``POST /v1/jobs/{job_id}/close``'s body: how many images the job has (the accepted submissions)."""
 
-    expected: int = Field(ge=0, le=JOB_EXPECTED_MAX,
-                          description="the job's request count (0 to 2147483647): it completes when that many are "
-                                      "final")
+    expected: StrictInt = Field(ge=0, le=JOB_EXPECTED_MAX,
+                                description="the job's request count, a JSON integer (0 to 2147483647; not a "
+                                            "string, a boolean or a float): it completes when that many are final")
 
 
 class JobCreated(BaseModel):
@@ -285,8 +290,16 @@ BATCH_ERRORS = (_E.INVALID_REQUEST, _E.EMPTY_INPUT, _H.UNAUTHORIZED, _H.REQUEST_
                 _H.OVERLOADED, _H.NOT_FOUND)
 READ_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.NOT_FOUND, _H.RATE_LIMITED, _H.UNAVAILABLE, _H.OVERLOADED)
 EVENTS_ERRORS = READ_ERRORS
-JOB_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.NOT_FOUND, _H.RATE_LIMITED, _H.UNAVAILABLE)
+JOB_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT, _E.INPUT_TOO_LARGE, _H.NOT_FOUND,
+              _H.RATE_LIMITED, _H.TOO_MANY_UPLOADS, _H.UNAVAILABLE, _H.OVERLOADED)
 JOB_CLOSE_ERRORS = (*JOB_ERRORS, _H.JOB_EXPECTED_TOO_SMALL)
+
+
+def json_body(model: str) -> dict:
+    """An OpenAPI ``requestBody`` of a JSON body whose schema is component ``model`` (a body the
+    endpoint reads itself: :mod:`services.api.bodies`)."""
+    return {"required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}
 
 
 def error_responses(*codes: ErrorCode | HttpErrorCode) -> dict[int | str, dict]:
