@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.errors import ErrorCode
-from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
+from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN, is_page_request_id
 from schemas.jobs import JobCompletedEvent, JobEvent, JobId
 from schemas.lanes import Priority
 from schemas.tasks import TaskParams
@@ -145,7 +145,8 @@ class SubmitEvent(_Frozen):
 
     Exactly one of ``image_b64`` (inline bytes, base64; keep under ~700 KiB so the Kafka
     message stays below the broker's 1 MiB default) or ``image_uri`` (``s3://bucket/key``).
-    ``request_id`` makes the submission idempotent (the rule: :mod:`schemas.ids`); when absent,
+    ``request_id`` makes the submission idempotent (the rule: :mod:`schemas.ids`; not of a page
+    id's form, ``<document id>:p<n>``, which the split gives); when absent,
     ingest derives one from the message's topic, partition and offset so a replay never creates
     a second request. ``submitted_at_ms`` left out: ingest takes the record's Kafka timestamp.
     """
@@ -180,6 +181,9 @@ class SubmitEvent(_Frozen):
 
     @model_validator(mode="after")
     def _one_image(self) -> "SubmitEvent":
+        if self.request_id is not None and is_page_request_id(self.request_id):
+            raise ValueError("request_id has the form of a document page's id (<document id>:p<page>), which "
+                             "ocrstream gives the pages it splits")
         if (self.image_b64 is None) == (self.image_uri is None):
             raise ValueError("exactly one of image_b64 or image_uri is required")
         if sum(len(k) + len(v) for k, v in self.metadata.items()) > 16_384:

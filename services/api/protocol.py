@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Literal
 
 import orjson
-from pydantic import BaseModel, Field, PrivateAttr, StrictInt, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, StrictInt, ValidationError, field_validator
 
 from schemas.errors import ERRORS, ErrorCode, HttpErrorCode
 from schemas.events import ResultDocument
 from schemas.lanes import Priority
-from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
+from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN, is_page_request_id
 from schemas.jobs import JOB_EXPECTED_MAX
 from schemas.tasks import TaskError, TaskParams, parse_fields
 from services.api.errors import ApiError
@@ -70,6 +70,14 @@ class SubmitOptions(BaseModel):
                     "own) or `bulk`; default `interactive` for one image, `bulk` in a job or a batch (a document's "
                     "pages are always `bulk`; docs/delivery.md)")
     _task_params: TaskParams | None = PrivateAttr(default=None)
+
+    @field_validator("request_id")
+    @classmethod
+    def _not_a_page_id(cls, v: str | None) -> str | None:
+        if v is not None and is_page_request_id(v):  # schemas/ids.py: ocrstream gives a document's pages those
+            raise ValueError("has the form of a document page's id (<document id>:p<page>), which ocrstream gives "
+                             "the pages it splits; choose an id that does not end in ':p' and digits")
+        return v
 
     @property
     def task_params(self) -> TaskParams | None:
