@@ -156,13 +156,16 @@ class SubmitEvent(_Frozen):
     request_id: str | None = Field(default=None, min_length=1, max_length=REQUEST_ID_MAX_LENGTH,
                                    pattern=REQUEST_ID_PATTERN)
     image_b64: str | None = None
-    image_uri: str | None = Field(default=None, pattern=r"^s3://[^/]+/.+")
+    image_uri: str | None = Field(default=None, max_length=1100, pattern=r"^s3://[^/]{1,63}/.{1,1024}$",
+                                  description="s3://<bucket>/<key>: a bucket name of 1 to 63 characters and an S3 "
+                                              "object key of 1 to 1,024 (S3's own limits)")
     filename: str | None = Field(default=None, max_length=512)
     task: str = Field(default="ocr", max_length=64)
     task_params: TaskParamsField = None
     source: str = Field(default="default", max_length=64)
     callback_url: str | None = Field(default=None, max_length=2048)
-    submitted_at_ms: int = Field(default_factory=now_ms)
+    submitted_at_ms: int = Field(default_factory=now_ms, ge=0, le=253_402_300_799_999,
+                                 description="when the submitter sent it, epoch ms (0 to the end of year 9999)")
     metadata: dict[str, str] = Field(default_factory=dict)
     job_id: JobIdField = None
     door: Literal["kafka", "http"] = Field(

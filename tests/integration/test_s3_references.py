@@ -101,6 +101,21 @@ async def test_references_outside_the_allow_list_end_unread_and_the_next_goes_th
     assert _exists(s3, bucket, f"uploads/{hashlib.sha256(data).hexdigest()}")
 
 
+async def test_an_overlong_reference_and_a_negative_submit_time_are_input_errors(pipeline):
+    """Before: an ``s3://`` URI of 5,000 characters ended ``internal_error`` (S3 refused the key
+    after the stage had tried it), and ``submitted_at_ms`` -5 was accepted and skewed the request's
+    latency figures. Both are the submitter's mistakes: ``invalid_request`` at once, naming the field."""
+    bucket = CommonSettings().s3.bucket
+    async with KafkaDoor() as door:
+        long_id, neg_id = f"ref-long-{uuid.uuid4().hex[:8]}", f"ref-neg-{uuid.uuid4().hex[:8]}"
+        await door.send(orjson.dumps({"request_id": long_id, "image_uri": f"s3://{bucket}/uploads/" + "k" * 5000}))
+        await door.send(orjson.dumps({"request_id": neg_id, "image_b64": "aGk=", "submitted_at_ms": -5}))
+        docs = await door.collect({long_id, neg_id})
+    for rid, field in ((long_id, "image_uri"), (neg_id, "submitted_at_ms")):
+        assert docs[rid].status == "error" and docs[rid].error.code is ErrorCode.INVALID_REQUEST, (rid, docs[rid].error)
+        assert field in docs[rid].error.message
+
+
 async def test_a_file_over_the_limit_is_refused_by_the_cli_before_anything_is_uploaded(pipeline, s3, tmp_path):
     limit = 720_000  # above inline_max_bytes (716,800): a file between them would go through S3
     big = os.urandom(limit + 40_000)
