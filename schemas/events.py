@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag, model_validator
 
 from schemas.errors import ErrorCode
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN, is_page_request_id
@@ -511,9 +511,10 @@ class DocumentResult(_Frozen):
 
 
 class SettledEvent(_Frozen):
-    """A cache key's computation has ended: on ``ocr.settled``, keyed by content SHA-256 like the
-    request, so it reaches the dedup process that owns the key's partition (read with
-    ``ocr.requests`` in one consumer group, partition p of both to one member).
+    """A cache key's computation has ended: on ``ocr.requests`` itself, keyed by content SHA-256
+    like the key's requests, so it lands on their partition after every request of the key
+    produced before it, and the dedup process that owns the partition reads the key's requests
+    and its settlement in one order (:data:`RequestLogEvent`).
 
     Emitted by the sink once the result is durable (S3 document, MariaDB rows, and the Redis entry
     when Redis answers), for every result computed under a cache key (and every error of one),
@@ -587,6 +588,22 @@ class DlqEvent(_Frozen):
 
 
 #: Every wire model, by schema name (used by the JSON Schema generator and the drift test).
+def _request_log_tag(value: object) -> str:
+    """The ``schema`` of a record of ``ocr.requests`` (a request when it names none)."""
+    if isinstance(value, dict):
+        return value.get("schema", "ocr.request.v1")
+    return getattr(value, "schema_", "ocr.request.v1")
+
+
+class RequestLogEvent(RootModel[Annotated[
+        Annotated[RequestEvent, Tag("ocr.request.v1")] | Annotated[SettledEvent, Tag("ocr.settled.v1")],
+        Discriminator(_request_log_tag)]]):
+    """A record of ``ocr.requests``: a request (``ocr.request.v1``, from ingest or the HTTP door) or
+    a cache key's settlement (``ocr.settled.v1``, from the sink), told apart by ``schema`` (a
+    record without one is a request). Both are keyed by content SHA-256: one log per key, read by
+    dedup in order (docs/single-flight.md). ``root`` is the event."""
+
+
 ALL_EVENTS: dict[str, type[BaseModel]] = {
     "ocr.submit.v1": SubmitEvent,
     "ocr.request.v1": RequestEvent,

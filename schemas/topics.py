@@ -15,7 +15,9 @@ class Topics(BaseModel):
     submit: str = "ocr.submit"
     """Upstream input: images inline (small) or as ``s3://`` URIs. Read by ingest."""
     requests: str = "ocr.requests"
-    """Accepted requests, image in S3, keyed by content SHA-256. Read by dedup."""
+    """Accepted requests, image in S3, and the settlements of computed cache keys (from the sink once
+    a result is durable), both keyed by content SHA-256: one log per key (``RequestLogEvent``). Read
+    by dedup."""
     infer: str = "ocr.infer"
     """Cache misses of the bulk lane (a job's requests, a document's pages), one per cache key in flight
     (the holder), keyed by content SHA-256. Read by infer."""
@@ -28,10 +30,6 @@ class Topics(BaseModel):
     """One completion per request, keyed by request id. For downstream systems."""
     dlq: str = "ocr.dlq"
     """Messages no stage could process after bounded attempts, with the reason."""
-    settled: str = "ocr.settled"
-    """One event per computed (or failed) cache key, keyed by content SHA-256, from the sink once the
-    result is durable. Read by dedup with ``requests`` (same partition count; partition p of both to
-    one member)."""
     dedup_changelog: str = "ocr.dedup-changelog"
     """Dedup's keyed state (keys in flight, their waiting copies, keys settled a moment ago):
     compacted, partition p holds the state of ``requests`` partition p. Written and read by dedup only."""
@@ -44,7 +42,7 @@ class Topics(BaseModel):
 
     def all(self) -> list[str]:
         """Every topic name, in flow order."""
-        return [self.submit, self.requests, self.infer_interactive, self.infer, self.results, self.completed, self.dlq, self.settled,
+        return [self.submit, self.requests, self.infer_interactive, self.infer, self.results, self.completed, self.dlq,
                 self.dedup_changelog, self.jobs, self.job_completed]
 
     def compacted(self) -> list[str]:
@@ -52,5 +50,5 @@ class Topics(BaseModel):
         return [self.dedup_changelog]
 
     def copartitioned(self) -> list[str]:
-        """Topics that must have the same partition count (dedup's inputs and its changelog)."""
-        return [self.requests, self.settled, self.dedup_changelog]
+        """Topics that must have the same partition count (dedup's input and its changelog)."""
+        return [self.requests, self.dedup_changelog]

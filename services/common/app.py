@@ -93,7 +93,6 @@ async def run_stage(
     max_batch: int = 64,
     max_wait_ms: int = 0,
     max_poll_interval_ms: int | None = None,
-    assignors: tuple | None = None,
     drain_on_revoke: bool = False,
     window: Callable[[Handler], tuple[int, int]] | None = None,
 ) -> None:
@@ -108,7 +107,6 @@ async def run_stage(
         max_batch: Most records per batch (the batch runner).
         max_wait_ms: Longest wait for a batch to fill (the batch runner).
         max_poll_interval_ms: Override of the consumer's ``max.poll.interval.ms``.
-        assignors: The group's partition assignment strategy (:func:`~services.common.kafka.make_consumer`).
         drain_on_revoke: See :class:`~services.common.runner.StageRunner`.
         window: For a :class:`~services.common.handler.WindowHandler`: its handler ->
             ``(max_in_flight, interactive_reserve)``; the stage then runs on the window runner
@@ -140,7 +138,6 @@ async def run_stage(
     handler = await build_handler(ctx)
     consumer: AIOKafkaConsumer = make_consumer(
         settings.kafka, [], group_id, client_id=f"ocrstream-{stage}", max_poll_interval_ms=max_poll_interval_ms,
-        assignors=assignors,
     )
     common = dict(stage=stage, consumer=consumer, producer=producer, handler=handler, telemetry=telemetry,
                   max_attempts=settings.max_attempts, max_backoff_s=settings.retry_max_backoff_s,

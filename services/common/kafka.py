@@ -76,14 +76,11 @@ def make_consumer(
     client_id: str,
     max_poll_interval_ms: int | None = None,
     auto_offset_reset: str = "earliest",
-    assignors: tuple | None = None,
 ) -> AIOKafkaConsumer:
     """A consumer with manual commits (``enable_auto_commit=False``); offsets are committed
     by the runner only after everything a batch caused is durable.
 
     Call ``subscribe`` (done here when ``topics`` is given) then ``await start()``.
-    ``assignors``: the group's ``partition_assignment_strategy`` (aiokafka's default, round
-    robin, when None; dedup passes :class:`~services.common.assignor.CopartitionedAssignor`).
     """
     consumer = AIOKafkaConsumer(
         bootstrap_servers=cfg.bootstrap_servers,
@@ -95,7 +92,6 @@ def make_consumer(
         heartbeat_interval_ms=cfg.heartbeat_interval_ms,
         max_poll_interval_ms=max_poll_interval_ms or cfg.max_poll_interval_ms,
         request_timeout_ms=max(cfg.request_timeout_ms, cfg.session_timeout_ms + 5_000),
-        **({"partition_assignment_strategy": assignors} if assignors else {}),
         **_security_kwargs(cfg),
     )
     if topics:
@@ -178,8 +174,9 @@ async def create_topics(cfg: KafkaSettings, names: list[str], compacted: list[st
 
 
 async def check_copartitioned(cfg: KafkaSettings, names: list[str], timeout_s: float = 30.0) -> None:
-    """Refuse to run when co-partitioned topics (dedup's inputs and changelog) differ in partition
-    count or are missing: a request and its key's settlement would meet on different members.
+    """Refuse to run when co-partitioned topics (``ocr.requests`` and dedup's changelog) differ in
+    partition count or are missing: a partition's keyed state would be restored from, and written
+    to, the changelog partition of other keys.
 
     Raises:
         SystemExit: with a message naming each topic's count (fix: ``ocrstream init`` on an empty

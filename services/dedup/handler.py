@@ -11,7 +11,7 @@ import orjson
 
 from schemas.errors import ErrorCode
 from schemas.events import (
-    ErrorInfo, InferEvent, Page, RequestEvent, ResultEvent, SettledEvent, now_ms,
+    ErrorInfo, InferEvent, Page, RequestEvent, RequestLogEvent, ResultEvent, SettledEvent, now_ms,
 )
 from schemas.keys import purge_fence_key, result_object_key, split_cache_key
 from schemas.tasks import TASKS, TaskError
@@ -42,8 +42,22 @@ FENCE_READ_S = 2.0
 first S3 call of a fresh process may take a second on a loaded machine)."""
 
 
+def _is_settlement(record: Record) -> bool:
+    """Whether a record of ``ocr.requests`` is a settlement: decoded as one, or, undecodable, its
+    JSON names ``ocr.settled.v1`` as its schema."""
+    value = record.value.root if isinstance(record.value, RequestLogEvent) else record.value
+    if isinstance(value, SettledEvent):
+        return True
+    try:
+        return orjson.loads(record.raw).get("schema") == "ocr.settled.v1"
+    except Exception:  # noqa: BLE001 - not JSON, or not an object: not a settlement we can end
+        return False
+
+
 class DedupHandler(Handler):
-    """Reads ``ocr.requests`` and ``ocr.settled`` (one consumer group, partition p of both here).
+    """Reads ``ocr.requests``: the requests of each cache key and, from the sink, its settlement, in
+    one log per key (its content SHA-256's partition), so dedup sees them in the order they were
+    produced (:class:`~schemas.events.RequestLogEvent`).
 
     A request, after the task check:
 
@@ -141,10 +155,10 @@ class DedupHandler(Handler):
         self.telemetry.state_size.labels("settled").set(sum(len(s.settled) for s in states))
 
     # -- records ----------------------------------------------------------------------------
-    def consumes(self) -> dict[str, type[RequestEvent] | type[SettledEvent]]:
-        """``ocr.requests`` -> :class:`RequestEvent`, ``ocr.settled`` -> :class:`SettledEvent`
-        (see :meth:`Handler.consumes`; a value that does not decode fails like one that raises)."""
-        return {self.s.topics.requests: RequestEvent, self.s.topics.settled: SettledEvent}
+    def consumes(self) -> dict[str, type[RequestLogEvent]]:
+        """``ocr.requests`` -> :class:`~schemas.events.RequestLogEvent` (a request or a settlement;
+        see :meth:`Handler.consumes`; a value that does not decode fails like one that raises)."""
+        return {self.s.topics.requests: RequestLogEvent}
 
     async def handle(self, records: list[Record]) -> list[Outgoing]:
         """See :meth:`Handler.handle`. A call that raises leaves the state as it was. A record of a
@@ -161,10 +175,11 @@ class DedupHandler(Handler):
                     continue
                 with record.traced():
                     headers = record.trace_headers()
-                    if record.topic == self.s.topics.settled:
-                        msgs = await self._settled(record, headers)
+                    ev = record.value.root if isinstance(record.value, RequestLogEvent) else record.value
+                    if isinstance(ev, SettledEvent):
+                        msgs = await self._settled(record, ev)
                     else:
-                        msgs = await self._request(record, headers)
+                        msgs = await self._request(record, ev, headers)
                 out.extend(msgs)
         except BaseException:
             for st in self.states.values():
@@ -175,8 +190,7 @@ class DedupHandler(Handler):
         self._gauge()
         return out
 
-    async def _request(self, record: Record[RequestEvent], headers) -> list[Outgoing]:
-        req = record.value
+    async def _request(self, record: Record, req: RequestEvent, headers) -> list[Outgoing]:
         started = time.perf_counter()
         queued = record.queue_wait_ms()
 
@@ -189,7 +203,7 @@ class DedupHandler(Handler):
                  req.request_id, how)
         return msgs
 
-    async def _decide(self, record: Record[RequestEvent], req: RequestEvent, timed, headers) -> tuple[list[Outgoing], str]:
+    async def _decide(self, record: Record, req: RequestEvent, timed, headers) -> tuple[list[Outgoing], str]:
         """The messages for one request and a few words for the log line."""
         try:
             params = self.s.check_task(req.task, req.task_params)
@@ -352,9 +366,8 @@ class DedupHandler(Handler):
                      found.of_sha256, found.distance, found.verdict.worst_block)
         return found, h, space
 
-    async def _settled(self, record: Record[SettledEvent], headers) -> list[Outgoing]:
+    async def _settled(self, record: Record, ev: SettledEvent) -> list[Outgoing]:
         """Apply a settlement: complete, promote or fail the key's waiters."""
-        ev = record.value
         if ev.error is not None and ev.error.code == ErrorCode.MISSING_OBJECT:
             self.lru.drop(ev.cache_key)  # its document is gone: not answered from memory either
         st = self.states[record.partition]
@@ -492,7 +505,7 @@ class DedupHandler(Handler):
         for st in self.states.values():
             st.rollback()
         out = poison_messages(stage="dedup", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
-        if record.topic != self.s.topics.settled:
+        if not _is_settlement(record):
             return out
         return out[:1] + self._settle_failed(record, exc)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from services.common.app import StageContext, run_stage
-from services.common.assignor import CopartitionedAssignor
 from services.common.cache import ResultCache
 from services.common.decoding import DecoderPool
 from services.common.kafka import check_copartitioned
@@ -16,11 +15,13 @@ from services.dedup.settings import DedupSettings
 
 
 async def main(settings: DedupSettings | None = None) -> None:
-    """Run dedup until SIGTERM: consume ``ocr.requests`` and ``ocr.settled`` in one group (partition p
-    of both to one member); produce ``ocr.infer``, ``ocr.results`` and the changelog.
+    """Run dedup until SIGTERM: consume ``ocr.requests`` (requests and settlements, one log per
+    key); produce ``ocr.infer-interactive``, ``ocr.infer``, ``ocr.results`` and the changelog
+    (partition p of the changelog holds the state of ``ocr.requests`` partition p).
 
     Raises:
-        SystemExit: the co-partitioned topics have different partition counts (run ``ocrstream init``).
+        SystemExit: ``ocr.requests`` and the changelog have different partition counts (run
+            ``ocrstream init``).
     """
     s = settings or load_settings(DedupSettings)
 
@@ -38,7 +39,7 @@ async def main(settings: DedupSettings | None = None) -> None:
         return handler
 
     await run_stage(
-        stage="dedup", settings=s, topic=[s.topics.requests, s.topics.settled], group_id=s.dedup_group_id,
+        stage="dedup", settings=s, topic=s.topics.requests, group_id=s.dedup_group_id,
         build_handler=build, max_batch=s.dedup_max_batch, max_wait_ms=s.dedup_max_wait_ms,
-        assignors=(CopartitionedAssignor,), drain_on_revoke=True,
+        drain_on_revoke=True,
     )

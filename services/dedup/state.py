@@ -3,9 +3,9 @@ which were settled a moment ago. Pure logic: no I/O (the changelog and Kafka are
 :mod:`services.dedup.changelog` and the handler).
 
 Every event is keyed by the image's SHA-256, so all copies of an image, and the settlement of
-its cache key, come through one partition number of ``ocr.requests`` and ``ocr.settled``, to one
-dedup process, in order (the co-partitioned assignor, :mod:`services.common.assignor`). That
-process alone owns the partition's state, so no lease, lock or deadline is needed: the holder's
+its cache key (the sink produces it to the same topic), come through one partition of
+``ocr.requests``, to one dedup process, in order (Kafka's own consumer group). That process alone
+owns the partition's state, so no lease, lock or deadline is needed: the holder's
 settlement always arrives, because every stage commits only after its output is durable.
 
 The state is backed up to a compacted changelog topic, partition p for partition p, as Kafka

@@ -41,7 +41,8 @@ class SinkHandler(Handler):
        S3 tier answer);
     2. the request's final state inserted into ``requests`` (a request already there keeps its first);
     3. its ``ocr.completed`` event, and for every result computed under a cache key (ok or error,
-       never a cache hit) an ``ocr.settled`` event keyed like the request, from which dedup
+       never a cache hit) a settlement (``ocr.settled.v1``) on ``ocr.requests``, keyed by content
+       SHA-256 like the key's requests (after them in their partition's log), from which dedup
        completes the copies waiting on the key (:mod:`services.dedup.state`). The runner produces
        them only after 1 and 2 are durable, and commits only after Kafka acknowledged them.
     4. a page of a document: its final state recorded in ``document_pages``; when it is the page
@@ -155,7 +156,7 @@ class SinkHandler(Handler):
                               status="error", attempt=max(1, int(value.get("attempt") or 1)),
                               error=ErrorInfo(code=ErrorCode.INTERNAL_ERROR,
                                               message=f"the sink could not write this result: {exc!r}"[:500]))
-            out.append(Outgoing(self.s.topics.settled, ev.content_sha256, dumps(ev), []))
+            out.append(Outgoing(self.s.topics.requests, ev.content_sha256, dumps(ev), []))
         return out[:1] + out[2:]
 
     async def dependencies_ok(self) -> bool:
@@ -221,13 +222,13 @@ class SinkHandler(Handler):
         return self._doc(ev.request, None, gone, queued, started, cache_hit=False)
 
     def _settled(self, ev: ResultEvent, result_uri: str | None = None) -> None:
-        """Queue the ``ocr.settled`` event of ``ev``'s cache key (produced after this batch's writes)."""
+        """Queue the settlement of ``ev``'s cache key for ``ocr.requests`` (produced after this batch's writes)."""
         req = ev.request
         st = SettledEvent(cache_key=ev.cache_key, content_sha256=req.content_sha256, request_id=req.request_id,
                           status=ev.status, error=ev.error, attempt=max(1, ev.attempt), cacheable=ev.cacheable,
                           result_uri=result_uri, engine=ev.engine, model=ev.model, model_revision=ev.model_revision,
                           near=ev.near_duplicate_of is not None)
-        self._settle.append(Outgoing(self.s.topics.settled, req.content_sha256, dumps(st), self.telemetry.inject()))
+        self._settle.append(Outgoing(self.s.topics.requests, req.content_sha256, dumps(st), self.telemetry.inject()))
 
     async def _put_entry(self, ev: ResultEvent, output: OcrOutput, uri: str) -> None:
         """The key's Redis entry, when Redis answers (a cache: without it dedup's S3 tier answers)."""

@@ -551,10 +551,10 @@ def test_notes_say_how_to_create_the_first_api_key_and_turn_webhooks_on(tmp_path
     assert "Webhooks may go to: hooks.example.com (public addresses only" in text
 
 
-def test_sink_and_dedup_agree_on_the_settled_topic_and_dedup_has_its_changelog():
-    """The sink settles keys on the topic dedup reads with ocr.requests; overriding its name in
+def test_sink_and_dedup_agree_on_the_requests_topic_and_dedup_has_its_changelog():
+    """The sink settles keys on the topic dedup reads (ocr.requests); overriding its name in
     `config.topics` reaches both, and dedup gets its changelog's name."""
-    docs = render(REQUIRED, sets=("config.topics.settled=team-a.settled", "config.topics.dedup_changelog=team-a.state"))
+    docs = render(REQUIRED, sets=("config.topics.requests=team-a.requests", "config.topics.dedup_changelog=team-a.state"))
     env = {component(w): _stage_env(docs, w) for w in workloads(docs) if component(w) in ("dedup", "sink")}
-    assert env["dedup"]["OCRSTREAM_TOPICS__SETTLED"] == env["sink"]["OCRSTREAM_TOPICS__SETTLED"] == "team-a.settled"
+    assert env["dedup"]["OCRSTREAM_TOPICS__REQUESTS"] == env["sink"]["OCRSTREAM_TOPICS__REQUESTS"] == "team-a.requests"
     assert env["dedup"]["OCRSTREAM_TOPICS__DEDUP_CHANGELOG"] == "team-a.state"

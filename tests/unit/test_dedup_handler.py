@@ -9,7 +9,7 @@ import asyncio
 import orjson
 from aiokafka import ConsumerRecord
 
-from schemas.events import RequestEvent, SettledEvent
+from schemas.events import RequestEvent, RequestLogEvent, SettledEvent
 from services.common.cache import CacheEntry, CacheUnavailable
 from services.common.events import dumps
 from services.common.records import Decoder
@@ -50,7 +50,7 @@ def request(rid: str) -> RequestEvent:
     return RequestEvent(request_id=rid, content_sha256=SHA, image_uri=f"s3://b/images/{SHA}", size_bytes=10)
 
 
-DECODE = Decoder({S.topics.requests: RequestEvent, S.topics.settled: SettledEvent})  # as DedupHandler.consumes
+DECODE = Decoder({S.topics.requests: RequestLogEvent})  # as DedupHandler.consumes
 
 
 def record(topic: str, value: bytes, offset: int = 0):
@@ -80,7 +80,7 @@ def test_with_redis_down_copies_still_meet_and_the_settlement_answers_them():
     key = out[0][1]["cache_key"]
     settled = SettledEvent(cache_key=key, content_sha256=SHA, request_id="r0", status="ok",
                            result_uri="s3://b/results/doc.json", engine="rapidocr")
-    out = handle(h, (S.topics.settled, dumps(settled)))
+    out = handle(h, (S.topics.requests, dumps(settled)))
     assert [(t, ev["request"]["request_id"], ev["cache_tier"], ev["result_uri"]) for t, ev in out] == [
         (S.topics.results, "r1", "single_flight", "s3://b/results/doc.json"),
         (S.topics.results, "r2", "single_flight", "s3://b/results/doc.json")]
@@ -151,7 +151,7 @@ class RevokedMidBatch(CountingCache):
 def test_a_partition_revoked_during_a_batch_is_not_brought_back_stale():
     from aiokafka import TopicPartition
 
-    tps = {TopicPartition(S.topics.requests, 0), TopicPartition(S.topics.settled, 0)}
+    tps = {TopicPartition(S.topics.requests, 0)}
     cache, changelog = RevokedMidBatch(), MemoryChangelog()
     h = DedupHandler(S, cache, Telemetry("dedup", TelemetrySettings()), changelog=changelog)
     asyncio.run(h.on_assigned(tps))
@@ -203,11 +203,11 @@ def test_a_settlement_sent_to_the_dlq_still_ends_its_key_for_the_waiting_copies(
     out = handle(h, *[(S.topics.requests, dumps(request(f"r{i}"))) for i in range(3)])
     key = out[0][1]["cache_key"]
     settled = SettledEvent(cache_key=key, content_sha256=SHA, request_id="r0", status="ok", result_uri="s3://b/d.json")
-    msgs = h.poison(record(S.topics.settled, dumps(settled), 5), RuntimeError("cannot apply"), 3)
+    msgs = h.poison(record(S.topics.requests, dumps(settled), 5), RuntimeError("cannot apply"), 3)
     got = [(m.topic, orjson.loads(m.value)) for m in msgs]
     assert [t for t, _ in got] == [S.topics.dlq, S.topics.infer]  # the first waiter computes it again
     assert (got[1][1]["request"]["request_id"], got[1][1]["attempt"]) == ("r1", 2)
     done = SettledEvent(cache_key=key, content_sha256=SHA, request_id="r1", status="ok", result_uri="s3://b/d.json",
                         attempt=2)
-    out = handle(h, (S.topics.settled, dumps(done)))
+    out = handle(h, (S.topics.requests, dumps(done)))
     assert [(ev["request"]["request_id"], ev["cache_tier"]) for _, ev in out] == [("r2", "single_flight")]

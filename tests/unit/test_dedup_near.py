@@ -125,7 +125,7 @@ def done(handler: DedupHandler, store: MemoryStore, cache: MemoryCache, req: Req
     cache.entries[key] = CacheEntry(f"s3://{BUCKET}/results/{req.content_sha256}.json", 1, len(text), 0)
     settled = SettledEvent(cache_key=key, content_sha256=req.content_sha256, request_id=req.request_id, status="ok",
                            result_uri=f"s3://{BUCKET}/results/{req.content_sha256}.json")
-    rec = Decoder(handler.consumes())(ConsumerRecord(settings.topics.settled, 0, 0, 0, 0, None, dumps(settled), None,
+    rec = Decoder(handler.consumes())(ConsumerRecord(settings.topics.requests, 0, 0, 0, 0, None, dumps(settled), None,
                                                      0, 0, []))
     assert asyncio.run(handler.handle([rec])) == []  # nobody waited
 

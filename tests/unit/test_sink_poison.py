@@ -49,7 +49,7 @@ def test_a_computed_result_sent_to_the_dlq_still_settles_its_key_with_an_error()
     assert [m.topic for m in out] == [S.topics.dlq, S.topics.results]
     # the error result comes back to the sink: the holder's final state, and its key's settlement
     out = asyncio.run(sink.handle([record(S.topics.results, out[1].value)]))
-    [settled] = [SettledEvent.model_validate(orjson.loads(m.value)) for m in out if m.topic == S.topics.settled]
+    [settled] = [SettledEvent.model_validate(orjson.loads(m.value)) for m in out if m.topic == S.topics.requests]
     assert (settled.cache_key, settled.request_id, settled.status, settled.error.code.value) == (
         KEY, "holder", "error", "internal_error")
-    assert [m.key for m in out if m.topic == S.topics.settled] == [SHA]  # to the key's dedup partition
+    assert [m.key for m in out if m.topic == S.topics.requests] == [SHA]  # to the key's dedup partition
