@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressC
 
 from schemas.jobs import JobProgress
 from services.common.settings import CommonSettings, load_settings
+from services.common.wording import plural
 
 job_app = typer.Typer(no_args_is_help=True, help="Jobs: a job's progress and its summary report.")
 console = Console(soft_wrap=True)
@@ -33,8 +34,8 @@ def progress_line(p: JobProgress) -> str:
     total = "?" if p.total is None else str(p.total)
     rate = f", {p.rate_per_s:g}/s" if p.rate_per_s else ""
     eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None and p.state != "completed" else ""
-    return (f"{p.state}: {p.done}/{total} done, {p.ok} ok, {failed}, {p.cache_hits} cache hits, "
-            f"{p.pages} pages{rate}{eta}")
+    return (f"{p.state}: {p.done}/{total} done, {p.ok} ok, {failed}, {plural(p.cache_hits, 'cache hit')}, "
+            f"{plural(p.pages, 'page')}{rate}{eta}")
 
 
 async def _read(job_id: str) -> JobProgress | None:
@@ -149,4 +150,4 @@ def report(
     if n is None:
         err.print(f"[red]error:[/red] no job {job_id!r}")
         raise typer.Exit(2)
-    err.print(f"{n} rows" + (f" in {out}" if out else ""))
+    err.print(plural(n, "row") + (f" in {out}" if out else ""), highlight=False)

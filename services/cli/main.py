@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from schemas.tasks import TaskError, parse_fields
 from services.cli.jobs import job_app
 from services.common.settings import CommonSettings, load_settings
+from services.common.wording import plural
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Streaming OCR over Kafka.")
 cache_app = typer.Typer(no_args_is_help=True, help="Manage the result cache.")
@@ -49,7 +50,7 @@ def init() -> None:
     async def _run() -> None:
         created = await create_topics(s.kafka, s.topics.all(), compacted=s.topics.compacted())
         console.print(f"topics: {'created ' + ', '.join(created) if created else 'all present'} "
-                      f"({s.kafka.partitions} partitions each)")
+                      f"({plural(s.kafka.partitions, 'partition')} each)")
         store = ObjectStore(s.s3)
         made = await store.ensure_bucket()
         console.print(f"bucket {s.s3.bucket}: {'created' if made else 'present'}")
@@ -62,7 +63,7 @@ def init() -> None:
         for ensure, prefix, days, left in rules:
             try:
                 await ensure(days=days)
-                console.print(f"bucket {s.s3.bucket}: lifecycle rule on {prefix} ({days} day{'s' if days > 1 else ''})")
+                console.print(f"bucket {s.s3.bucket}: lifecycle rule on {prefix} ({plural(days, 'day')})")
             except ClientError as exc:
                 code = exc.response.get("Error", {}).get("Code")
                 if code not in ("AccessDenied", "NotImplemented"):
@@ -123,7 +124,7 @@ def submit(
                                              lane)
         finally:
             await submitter.stop()
-        console.print(f"job {job_id}: {len(subs)} requests (ocrstream job status {job_id})", highlight=False)
+        console.print(f"job {job_id}: {plural(len(subs), 'request')} (ocrstream job status {job_id})", highlight=False)
         if not watcher:
             for sub in subs:
                 console.print(f"{sub.request_id}  {sub.path}")
@@ -163,7 +164,7 @@ def submit(
                 if res.status == "partial" and not quiet:
                     _print_result(res)  # the text of the pages that did not fail
             elif not quiet:
-                what = f"{len(res.lines)} lines" if res.task == "ocr" else res.task
+                what = plural(len(res.lines), "line") if res.task == "ocr" else res.task
                 console.print(f"{head}  {what}, {res.timings_ms.get('total', 0):.0f} ms", highlight=False, markup=False)
                 _print_result(res)
         console.print(f"{len(done)}/{len(subs)} completed, {failed} failed or missing"
@@ -252,7 +253,8 @@ def failure_lines(head: str, res) -> str:
     if res.status == "partial":
         pages = ", ".join(str(n) for n in res.failed_pages)
         of = f" of {res.page_count}" if res.page_count else ""
-        return f"{head}\n   pages {pages}{of} failed (ocrstream status {res.request_id})"
+        noun = plural(len(res.failed_pages), "page", number=False)
+        return f"{head}\n   {noun} {pages}{of} failed (ocrstream status {res.request_id})"
     if res.error is None:
         return f"{head}\n   {res.status} (no error recorded; ocrstream status {res.request_id})"
     return f"{head}\n   error {res.error.code.value}: {safe_text(res.error.message)}"
@@ -409,7 +411,7 @@ def cache_purge(
         err.print(f"error: no cache generation has {'model revision ' + repr(model) if model else 'id ' + repr(generation)}"
                   " (generations are registered by dedup; see `ocrstream cache purge --help`)")
         raise typer.Exit(1)
-    console.print(f"deleted {deleted} cache entries of {len(gens)} generation{'s' if len(gens) != 1 else ''}; "
+    console.print(f"deleted {plural(deleted, 'cache entry', 'cache entries')} of {plural(len(gens), 'generation')}; "
                   f"fenced their stored results in S3 ({', '.join(gens)})")
 
 

@@ -65,3 +65,30 @@ def test_a_partial_document_shows_its_failed_pages_and_an_error_its_code():
                          error=ErrorInfo(code=ErrorCode.CORRUPT_IMAGE, message="cannot decode\x1b[2J"))
     assert failure_lines("== b.png  [error]  " + "e" * 32, bad) == (
         "== b.png  [error]  " + "e" * 32 + "\n   error corrupt_image: cannot decode␛[2J")
+
+
+def test_counts_take_the_singular_for_one_and_the_plural_otherwise():
+    from services.common.wording import plural
+
+    assert [plural(n, "request") for n in (0, 1, 2)] == ["0 requests", "1 request", "2 requests"]
+    assert [plural(n, "cache entry", "cache entries") for n in (1, 4)] == ["1 cache entry", "4 cache entries"]
+    assert [plural(n, "page", number=False) for n in (1, 2)] == ["page", "pages"]
+
+
+def test_every_cli_line_with_a_count_of_one_says_it_in_the_singular():
+    from schemas.events import ResultDocument
+    from schemas.jobs import JobProgress
+    from services.cli.jobs import progress_line
+    from services.cli.main import failure_lines
+    from services.cli.report import render_table, summarize
+    from services.common.documents import Progress
+
+    one = JobProgress(job_id="j", state="completed", total=1, done=1, ok=1, cache_hits=1, pages=1)
+    assert progress_line(one) == "completed: 1/1 done, 1 ok, 0 failed, 1 cache hit, 1 page"
+    doc = ResultDocument(request_id="d" * 32, status="partial", page_count=7, failed_pages=[3])
+    assert failure_lines("== a.pdf  [partial]  " + "d" * 32, doc).splitlines()[1] == (
+        "   page 3 of 7 failed (ocrstream status " + "d" * 32 + ")")
+    assert Progress("doc-1", 1, 0, 0, None, None).line() == "doc-1: 0/1 page final (0 failed); assembled when all are final"
+    rep = summarize([{"timings_json": '{"total": 12.0}', "status": "ok", "cache_hit": 1}], since_ms=0)
+    assert render_table(rep).title == ("1 request completed since 1970-01-01 00:00:00 UTC (1 ok, 1 cache hit); "
+                                       "times in ms")
