@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from schemas.jobs import JobProgress
+from services.cli.options import MAX_WAIT_S, bounded
 from services.common.settings import CommonSettings, load_settings
 from services.common.wording import plural
 
@@ -49,8 +50,10 @@ async def _read(job_id: str) -> JobProgress | None:
 def status(
     job_id: str = typer.Argument(..., help="the job's id (printed by `ocrstream submit`)"),
     once: bool = typer.Option(False, "--once", help="print the counts once and exit (else a live bar until done)"),
-    interval: float = typer.Option(0.5, "--interval", min=0.05, help="seconds between reads of the live bar"),
-    timeout: float = typer.Option(3600.0, "--timeout", help="give up the live bar after this many seconds"),
+    interval: float = bounded(0.5, "--interval", lo=0.05, hi=3600, unit="s",
+                              help="How long the live bar waits between two reads of MariaDB"),
+    timeout: float = bounded(3600.0, "--timeout", lo=1, hi=MAX_WAIT_S, unit="s",
+                             help="How long the live bar waits for the job to complete"),
 ) -> None:
     """A job's progress from MariaDB: total, done, ok, failed by error code, cache hits, pages, rate,
     ETA. Exit 0 when completed, 1 when not (--once, or the timeout), 2 when unknown."""

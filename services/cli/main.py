@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from schemas.tasks import TaskError, parse_fields
 from services.cli.jobs import job_app
+from services.cli.options import MAX_WAIT_S, bounded
 from services.common.settings import CommonSettings, load_settings
 from services.common.wording import plural
 
@@ -81,7 +82,8 @@ def submit(
                                        "skipped; links to files followed, links to folders not)"),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for every result"),
     out: Optional[Path] = typer.Option(None, "--out", help="folder for one result JSON per image"),
-    timeout: float = typer.Option(600.0, help="seconds to wait for all results"),
+    timeout: float = bounded(600.0, "--timeout", lo=1, hi=MAX_WAIT_S, unit="s",
+                             help="How long --wait waits for all the results"),
     task: str = typer.Option("ocr", help="task (part of the cache key): one of the deployment's OCRSTREAM_TASKS: "
                              "ocr, doc_parse, table, formula, chart, extract, translate (docs/tasks.md)"),
     fields: Optional[str] = typer.Option(
@@ -293,7 +295,7 @@ def status(request_id: str) -> None:
 
 @app.command()
 def run(
-    infer: int = typer.Option(1, help="infer processes to start"),
+    infer: int = bounded(1, "--infer", kind=int, lo=1, hi=64, help="How many infer processes to start"),
     only: Optional[list[str]] = typer.Option(None, help="start only these stages"),
 ) -> None:
     """Start the stages (ingest, dedup, infer, sink, jobs) as separate processes in this terminal; Ctrl-C stops them cleanly."""
@@ -429,11 +431,12 @@ def _ms_time(ms: int | None) -> str:
 @keys_app.command("create")
 def keys_create(
     name: str = typer.Option(..., "--name", help="label of the key (who or what uses it)"),
-    rate: Optional[float] = typer.Option(None, "--rate", min=0, help="requests/s of this key; 0 = unlimited; "
-                                         "default: the door's OCRSTREAM_RATE_LIMIT_PER_S"),
-    burst: Optional[int] = typer.Option(None, "--burst", min=1, help="token bucket size; default: OCRSTREAM_RATE_LIMIT_BURST"),
-    quota_per_day: Optional[int] = typer.Option(None, "--quota-per-day", min=0, help="submissions per UTC day; "
-                                                "0 = none; default: OCRSTREAM_QUOTA_PER_DAY"),
+    rate: Optional[float] = bounded(None, "--rate", lo=0, hi=1_000_000, unit="requests/s", help=(
+        "The key's request rate (0: unlimited; by default the door's OCRSTREAM_RATE_LIMIT_PER_S)")),
+    burst: Optional[int] = bounded(None, "--burst", kind=int, lo=1, hi=1_000_000, unit="requests", help=(
+        "The key's token bucket size (by default the door's OCRSTREAM_RATE_LIMIT_BURST)")),
+    quota_per_day: Optional[int] = bounded(None, "--quota-per-day", kind=int, lo=0, hi=1_000_000_000, unit="submissions", help=(
+        "The key's submissions per UTC day (0: no quota; by default the door's OCRSTREAM_QUOTA_PER_DAY)")),
 ) -> None:
     """Create an API key; prints the key and its webhook secret once (only a hash of the key is stored)."""
     try:

@@ -92,3 +92,42 @@ def test_every_cli_line_with_a_count_of_one_says_it_in_the_singular():
     rep = summarize([{"timings_json": '{"total": 12.0}', "status": "ok", "cache_hit": 1}], since_ms=0)
     assert render_table(rep).title == ("1 request completed since 1970-01-01 00:00:00 UTC (1 ok, 1 cache hit); "
                                        "times in ms")
+
+
+BOUNDED = [  # (command line, what the error says): every numeric option of the CLI, refused before it runs
+    (["job", "status", "j1", "--interval", "1e308"], "'--interval': 1e308 is not a number from 0.05 to 3,600 s"),
+    (["job", "status", "j1", "--interval", "nan"], "'--interval': nan is not a number from 0.05 to 3,600 s"),
+    (["job", "status", "j1", "--timeout", "1e400"], "'--timeout': 1e400 is not a number from 1 to 604,800 s"),
+    (["job", "status", "j1", "--timeout", "-1"], "'--timeout': -1 is not a number from 1 to 604,800 s"),
+    (["submit", "--timeout", "1e400", "."], "'--timeout': 1e400 is not a number from 1 to 604,800 s"),
+    (["submit", "--timeout", "0", "."], "'--timeout': 0 is not a number from 1 to 604,800 s"),
+    (["run", "--infer", "0"], "'--infer': 0 is not an integer from 1 to 64"),
+    (["run", "--infer", "1.5"], "'--infer': 1.5 is not an integer from 1 to 64"),
+    (["keys", "create", "--name", "k", "--rate", "inf"], "'--rate': inf is not a number from 0 to 1,000,000 requests/s"),
+    (["keys", "create", "--name", "k", "--rate", "-0.5"], "'--rate': -0.5 is not a number from 0 to 1,000,000 requests/s"),
+    (["keys", "create", "--name", "k", "--burst", "99999999999"],
+     "'--burst': 99999999999 is not an integer from 1 to 1,000,000 requests"),
+    (["keys", "create", "--name", "k", "--quota-per-day", "-1"],
+     "'--quota-per-day': -1 is not an integer from 0 to 1,000,000,000 submissions"),
+]
+
+
+def test_every_numeric_option_refuses_values_out_of_its_range_naming_the_range():
+    runner = CliRunner()
+    for args, why in BOUNDED:
+        res = runner.invoke(app, args, env={"COLUMNS": "200"})
+        assert res.exit_code == 2, (args, res.output)
+        [line] = [ln.strip("│ ") for ln in res.output.splitlines() if "Invalid value" in ln]
+        assert line == f"Invalid value for {why}", (args, res.output)
+
+
+def test_the_numeric_options_keep_values_in_range_and_say_the_range_in_their_help():
+    from services.cli.options import parse_bounded
+
+    assert parse_bounded("0.05", float, 0.05, 3600, "0.05 to 3,600 s") == 0.05
+    assert parse_bounded("3600", float, 0.05, 3600, "0.05 to 3,600 s") == 3600.0
+    assert parse_bounded("64", int, 1, 64, "1 to 64") == 64
+    runner = CliRunner()
+    res = runner.invoke(app, ["job", "status", "--help"], env={"COLUMNS": "200"})
+    assert "How long the live bar waits between two reads of MariaDB, 0.05 to 3,600 s." in res.output
+    assert "How long the live bar waits for the job to complete, 1 to 604,800 s." in res.output
