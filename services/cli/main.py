@@ -263,7 +263,7 @@ def failure_lines(head: str, res) -> str:
 
 
 def _print_result(res) -> None:
-    """One finished ok result as a person reads it (:func:`services.cli.render.renderables`):
+    """One finished ok (or partial: the pages that did not fail) result as a person reads it (:func:`services.cli.render.renderables`):
     ``extract``'s fields as a two-column table (``-`` where absent), ``doc_parse``/``chart``
     Markdown rendered with its HTML tables as tables, ``table``'s HTML as tables, ``formula``'s
     LaTeX and ``translate``'s text as they are, ``ocr``'s lines."""
@@ -274,23 +274,37 @@ def _print_result(res) -> None:
 
 
 @app.command()
-def status(request_id: str) -> None:
-    """Print the final state of a request from MariaDB (exit 1 if not completed yet). For a
-    document (a split PDF or TIFF), first one line of its progress: pages final of all, failed."""
-    from services.common.db import Database
-    from services.common.documents import progress
+def status(
+    request_id: str = typer.Argument(..., help="The request's id, as `ocrstream submit --no-wait` prints it, or a "
+                                     "document's page, `<document id>:p<n>`."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole stored result document instead, as one "
+                                 "line of JSON (for jq)."),
+) -> None:
+    """Print one request's state: its result as a person reads it, or tell pending from unknown.
 
-    async def _read():
-        db = Database(load_settings(CommonSettings).mysql, pool_size=1)
-        return await progress(db, request_id), await db.get_request(request_id)
+    A final request prints its status, error, task, line count and timings, then its text or the
+    task's answer as `ocrstream submit` shows it. For a document (a split PDF or TIFF), one line of
+    its pages' progress comes first, on stderr.
 
-    prog, doc = asyncio.run(_read())
-    if prog is not None:
-        err.print(prog.line(), highlight=False, markup=False, soft_wrap=True)
+    Exit codes: 0 ok; 1 error or partial; 2 no request has this id; 3 pending (accepted, not final
+    yet); 4 a store did not answer, so the state cannot be told.
+    """
+    from services.cli import status as st
+
+    look = asyncio.run(st.look_up(load_settings(CommonSettings), request_id))
+    if look.progress is not None:
+        err.print(look.progress.line(), highlight=False, markup=False, soft_wrap=True)
+    doc = look.doc
     if doc is None:
-        err.print(f"{request_id}: not completed (or unknown)")
-        raise typer.Exit(1)
-    console.print_json(doc.model_dump_json(by_alias=True))
+        err.print(st.not_final_line(request_id, look), highlight=False, markup=False, soft_wrap=True)
+    elif as_json:
+        sys.stdout.write(doc.model_dump_json(by_alias=True) + "\n")
+    else:
+        console.print("\n".join(st.summary_lines(doc)), highlight=False, markup=False)
+        if doc.status != "error":
+            console.print()
+            _print_result(doc)
+    raise typer.Exit(st.exit_code(look))
 
 
 @app.command()
