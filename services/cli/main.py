@@ -18,12 +18,14 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from schemas.tasks import TaskError, parse_fields
+from services.cli.helptext import whole_paragraphs
 from services.cli.jobs import job_app
 from services.cli.options import MAX_WAIT_S, bounded
 from services.common.settings import CommonSettings, load_settings
 from services.common.wording import plural
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Streaming OCR over Kafka.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Streaming OCR over Kafka: submit images and documents, read their results, run the stages.")
 cache_app = typer.Typer(no_args_is_help=True, help="Manage the result cache.")
 app.add_typer(cache_app, name="cache")
 keys_app = typer.Typer(no_args_is_help=True, help="Manage the API keys of the HTTP door.")
@@ -37,9 +39,11 @@ STAGES = ("ingest", "dedup", "infer", "sink", "jobs")
 
 @app.command()
 def init() -> None:
-    """Create the topics, the S3 bucket (with lifecycle rules on its staging and upload prefixes) and the
-    MariaDB tables (idempotent). Dedup's inputs and its changelog get the same partition count; the
-    changelog is compacted."""
+    """Create the topics, the S3 bucket and the MariaDB tables (idempotent).
+
+    The bucket gets lifecycle rules on its staging and upload prefixes. Dedup's inputs and its
+    changelog get the same partition count; the changelog is compacted.
+    """
     from botocore.exceptions import ClientError
 
     from services.common.db import Database
@@ -78,28 +82,37 @@ def init() -> None:
 
 @app.command()
 def submit(
-    paths: list[Path] = typer.Argument(..., help="image files or folders (folders: every file inside, hidden ones "
-                                       "skipped; links to files followed, links to folders not)"),
-    wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for every result"),
-    out: Optional[Path] = typer.Option(None, "--out", help="folder for one result JSON per image"),
+    paths: list[Path] = typer.Argument(..., help="Image or document files, or folders: every file inside, hidden "
+                                       "ones skipped, links to files followed, links to folders not."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for every result and print it (--no-wait: print "
+                              "each file's request id and return at once)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="A folder to write each whole result document to, as JSON."),
     timeout: float = bounded(600.0, "--timeout", lo=1, hi=MAX_WAIT_S, unit="s",
                              help="How long --wait waits for all the results"),
-    task: str = typer.Option("ocr", help="task (part of the cache key): one of the deployment's OCRSTREAM_TASKS: "
-                             "ocr, doc_parse, table, formula, chart, extract, translate (docs/tasks.md)"),
+    task: str = typer.Option("ocr", help="The task (part of the cache key): one of the deployment's OCRSTREAM_TASKS: "
+                             "ocr, doc_parse, table, formula, chart, extract, translate (docs/tasks.md)."),
     fields: Optional[str] = typer.Option(
-        None, "--fields", help='--task extract: the field names, comma-separated ("invoice number,date,total"; '
-        "1 to 50, each at most 100 characters)"),
-    to: Optional[str] = typer.Option(None, "--to", help="--task translate: the target language (en, zh, ja, ko, fr, "
-                                     "de, es, it, pt, ru, ar, vi, th)"),
-    source: str = typer.Option("cli", help="source label (selects the cache TTL)"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the text"),
-    job_name: Optional[str] = typer.Option(None, "--name", help="the job's name (default: the first path's name)"),
+        None, "--fields", help='For --task extract, the field names, comma-separated ("invoice number,date,total"; '
+        "1 to 50, each at most 100 characters)."),
+    to: Optional[str] = typer.Option(None, "--to", help="For --task translate, the target language (en, zh, ja, ko, "
+                                     "fr, de, es, it, pt, ru, ar, vi, th)."),
+    source: str = typer.Option("cli", help="The source label (it selects the cache TTL)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the results that are not ok (without "
+                               "their text) and the closing count."),
+    job_name: Optional[str] = typer.Option(None, "--name", help="The job's name (by default the first path's name)."),
     priority: Optional[str] = typer.Option(
-        None, "--priority", help="the lane the images are read in: interactive (before bulk work) or bulk; default "
-        "interactive for one file, bulk for more"),
+        None, "--priority", help="The lane the images are read in: interactive (before bulk work) or bulk; by default "
+        "interactive for one file, bulk for more."),
 ) -> None:
-    """Publish images to ocr.submit as one job (its id printed first: `ocrstream job status ID`,
-    `ocrstream job report ID`); with --wait, show progress and print each image's text."""
+    """Publish images and documents to ocr.submit as one job, and wait for their results.
+
+    The job's id is printed first (`ocrstream job status ID`, `ocrstream job report ID`). With
+    --wait (the default), a progress bar is shown and each image's result is printed as a person
+    reads it; with --no-wait, one `request-id  path` line per file.
+
+    Exit codes: 0 every result ok; 1 one failed, is partial, did not come within --timeout, or a
+    file was over the size limit (not sent); 2 a refused option, a missing path or no file.
+    """
     from services.cli.client import Submitter
     from services.common.completions import CompletionWatcher
 
@@ -310,9 +323,13 @@ def status(
 @app.command()
 def run(
     infer: int = bounded(1, "--infer", kind=int, lo=1, hi=64, help="How many infer processes to start"),
-    only: Optional[list[str]] = typer.Option(None, help="start only these stages"),
+    only: Optional[list[str]] = typer.Option(None, help="Start only this stage (repeat it for more: --only ingest "
+                                             "--only sink)."),
 ) -> None:
-    """Start the stages (ingest, dedup, infer, sink, jobs) as separate processes in this terminal; Ctrl-C stops them cleanly."""
+    """Run the stages (ingest, dedup, infer, sink, jobs) as separate processes in this terminal.
+
+    Ctrl-C stops them cleanly; when one stage exits, the others are stopped too.
+    """
     stages = [st for st in STAGES if not only or st in only]
     procs: list[tuple[str, subprocess.Popen]] = []
     for st in stages:
@@ -353,11 +370,18 @@ def run(
 
 @app.command()
 def report(
-    since: str = typer.Option("1h", "--since", help="window start: a duration back (90s, 15m, 1h, 2d) or an ISO time"),
-    png: Optional[Path] = typer.Option(None, "--png", help="also write a chart (stage shares, latency histogram)"),
-    source: Optional[str] = typer.Option(None, "--source", help="only requests of this source label"),
+    since: str = typer.Option("1h", "--since", help="The window's start: a duration back (90s, 15m, 1h, 2d) or an "
+                              "ISO time."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Also write a chart to this file (stage shares, latency "
+                                       "histogram)."),
+    source: Optional[str] = typer.Option(None, "--source", help="Only the requests of this source label."),
 ) -> None:
-    """Per-stage p50/p95/p99 and share of total time of the requests completed in a window (MariaDB)."""
+    """Print each stage's latency percentiles and share of the time, over a window of requests.
+
+    The requests are those completed in the window, read from MariaDB; each stage gets its p50,
+    p95, p99 and mean in ms and its share of the total time. Exit 1 when no request completed in
+    the window. For a job's rows, use `ocrstream job report`.
+    """
     from services.cli.report import load_rows, parse_since, render_table, summarize, write_png
     from services.common.db import Database
 
@@ -381,11 +405,14 @@ PURGE_TIMEOUT_MS = 30_000
 
 @cache_app.command("purge")
 def cache_purge(
-    model: Optional[str] = typer.Option(None, "--model", help="model revision whose entries to delete"),
-    generation: Optional[str] = typer.Option(None, "--generation", help="generation id to delete"),
+    model: Optional[str] = typer.Option(None, "--model", help="The model revision whose entries to delete."),
+    generation: Optional[str] = typer.Option(None, "--generation", help="The generation id whose entries to delete."),
 ) -> None:
-    """Delete the cache entries of one generation (by model revision or generation id) and fence its
-    stored results in S3 (``fences/<gen_id>.json``), so neither Redis nor the S3 tier answers from them."""
+    """Delete the cache entries of one generation, named by its model revision or its id.
+
+    Its stored results in S3 are fenced too (fences/<gen_id>.json), so neither Redis nor the S3
+    tier answers from them. Exit 1 when no generation has that model revision or id.
+    """
     from redis.exceptions import RedisError
 
     from schemas.keys import purge_fence_key
@@ -444,7 +471,7 @@ def _ms_time(ms: int | None) -> str:
 
 @keys_app.command("create")
 def keys_create(
-    name: str = typer.Option(..., "--name", help="label of the key (who or what uses it)"),
+    name: str = typer.Option(..., "--name", help="The key's label: who or what uses it."),
     rate: Optional[float] = bounded(None, "--rate", lo=0, hi=1_000_000, unit="requests/s", help=(
         "The key's request rate (0: unlimited; by default the door's OCRSTREAM_RATE_LIMIT_PER_S)")),
     burst: Optional[int] = bounded(None, "--burst", kind=int, lo=1, hi=1_000_000, unit="requests", help=(
@@ -452,7 +479,10 @@ def keys_create(
     quota_per_day: Optional[int] = bounded(None, "--quota-per-day", kind=int, lo=0, hi=1_000_000_000, unit="submissions", help=(
         "The key's submissions per UTC day (0: no quota; by default the door's OCRSTREAM_QUOTA_PER_DAY)")),
 ) -> None:
-    """Create an API key; prints the key and its webhook secret once (only a hash of the key is stored)."""
+    """Create an API key for the HTTP door, and print it and its webhook secret once.
+
+    Only the key's SHA-256 is stored: keep the key when it is printed, it is not shown again.
+    """
     try:
         new = asyncio.run(_key_store().create(name, rate_per_s=rate, burst=burst, quota_per_day=quota_per_day))
     except ValueError as exc:
@@ -465,8 +495,11 @@ def keys_create(
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: str = typer.Argument(..., help="id of the key (the part after ocs_)")) -> None:
-    """Revoke a key: running doors refuse it within OCRSTREAM_AUTH_CACHE_S seconds (exit 1 if unknown)."""
+def keys_revoke(key_id: str = typer.Argument(..., help="The key's id (the part after ocs_).")) -> None:
+    """Revoke an API key: running doors refuse it within OCRSTREAM_AUTH_CACHE_S seconds.
+
+    Exit 1 when no key has this id.
+    """
     key = asyncio.run(_key_store().revoke(key_id))
     if key is None:
         err.print(f"[red]error:[/red] no API key {key_id!r}")
@@ -476,9 +509,12 @@ def keys_revoke(key_id: str = typer.Argument(..., help="id of the key (the part 
 
 @keys_app.command("list")
 def keys_list(
-    all_: bool = typer.Option(True, "--all/--active", help="include revoked keys"),
+    all_: bool = typer.Option(True, "--all/--active", help="List revoked keys too (--active: only the others)."),
 ) -> None:
-    """List the API keys: id, name, limits, created, revoked (never a key or a secret)."""
+    """List the API keys: id, name, limits, and when each was created and revoked.
+
+    Neither a key nor a webhook secret is ever shown.
+    """
     from rich.table import Table
 
     keys = asyncio.run(_key_store().list(include_revoked=all_))
@@ -490,6 +526,9 @@ def keys_list(
                       dflt if k.quota_per_day is None else str(k.quota_per_day),
                       _ms_time(k.created_at_ms), _ms_time(k.revoked_at_ms))
     console.print(table)
+
+
+whole_paragraphs(app)  # after every command is registered: help read as whole sentences
 
 
 def main() -> None:

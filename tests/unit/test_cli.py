@@ -131,3 +131,37 @@ def test_the_numeric_options_keep_values_in_range_and_say_the_range_in_their_hel
     res = runner.invoke(app, ["job", "status", "--help"], env={"COLUMNS": "200"})
     assert "How long the live bar waits between two reads of MariaDB, 0.05 to 3,600 s." in res.output
     assert "How long the live bar waits for the job to complete, 1 to 604,800 s." in res.output
+
+
+def _commands(cmd, path=()):
+    """Every command and group of the CLI, with the words that name it (``("job", "status")``)."""
+    yield path, cmd
+    for name, sub in getattr(cmd, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_every_help_text_is_whole_sentences_and_shown_whole():
+    import typer.main
+
+    root = typer.main.get_command(app)
+    runner = CliRunner()
+    seen = []
+    for path, cmd in _commands(root):
+        seen.append(" ".join(path))
+        paragraphs = cmd.help.split("\n\n")
+        for para in paragraphs:  # one line each (rich wraps it), a full stop at the end
+            assert "\n" not in para and para.endswith(".") and para[0].isupper(), (path, para)
+        assert len(paragraphs[0]) <= 100, (path, paragraphs[0])  # the command list shows it: one short sentence
+        for param in cmd.params:
+            text = getattr(param, "help", None) or ""
+            assert text.endswith(".") and text[0].isupper(), (path, param.name, text)
+        for width in ("60", "200"):
+            res = runner.invoke(app, [*path, "--help"], env={"COLUMNS": width})
+            shown = " ".join(" ".join(ln.strip(" │").split()) for ln in res.output.splitlines())
+            assert res.exit_code == 0 and all(" ".join(p.split()) in shown for p in paragraphs), (path, width, shown)
+            if path:  # the parent's command list: the first paragraph, whole
+                parent = runner.invoke(app, [*path[:-1], "--help"], env={"COLUMNS": width})
+                listed = " ".join(" ".join(ln.strip(" │").split()) for ln in parent.output.splitlines())
+                assert " ".join(paragraphs[0].split()) in listed, (path, width, listed)
+    assert sorted(seen) == ["", "cache", "cache purge", "init", "job", "job report", "job status", "keys",
+                            "keys create", "keys list", "keys revoke", "report", "run", "status", "submit"]
