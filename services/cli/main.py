@@ -276,10 +276,11 @@ def failure_lines(head: str, res) -> str:
 
 
 def _print_result(res) -> None:
-    """One finished ok (or partial: the pages that did not fail) result as a person reads it (:func:`services.cli.render.renderables`):
-    ``extract``'s fields as a two-column table (``-`` where absent), ``doc_parse``/``chart``
-    Markdown rendered with its HTML tables as tables, ``table``'s HTML as tables, ``formula``'s
-    LaTeX and ``translate``'s text as they are, ``ocr``'s lines."""
+    """One finished ok result (or a partial one: the pages that did not fail) as a person reads it
+    (:func:`services.cli.render.renderables`): ``extract``'s fields as a two-column table (``-``
+    where absent), ``doc_parse``/``chart`` Markdown rendered with its HTML tables as tables,
+    ``table``'s HTML as tables, ``formula``'s LaTeX and ``translate``'s text as they are, ``ocr``'s
+    lines. Prints to the console; returns nothing."""
     from services.cli.render import renderables
 
     for part in renderables(res):
@@ -476,7 +477,8 @@ def keys_create(
         "The key's request rate (0: unlimited; by default the door's OCRSTREAM_RATE_LIMIT_PER_S)")),
     burst: Optional[int] = bounded(None, "--burst", kind=int, lo=1, hi=1_000_000, unit="requests", help=(
         "The key's token bucket size (by default the door's OCRSTREAM_RATE_LIMIT_BURST)")),
-    quota_per_day: Optional[int] = bounded(None, "--quota-per-day", kind=int, lo=0, hi=1_000_000_000, unit="submissions", help=(
+    quota_per_day: Optional[int] = bounded(None, "--quota-per-day", kind=int, lo=0, hi=1_000_000_000,
+                                           unit="submissions", help=(
         "The key's submissions per UTC day (0: no quota; by default the door's OCRSTREAM_QUOTA_PER_DAY)")),
 ) -> None:
     """Create an API key for the HTTP door, and print it and its webhook secret once.

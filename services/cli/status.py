@@ -156,24 +156,27 @@ def summary_lines(doc: ResultDocument) -> list[str]:
     out = [("request", doc.request_id)]
     if doc.filename:
         out.append(("file", doc.filename))
-    hit = f" (cache hit: {doc.cache_tier})" if doc.cache_hit and doc.cache_tier else " (cache hit)" if doc.cache_hit else ""
+    hit = "" if not doc.cache_hit else f" (cache hit: {doc.cache_tier})" if doc.cache_tier else " (cache hit)"
     out.append(("status", doc.status + hit))
     if doc.error is not None:
         out.append(("error", f"{doc.error.code.value}: {doc.error.message}"))
     out.append(("task", _task(doc)))
     if doc.page_number is not None:
         of = f" of {doc.page_count}" if doc.page_count else ""
-        out.append(("document", f"page {doc.page_number}{of} of {doc.document_id} (ocrstream status {doc.document_id})"))
+        out.append(("document", f"page {doc.page_number}{of} of {doc.document_id} "
+                                f"(ocrstream status {doc.document_id})"))
     elif doc.page_count is not None:
         failed = (f"; {plural(len(doc.failed_pages), 'page', number=False)} "
                   f"{', '.join(map(str, doc.failed_pages))} failed") if doc.failed_pages else ""
         out.append(("pages", f"{doc.page_count}{failed}"))
     count = len(doc.lines) + doc.lines_omitted
     if doc.status != "error" and (doc.task == "ocr" or count):
-        omitted = f" ({doc.lines_omitted} not in the stored summary; all at {doc.result_uri})" if doc.lines_omitted else ""
+        omitted = (f" ({doc.lines_omitted} not in the stored summary; all at {doc.result_uri})"
+                   if doc.lines_omitted else "")
         out.append(("lines", f"{count}{omitted}"))
     out.append(("timings", timings_line(doc.timings_ms)))
     if doc.text_truncated:
-        out.append(("note", f"the text below is cut at the database row bound; the whole result is at {doc.result_uri}"))
+        out.append(("note", "the text below is cut at the database row bound; the whole result is at "
+                            f"{doc.result_uri}"))
     out.extend(("warning", w) for w in doc.warnings)
     return [f"{label + ':':<10}{safe_text(value).replace(chr(10), ' ')}" for label, value in out]

@@ -148,7 +148,8 @@ def test_pending_unknown_and_a_silent_store_each_have_their_exit_code(stack_env)
     code, out, err = ran(typo, env=no_redis)
     assert (code, out, len(err)) == (4, "", 1)
     assert err[0].startswith(f"error: the state of '{typo}' cannot be told: it has no final state, and Redis "
-                             "(OCRSTREAM_REDIS__URL), which holds the HTTP door's accepted ids, did not answer: redis get: ")
+                             "(OCRSTREAM_REDIS__URL), which holds the HTTP door's accepted ids, did not answer: "
+                             "redis get: ")
     # MariaDB silent: nothing can be told
     code, out, err = ran(claimed, env={"OCRSTREAM_MYSQL__PORT": str(free_port())})
     assert (code, out, len(err)) == (4, "", 1)

@@ -88,7 +88,8 @@ def test_every_cli_line_with_a_count_of_one_says_it_in_the_singular():
     doc = ResultDocument(request_id="d" * 32, status="partial", page_count=7, failed_pages=[3])
     assert failure_lines("== a.pdf  [partial]  " + "d" * 32, doc).splitlines()[1] == (
         "   page 3 of 7 failed (ocrstream status " + "d" * 32 + ")")
-    assert Progress("doc-1", 1, 0, 0, None, None).line() == "doc-1: 0/1 page final (0 failed); assembled when all are final"
+    assert Progress("doc-1", 1, 0, 0, None, None).line() == (
+        "doc-1: 0/1 page final (0 failed); assembled when all are final")
     rep = summarize([{"timings_json": '{"total": 12.0}', "status": "ok", "cache_hit": 1}], since_ms=0)
     assert render_table(rep).title == ("1 request completed since 1970-01-01 00:00:00 UTC (1 ok, 1 cache hit); "
                                        "times in ms")
@@ -103,8 +104,10 @@ BOUNDED = [  # (command line, what the error says): every numeric option of the 
     (["submit", "--timeout", "0", "."], "'--timeout': 0 is not a number from 1 to 604,800 s"),
     (["run", "--infer", "0"], "'--infer': 0 is not an integer from 1 to 64"),
     (["run", "--infer", "1.5"], "'--infer': 1.5 is not an integer from 1 to 64"),
-    (["keys", "create", "--name", "k", "--rate", "inf"], "'--rate': inf is not a number from 0 to 1,000,000 requests/s"),
-    (["keys", "create", "--name", "k", "--rate", "-0.5"], "'--rate': -0.5 is not a number from 0 to 1,000,000 requests/s"),
+    (["keys", "create", "--name", "k", "--rate", "inf"],
+     "'--rate': inf is not a number from 0 to 1,000,000 requests/s"),
+    (["keys", "create", "--name", "k", "--rate", "-0.5"],
+     "'--rate': -0.5 is not a number from 0 to 1,000,000 requests/s"),
     (["keys", "create", "--name", "k", "--burst", "99999999999"],
      "'--burst': 99999999999 is not an integer from 1 to 1,000,000 requests"),
     (["keys", "create", "--name", "k", "--quota-per-day", "-1"],

@@ -29,7 +29,8 @@ def test_an_ok_ocr_result_reads_as_labelled_lines():
 
 
 def test_an_error_shows_its_code_and_message_and_no_line_count():
-    doc = ResultDocument(request_id=RID, status="error", filename="notes.txt", timings_ms={"total": 177.0, "ingest": 162.0},
+    doc = ResultDocument(request_id=RID, status="error", filename="notes.txt",
+                         timings_ms={"total": 177.0, "ingest": 162.0},
                          error=ErrorInfo(code=ErrorCode.UNSUPPORTED_FORMAT, message="not an image\x1b[2J\nsecond line"))
     assert summary_lines(doc) == [
         f"request:  {RID}",
@@ -86,7 +87,8 @@ def test_each_state_has_its_own_exit_code_and_line():
     ok = ResultDocument(request_id=RID, status="ok")
     assert [exit_code(Lookup(doc=ok)), exit_code(Lookup(doc=ok.model_copy(update={"status": "error"}))),
             exit_code(Lookup(doc=ok.model_copy(update={"status": "partial"}))), exit_code(Lookup(unknown=True)),
-            exit_code(Lookup(accepted=Accepted("claim"))), exit_code(Lookup(unavailable="Redis down"))] == [0, 1, 1, 2, 3, 4]
+            exit_code(Lookup(accepted=Accepted("claim"))),
+            exit_code(Lookup(unavailable="Redis down"))] == [0, 1, 1, 2, 3, 4]
     assert not_final_line(RID, Lookup(accepted=Accepted("marker"))) == f"{RID}: pending: accepted, not final yet"
     assert not_final_line("D:p2", Lookup(accepted=Accepted("page", document_id="D", page_number=2))) == (
         "D:p2: pending: page 2 of the document D, not final yet (ocrstream status D)")
