@@ -147,7 +147,6 @@ def submit(
         by_id = {sub.request_id: sub for sub in subs}
         if out:
             out.mkdir(parents=True, exist_ok=True)
-        failed = 0
         done: dict[str, object] = {}
         try:
             with Progress(TextColumn("[bold]OCR"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -164,29 +163,46 @@ def submit(
             err.print(f"[red]timed out[/red] after {timeout:.0f}s: {len(subs) - len(done)} of {len(subs)} not completed")
         finally:
             await watcher.stop()
-        for sub in subs:
-            res = done.get(sub.request_id)
-            if res is None:
-                failed += 1
-                continue
-            if out:
-                (out / f"{sub.path.stem}.{sub.request_id[:8]}.json").write_bytes(
-                    orjson.dumps(res.model_dump(mode="json", by_alias=True), option=orjson.OPT_INDENT_2))
-            head = f"== {sub.path.name}  [{res.status}{' cache hit' if res.cache_hit else ''}]  {sub.request_id}"
-            if res.status != "ok":
-                failed += 1
-                console.print(failure_lines(head, res), highlight=False, markup=False)
-                if res.status == "partial" and not quiet:
-                    _print_result(res)  # the text of the pages that did not fail
-            elif not quiet:
-                what = plural(len(res.lines), "line") if res.task == "ocr" else res.task
-                console.print(f"{head}  {what}, {res.timings_ms.get('total', 0):.0f} ms", highlight=False, markup=False)
-                _print_result(res)
+        failed = _print_outcomes(subs, done, out, quiet)
         console.print(f"{len(done)}/{len(subs)} completed, {failed} failed or missing"
                       + (f"; results in {out.resolve()}" if out else ""))
         return 0 if failed == 0 and not too_large else 1
 
     raise typer.Exit(asyncio.run(_run()))
+
+
+def _print_outcomes(subs: list, done: dict, out: Optional[Path], quiet: bool) -> int:
+    """Print each submitted file's result in submit order, and write it to ``out`` when given.
+
+    ``subs`` are the submissions (``.request_id``, ``.path``); ``done`` maps a request id to its
+    :class:`ResultDocument` (absent: it did not come in time). Each result is written as
+    ``<stem>.<first 8 of the id>.json`` (indented JSON) under ``out``. A result not ``ok`` is
+    printed as :func:`failure_lines` (a partial one then with the text of its good pages); an ``ok``
+    one as its head line and its text, unless ``quiet``.
+
+    Returns:
+        The number of files without an ``ok`` result (failed, partial or missing).
+    """
+    failed = 0
+    for sub in subs:
+        res = done.get(sub.request_id)
+        if res is None:
+            failed += 1
+            continue
+        if out:
+            (out / f"{sub.path.stem}.{sub.request_id[:8]}.json").write_bytes(
+                orjson.dumps(res.model_dump(mode="json", by_alias=True), option=orjson.OPT_INDENT_2))
+        head = f"== {sub.path.name}  [{res.status}{' cache hit' if res.cache_hit else ''}]  {sub.request_id}"
+        if res.status != "ok":
+            failed += 1
+            console.print(failure_lines(head, res), highlight=False, markup=False)
+            if res.status == "partial" and not quiet:
+                _print_result(res)  # the text of the pages that did not fail
+        elif not quiet:
+            what = plural(len(res.lines), "line") if res.task == "ocr" else res.task
+            console.print(f"{head}  {what}, {res.timings_ms.get('total', 0):.0f} ms", highlight=False, markup=False)
+            _print_result(res)
+    return failed
 
 
 def _files_to_submit(s: CommonSettings, paths: list[Path]) -> tuple[list[Path], dict[Path, int]]:
