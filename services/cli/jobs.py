@@ -18,9 +18,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from schemas.jobs import JobProgress
+from services.cli.options import MAX_WAIT_S, bounded
 from services.common.settings import CommonSettings, load_settings
+from services.common.wording import plural
 
-job_app = typer.Typer(no_args_is_help=True, help="Jobs: a job's progress and its summary report.")
+job_app = typer.Typer(no_args_is_help=True, help="Read a job's progress and its report.")
 console = Console(soft_wrap=True)
 err = Console(stderr=True)
 
@@ -33,8 +35,8 @@ def progress_line(p: JobProgress) -> str:
     total = "?" if p.total is None else str(p.total)
     rate = f", {p.rate_per_s:g}/s" if p.rate_per_s else ""
     eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None and p.state != "completed" else ""
-    return (f"{p.state}: {p.done}/{total} done, {p.ok} ok, {failed}, {p.cache_hits} cache hits, "
-            f"{p.pages} pages{rate}{eta}")
+    return (f"{p.state}: {p.done}/{total} done, {p.ok} ok, {failed}, {plural(p.cache_hits, 'cache hit')}, "
+            f"{plural(p.pages, 'page')}{rate}{eta}")
 
 
 async def _read(job_id: str) -> JobProgress | None:
@@ -46,13 +48,22 @@ async def _read(job_id: str) -> JobProgress | None:
 
 @job_app.command("status")
 def status(
-    job_id: str = typer.Argument(..., help="the job's id (printed by `ocrstream submit`)"),
-    once: bool = typer.Option(False, "--once", help="print the counts once and exit (else a live bar until done)"),
-    interval: float = typer.Option(0.5, "--interval", min=0.05, help="seconds between reads of the live bar"),
-    timeout: float = typer.Option(3600.0, "--timeout", help="give up the live bar after this many seconds"),
+    job_id: str = typer.Argument(..., help="The job's id, as `ocrstream submit` prints it."),
+    once: bool = typer.Option(False, "--once", help="Print the counts once and exit (without it, a live bar until "
+                              "the job completes)."),
+    interval: float = bounded(0.5, "--interval", lo=0.05, hi=3600, unit="s",
+                              help="How long the live bar waits between two reads of MariaDB"),
+    timeout: float = bounded(3600.0, "--timeout", lo=1, hi=MAX_WAIT_S, unit="s",
+                             help="How long the live bar waits for the job to complete"),
 ) -> None:
-    """A job's progress from MariaDB: total, done, ok, failed by error code, cache hits, pages, rate,
-    ETA. Exit 0 when completed, 1 when not (--once, or the timeout), 2 when unknown."""
+    """Show a job's progress from MariaDB, as a live bar until it completes.
+
+    The counts: total, done, ok, failed by error code, cache hits, pages, rate and ETA, printed on
+    one line at the end.
+
+    Exit codes: 0 the job is completed; 1 it is not (--once, or --timeout passed); 2 no job has
+    this id.
+    """
     prog = asyncio.run(_read(job_id))
     if prog is None:
         err.print(f"[red]error:[/red] no job {job_id!r} (none of its events or completions recorded yet)")
@@ -110,13 +121,16 @@ def _write_xlsx(rows, fields: list[str], path: Path) -> int:
 
 @job_app.command("report")
 def report(
-    job_id: str = typer.Argument(..., help="the job's id"),
-    fmt: str = typer.Option("csv", "--format", help="csv, jsonl or xlsx"),
-    out: Optional[Path] = typer.Option(None, "--out", help="file to write (default: stdout; xlsx needs --out)"),
+    job_id: str = typer.Argument(..., help="The job's id, as `ocrstream submit` prints it."),
+    fmt: str = typer.Option("csv", "--format", help="The report's format: csv, jsonl or xlsx."),
+    out: Optional[Path] = typer.Option(None, "--out", help="The file to write (by default stdout; xlsx needs one)."),
 ) -> None:
-    """The job's summary report from MariaDB, one row per request: name, status, error code, pages,
-    lines, characters, mean confidence, cache hit, per-stage times, and a column per field of an
-    `extract` job. Streamed (a server-side cursor): the rows are never all in memory."""
+    """Write a job's report from MariaDB, one row per request.
+
+    The columns: name, request id, status, error code, pages, lines, characters, mean confidence,
+    cache hit, the total and per-stage times, and one column per field of an `extract` job. The
+    rows are streamed (a server-side cursor), never all in memory. Exit 2 when no job has this id.
+    """
     from services.common.db import Database
     from services.common.job_report import write_rows
     from services.common.jobs import REPORT_SQL, JobStore
@@ -149,4 +163,4 @@ def report(
     if n is None:
         err.print(f"[red]error:[/red] no job {job_id!r}")
         raise typer.Exit(2)
-    err.print(f"{n} rows" + (f" in {out}" if out else ""))
+    err.print(plural(n, "row") + (f" in {out}" if out else ""), highlight=False)

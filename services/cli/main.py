@@ -18,10 +18,14 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from schemas.tasks import TaskError, parse_fields
+from services.cli.helptext import whole_paragraphs
 from services.cli.jobs import job_app
+from services.cli.options import MAX_WAIT_S, bounded
 from services.common.settings import CommonSettings, load_settings
+from services.common.wording import plural
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Streaming OCR over Kafka.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Streaming OCR over Kafka: submit images and documents, read their results, run the stages.")
 cache_app = typer.Typer(no_args_is_help=True, help="Manage the result cache.")
 app.add_typer(cache_app, name="cache")
 keys_app = typer.Typer(no_args_is_help=True, help="Manage the API keys of the HTTP door.")
@@ -35,9 +39,11 @@ STAGES = ("ingest", "dedup", "infer", "sink", "jobs")
 
 @app.command()
 def init() -> None:
-    """Create the topics, the S3 bucket (with lifecycle rules on its staging and upload prefixes) and the
-    MariaDB tables (idempotent). Dedup's inputs and its changelog get the same partition count; the
-    changelog is compacted."""
+    """Create the topics, the S3 bucket and the MariaDB tables (idempotent).
+
+    The bucket gets lifecycle rules on its staging and upload prefixes. Dedup's inputs and its
+    changelog get the same partition count; the changelog is compacted.
+    """
     from botocore.exceptions import ClientError
 
     from services.common.db import Database
@@ -49,7 +55,7 @@ def init() -> None:
     async def _run() -> None:
         created = await create_topics(s.kafka, s.topics.all(), compacted=s.topics.compacted())
         console.print(f"topics: {'created ' + ', '.join(created) if created else 'all present'} "
-                      f"({s.kafka.partitions} partitions each)")
+                      f"({plural(s.kafka.partitions, 'partition')} each)")
         store = ObjectStore(s.s3)
         made = await store.ensure_bucket()
         console.print(f"bucket {s.s3.bucket}: {'created' if made else 'present'}")
@@ -62,7 +68,7 @@ def init() -> None:
         for ensure, prefix, days, left in rules:
             try:
                 await ensure(days=days)
-                console.print(f"bucket {s.s3.bucket}: lifecycle rule on {prefix} ({days} day{'s' if days > 1 else ''})")
+                console.print(f"bucket {s.s3.bucket}: lifecycle rule on {prefix} ({plural(days, 'day')})")
             except ClientError as exc:
                 code = exc.response.get("Error", {}).get("Code")
                 if code not in ("AccessDenied", "NotImplemented"):
@@ -76,27 +82,37 @@ def init() -> None:
 
 @app.command()
 def submit(
-    paths: list[Path] = typer.Argument(..., help="image files or folders (folders: every file inside, hidden ones "
-                                       "skipped; links to files followed, links to folders not)"),
-    wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for every result"),
-    out: Optional[Path] = typer.Option(None, "--out", help="folder for one result JSON per image"),
-    timeout: float = typer.Option(600.0, help="seconds to wait for all results"),
-    task: str = typer.Option("ocr", help="task (part of the cache key): one of the deployment's OCRSTREAM_TASKS: "
-                             "ocr, doc_parse, table, formula, chart, extract, translate (docs/tasks.md)"),
+    paths: list[Path] = typer.Argument(..., help="Image or document files, or folders: every file inside, hidden "
+                                       "ones skipped, links to files followed, links to folders not."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for every result and print it (--no-wait: print "
+                              "each file's request id and return at once)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="A folder to write each whole result document to, as JSON."),
+    timeout: float = bounded(600.0, "--timeout", lo=1, hi=MAX_WAIT_S, unit="s",
+                             help="How long --wait waits for all the results"),
+    task: str = typer.Option("ocr", help="The task (part of the cache key): one of the deployment's OCRSTREAM_TASKS: "
+                             "ocr, doc_parse, table, formula, chart, extract, translate (docs/tasks.md)."),
     fields: Optional[str] = typer.Option(
-        None, "--fields", help='--task extract: the field names, comma-separated ("invoice number,date,total"; '
-        "1 to 50, each at most 100 characters)"),
-    to: Optional[str] = typer.Option(None, "--to", help="--task translate: the target language (en, zh, ja, ko, fr, "
-                                     "de, es, it, pt, ru, ar, vi, th)"),
-    source: str = typer.Option("cli", help="source label (selects the cache TTL)"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="do not print the text"),
-    job_name: Optional[str] = typer.Option(None, "--name", help="the job's name (default: the first path's name)"),
+        None, "--fields", help='For --task extract, the field names, comma-separated ("invoice number,date,total"; '
+        "1 to 50, each at most 100 characters)."),
+    to: Optional[str] = typer.Option(None, "--to", help="For --task translate, the target language (en, zh, ja, ko, "
+                                     "fr, de, es, it, pt, ru, ar, vi, th)."),
+    source: str = typer.Option("cli", help="The source label (it selects the cache TTL)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the results that are not ok (without "
+                               "their text) and the closing count."),
+    job_name: Optional[str] = typer.Option(None, "--name", help="The job's name (by default the first path's name)."),
     priority: Optional[str] = typer.Option(
-        None, "--priority", help="the lane the images are read in: interactive (before bulk work) or bulk; default "
-        "interactive for one file, bulk for more"),
+        None, "--priority", help="The lane the images are read in: interactive (before bulk work) or bulk; by default "
+        "interactive for one file, bulk for more."),
 ) -> None:
-    """Publish images to ocr.submit as one job (its id printed first: `ocrstream job status ID`,
-    `ocrstream job report ID`); with --wait, show progress and print each image's text."""
+    """Publish images and documents to ocr.submit as one job, and wait for their results.
+
+    The job's id is printed first (`ocrstream job status ID`, `ocrstream job report ID`). With
+    --wait (the default), a progress bar is shown and each image's result is printed as a person
+    reads it; with --no-wait, one `request-id  path` line per file.
+
+    Exit codes: 0 every result ok; 1 one failed, is partial, did not come within --timeout, or a
+    file was over the size limit (not sent); 2 a refused option, a missing path or no file.
+    """
     from services.cli.client import Submitter
     from services.common.completions import CompletionWatcher
 
@@ -123,7 +139,7 @@ def submit(
                                              lane)
         finally:
             await submitter.stop()
-        console.print(f"job {job_id}: {len(subs)} requests (ocrstream job status {job_id})", highlight=False)
+        console.print(f"job {job_id}: {plural(len(subs), 'request')} (ocrstream job status {job_id})", highlight=False)
         if not watcher:
             for sub in subs:
                 console.print(f"{sub.request_id}  {sub.path}")
@@ -131,7 +147,6 @@ def submit(
         by_id = {sub.request_id: sub for sub in subs}
         if out:
             out.mkdir(parents=True, exist_ok=True)
-        failed = 0
         done: dict[str, object] = {}
         try:
             with Progress(TextColumn("[bold]OCR"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -148,29 +163,46 @@ def submit(
             err.print(f"[red]timed out[/red] after {timeout:.0f}s: {len(subs) - len(done)} of {len(subs)} not completed")
         finally:
             await watcher.stop()
-        for sub in subs:
-            res = done.get(sub.request_id)
-            if res is None:
-                failed += 1
-                continue
-            if out:
-                (out / f"{sub.path.stem}.{sub.request_id[:8]}.json").write_bytes(
-                    orjson.dumps(res.model_dump(mode="json", by_alias=True), option=orjson.OPT_INDENT_2))
-            head = f"== {sub.path.name}  [{res.status}{' cache hit' if res.cache_hit else ''}]  {sub.request_id}"
-            if res.status != "ok":
-                failed += 1
-                console.print(failure_lines(head, res), highlight=False, markup=False)
-                if res.status == "partial" and not quiet:
-                    _print_result(res)  # the text of the pages that did not fail
-            elif not quiet:
-                what = f"{len(res.lines)} lines" if res.task == "ocr" else res.task
-                console.print(f"{head}  {what}, {res.timings_ms.get('total', 0):.0f} ms", highlight=False, markup=False)
-                _print_result(res)
+        failed = _print_outcomes(subs, done, out, quiet)
         console.print(f"{len(done)}/{len(subs)} completed, {failed} failed or missing"
                       + (f"; results in {out.resolve()}" if out else ""))
         return 0 if failed == 0 and not too_large else 1
 
     raise typer.Exit(asyncio.run(_run()))
+
+
+def _print_outcomes(subs: list, done: dict, out: Optional[Path], quiet: bool) -> int:
+    """Print each submitted file's result in submit order, and write it to ``out`` when given.
+
+    ``subs`` are the submissions (``.request_id``, ``.path``); ``done`` maps a request id to its
+    :class:`ResultDocument` (absent: it did not come in time). Each result is written as
+    ``<stem>.<first 8 of the id>.json`` (indented JSON) under ``out``. A result not ``ok`` is
+    printed as :func:`failure_lines` (a partial one then with the text of its good pages); an ``ok``
+    one as its head line and its text, unless ``quiet``.
+
+    Returns:
+        The number of files without an ``ok`` result (failed, partial or missing).
+    """
+    failed = 0
+    for sub in subs:
+        res = done.get(sub.request_id)
+        if res is None:
+            failed += 1
+            continue
+        if out:
+            (out / f"{sub.path.stem}.{sub.request_id[:8]}.json").write_bytes(
+                orjson.dumps(res.model_dump(mode="json", by_alias=True), option=orjson.OPT_INDENT_2))
+        head = f"== {sub.path.name}  [{res.status}{' cache hit' if res.cache_hit else ''}]  {sub.request_id}"
+        if res.status != "ok":
+            failed += 1
+            console.print(failure_lines(head, res), highlight=False, markup=False)
+            if res.status == "partial" and not quiet:
+                _print_result(res)  # the text of the pages that did not fail
+        elif not quiet:
+            what = plural(len(res.lines), "line") if res.task == "ocr" else res.task
+            console.print(f"{head}  {what}, {res.timings_ms.get('total', 0):.0f} ms", highlight=False, markup=False)
+            _print_result(res)
+    return failed
 
 
 def _files_to_submit(s: CommonSettings, paths: list[Path]) -> tuple[list[Path], dict[Path, int]]:
@@ -252,17 +284,19 @@ def failure_lines(head: str, res) -> str:
     if res.status == "partial":
         pages = ", ".join(str(n) for n in res.failed_pages)
         of = f" of {res.page_count}" if res.page_count else ""
-        return f"{head}\n   pages {pages}{of} failed (ocrstream status {res.request_id})"
+        noun = plural(len(res.failed_pages), "page", number=False)
+        return f"{head}\n   {noun} {pages}{of} failed (ocrstream status {res.request_id})"
     if res.error is None:
         return f"{head}\n   {res.status} (no error recorded; ocrstream status {res.request_id})"
     return f"{head}\n   error {res.error.code.value}: {safe_text(res.error.message)}"
 
 
 def _print_result(res) -> None:
-    """One finished ok result as a person reads it (:func:`services.cli.render.renderables`):
-    ``extract``'s fields as a two-column table (``-`` where absent), ``doc_parse``/``chart``
-    Markdown rendered with its HTML tables as tables, ``table``'s HTML as tables, ``formula``'s
-    LaTeX and ``translate``'s text as they are, ``ocr``'s lines."""
+    """One finished ok result (or a partial one: the pages that did not fail) as a person reads it
+    (:func:`services.cli.render.renderables`): ``extract``'s fields as a two-column table (``-``
+    where absent), ``doc_parse``/``chart`` Markdown rendered with its HTML tables as tables,
+    ``table``'s HTML as tables, ``formula``'s LaTeX and ``translate``'s text as they are, ``ocr``'s
+    lines. Prints to the console; returns nothing."""
     from services.cli.render import renderables
 
     for part in renderables(res):
@@ -270,31 +304,49 @@ def _print_result(res) -> None:
 
 
 @app.command()
-def status(request_id: str) -> None:
-    """Print the final state of a request from MariaDB (exit 1 if not completed yet). For a
-    document (a split PDF or TIFF), first one line of its progress: pages final of all, failed."""
-    from services.common.db import Database
-    from services.common.documents import progress
+def status(
+    request_id: str = typer.Argument(..., help="The request's id, as `ocrstream submit --no-wait` prints it, or a "
+                                     "document's page, `<document id>:p<n>`."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole stored result document instead, as one "
+                                 "line of JSON (for jq)."),
+) -> None:
+    """Print one request's state: its result as a person reads it, or tell pending from unknown.
 
-    async def _read():
-        db = Database(load_settings(CommonSettings).mysql, pool_size=1)
-        return await progress(db, request_id), await db.get_request(request_id)
+    A final request prints its status, error, task, line count and timings, then its text or the
+    task's answer as `ocrstream submit` shows it. For a document (a split PDF or TIFF), one line of
+    its pages' progress comes first, on stderr.
 
-    prog, doc = asyncio.run(_read())
-    if prog is not None:
-        err.print(prog.line(), highlight=False, markup=False, soft_wrap=True)
+    Exit codes: 0 ok; 1 error or partial; 2 no request has this id; 3 pending (accepted, not final
+    yet); 4 a store did not answer, so the state cannot be told.
+    """
+    from services.cli import status as st
+
+    look = asyncio.run(st.look_up(load_settings(CommonSettings), request_id))
+    if look.progress is not None:
+        err.print(look.progress.line(), highlight=False, markup=False, soft_wrap=True)
+    doc = look.doc
     if doc is None:
-        err.print(f"{request_id}: not completed (or unknown)")
-        raise typer.Exit(1)
-    console.print_json(doc.model_dump_json(by_alias=True))
+        err.print(st.not_final_line(request_id, look), highlight=False, markup=False, soft_wrap=True)
+    elif as_json:
+        sys.stdout.write(doc.model_dump_json(by_alias=True) + "\n")
+    else:
+        console.print("\n".join(st.summary_lines(doc)), highlight=False, markup=False)
+        if doc.status != "error":
+            console.print()
+            _print_result(doc)
+    raise typer.Exit(st.exit_code(look))
 
 
 @app.command()
 def run(
-    infer: int = typer.Option(1, help="infer processes to start"),
-    only: Optional[list[str]] = typer.Option(None, help="start only these stages"),
+    infer: int = bounded(1, "--infer", kind=int, lo=1, hi=64, help="How many infer processes to start"),
+    only: Optional[list[str]] = typer.Option(None, help="Start only this stage (repeat it for more: --only ingest "
+                                             "--only sink)."),
 ) -> None:
-    """Start the stages (ingest, dedup, infer, sink, jobs) as separate processes in this terminal; Ctrl-C stops them cleanly."""
+    """Run the stages (ingest, dedup, infer, sink, jobs) as separate processes in this terminal.
+
+    Ctrl-C stops them cleanly; when one stage exits, the others are stopped too.
+    """
     stages = [st for st in STAGES if not only or st in only]
     procs: list[tuple[str, subprocess.Popen]] = []
     for st in stages:
@@ -335,11 +387,18 @@ def run(
 
 @app.command()
 def report(
-    since: str = typer.Option("1h", "--since", help="window start: a duration back (90s, 15m, 1h, 2d) or an ISO time"),
-    png: Optional[Path] = typer.Option(None, "--png", help="also write a chart (stage shares, latency histogram)"),
-    source: Optional[str] = typer.Option(None, "--source", help="only requests of this source label"),
+    since: str = typer.Option("1h", "--since", help="The window's start: a duration back (90s, 15m, 1h, 2d) or an "
+                              "ISO time."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Also write a chart to this file (stage shares, latency "
+                                       "histogram)."),
+    source: Optional[str] = typer.Option(None, "--source", help="Only the requests of this source label."),
 ) -> None:
-    """Per-stage p50/p95/p99 and share of total time of the requests completed in a window (MariaDB)."""
+    """Print each stage's latency percentiles and share of the time, over a window of requests.
+
+    The requests are those completed in the window, read from MariaDB; each stage gets its p50,
+    p95, p99 and mean in ms and its share of the total time. Exit 1 when no request completed in
+    the window. For a job's rows, use `ocrstream job report`.
+    """
     from services.cli.report import load_rows, parse_since, render_table, summarize, write_png
     from services.common.db import Database
 
@@ -363,11 +422,14 @@ PURGE_TIMEOUT_MS = 30_000
 
 @cache_app.command("purge")
 def cache_purge(
-    model: Optional[str] = typer.Option(None, "--model", help="model revision whose entries to delete"),
-    generation: Optional[str] = typer.Option(None, "--generation", help="generation id to delete"),
+    model: Optional[str] = typer.Option(None, "--model", help="The model revision whose entries to delete."),
+    generation: Optional[str] = typer.Option(None, "--generation", help="The generation id whose entries to delete."),
 ) -> None:
-    """Delete the cache entries of one generation (by model revision or generation id) and fence its
-    stored results in S3 (``fences/<gen_id>.json``), so neither Redis nor the S3 tier answers from them."""
+    """Delete the cache entries of one generation, named by its model revision or its id.
+
+    Its stored results in S3 are fenced too (fences/<gen_id>.json), so neither Redis nor the S3
+    tier answers from them. Exit 1 when no generation has that model revision or id.
+    """
     from redis.exceptions import RedisError
 
     from schemas.keys import purge_fence_key
@@ -409,7 +471,7 @@ def cache_purge(
         err.print(f"error: no cache generation has {'model revision ' + repr(model) if model else 'id ' + repr(generation)}"
                   " (generations are registered by dedup; see `ocrstream cache purge --help`)")
         raise typer.Exit(1)
-    console.print(f"deleted {deleted} cache entries of {len(gens)} generation{'s' if len(gens) != 1 else ''}; "
+    console.print(f"deleted {plural(deleted, 'cache entry', 'cache entries')} of {plural(len(gens), 'generation')}; "
                   f"fenced their stored results in S3 ({', '.join(gens)})")
 
 
@@ -426,14 +488,19 @@ def _ms_time(ms: int | None) -> str:
 
 @keys_app.command("create")
 def keys_create(
-    name: str = typer.Option(..., "--name", help="label of the key (who or what uses it)"),
-    rate: Optional[float] = typer.Option(None, "--rate", min=0, help="requests/s of this key; 0 = unlimited; "
-                                         "default: the door's OCRSTREAM_RATE_LIMIT_PER_S"),
-    burst: Optional[int] = typer.Option(None, "--burst", min=1, help="token bucket size; default: OCRSTREAM_RATE_LIMIT_BURST"),
-    quota_per_day: Optional[int] = typer.Option(None, "--quota-per-day", min=0, help="submissions per UTC day; "
-                                                "0 = none; default: OCRSTREAM_QUOTA_PER_DAY"),
+    name: str = typer.Option(..., "--name", help="The key's label: who or what uses it."),
+    rate: Optional[float] = bounded(None, "--rate", lo=0, hi=1_000_000, unit="requests/s", help=(
+        "The key's request rate (0: unlimited; by default the door's OCRSTREAM_RATE_LIMIT_PER_S)")),
+    burst: Optional[int] = bounded(None, "--burst", kind=int, lo=1, hi=1_000_000, unit="requests", help=(
+        "The key's token bucket size (by default the door's OCRSTREAM_RATE_LIMIT_BURST)")),
+    quota_per_day: Optional[int] = bounded(None, "--quota-per-day", kind=int, lo=0, hi=1_000_000_000,
+                                           unit="submissions", help=(
+        "The key's submissions per UTC day (0: no quota; by default the door's OCRSTREAM_QUOTA_PER_DAY)")),
 ) -> None:
-    """Create an API key; prints the key and its webhook secret once (only a hash of the key is stored)."""
+    """Create an API key for the HTTP door, and print it and its webhook secret once.
+
+    Only the key's SHA-256 is stored: keep the key when it is printed, it is not shown again.
+    """
     try:
         new = asyncio.run(_key_store().create(name, rate_per_s=rate, burst=burst, quota_per_day=quota_per_day))
     except ValueError as exc:
@@ -446,8 +513,11 @@ def keys_create(
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: str = typer.Argument(..., help="id of the key (the part after ocs_)")) -> None:
-    """Revoke a key: running doors refuse it within OCRSTREAM_AUTH_CACHE_S seconds (exit 1 if unknown)."""
+def keys_revoke(key_id: str = typer.Argument(..., help="The key's id (the part after ocs_).")) -> None:
+    """Revoke an API key: running doors refuse it within OCRSTREAM_AUTH_CACHE_S seconds.
+
+    Exit 1 when no key has this id.
+    """
     key = asyncio.run(_key_store().revoke(key_id))
     if key is None:
         err.print(f"[red]error:[/red] no API key {key_id!r}")
@@ -457,9 +527,12 @@ def keys_revoke(key_id: str = typer.Argument(..., help="id of the key (the part 
 
 @keys_app.command("list")
 def keys_list(
-    all_: bool = typer.Option(True, "--all/--active", help="include revoked keys"),
+    all_: bool = typer.Option(True, "--all/--active", help="List revoked keys too (--active: only the others)."),
 ) -> None:
-    """List the API keys: id, name, limits, created, revoked (never a key or a secret)."""
+    """List the API keys: id, name, limits, and when each was created and revoked.
+
+    Neither a key nor a webhook secret is ever shown.
+    """
     from rich.table import Table
 
     keys = asyncio.run(_key_store().list(include_revoked=all_))
@@ -471,6 +544,9 @@ def keys_list(
                       dflt if k.quota_per_day is None else str(k.quota_per_day),
                       _ms_time(k.created_at_ms), _ms_time(k.revoked_at_ms))
     console.print(table)
+
+
+whole_paragraphs(app)  # after every command is registered: help read as whole sentences
 
 
 def main() -> None:

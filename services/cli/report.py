@@ -17,6 +17,8 @@ import numpy as np
 import orjson
 from rich.table import Table
 
+from services.common.wording import plural
+
 # Stage timings in pipeline order (keys of ``ResultDocument.timings_ms``), ``total`` apart.
 STAGES = (
     "queue_ingest", "ingest", "queue_dedup", "dedup", "queue_infer", "fetch", "decode", "preprocess",
@@ -116,8 +118,8 @@ def summarize(rows: list[dict], since_ms: int = 0) -> Report:
 def render_table(rep: Report) -> Table:
     """The report as a rich table: one row per stage, then ``unaccounted`` and ``total``."""
     since = datetime.fromtimestamp(rep.since_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    table = Table(title=f"{rep.requests} requests completed since {since} "
-                        f"({rep.ok} ok, {rep.cache_hits} cache hits); times in ms")
+    table = Table(title=f"{plural(rep.requests, 'request')} completed since {since} "
+                        f"({rep.ok} ok, {plural(rep.cache_hits, 'cache hit')}); times in ms")
     for col in ("stage", "n", "p50", "p95", "p99", "mean", "share"):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for s in rep.stages:
@@ -157,7 +159,7 @@ def write_png(rep: Report, path: Path) -> Path:
                 ax2.text(v, ax2.get_ylim()[1] * 0.95, q, rotation=90, fontsize=7, va="top")
     ax2.set_xlabel("total latency (ms)")
     ax2.set_ylabel("requests")
-    ax2.set_title(f"Latency of {rep.requests} requests")
+    ax2.set_title(f"Latency of {plural(rep.requests, 'request')}")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -196,12 +196,25 @@ async def unclaimed_holder(db: Database, request_id: str) -> str | None:
     """
     if await db.query("SELECT 1 FROM requests WHERE request_id = %s", request_id):
         return f"request_id {request_id!r} is already used by another request (it has its final state)"
+    page = await registered_page(db, request_id)
+    if page is None:
+        return None
+    return f"request_id {request_id!r} is page {page[1]} of the document {page[0]!r}"
+
+
+async def registered_page(db: Database, request_id: str) -> tuple[str, int] | None:
+    """``(document id, page number)`` when ``request_id`` is ``<document id>:p<n>`` of a document
+    registered in ``documents`` with at least ``n`` pages (ingest split it), else None.
+
+    Raises:
+        pymysql.MySQLError: MariaDB failed.
+    """
     page = _PAGE_ID.fullmatch(request_id)
     if page is None:
         return None
     rows = await db.query("SELECT page_count FROM documents WHERE document_id = %s", page.group(1))
     if rows and int(page.group(2)) <= int(rows[0]["page_count"]):
-        return f"request_id {request_id!r} is page {page.group(2)} of the document {page.group(1)!r}"
+        return page.group(1), int(page.group(2))
     return None
 
 

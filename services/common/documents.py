@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from schemas.events import RequestEvent, ResultDocument
 from services.common.db import Database
+from services.common.wording import plural
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Progress:
         """One line for people, e.g. ``doc-7: 12/40 pages final (1 failed), assembling when all are``."""
         end = (f"{self.status}, {self.result_uri}" if self.status
                else "assembled when all are final")
-        return (f"{self.document_id}: {self.final}/{self.page_count} pages final "
+        return (f"{self.document_id}: {self.final}/{plural(self.page_count, 'page')} final "
                 f"({self.failed} failed); {end}")
 
 

@@ -26,6 +26,7 @@ from schemas.jobs import JobSummary
 from services.common.db import Database
 from services.common.jobs import REPORT_SQL, JobRow
 from services.common.s3 import ObjectStore
+from services.common.wording import plural
 
 #: Per-stage times in the report (keys of ``ResultDocument.timings_ms``, pipeline order), as ``<name>_ms`` columns.
 STAGE_TIMES = ("queue_ingest", "ingest", "queue_dedup", "dedup", "queue_infer", "fetch", "decode", "preprocess",
@@ -168,7 +169,7 @@ def write_chart(summary: JobSummary, latencies: list[float], path: Path) -> Path
     counts = [*summary.by_status.values(), *summary.by_error_code.values()]
     ax1.barh(labels or ["none"], counts or [0], color="tab:blue")
     ax1.set_xlabel("requests")
-    ax1.set_title(f"{summary.requests} requests, cache hit rate {100 * summary.cache_hit_rate:.1f}%")
+    ax1.set_title(f"{plural(summary.requests, 'request')}, cache hit rate {100 * summary.cache_hit_rate:.1f}%")
     if latencies:
         ax2.hist(latencies, bins=min(50, max(5, len(latencies) // 4)), color="tab:green")
         for q, v in summary.latency_ms.items():

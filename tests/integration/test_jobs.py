@@ -149,7 +149,7 @@ def test_ocrstream_submit_is_a_job_and_job_status_and_report_read_it(jobs_stage,
     job_id = head.split()[1][:-1]
     status = cli("job", "status", job_id, "--timeout", "240")
     assert status.returncode == 0, status.stdout + status.stderr
-    assert status.stdout.startswith("completed: 3/3 done, 2 ok, 1 failed (empty_input 1), 1 cache hits, 3 pages")
+    assert status.stdout.startswith("completed: 3/3 done, 2 ok, 1 failed (empty_input 1), 1 cache hit, 3 pages")
     rep = cli("job", "report", job_id, "--format", "csv")
     assert rep.returncode == 0, rep.stderr
     rows = sorted((r["name"], r["status"], r["error_code"]) for r in csv.DictReader(io.StringIO(rep.stdout)))

@@ -93,7 +93,7 @@ async def test_model_revision_change_is_a_miss_and_purge_removes_a_generation(sf
     assert cached.cache_hit
     out = subprocess.run([sys.executable, "-m", "services.cli", "cache", "purge", "--model", "rev-2"], cwd=REPO,
                          capture_output=True, text=True, check=True)
-    assert "deleted 1 cache entries of 1 generation" in out.stdout
+    assert "deleted 1 cache entry of 1 generation" in out.stdout
     unknown = subprocess.run([sys.executable, "-m", "services.cli", "cache", "purge", "--model", "no-such-rev"], cwd=REPO,
                              capture_output=True, text=True)
     assert unknown.returncode == 1 and "no cache generation has model revision 'no-such-rev'" in unknown.stderr, unknown
@@ -116,7 +116,7 @@ def _purge(revision: str) -> int:
     out = subprocess.run([sys.executable, "-m", "services.cli", "cache", "purge", "--model", revision], cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    m = re.search(r"deleted (\d+) cache entries", out.stdout)
+    m = re.search(r"deleted (\d+) cache entr(?:y|ies)", out.stdout)
     assert m, out.stdout + out.stderr
     return int(m.group(1))
 
