@@ -1,4 +1,7 @@
-"""Kafka topic names used between the stages."""
+"""Kafka topic names used between the stages, and who produces and consumes each
+(:data:`TOPOLOGY`, drawn as a table in docs/architecture.md by :func:`topology_markdown`)."""
+
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
@@ -25,7 +28,8 @@ class Topics(BaseModel):
     """Cache misses of the interactive lane (a single request at either door), as ``infer``. Read by infer
     before ``infer``, with slots of its own (docs/delivery.md, "Two lanes")."""
     results: str = "ocr.results"
-    """Results from infer, cache hits from dedup and rejections from ingest. Read by sink."""
+    """Results from infer, cache hits from dedup and the HTTP door, rejections from ingest and the
+    runner's DLQ path (keys: :data:`TOPOLOGY`). Read by sink."""
     completed: str = "ocr.completed"
     """One completion per request, keyed by request id. For downstream systems."""
     dlq: str = "ocr.dlq"
@@ -52,3 +56,49 @@ class Topics(BaseModel):
     def copartitioned(self) -> list[str]:
         """Topics that must have the same partition count (dedup's input and its changelog)."""
         return [self.requests, self.dedup_changelog]
+
+
+@dataclass(frozen=True)
+class TopicUse:
+    """One topic's place in the pipeline.
+
+    Attributes:
+        field: The :class:`Topics` field naming the topic (``OCRSTREAM_TOPICS__<FIELD>``).
+        key: What its records are keyed by (the partitioning key).
+        producers: Who writes it: a stage folder under ``services/`` (``api`` is the HTTP door,
+            ``cli`` the ``ocrstream`` command, ``common`` the runner's DLQ path and the completion
+            watcher that the door and the CLI share), or ``upstream`` (systems outside ocrstream).
+        consumers: Who reads it, named the same way, or ``downstream`` / ``operators``.
+    """
+
+    field: str
+    key: str
+    producers: tuple[str, ...]
+    consumers: tuple[str, ...]
+
+
+#: Every topic, in flow order: its key, producers and consumers. tests/unit/test_topology.py checks
+#: it against each handler's ``consumes()`` and the topics each stage's code names.
+TOPOLOGY: tuple[TopicUse, ...] = (
+    TopicUse("submit", "request id", ("upstream", "api", "cli"), ("ingest",)),
+    TopicUse("requests", "content SHA-256", ("ingest", "api", "sink"), ("dedup",)),
+    TopicUse("infer_interactive", "content SHA-256", ("dedup",), ("infer",)),
+    TopicUse("infer", "content SHA-256", ("dedup",), ("infer",)),
+    TopicUse("results", "content SHA-256 (infer, dedup, api cache hits); request id (ingest, common)",
+             ("infer", "dedup", "ingest", "api", "common"), ("sink",)),
+    TopicUse("completed", "request id", ("sink",), ("jobs", "api", "common", "downstream")),
+    TopicUse("dlq", "request id, else topic-partition-offset", ("common", "jobs"), ("operators",)),
+    TopicUse("dedup_changelog", "a holder, waiter or settled record of a cache key", ("dedup",), ("dedup",)),
+    TopicUse("jobs", "job id", ("upstream", "api", "cli"), ("jobs",)),
+    TopicUse("job_completed", "job id", ("jobs",), ("api", "downstream")),
+)
+
+
+def topology_markdown(topics: Topics | None = None) -> str:
+    """The :data:`TOPOLOGY` table as Markdown (one row a topic), with default topic names."""
+    t = topics or Topics()
+    rows = ["| Topic | Key | Producers | Consumers |", "|---|---|---|---|"]
+    for use in TOPOLOGY:
+        rows.append(f"| `{getattr(t, use.field)}` | {use.key} | {', '.join(use.producers)} | "
+                    f"{', '.join(use.consumers)} |")
+    return "\n".join(rows) + "\n"
