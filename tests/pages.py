@@ -1,5 +1,5 @@
-"""Generated pages of the kinds the pipeline must read at least as well as the raw engine
-(issue 21), each with the lines it holds: light text on transparent backgrounds (RGBA, LA,
+"""Generated pages of the kinds the pipeline must read at least as well as the raw engine,
+each with the lines it holds: light text on transparent backgrounds (RGBA, LA,
 palette, 16-bit), independent columns, words whose spaces the recogniser tends to drop, and a
 6000x160 banner.
 

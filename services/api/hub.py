@@ -27,7 +27,7 @@ class CompletionHub:
     """
 
     def __init__(self, settings: CommonSettings, max_waiters: int):
-        self.watcher = CompletionWatcher(settings)
+        self.watcher = CompletionWatcher(settings, client_id="ocrstream-api")
         self.max_waiters = max_waiters
         self._waiters: dict[str, set[asyncio.Future]] = defaultdict(set)
         self._count = 0

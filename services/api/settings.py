@@ -101,7 +101,7 @@ class ApiSettings(CommonSettings):
         description="a PDF or multi-page TIFF posted to the door is checked against the document limits (413 "
                     "document_too_many_pages, document_too_large), stored, and handed to ingest on "
                     "ocr.submit to be split into pages (docs/documents.md); false: one request of at most "
-                    "limits.max_pages pages, straight to ocr.requests, as before")
+                    "limits.max_pages pages, straight to ocr.requests")
     http_max_head_bytes: int = Field(
         default=16 * 1024, ge=1024,
         description="request target and header lines of one request, bytes; past it 431 and the connection "

@@ -8,7 +8,7 @@ from aiokafka import TopicPartition
 
 from schemas.events import CompletedEvent
 from services.common.events import loads
-from services.common.kafka import make_consumer
+from services.common.kafka import make_consumer, topic_partitions
 from services.common.settings import CommonSettings
 
 
@@ -16,19 +16,24 @@ class CompletionWatcher:
     """Reads ``ocr.completed`` from the current end of every partition (no consumer group).
 
     Start it *before* submitting so no completion is missed.
+
+    Args:
+        settings: Kafka connection and topic names.
+        client_id: The Kafka client id the broker sees (its logs and quotas): ``ocrstream-cli``
+            for the command, ``ocrstream-api`` for the HTTP door.
     """
 
-    def __init__(self, settings: CommonSettings):
+    def __init__(self, settings: CommonSettings, client_id: str = "ocrstream-cli"):
         self.s = settings
-        self.consumer = make_consumer(settings.kafka, [], None, client_id="ocrstream-cli", auto_offset_reset="latest")
+        self.client_id = client_id
+        self.consumer = make_consumer(settings.kafka, [], None, client_id=client_id, auto_offset_reset="latest")
 
     async def start(self) -> None:
         """Connect, assign all partitions of ``ocr.completed`` and seek to their end."""
         await self.consumer.start()
         parts = self.consumer.partitions_for_topic(self.s.topics.completed)
-        if not parts:
-            await self.consumer._client.force_metadata_update()
-            parts = self.consumer.partitions_for_topic(self.s.topics.completed) or set()
+        if not parts:  # not in the consumer's metadata yet: ask the brokers
+            parts = await topic_partitions(self.s.kafka, self.s.topics.completed, self.client_id)
         tps = [TopicPartition(self.s.topics.completed, p) for p in sorted(parts)]
         self.consumer.assign(tps)
         await self.consumer.seek_to_end(*tps)

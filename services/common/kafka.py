@@ -173,6 +173,22 @@ async def create_topics(cfg: KafkaSettings, names: list[str], compacted: list[st
         await admin.close()
 
 
+async def topic_partitions(cfg: KafkaSettings, topic: str, client_id: str) -> set[int]:
+    """The partition numbers of ``topic`` as the brokers describe it now (empty: no such topic).
+
+    Raises:
+        Exception: the brokers cannot be asked (a ``KafkaError`` or a timeout, as the admin
+            client raises them).
+    """
+    admin = make_admin(cfg, client_id)
+    try:
+        await admin.start()
+        described = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    return {p["partition"] for d in described if d.get("topic") == topic for p in d.get("partitions") or []}
+
+
 async def check_copartitioned(cfg: KafkaSettings, names: list[str], timeout_s: float = 30.0) -> None:
     """Refuse to run when co-partitioned topics (``ocr.requests`` and dedup's changelog) differ in
     partition count or are missing: a partition's keyed state would be restored from, and written

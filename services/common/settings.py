@@ -304,7 +304,7 @@ class CommonSettings(BaseSettings):
     topics: Topics = Topics()
     engine: EngineIdentity = EngineIdentity()
     # Engine settings that change results: here, not in the infer settings, because every stage
-    # that computes a cache key (dedup, the HTTP door) must see them. Same env names as before.
+    # that computes a cache key (dedup, the HTTP door) must see them.
     engine_kind: Literal["rapidocr", "vllm", "openai"] | None = Field(
         default=None, description="the engine infer runs; defaults to engine.engine (part of the cache key)"
     )

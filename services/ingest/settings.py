@@ -16,7 +16,7 @@ class IngestSettings(CommonSettings):
     ingest_concurrency: int = Field(default=8, ge=1, description="submissions processed concurrently")
     split_documents: bool = Field(
         default=True, description="split a PDF or multi-page TIFF into one request per page (docs/documents.md); "
-        "false: one request for all its pages, as before (at most limits.max_pages)")
+        "false: one request for all its pages (at most limits.max_pages)")
     split_batch_pages: int = Field(
         default=4, ge=1, description="pages rendered per decoder call while splitting: the most rendered pages "
         "ingest holds at once per document")

@@ -1,6 +1,6 @@
 """Redis is a cache you can lose: stopped for a whole run, flushed, restarted empty, flushed while
 copies wait. No request is lost or stuck, copies in flight are computed once, and an image
-already read is answered from the S3 tier, never read again (issue #22).
+already read is answered from the S3 tier, never read again.
 
 The pipeline here has a Redis of its own (a real ``redis-server`` on a free loopback port, no
 persistence), so it can be stopped and flushed without touching the shared stack's. Dedup's

@@ -1,5 +1,5 @@
-"""Every kind of page read at least as well as the raw engine, through the real pipeline
-(issue 21): light text on transparent backgrounds, independent columns, dropped spaces, a
+"""Every kind of page read at least as well as the raw engine, through the real pipeline:
+light text on transparent backgrounds, independent columns, dropped spaces, a
 6000x160 banner; and every file of a folder submitted by the CLI."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Documents (issue 25): a PDF split into pages at ingest, read by two infer processes, assembled by the sink."""
+"""Documents: a PDF split into pages at ingest, read by two infer processes, assembled by the sink."""
 
 from __future__ import annotations
 

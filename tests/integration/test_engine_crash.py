@@ -1,5 +1,5 @@
 """An image that takes the OCR server down must end with ``engine_crash``, not hold its partition
-for ever (issue #4: "per-item limits ... the rest of the batch goes on").
+for ever: the limits are per item, and the rest of the batch goes on.
 
 Infer runs its ``openai`` engine against a small OpenAI-compatible server on loopback (a thread
 of this process) that dies on one image: it drops the connection and stops listening, then comes

@@ -1,4 +1,4 @@
-"""Documents posted to the HTTP door (issue 25): stored by the door, split by ingest, assembled by the sink,
+"""Documents posted to the HTTP door: stored by the door, split by ingest, assembled by the sink,
 answered by the door's long-poll as the document; over-limit documents refused early; forged door marks refused."""
 
 from __future__ import annotations

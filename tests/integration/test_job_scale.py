@@ -1,4 +1,4 @@
-"""A job of 1,000 images on the real stack (issue #25): exact counts, one completion, the report, HTTP and SSE.
+"""A job of 1,000 images on the real stack: exact counts, one completion, the report, HTTP and SSE.
 
 The module runs its own namespaced pipeline (the four stages, the jobs stage and the HTTP door)
 with the CPU engine's detector limit at 96 px (``OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN``,

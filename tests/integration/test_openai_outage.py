@@ -1,4 +1,4 @@
-"""The ``openai`` engine's model server goes down while the pipeline runs (issue #4).
+"""The ``openai`` engine's model server goes down while the pipeline runs.
 
 Infer runs its ``openai`` engine against a small OpenAI-compatible OCR server on loopback
 (stdlib, a thread of this process) that is stopped after start-up and started again on the same

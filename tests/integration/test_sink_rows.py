@@ -1,4 +1,4 @@
-"""Permanent database errors are not outages (issue 20, item 5), against a real sink process.
+"""Permanent database errors are not outages, against a real sink process.
 
 * Rows are bounded by design: a result whose document is far over the row bound
   (``OCRSTREAM_MYSQL__ROW_MAX_BYTES``, 1 MiB) ends with one row and one completion holding its

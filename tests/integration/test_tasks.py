@@ -1,4 +1,4 @@
-"""Tasks beyond text spotting through the real pipeline (issue #24).
+"""Tasks beyond text spotting through the real pipeline.
 
 Infer runs its ``openai`` engine against a loopback OpenAI-compatible server
 (:class:`tests.stack.LoopbackOcrServer`) that answers each task's prompt with a recorded answer in

@@ -1,4 +1,4 @@
-"""Tracing, stage timings, metrics, readiness and the report on the real stack (issue #6).
+"""Tracing, stage timings, metrics, readiness and the report on the real stack.
 
 A pipeline of its own with the ``file`` span exporter: every stage process appends its spans
 as JSON lines to one file, so one trace can be followed across the four processes.

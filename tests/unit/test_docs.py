@@ -8,10 +8,6 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-#: Files other branches of this round add; a link to one is accepted while it is missing (and
-#: checked like any other once it exists). Drop an entry when its file has landed.
-PENDING: set[str] = set()
-
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 
@@ -70,8 +66,7 @@ def test_every_relative_link_resolves():
             dest = (path.parent / file_part).resolve() if file_part else path
             rel = dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest
             if not dest.exists():
-                if str(rel) not in PENDING:
-                    broken.append(f"{path.relative_to(REPO)}: {target} (no {rel})")
+                broken.append(f"{path.relative_to(REPO)}: {target} (no {rel})")
                 continue
             if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 broken.append(f"{path.relative_to(REPO)}: {target} (no heading #{anchor} in {rel})")
