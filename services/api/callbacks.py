@@ -28,13 +28,15 @@ from dataclasses import dataclass
 
 import httpx
 
+from services.common.errors import OcrstreamError
+
 #: Longest time a host name may take to resolve, s.
 RESOLVE_TIMEOUT_S = 5.0
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-class CallbackRefused(Exception):
+class CallbackRefused(OcrstreamError):
     """A callback URL the guard refuses.
 
     Attributes:

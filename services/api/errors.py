@@ -17,11 +17,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from schemas.errors import ErrorCode, HttpErrorCode, http_status
+from services.common.errors import OcrstreamError
 
 log = logging.getLogger(__name__)
 
 
-class ApiError(Exception):
+class ApiError(OcrstreamError):
     """An error answered with ``{"error": {"code", "message"}}`` and the code's HTTP status.
 
     Args:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import pymysql
 
 from services.common.db import Database
+from services.common.errors import OcrstreamError
 
 KEY_PREFIX = "ocs"
 _KEY_RE = re.compile(r"^ocs_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
@@ -42,7 +43,7 @@ _ID_RE = re.compile(r"^[0-9a-f]{12}$")
 _COLUMNS = "key_id, name, key_hash, rate_per_s, burst, quota_per_day, created_at_ms, revoked_at_ms"
 
 
-class MalformedKey(ValueError):
+class MalformedKey(OcrstreamError, ValueError):
     """The presented string is not of the form ``ocs_<12 hex>_<43 base64url>``."""
 
 

@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from schemas.keys import CacheGeneration
+from services.common.errors import OcrstreamError
 from services.common.settings import RedisSettings
 from services.common.telemetry import Telemetry
 
@@ -46,7 +47,7 @@ return hit
 """
 
 
-class CacheUnavailable(Exception):
+class CacheUnavailable(OcrstreamError):
     """Redis did not answer within its time budget (or errored). Treat as a miss."""
 
     retriable = True

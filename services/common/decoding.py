@@ -45,7 +45,7 @@ import orjson
 from opentelemetry import trace
 
 from schemas.errors import ErrorCode
-from services.common.errors import OcrError
+from services.common.errors import OcrError, OcrstreamError
 from services.common.imaging import BACKGROUNDS, ImageInfo
 from services.common.settings import DecodeSettings, Limits
 from services.common.splitting import Rendered
@@ -117,7 +117,7 @@ class DecodedPages:
             cb()
 
 
-class _Died(Exception):
+class _Died(OcrstreamError):
     """The worker process ended (exit status or signal in ``returncode``)."""
 
     def __init__(self, returncode: int | None):

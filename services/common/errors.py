@@ -10,10 +10,26 @@ from __future__ import annotations
 
 import asyncio
 
+import botocore.exceptions
+import pymysql.err
+import redis.exceptions
+
 from schemas.errors import ErrorCode
 
 
-class OcrError(Exception):
+class OcrstreamError(Exception):
+    """The root of ocrstream's own exceptions (every class under ``services/`` derives from it).
+
+    ``retriable`` (a class attribute, or set per instance), as aiokafka's ``KafkaError.retriable``:
+    True when the failure may pass by itself (a store, the broker or a model server down), so the
+    runner retries with backoff for as long as it lasts; False when retrying the same input cannot
+    help (bad input, a bug), so it is tried a bounded number of times, then given up on.
+    """
+
+    retriable: bool = False
+
+
+class OcrError(OcrstreamError):
     """A failure with a stable :class:`~schemas.errors.ErrorCode` that ends a request.
 
     Args:
@@ -29,38 +45,41 @@ class OcrError(Exception):
         self.message = message
 
 
-class StoreUnavailable(Exception):
+class StoreUnavailable(OcrstreamError):
     """A store (S3, Redis, MariaDB) or the broker did not answer; retried with backoff."""
 
     retriable = True
 
 
+#: Library errors that mean "a dependency is down", not "this input is bad": the connection and
+#: timeout errors of the standard library, botocore (S3), PyMySQL (MariaDB) and redis-py.
+TRANSIENT_LIBRARY_ERRORS: tuple[type[BaseException], ...] = (
+    ConnectionError, TimeoutError, asyncio.TimeoutError,
+    botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectionClosedError,
+    botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ProxyConnectionError,
+    pymysql.err.OperationalError, pymysql.err.InterfaceError,
+    redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,  # BusyLoadingError is a ConnectionError
+)
+
+#: S3 error codes (a ``ClientError``'s ``Error.Code``) that mean "try again later" (AWS S3 error
+#: responses: SlowDown, ServiceUnavailable, InternalError, RequestTimeout; MinIO answers the same).
+TRANSIENT_S3_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500"})
+
+
 def is_transient(exc: BaseException) -> bool:
     """True when ``exc`` means "something we depend on is down", not "this message is bad".
 
-    Checks the ``retriable`` attribute first (ours and aiokafka's), then well-known
-    connection/timeout errors of botocore, PyMySQL and redis-py.
+    Checks the ``retriable`` attribute first (:class:`OcrstreamError` and aiokafka's
+    ``KafkaError``), then the connection and timeout errors of the standard library, botocore,
+    PyMySQL and redis-py by class (:data:`TRANSIENT_LIBRARY_ERRORS`), and an S3 error answer that
+    means "try again" (:data:`TRANSIENT_S3_CODES`).
     """
     retriable = getattr(exc, "retriable", None)
     if retriable is not None:
         return bool(retriable)
-    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+    if isinstance(exc, TRANSIENT_LIBRARY_ERRORS):
         return True
-    name = type(exc).__name__
-    module = type(exc).__module__ or ""
-    if module.startswith("botocore") and name in {
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ReadTimeoutError",
-        "ConnectTimeoutError",
-        "ProxyConnectionError",
-    }:
-        return True
-    if module.startswith("pymysql") and name in {"OperationalError", "InterfaceError"}:
-        return True
-    if module.startswith("redis") and name in {"ConnectionError", "TimeoutError", "BusyLoadingError"}:
-        return True
-    if module.startswith("botocore") and name == "ClientError":
-        code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
-        return code in {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500"}
+    if isinstance(exc, botocore.exceptions.ClientError):
+        return exc.response.get("Error", {}).get("Code", "") in TRANSIENT_S3_CODES
     return False

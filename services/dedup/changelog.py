@@ -14,13 +14,14 @@ import logging
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 
+from services.common.errors import OcrstreamError
 from services.common.kafka import make_consumer
 from services.common.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 
 
-class ChangelogUnavailable(Exception):
+class ChangelogUnavailable(OcrstreamError):
     """Kafka did not answer a restore within its time budget (the stage retries)."""
 
     retriable = True

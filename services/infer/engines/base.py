@@ -19,6 +19,7 @@ import numpy as np
 
 from schemas.lanes import Priority
 from schemas.tasks import DEFAULT_TASK, TaskParams
+from services.common.errors import OcrstreamError
 from services.common.textlines import Segment
 
 
@@ -41,7 +42,7 @@ OCR = EngineTask()
 """Text spotting, the default task (lines with boxes)."""
 
 
-class UnsupportedTask(Exception):
+class UnsupportedTask(OcrstreamError):
     """This engine cannot do the task (``unsupported_task``, final): the message names the
     engines that can (:func:`services.infer.engines.registry.engines_for`).
 
@@ -57,7 +58,7 @@ class UnsupportedTask(Exception):
         self.task, self.engine, self.able = task, engine, tuple(able)
 
 
-class UnparsableOutput(Exception):
+class UnparsableOutput(OcrstreamError):
     """The model answered, but not in the task's format (``unparsable_output``, final): e.g.
     ``extract`` answered with prose, not JSON. ``raw`` is the answer as it came (kept in the
     result's ``raw_output``); ``warnings`` the generation's own (``truncated_max_tokens``, ...).
@@ -69,12 +70,12 @@ class UnparsableOutput(Exception):
         self.warnings = tuple(warnings)
 
 
-class EngineTimeout(Exception):
+class EngineTimeout(OcrstreamError):
     """One page took longer than its time limit (or, for the ``openai`` engine, than one HTTP
     attempt's own socket timeout: the message says which)."""
 
 
-class EngineUnavailable(Exception):
+class EngineUnavailable(OcrstreamError):
     """The engine cannot take work at all right now (its model server is unreachable, its
     engine core died): the page has no result.
 

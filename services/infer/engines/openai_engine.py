@@ -42,13 +42,14 @@ from services.common.prompts import SPOTTING_PROMPT
 from schemas.tasks import TASKS
 from services.infer.engines import dialects, hunyuan, hunyuan_prompts
 from schemas.lanes import Priority
+from services.common.errors import OcrstreamError
 from services.infer.engines.base import OCR, EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine
 from services.infer.engines.slots import PrioritySlots
 
 log = logging.getLogger(__name__)
 
 
-class ServerError(Exception):
+class ServerError(OcrstreamError):
     """The server answered with an error status (``status`` holds it; ``retry_after`` the
     seconds its ``Retry-After`` header asked for, or None)."""
 
@@ -58,11 +59,12 @@ class ServerError(Exception):
         self.retry_after = retry_after
 
 
-class Unreachable(ConnectionError):
+class Unreachable(OcrstreamError, ConnectionError):
     """No connection to the server could be made (refused, DNS failure, connect/TLS timeout).
     ``took_down`` is set when an earlier attempt for the same image reached the server and lost
     its connection mid-exchange: the server went away while it held that image."""
 
+    retriable = True
     took_down = False
 
 
