@@ -128,7 +128,8 @@ _ROWS = (
               "(`OCRSTREAM_DECODE__MEMORY_MB`), or the decoder process died reading it."),
     ErrorSpec(_E.REQUEST_ID_CONFLICT, 409, "The chosen `request_id` is already taken by another request: another "
               "image (content SHA-256), another task, or another API key, at either door; or it names a request "
-              "no claim holds (a document's page `<document id>:p<n>`, an id the system made). The first request keeps "
+              "no claim holds (an id the system made; a document's page id, `<document id>:p<n>`, cannot be chosen at "
+              "all: `invalid_request`). The first request keeps "
               "the id and its result; on the Kafka door the refused submission ends under its derived id (the "
               "message names the id it asked for), on the HTTP door it is answered 409. Resending the same image "
               "with the same id is an idempotent retry, not a conflict."),
