@@ -8,6 +8,7 @@ Routes (all JSON; errors are ``{"error": {"code", "message"}}``, codes in ``docs
 * ``GET /v1/ocr/{request_id}?wait=S`` — the request's state; with ``wait`` the call returns as
   soon as the completion arrives on ``ocr.completed`` (or after S seconds, still pending):
   :mod:`.serving_read`.
+* ``GET /v1/tasks`` — the deployment's engine and tasks (what runs here, and why the others do not).
 * ``GET /v1/events?id=A&id=B...`` — server-sent events (``text/event-stream``): one event per id
   with its state now, then one ``completed`` per request as it finishes, then ``end``
   (:mod:`.events`). Batch answers link to it.
@@ -169,6 +170,17 @@ def _read_routes(app: FastAPI, clients: Clients, reads: ReadService) -> None:
         stream = await reads.events_route(ids, timeout, principal, reconnect="last-event-id" in request.headers)
         return stream if stream is not None else Response(status_code=204)
 
+    tasks_body = json_response(p.deployment_tasks(s), 200).body  # fixed for the process: its settings
+
+    @app.get("/v1/tasks", response_model=p.DeploymentTasks, tags=["ocr"], summary="The tasks this deployment runs",
+             response_description="every task of the registry: whether it runs here, and why not")
+    async def tasks() -> Response:
+        """This deployment's engine and every task (docs/tasks.md) with whether it runs here: listed in
+        `OCRSTREAM_TASKS` and done by the engine. A submission of any other task is refused at once (400
+        `invalid_request`, or 422 `unsupported_task` naming the engines that can). Needs no API key: it tells
+        what the deployment does, nothing of anyone's requests (the web page reads it for its task menu)."""
+        return Response(tasks_body, media_type="application/json")
+
     @app.get("/v1/ocr/{request_id}", response_model=p.OcrResponse, tags=["ocr"], summary="Read a request's state",
              response_description="the state: `pending`, or `ok`/`error` with the result document",
              responses=p.error_responses(*p.READ_ERRORS))
@@ -190,7 +202,7 @@ def _job_routes(app: FastAPI, clients: Clients, jobs: JobService) -> None:
 
     # the bodies are read after the key is checked, bounded and within the upload budget (services/api/bodies.py)
     @app.post("/v1/jobs", response_model=p.JobCreated, status_code=201, tags=["jobs"], summary="Create a job",
-              responses=p.error_responses(*p.JOB_ERRORS), openapi_extra={"requestBody": p.json_body("JobCreate")})
+              responses=p.error_responses(*p.JOB_CREATE_ERRORS), openapi_extra={"requestBody": p.json_body("JobCreate")})
     async def create_job(request: Request) -> Response:
         """Create a job (an event on `ocr.jobs`): submit images with `job_id`, then close it with their count."""
         principal = await clients.guard.check(request)

@@ -394,6 +394,40 @@ function setupTaskForm() {
   };
   task.addEventListener("change", sync);
   sync();
+  return sync;
+}
+
+/** Grey out the menu's tasks this deployment does not run (GET v1/tasks: its engine and OCRSTREAM_TASKS),
+ *  each with the reason the door would refuse it; listed below the menu too. Unanswered: the menu stays whole. */
+async function loadTasks(sync) {
+  let info;
+  try {
+    const res = await fetch("v1/tasks", { headers: headers() });
+    if (!res.ok) return;
+    info = await res.json();
+  } catch { return; }
+  const menu = document.getElementById("task");
+  const list = document.getElementById("tasks-off-list");
+  list.replaceChildren();
+  for (const t of info.tasks) {
+    const option = [...menu.options].find((o) => o.value === t.name);
+    if (!option) continue;
+    option.disabled = !t.runs;
+    option.title = t.reason || "";
+    option.dataset.reason = t.reason || "";
+    if (t.runs) continue;
+    if (!option.textContent.endsWith(" (not here)")) option.textContent += " (not here)";
+    const li = document.createElement("li");
+    li.dataset.task = t.name;
+    const name = document.createElement("code");
+    name.textContent = t.name;
+    li.append(name, `: ${t.reason}`);
+    list.append(li);
+  }
+  if (menu.selectedOptions[0] && menu.selectedOptions[0].disabled) menu.value = info.default;
+  document.getElementById("tasks-off").hidden = !list.children.length;
+  menu.dataset.engine = info.engine;
+  sync();
 }
 
 function take(files) {
@@ -402,7 +436,7 @@ function take(files) {
 
 function setup() {
   askForKey = setupKeyForm();
-  setupTaskForm();
+  loadTasks(setupTaskForm());
   setupJob();
   const drop = document.getElementById("drop");
   const input = document.getElementById("files");
