@@ -110,7 +110,8 @@ _ROWS = (
     ErrorSpec(_E.MISSING_OBJECT, None, "The referenced S3 object does not exist."),
     ErrorSpec(_E.INVALID_REQUEST, 400, "The submission could not be parsed or failed its schema: on the Kafka door "
               "the submit event, on the HTTP door an option or parameter (the message names it; e.g. a `task` "
-              "not in `OCRSTREAM_TASKS`, a `callback_url` while webhooks are disabled, a `request_id` on a batch)."),
+              "not in `OCRSTREAM_TASKS`, a `callback_url` while webhooks are disabled, a `request_id` on a batch, "
+              "a query parameter the route does not take, a number over its bound)."),
     ErrorSpec(_E.TIMEOUT, None, "The request's inference took longer than `OCRSTREAM_LIMITS__INFER_TIMEOUT_S` in "
               "all (one limit per request, over all its pages and tiles together), or one HTTP attempt of the "
               "`openai` engine got no answer within `OCRSTREAM_OPENAI_TIMEOUT_S` (the message says which)."),

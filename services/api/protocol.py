@@ -364,7 +364,9 @@ def error_responses(*codes: ErrorCode | HttpErrorCode) -> dict[int | str, dict]:
 
 def submit_parameters(*, request_id: bool = True) -> list[dict]:
     """``POST /v1/ocr``'s query options for a raw body (multipart sends them as form fields
-    instead), from :class:`SubmitOptions`' fields; without ``request_id`` for a batch."""
+    instead), from :class:`SubmitOptions`' fields (and ``target_lang``, read as ``to``); without
+    ``request_id`` for a batch. They are also every query parameter the route takes: any other is
+    400 ``invalid_request`` (:mod:`services.api.queries`)."""
     out = []
     for name, field in SubmitOptions.model_fields.items():
         if name == "request_id" and not request_id:
@@ -373,6 +375,9 @@ def submit_parameters(*, request_id: bool = True) -> list[dict]:
         schema = {"type": "string"} | ({"maxLength": limit} if limit else {})
         out.append({"in": "query", "name": name, "required": False, "description": field.description,
                     "schema": schema})
+        if name == "to":  # read by SubmitOptions.parse as the same parameter
+            out.append({"in": "query", "name": "target_lang", "required": False, "schema": schema,
+                        "description": "`task=translate`: the same parameter as `to` (give one, or both equal)"})
     return out
 
 

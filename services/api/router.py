@@ -1,6 +1,7 @@
 """The HTTP door's routes (FastAPI): thin functions over the serving modules.
 
-Routes (all JSON; errors are ``{"error": {"code", "message"}}``, codes in ``docs/errors.md``):
+Routes (all JSON; errors are ``{"error": {"code", "message"}}``, codes in ``docs/errors.md``; a ``/v1``
+route answers a query parameter it does not take with 400 ``invalid_request``, :mod:`.queries`):
 
 * ``POST /v1/ocr`` — one image, as the raw body (options in the query string) or as
   ``multipart/form-data`` (a file part plus option fields): :mod:`.serving_submit`.
@@ -31,6 +32,7 @@ from fastapi import FastAPI, Path as PathParam, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -45,6 +47,7 @@ from services.api.clients import Clients
 from services.api.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler, \
     validation_error_handler
 from services.api.events import ID_PATTERN, MEDIA_TYPE
+from services.api.queries import KnownQueryRoute, query_names, unknown_query_error
 from services.api.serving_jobs import JobService
 from services.api.serving_read import ReadService
 from services.api.serving_submit import SubmitService, json_response
@@ -79,11 +82,14 @@ class SubmitFastPath:
     Args:
         app: The rest of the stack.
         endpoint: ``async (Request) -> Response`` for ``POST /v1/ocr``.
+        known: The query parameters the route takes (:func:`~services.api.queries.query_names`):
+            any other is refused as the route refuses it.
     """
 
-    def __init__(self, app, endpoint):
+    def __init__(self, app, endpoint, known: tuple[str, ...]):
         self.app = app
         self.endpoint = endpoint
+        self.known = known
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] != "/v1/ocr" or scope["method"] != "POST":
@@ -91,6 +97,9 @@ class SubmitFastPath:
             return
         request = Request(scope, receive, send)
         try:
+            # the route's own check (KnownQueryRoute), which this path skips
+            if (err := unknown_query_error(request.query_params, self.known, "POST /v1/ocr")) is not None:
+                raise err
             response = await self.endpoint(request)
         except ApiError as err:
             response = err.response()
@@ -133,7 +142,8 @@ def _submit_routes(app: FastAPI, clients: Clients, submits: SubmitService) -> No
         return await submits.handle(request)
 
     if clients.s.http_fast_path:  # the hot route skips the routing layers (added first: CORS, when on, wraps it)
-        app.add_middleware(SubmitFastPath, endpoint=submit)
+        route = next(r for r in app.routes if isinstance(r, APIRoute) and r.path == "/v1/ocr")
+        app.add_middleware(SubmitFastPath, endpoint=submit, known=query_names(route))
 
     @app.post("/v1/ocr/batch", response_model=p.BatchResponse, status_code=202, tags=["ocr"],
               summary="Submit many images in one multipart body",
@@ -317,6 +327,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     # cached path (measured: bench/http_bench.py); the door traces itself.
     app = FastAPI(title=p.TITLE, version="1", summary=p.SUMMARY, description=p.DESCRIPTION, lifespan=lifespan,
                   telemetry={"tracing": False})
+    app.router.route_class = KnownQueryRoute  # every /v1 route refuses query parameters it does not take
     app.state.clients = clients
     app.add_exception_handler(ApiError, api_error_handler)
     # FastAPI's parameter checks and Starlette's 404/405 answer in the one error shape too
