@@ -21,8 +21,8 @@ route answers a query parameter it does not take with 400 ``invalid_request``, :
 The spec (``/openapi.json``, ``schemas/openapi.json``) is built from :mod:`.protocol`.
 """
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: the bounds of a route's parameters come from the settings,
+# in annotations made where the route is defined (_seconds), which FastAPI must see evaluated
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Literal
@@ -59,11 +59,16 @@ STATIC = Path(__file__).parent / "static"
 _PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 #: ``GET /v1/events``' ``id`` parameter (their number is checked by the serving module: a setting bounds it).
-#: ``timeout`` of an event stream (``GET /v1/events``, ``GET /v1/jobs/{id}/events``), seconds.
-_StreamTimeout = Annotated[float, Query(ge=0, description="seconds the stream stays open at most (capped by "
-                                                          "`OCRSTREAM_HTTP_EVENTS_MAX_S`, also the default)")]
 _EventIds = Annotated[list[Annotated[str, StringConstraints(pattern=ID_PATTERN)]], Query(
     alias="id", min_length=1, description=p.EVENT_IDS_TEXT)]
+
+
+def _seconds(most: float, setting: str, what: str):
+    """A query parameter of seconds from 0 to ``most`` (a finite number; the setting ``setting``
+    bounds it): out of range, 400 ``invalid_request`` naming the bound
+    (:func:`~services.api.errors.validation_error_handler`), never taken as it came."""
+    return Annotated[float, Query(ge=0, le=most, allow_inf_nan=False, description=(
+        f"{what}: 0 to {most:g} (`{setting}`); more, or not a finite number, is 400 `invalid_request`"))]
 
 
 class SubmitFastPath:
@@ -163,6 +168,8 @@ def _submit_routes(app: FastAPI, clients: Clients, submits: SubmitService) -> No
 
 def _read_routes(app: FastAPI, clients: Clients, reads: ReadService) -> None:
     s = clients.s
+    stream_timeout = _seconds(s.http_events_max_s, "OCRSTREAM_HTTP_EVENTS_MAX_S",
+                              "seconds the stream stays open at most (the default: the bound)")
 
     @app.get("/v1/events", tags=["ocr"], summary="Watch requests finish (server-sent events)",
              response_class=Response,
@@ -171,7 +178,7 @@ def _read_routes(app: FastAPI, clients: Clients, reads: ReadService) -> None:
     async def events(
         request: Request,
         ids: _EventIds,
-        timeout: _StreamTimeout = s.http_events_max_s,
+        timeout: stream_timeout = s.http_events_max_s,
     ) -> Response:
         """Watch many requests finish on one connection: server-sent events, as specified by the WHATWG HTML
         Living Standard, "Server-sent events" (https://html.spec.whatwg.org/multipage/server-sent-events.html).
@@ -197,7 +204,7 @@ def _read_routes(app: FastAPI, clients: Clients, reads: ReadService) -> None:
     async def read(
         request: Request,
         request_id: Annotated[str, PathParam(max_length=64)],
-        wait: Annotated[float, Query(ge=0, description="seconds to wait for completion (long-poll)")] = 0,
+        wait: _seconds(s.http_wait_max_s, "OCRSTREAM_HTTP_WAIT_MAX_S", "seconds to wait for completion (long-poll)") = 0,
     ) -> Response:
         """The request's state; ``?wait=S`` returns as soon as it completes, or pending after S seconds."""
         principal = await clients.guard.check(request)
@@ -209,6 +216,8 @@ _JobId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=ID_PATTER
 
 def _job_routes(app: FastAPI, clients: Clients, jobs: JobService) -> None:
     s = clients.s
+    stream_timeout = _seconds(s.http_events_max_s, "OCRSTREAM_HTTP_EVENTS_MAX_S",
+                              "seconds the stream stays open at most (the default: the bound)")
 
     # the bodies are read after the key is checked, bounded and within the upload budget (services/api/bodies.py)
     @app.post("/v1/jobs", response_model=p.JobCreated, status_code=201, tags=["jobs"], summary="Create a job",
@@ -245,7 +254,7 @@ def _job_routes(app: FastAPI, clients: Clients, jobs: JobService) -> None:
     async def job_events(
         request: Request,
         job_id: _JobId,
-        timeout: _StreamTimeout = s.http_events_max_s,
+        timeout: stream_timeout = s.http_events_max_s,
     ) -> Response:
         """The job's progress as server-sent events until it completes (at most `timeout` seconds)."""
         principal = await clients.guard.check(request)

@@ -61,4 +61,41 @@ async def test_known_parameters_and_routes_outside_v1_are_not_refused():
     assert r.status_code == 200
     # a known parameter passes the check and is read as before: this one is then out of its range
     r = await _call("GET", "/v1/ocr/r1?wait=-1")
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("query.wait: Input should be greater")
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "query.wait: Input should be greater than or equal to 0 (wait: 0 to 60)"
+
+
+LESS = "Input should be less than or equal to"
+FINITE = "Input should be a finite number"
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("/v1/ocr/r1", "99999999999999999999", f"query.wait: {LESS} 60 (wait: 0 to 60)"),
+    ("/v1/ocr/r1", "60.001", f"query.wait: {LESS} 60 (wait: 0 to 60)"),
+    ("/v1/ocr/r1", "1e400", f"query.wait: {FINITE} (wait: 0 to 60)"),
+    ("/v1/ocr/r1", "nan", f"query.wait: {FINITE} (wait: 0 to 60)"),
+    ("/v1/events?id=a", "1e400", f"query.timeout: {FINITE} (timeout: 0 to 300)"),
+    ("/v1/events?id=a", "1e9", f"query.timeout: {LESS} 300 (timeout: 0 to 300)"),
+    ("/v1/jobs/j1/events", "-inf", f"query.timeout: {FINITE} (timeout: 0 to 300)"),
+    ("/v1/jobs/j1/events", "301", f"query.timeout: {LESS} 300 (timeout: 0 to 300)"),
+])
+async def test_a_number_out_of_its_range_is_400_naming_the_range(path, value, message):
+    name = "wait" if path.startswith("/v1/ocr") else "timeout"
+    r = await _call("GET", f"{path}{'&' if '?' in path else '?'}{name}={value}")
+    assert (r.status_code, r.json()) == (400, {"error": {"code": "invalid_request", "message": message}})
+
+
+async def test_the_bounds_are_the_settings_and_the_spec_says_them():
+    r = await _call("GET", "/v1/ocr/r1?wait=30", http_wait_max_s=20, http_events_max_s=45.5)
+    assert r.json()["error"]["message"] == f"query.wait: {LESS} 20 (wait: 0 to 20)"
+    r = await _call("GET", "/v1/events?id=a&timeout=46", http_events_max_s=45.5)
+    assert r.json()["error"]["message"] == f"query.timeout: {LESS} 45.5 (timeout: 0 to 45.5)"
+    spec = create_app(ApiSettings()).openapi()
+    [wait] = [p for p in spec["paths"]["/v1/ocr/{request_id}"]["get"]["parameters"] if p["name"] == "wait"]
+    assert (wait["schema"]["minimum"], wait["schema"]["maximum"]) == (0, 60)
+    assert wait["description"] == ("seconds to wait for completion (long-poll): 0 to 60 (`OCRSTREAM_HTTP_WAIT_MAX_S`); "
+                                   "more, or not a finite number, is 400 `invalid_request`")
+    for path in ("/v1/events", "/v1/jobs/{job_id}/events"):
+        [timeout] = [p for p in spec["paths"][path]["get"]["parameters"] if p["name"] == "timeout"]
+        assert (timeout["schema"]["maximum"], timeout["schema"]["default"]) == (300, 300)
+        assert "0 to 300 (`OCRSTREAM_HTTP_EVENTS_MAX_S`)" in timeout["description"]

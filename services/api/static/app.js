@@ -4,7 +4,7 @@
 "use strict";
 
 const KEY_STORE = "ocrstream.apiKey";
-const WAIT_S = 30;              // long-poll length asked of the server, s (it may cap it lower)
+const WAIT_S = 30;              // long-poll length asked of the server, s (less when its links say less: waitOf)
 const BOX_COLOR = "#ff00ff";    // every line's box; the tests look for this exact colour
 const HOT_COLOR = "#00ffff";    // the box of the line under the pointer / keyboard focus
 const MAX_CANVAS_SIDE = 2000;   // canvas pixels; larger pages are drawn scaled down
@@ -158,8 +158,9 @@ async function follow(file) {
     });
     card.dataset.requestId = body.request_id;
     if (body.status === "pending") setState(card, "queued");
+    const wait = waitOf(body);
     while (body.status === "pending") {
-      const url = `v1/ocr/${encodeURIComponent(body.request_id)}?wait=${WAIT_S}`;
+      const url = `v1/ocr/${encodeURIComponent(body.request_id)}?wait=${wait}`;
       body = (await polls.run(() => call(url, { headers: headers() }, note))).body;
     }
     if (body.status === "error") {
@@ -175,6 +176,14 @@ async function follow(file) {
   } finally {
     card.dataset.clientMs = String(Math.round(performance.now() - started));
   }
+}
+
+/** The long-poll length to ask for: WAIT_S, or the server's longest when that is shorter (its
+ *  links.wait carries it, OCRSTREAM_HTTP_WAIT_MAX_S; a longer wait is refused with 400). */
+function waitOf(body) {
+  const query = String((body.links && body.links.wait) || "").split("?")[1] || "";
+  const most = Number(new URLSearchParams(query).get("wait"));
+  return Number.isFinite(most) && most > 0 ? Math.min(WAIT_S, most) : WAIT_S;
 }
 
 function offerDownload(card, file, doc) {
