@@ -100,7 +100,8 @@ _ROWS = (
               "`Content-Length` is over it."),
     ErrorSpec(_E.UNSUPPORTED_FORMAT, 415, "The bytes are not an image format the pipeline reads (sniffed from the "
               "content, never the name), or the HTTP body's `Content-Type` is neither an image, a PDF, "
-              "`application/octet-stream` nor `multipart/form-data`."),
+              "`application/octet-stream` nor `multipart/form-data`. The message lists the formats read: PNG, "
+              "JPEG, GIF, TIFF, BMP, WebP, PBM/PGM/PPM, JPEG 2000, AVIF or PDF."),
     ErrorSpec(_E.CORRUPT_IMAGE, 422, "The format was recognised but the image data could not be decoded (e.g. "
               "truncated)."),
     ErrorSpec(_E.IMAGE_TOO_LARGE, 413, "Width x height exceeded `OCRSTREAM_LIMITS__MAX_PIXELS` (checked from the "
