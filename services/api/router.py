@@ -16,7 +16,8 @@ route answers a query parameter it does not take with 400 ``invalid_request``, :
 * ``POST /v1/jobs``, ``POST /v1/jobs/{job_id}/close``, ``GET /v1/jobs/{job_id}`` (progress),
   ``GET /v1/jobs/{job_id}/events`` (server-sent events until complete), ``GET /v1/jobs/{job_id}/report``:
   :mod:`.serving_jobs` (``docs/jobs.md``).
-* ``GET /healthz``, ``GET /readyz``, ``GET /metrics``; ``GET /`` the web page.
+* ``GET /healthz``, ``GET /readyz``, ``GET /metrics``; ``GET /`` the web page; ``GET /docs`` (Swagger UI) and
+  ``GET /redoc`` (ReDoc), their assets served by the door (:mod:`.docs_pages`).
 
 The spec (``/openapi.json``, ``schemas/openapi.json``) is built from :mod:`.protocol`.
 """
@@ -44,6 +45,7 @@ from schemas.jobs import JobProgress
 from services.api import protocol as p
 from services.api.bodies import read_json_body
 from services.api.clients import Clients
+from services.api.docs_pages import add_docs_pages
 from services.api.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler, \
     validation_error_handler
 from services.api.events import ID_PATTERN, MEDIA_TYPE
@@ -335,7 +337,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     # double the door's api.submit SERVER span and cost ~3 extra spans per request on the
     # cached path (measured: bench/http_bench.py); the door traces itself.
     app = FastAPI(title=p.TITLE, version="1", summary=p.SUMMARY, description=p.DESCRIPTION, lifespan=lifespan,
-                  telemetry={"tracing": False})
+                  telemetry={"tracing": False}, docs_url=None, redoc_url=None)
     app.router.route_class = KnownQueryRoute  # every /v1 route refuses query parameters it does not take
     app.state.clients = clients
     app.add_exception_handler(ApiError, api_error_handler)
@@ -352,4 +354,5 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     _read_routes(app, clients, reads)
     _job_routes(app, clients, JobService(clients))
     _ops_routes(app, clients)
+    add_docs_pages(app)  # /docs and /redoc with their assets from the door (FastAPI's load them from a CDN)
     return app
