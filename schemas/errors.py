@@ -19,6 +19,19 @@ from dataclasses import dataclass
 from enum import Enum
 
 
+class OcrstreamError(Exception):
+    """The root of ocrstream's own exceptions: every exception class of ``schemas/`` and
+    ``services/`` derives from it (``services.common.errors`` re-exports it).
+
+    ``retriable`` (a class attribute, or set per instance), as aiokafka's ``KafkaError.retriable``:
+    True when the failure may pass by itself (a store, the broker or a model server down), so the
+    runner retries with backoff for as long as it lasts; False when retrying the same input cannot
+    help (bad input, a bug), so it is tried a bounded number of times, then given up on.
+    """
+
+    retriable: bool = False
+
+
 class ErrorCode(str, Enum):
     """Why a request ended with status ``error``.
 
@@ -100,7 +113,8 @@ _ROWS = (
               "`Content-Length` is over it."),
     ErrorSpec(_E.UNSUPPORTED_FORMAT, 415, "The bytes are not an image format the pipeline reads (sniffed from the "
               "content, never the name), or the HTTP body's `Content-Type` is neither an image, a PDF, "
-              "`application/octet-stream` nor `multipart/form-data`."),
+              "`application/octet-stream` nor `multipart/form-data`. The message lists the formats read: PNG, "
+              "JPEG, GIF, TIFF, BMP, WebP, PBM/PGM/PPM, JPEG 2000, AVIF or PDF."),
     ErrorSpec(_E.CORRUPT_IMAGE, 422, "The format was recognised but the image data could not be decoded (e.g. "
               "truncated)."),
     ErrorSpec(_E.IMAGE_TOO_LARGE, 413, "Width x height exceeded `OCRSTREAM_LIMITS__MAX_PIXELS` (checked from the "
@@ -110,7 +124,8 @@ _ROWS = (
     ErrorSpec(_E.MISSING_OBJECT, None, "The referenced S3 object does not exist."),
     ErrorSpec(_E.INVALID_REQUEST, 400, "The submission could not be parsed or failed its schema: on the Kafka door "
               "the submit event, on the HTTP door an option or parameter (the message names it; e.g. a `task` "
-              "not in `OCRSTREAM_TASKS`, a `callback_url` while webhooks are disabled, a `request_id` on a batch)."),
+              "not in `OCRSTREAM_TASKS`, a `callback_url` while webhooks are disabled, a `request_id` on a batch, "
+              "a query parameter the route does not take, a number over its bound)."),
     ErrorSpec(_E.TIMEOUT, None, "The request's inference took longer than `OCRSTREAM_LIMITS__INFER_TIMEOUT_S` in "
               "all (one limit per request, over all its pages and tiles together), or one HTTP attempt of the "
               "`openai` engine got no answer within `OCRSTREAM_OPENAI_TIMEOUT_S` (the message says which)."),
@@ -128,7 +143,8 @@ _ROWS = (
               "(`OCRSTREAM_DECODE__MEMORY_MB`), or the decoder process died reading it."),
     ErrorSpec(_E.REQUEST_ID_CONFLICT, 409, "The chosen `request_id` is already taken by another request: another "
               "image (content SHA-256), another task, or another API key, at either door; or it names a request "
-              "no claim holds (a document's page `<document id>:p<n>`, an id the system made). The first request keeps "
+              "no claim holds (an id the system made; a document's page id, `<document id>:p<n>`, cannot be chosen at "
+              "all: `invalid_request`). The first request keeps "
               "the id and its result; on the Kafka door the refused submission ends under its derived id (the "
               "message names the id it asked for), on the HTTP door it is answered 409. Resending the same image "
               "with the same id is an idempotent retry, not a conflict."),

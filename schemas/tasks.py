@@ -12,8 +12,13 @@ to another language is another key. The same fields in another order, or with a 
 twice, are the same key (the variant lists them sorted and once); the answer's ``fields`` keep the
 order the request asked for.
 
-Adding a task: a :class:`TaskSpec` row in :data:`TASKS` (and its slot if new), its prompt and
-parser in each dialect that can do it (``docs/tasks.md``).
+Which engine does which task is :data:`ENGINE_TASKS`, read by the engines, the registry and
+the doors (an HTTP or CLI submission of a task the deployment's engine cannot do is refused at
+once with ``unsupported_task``; :class:`UnsupportedTask`).
+
+Adding a task: a :class:`TaskSpec` row in :data:`TASKS` (and its slot if new), the engines that
+do it in :data:`ENGINE_TASKS`, its prompt and parser in each dialect that can do it
+(``docs/tasks.md``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.errors import OcrstreamError
 
 ResultSlot = Literal["lines", "markdown", "html", "latex", "fields", "translation"]
 """Where a task's answer goes in the result: ``lines`` (text lines with boxes, and ``text``),
@@ -73,6 +80,52 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
 
 DEFAULT_TASK = "ocr"
 
+ENGINE_TASKS: dict[str, tuple[str, ...]] = {
+    "rapidocr": ("ocr", "doc_parse", "table"),
+    "vllm": tuple(TASKS),
+    "openai": tuple(TASKS),
+}
+"""Which engine does which task: engine name (``OCRSTREAM_ENGINE__ENGINE``, ``OCRSTREAM_ENGINE_KIND``;
+the keys of ``services.infer.engines.registry.ENGINES``) -> the tasks it can do, in registry order.
+The one table: the engines' ``tasks``, the registry's ``engines_for``, the HTTP door, the CLI and
+the web page all read it. ``rapidocr`` (CPU) reads ``doc_parse`` and ``table`` with its layout and
+table models; the VLM engines do every task by prompt (``docs/engines.md``)."""
+
+CHOOSING_AN_ENGINE = "docs/engines.md#choosing-an-engine"
+"""Where users read how to configure an engine (named in ``unsupported_task`` messages)."""
+
+
+def engines_for(task: str) -> tuple[str, ...]:
+    """The engines of :data:`ENGINE_TASKS` that can do ``task``, in table order."""
+    return tuple(name for name, tasks in ENGINE_TASKS.items() if task in tasks)
+
+
+def unsupported_task_message(task: str, engine: str) -> str:
+    """Why ``engine`` refuses ``task`` (the message of ``unsupported_task``, at every door and at
+    infer alike): the engines that can, and where to read how to run one."""
+    able = engines_for(task)
+    if not able:
+        return f"engine {engine!r} cannot do task {task[:64]!r}; no engine of this build can"
+    return (f"engine {engine!r} cannot do task {task[:64]!r}; engines that can: {', '.join(able)} "
+            f"(to run one, set OCRSTREAM_ENGINE__ENGINE and its model on every stage: {CHOOSING_AN_ENGINE})")
+
+
+class UnsupportedTask(OcrstreamError):
+    """An engine cannot do a task (``unsupported_task``, final): raised by an infer engine asked
+    for it, and by the doors that know the deployment's engine before anything is sent.
+
+    Args:
+        task: The task asked for.
+        engine: The engine that cannot do it.
+
+    Attributes:
+        able: The engines that can (:func:`engines_for`; may be empty).
+    """
+
+    def __init__(self, task: str, engine: str):
+        super().__init__(unsupported_task_message(task, engine))
+        self.task, self.engine, self.able = task, engine, engines_for(task)
+
 
 class TaskParams(BaseModel):
     """A request's task parameters (additive on the events; absent for tasks without any).
@@ -90,7 +143,7 @@ class TaskParams(BaseModel):
     target_lang: str | None = Field(default=None, description="translate: target language (ISO 639-1 code)")
 
 
-class TaskError(ValueError):
+class TaskError(OcrstreamError, ValueError):
     """A task name or its parameters are not valid; the message says why (for ``invalid_request``)."""
 
 

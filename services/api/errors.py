@@ -60,15 +60,34 @@ async def api_error_handler(_: Request, exc: Exception) -> Response:
     return exc.response()
 
 
-async def validation_error_handler(_: Request, exc: Exception) -> Response:
+def _range_of(request: Request, loc: tuple) -> str | None:
+    """``"0 to 60"`` for a query parameter of the matched route with bounds (``Query(ge=, le=)``),
+    else None."""
+    if len(loc) != 2 or loc[0] != "query":
+        return None
+    dependant = getattr(request.scope.get("route"), "dependant", None)
+    field = next((f for f in getattr(dependant, "query_params", ()) if f.alias == loc[1]), None)
+    if field is None:
+        return None
+    low = next((m.ge for m in field.field_info.metadata if getattr(m, "ge", None) is not None), None)
+    high = next((m.le for m in field.field_info.metadata if getattr(m, "le", None) is not None), None)
+    if low is None or high is None:
+        return None
+    return f"{low:g} to {high:g}"
+
+
+async def validation_error_handler(request: Request, exc: Exception) -> Response:
     """FastAPI's parameter validation (``RequestValidationError``) as 400 ``invalid_request``
-    naming the first bad parameter, e.g. ``query.wait: Input should be greater than or equal to 0``,
-    instead of FastAPI's own 422 ``{"detail": [...]}`` shape."""
+    naming the first bad parameter and, for a bounded number, its range, e.g. ``query.wait: Input
+    should be less than or equal to 60 (wait: 0 to 60)``, instead of FastAPI's own 422
+    ``{"detail": [...]}`` shape."""
     errors = exc.errors() if hasattr(exc, "errors") else []
     if errors:
         first = errors[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        message = f"{where}: {first.get('msg', 'invalid')}"
+        loc = tuple(first.get("loc", ()))
+        message = f"{'.'.join(str(p) for p in loc)}: {first.get('msg', 'invalid')}"
+        if (bounds := _range_of(request, loc)) is not None:
+            message += f" ({loc[1]}: {bounds})"
     else:
         message = "invalid request"
     return ApiError(ErrorCode.INVALID_REQUEST, message).response()

@@ -15,7 +15,8 @@ from schemas.events import ResultDocument
 from schemas.lanes import Priority
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN, is_page_request_id
 from schemas.jobs import JOB_EXPECTED_MAX
-from schemas.tasks import TaskError, TaskParams, parse_fields
+from schemas.tasks import (TASKS, TaskError, TaskParams, UnsupportedTask, engines_for, parse_fields,
+                          unsupported_task_message)
 from services.api.errors import ApiError
 from services.common.settings import CommonSettings
 
@@ -93,7 +94,8 @@ class SubmitOptions(BaseModel):
 
         Raises:
             ApiError: 400 ``invalid_request`` naming the bad field, or saying why the task's
-                parameters are refused.
+                parameters are refused; 422 ``unsupported_task`` for a task the deployment's
+                engine cannot do (naming the engines that can).
         """
         fields = dict(fields)
         if fields.get("target_lang") and not fields.get("to"):
@@ -120,9 +122,11 @@ class SubmitOptions(BaseModel):
         if opts.to is not None:
             params["target_lang"] = opts.to
         try:
-            opts._task_params = settings.check_task(opts.task, params or None)
+            opts._task_params = settings.check_task(opts.task, params or None, engine=True)
         except TaskError as exc:
             raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        except UnsupportedTask as exc:
+            raise ApiError(ErrorCode.UNSUPPORTED_TASK, str(exc)) from None
         return opts
 
 
@@ -270,6 +274,42 @@ class Health(BaseModel):
     not_ready: list[str] = Field(default_factory=list)
 
 
+class TaskInfo(BaseModel):
+    """One task of the registry (``docs/tasks.md``) and whether this deployment runs it."""
+
+    name: str = Field(description="the task's name, as `task=` names it")
+    summary: str = Field(description="what it answers")
+    parameters: list[str] = Field(description="the parameters it needs (`fields`, `target_lang`: `to` over HTTP)")
+    engines: list[str] = Field(description="the engines that can do it (docs/engines.md)")
+    runs: bool = Field(description="whether this deployment runs it: listed in `OCRSTREAM_TASKS` and done by its "
+                                   "engine; a submission of any other is refused")
+    reason: str | None = Field(default=None, description="why not, when `runs` is false: the message the refusal "
+                                                         "carries (400 `invalid_request` or 422 `unsupported_task`)")
+
+
+class DeploymentTasks(BaseModel):
+    """``GET /v1/tasks``: this deployment's engine and every task of the registry, with whether it runs here."""
+
+    engine: str = Field(description="the engine infer runs (`OCRSTREAM_ENGINE_KIND`, else `OCRSTREAM_ENGINE__ENGINE`)")
+    default: str = Field(description="the task of a submission that names none")
+    tasks: list[TaskInfo]
+
+
+def deployment_tasks(settings: CommonSettings) -> DeploymentTasks:
+    """Every task of :data:`schemas.tasks.TASKS` as ``settings`` runs it: those of
+    :attr:`CommonSettings.runnable_tasks` run; the others carry the message a submission of them
+    is refused with (:meth:`CommonSettings.check_task`)."""
+    engine, runnable = settings.infer_engine, settings.runnable_tasks
+    out = []
+    for spec in TASKS.values():
+        reason = settings.task_error(spec.name)
+        if reason is None and spec.name not in runnable:
+            reason = unsupported_task_message(spec.name, engine)
+        out.append(TaskInfo(name=spec.name, summary=spec.summary, parameters=list(spec.needs),
+                            engines=list(engines_for(spec.name)), runs=reason is None, reason=reason))
+    return DeploymentTasks(engine=engine, default="ocr", tasks=out)
+
+
 def finished(doc: ResultDocument, links: Links) -> OcrResponse:
     """The answer for a finished request: its result's status, the document, its error if any."""
     err = ApiErrorDetail(code=doc.error.code.value, message=doc.error.message) if doc.error else None
@@ -288,18 +328,19 @@ DESCRIPTION = ("Submit an image with `POST /v1/ocr` (raw bytes or multipart): a 
 
 _E, _H = ErrorCode, HttpErrorCode
 #: The error codes each route can answer (their statuses and meanings: the error table).
-SUBMIT_ERRORS = (_E.INVALID_REQUEST, _E.EMPTY_INPUT, _H.CALLBACK_NOT_ALLOWED, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT,
+SUBMIT_ERRORS = (_E.INVALID_REQUEST, _E.UNSUPPORTED_TASK, _E.EMPTY_INPUT, _H.CALLBACK_NOT_ALLOWED, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT,
                  _E.REQUEST_ID_CONFLICT, _E.INPUT_TOO_LARGE, _E.IMAGE_TOO_LARGE, _E.TOO_MANY_PAGES,
                  _E.DOCUMENT_TOO_MANY_PAGES, _E.DOCUMENT_TOO_LARGE, _E.UNSUPPORTED_FORMAT, _E.CORRUPT_IMAGE,
                  _E.DECODE_TIMEOUT, _E.IMAGE_TOO_COMPLEX, _H.RATE_LIMITED, _H.QUOTA_EXCEEDED, _H.TOO_MANY_UPLOADS,
                  _H.UNAVAILABLE, _H.OVERLOADED, _H.NOT_FOUND)
-BATCH_ERRORS = (_E.INVALID_REQUEST, _E.EMPTY_INPUT, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT, _E.INPUT_TOO_LARGE,
+BATCH_ERRORS = (_E.INVALID_REQUEST, _E.UNSUPPORTED_TASK, _E.EMPTY_INPUT, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT, _E.INPUT_TOO_LARGE,
                 _E.UNSUPPORTED_FORMAT, _H.RATE_LIMITED, _H.QUOTA_EXCEEDED, _H.TOO_MANY_UPLOADS, _H.UNAVAILABLE,
                 _H.OVERLOADED, _H.NOT_FOUND)
 READ_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.NOT_FOUND, _H.RATE_LIMITED, _H.UNAVAILABLE, _H.OVERLOADED)
 EVENTS_ERRORS = READ_ERRORS
 JOB_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT, _E.INPUT_TOO_LARGE, _H.NOT_FOUND,
               _H.RATE_LIMITED, _H.TOO_MANY_UPLOADS, _H.UNAVAILABLE, _H.OVERLOADED)
+JOB_CREATE_ERRORS = (*JOB_ERRORS, _E.UNSUPPORTED_TASK)
 JOB_CLOSE_ERRORS = (*JOB_ERRORS, _H.JOB_EXPECTED_TOO_SMALL)
 
 
@@ -323,7 +364,9 @@ def error_responses(*codes: ErrorCode | HttpErrorCode) -> dict[int | str, dict]:
 
 def submit_parameters(*, request_id: bool = True) -> list[dict]:
     """``POST /v1/ocr``'s query options for a raw body (multipart sends them as form fields
-    instead), from :class:`SubmitOptions`' fields; without ``request_id`` for a batch."""
+    instead), from :class:`SubmitOptions`' fields (and ``target_lang``, read as ``to``); without
+    ``request_id`` for a batch. They are also every query parameter the route takes: any other is
+    400 ``invalid_request`` (:mod:`services.api.queries`)."""
     out = []
     for name, field in SubmitOptions.model_fields.items():
         if name == "request_id" and not request_id:
@@ -332,6 +375,9 @@ def submit_parameters(*, request_id: bool = True) -> list[dict]:
         schema = {"type": "string"} | ({"maxLength": limit} if limit else {})
         out.append({"in": "query", "name": name, "required": False, "description": field.description,
                     "schema": schema})
+        if name == "to":  # read by SubmitOptions.parse as the same parameter
+            out.append({"in": "query", "name": "target_lang", "required": False, "schema": schema,
+                        "description": "`task=translate`: the same parameter as `to` (give one, or both equal)"})
     return out
 
 

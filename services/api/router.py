@@ -1,6 +1,7 @@
 """The HTTP door's routes (FastAPI): thin functions over the serving modules.
 
-Routes (all JSON; errors are ``{"error": {"code", "message"}}``, codes in ``docs/errors.md``):
+Routes (all JSON; errors are ``{"error": {"code", "message"}}``, codes in ``docs/errors.md``; a ``/v1``
+route answers a query parameter it does not take with 400 ``invalid_request``, :mod:`.queries`):
 
 * ``POST /v1/ocr`` — one image, as the raw body (options in the query string) or as
   ``multipart/form-data`` (a file part plus option fields): :mod:`.serving_submit`.
@@ -8,19 +9,21 @@ Routes (all JSON; errors are ``{"error": {"code", "message"}}``, codes in ``docs
 * ``GET /v1/ocr/{request_id}?wait=S`` — the request's state; with ``wait`` the call returns as
   soon as the completion arrives on ``ocr.completed`` (or after S seconds, still pending):
   :mod:`.serving_read`.
+* ``GET /v1/tasks`` — the deployment's engine and tasks (what runs here, and why the others do not).
 * ``GET /v1/events?id=A&id=B...`` — server-sent events (``text/event-stream``): one event per id
   with its state now, then one ``completed`` per request as it finishes, then ``end``
   (:mod:`.events`). Batch answers link to it.
 * ``POST /v1/jobs``, ``POST /v1/jobs/{job_id}/close``, ``GET /v1/jobs/{job_id}`` (progress),
   ``GET /v1/jobs/{job_id}/events`` (server-sent events until complete), ``GET /v1/jobs/{job_id}/report``:
   :mod:`.serving_jobs` (``docs/jobs.md``).
-* ``GET /healthz``, ``GET /readyz``, ``GET /metrics``; ``GET /`` the web page.
+* ``GET /healthz``, ``GET /readyz``, ``GET /metrics``; ``GET /`` the web page; ``GET /docs`` (Swagger UI) and
+  ``GET /redoc`` (ReDoc), their assets served by the door (:mod:`.docs_pages`).
 
 The spec (``/openapi.json``, ``schemas/openapi.json``) is built from :mod:`.protocol`.
 """
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: the bounds of a route's parameters come from the settings,
+# in annotations made where the route is defined (_seconds), which FastAPI must see evaluated
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Literal
@@ -30,6 +33,7 @@ from fastapi import FastAPI, Path as PathParam, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -41,9 +45,11 @@ from schemas.jobs import JobProgress
 from services.api import protocol as p
 from services.api.bodies import read_json_body
 from services.api.clients import Clients
+from services.api.docs_pages import add_docs_pages
 from services.api.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler, \
     validation_error_handler
 from services.api.events import ID_PATTERN, MEDIA_TYPE
+from services.api.queries import KnownQueryRoute, query_names, unknown_query_error
 from services.api.serving_jobs import JobService
 from services.api.serving_read import ReadService
 from services.api.serving_submit import SubmitService, json_response
@@ -55,11 +61,16 @@ STATIC = Path(__file__).parent / "static"
 _PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 #: ``GET /v1/events``' ``id`` parameter (their number is checked by the serving module: a setting bounds it).
-#: ``timeout`` of an event stream (``GET /v1/events``, ``GET /v1/jobs/{id}/events``), seconds.
-_StreamTimeout = Annotated[float, Query(ge=0, description="seconds the stream stays open at most (capped by "
-                                                          "`OCRSTREAM_HTTP_EVENTS_MAX_S`, also the default)")]
 _EventIds = Annotated[list[Annotated[str, StringConstraints(pattern=ID_PATTERN)]], Query(
     alias="id", min_length=1, description=p.EVENT_IDS_TEXT)]
+
+
+def _seconds(most: float, setting: str, what: str):
+    """A query parameter of seconds from 0 to ``most`` (a finite number; the setting ``setting``
+    bounds it): out of range, 400 ``invalid_request`` naming the bound
+    (:func:`~services.api.errors.validation_error_handler`), never taken as it came."""
+    return Annotated[float, Query(ge=0, le=most, allow_inf_nan=False, description=(
+        f"{what}: 0 to {most:g} (`{setting}`); more, or not a finite number, is 400 `invalid_request`"))]
 
 
 class SubmitFastPath:
@@ -78,11 +89,14 @@ class SubmitFastPath:
     Args:
         app: The rest of the stack.
         endpoint: ``async (Request) -> Response`` for ``POST /v1/ocr``.
+        known: The query parameters the route takes (:func:`~services.api.queries.query_names`):
+            any other is refused as the route refuses it.
     """
 
-    def __init__(self, app, endpoint):
+    def __init__(self, app, endpoint, known: tuple[str, ...]):
         self.app = app
         self.endpoint = endpoint
+        self.known = known
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] != "/v1/ocr" or scope["method"] != "POST":
@@ -90,6 +104,9 @@ class SubmitFastPath:
             return
         request = Request(scope, receive, send)
         try:
+            # the route's own check (KnownQueryRoute), which this path skips
+            if (err := unknown_query_error(request.query_params, self.known, "POST /v1/ocr")) is not None:
+                raise err
             response = await self.endpoint(request)
         except ApiError as err:
             response = err.response()
@@ -132,7 +149,8 @@ def _submit_routes(app: FastAPI, clients: Clients, submits: SubmitService) -> No
         return await submits.handle(request)
 
     if clients.s.http_fast_path:  # the hot route skips the routing layers (added first: CORS, when on, wraps it)
-        app.add_middleware(SubmitFastPath, endpoint=submit)
+        route = next(r for r in app.routes if isinstance(r, APIRoute) and r.path == "/v1/ocr")
+        app.add_middleware(SubmitFastPath, endpoint=submit, known=query_names(route))
 
     @app.post("/v1/ocr/batch", response_model=p.BatchResponse, status_code=202, tags=["ocr"],
               summary="Submit many images in one multipart body",
@@ -152,6 +170,8 @@ def _submit_routes(app: FastAPI, clients: Clients, submits: SubmitService) -> No
 
 def _read_routes(app: FastAPI, clients: Clients, reads: ReadService) -> None:
     s = clients.s
+    stream_timeout = _seconds(s.http_events_max_s, "OCRSTREAM_HTTP_EVENTS_MAX_S",
+                              "seconds the stream stays open at most (the default: the bound)")
 
     @app.get("/v1/events", tags=["ocr"], summary="Watch requests finish (server-sent events)",
              response_class=Response,
@@ -160,7 +180,7 @@ def _read_routes(app: FastAPI, clients: Clients, reads: ReadService) -> None:
     async def events(
         request: Request,
         ids: _EventIds,
-        timeout: _StreamTimeout = s.http_events_max_s,
+        timeout: stream_timeout = s.http_events_max_s,
     ) -> Response:
         """Watch many requests finish on one connection: server-sent events, as specified by the WHATWG HTML
         Living Standard, "Server-sent events" (https://html.spec.whatwg.org/multipage/server-sent-events.html).
@@ -169,13 +189,24 @@ def _read_routes(app: FastAPI, clients: Clients, reads: ReadService) -> None:
         stream = await reads.events_route(ids, timeout, principal, reconnect="last-event-id" in request.headers)
         return stream if stream is not None else Response(status_code=204)
 
+    tasks_body = json_response(p.deployment_tasks(s), 200).body  # fixed for the process: its settings
+
+    @app.get("/v1/tasks", response_model=p.DeploymentTasks, tags=["ocr"], summary="The tasks this deployment runs",
+             response_description="every task of the registry: whether it runs here, and why not")
+    async def tasks() -> Response:
+        """This deployment's engine and every task (docs/tasks.md) with whether it runs here: listed in
+        `OCRSTREAM_TASKS` and done by the engine. A submission of any other task is refused at once (400
+        `invalid_request`, or 422 `unsupported_task` naming the engines that can). Needs no API key: it tells
+        what the deployment does, nothing of anyone's requests (the web page reads it for its task menu)."""
+        return Response(tasks_body, media_type="application/json")
+
     @app.get("/v1/ocr/{request_id}", response_model=p.OcrResponse, tags=["ocr"], summary="Read a request's state",
              response_description="the state: `pending`, or `ok`/`error` with the result document",
              responses=p.error_responses(*p.READ_ERRORS))
     async def read(
         request: Request,
         request_id: Annotated[str, PathParam(max_length=64)],
-        wait: Annotated[float, Query(ge=0, description="seconds to wait for completion (long-poll)")] = 0,
+        wait: _seconds(s.http_wait_max_s, "OCRSTREAM_HTTP_WAIT_MAX_S", "seconds to wait for completion (long-poll)") = 0,
     ) -> Response:
         """The request's state; ``?wait=S`` returns as soon as it completes, or pending after S seconds."""
         principal = await clients.guard.check(request)
@@ -187,10 +218,12 @@ _JobId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=ID_PATTER
 
 def _job_routes(app: FastAPI, clients: Clients, jobs: JobService) -> None:
     s = clients.s
+    stream_timeout = _seconds(s.http_events_max_s, "OCRSTREAM_HTTP_EVENTS_MAX_S",
+                              "seconds the stream stays open at most (the default: the bound)")
 
     # the bodies are read after the key is checked, bounded and within the upload budget (services/api/bodies.py)
     @app.post("/v1/jobs", response_model=p.JobCreated, status_code=201, tags=["jobs"], summary="Create a job",
-              responses=p.error_responses(*p.JOB_ERRORS), openapi_extra={"requestBody": p.json_body("JobCreate")})
+              responses=p.error_responses(*p.JOB_CREATE_ERRORS), openapi_extra={"requestBody": p.json_body("JobCreate")})
     async def create_job(request: Request) -> Response:
         """Create a job (an event on `ocr.jobs`): submit images with `job_id`, then close it with their count."""
         principal = await clients.guard.check(request)
@@ -223,7 +256,7 @@ def _job_routes(app: FastAPI, clients: Clients, jobs: JobService) -> None:
     async def job_events(
         request: Request,
         job_id: _JobId,
-        timeout: _StreamTimeout = s.http_events_max_s,
+        timeout: stream_timeout = s.http_events_max_s,
     ) -> Response:
         """The job's progress as server-sent events until it completes (at most `timeout` seconds)."""
         principal = await clients.guard.check(request)
@@ -304,7 +337,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     # double the door's api.submit SERVER span and cost ~3 extra spans per request on the
     # cached path (measured: bench/http_bench.py); the door traces itself.
     app = FastAPI(title=p.TITLE, version="1", summary=p.SUMMARY, description=p.DESCRIPTION, lifespan=lifespan,
-                  telemetry={"tracing": False})
+                  telemetry={"tracing": False}, docs_url=None, redoc_url=None)
+    app.router.route_class = KnownQueryRoute  # every /v1 route refuses query parameters it does not take
     app.state.clients = clients
     app.add_exception_handler(ApiError, api_error_handler)
     # FastAPI's parameter checks and Starlette's 404/405 answer in the one error shape too
@@ -320,4 +354,5 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     _read_routes(app, clients, reads)
     _job_routes(app, clients, JobService(clients))
     _ops_routes(app, clients)
+    add_docs_pages(app)  # /docs and /redoc with their assets from the door (FastAPI's load them from a CDN)
     return app

@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 
 from schemas.errors import ErrorCode, HttpErrorCode
 from schemas.jobs import JobEvent, JobProgress
-from schemas.tasks import TaskError, TaskParams
+from schemas.tasks import TaskError, TaskParams, UnsupportedTask
 from services.api.clients import Clients
 from services.api.errors import ApiError
 from services.api.events import EventStream, KEEPALIVE, encode
@@ -89,7 +89,8 @@ def job_task_params(settings, body: JobCreate) -> TaskParams | None:
 
     Raises:
         ApiError: 400 ``invalid_request``: ``fields`` or ``to`` without a ``task`` (not dropped:
-            the caller expects them used), or the task or a parameter refused (the reason).
+            the caller expects them used), or the task or a parameter refused (the reason); 422
+            ``unsupported_task``: a task the deployment's engine cannot do.
     """
     if body.fields is not None and not body.task:
         raise ApiError(ErrorCode.INVALID_REQUEST, "fields: a job's fields need its task (task=extract)")
@@ -99,9 +100,11 @@ def job_task_params(settings, body: JobCreate) -> TaskParams | None:
         return None
     given = {k: v for k, v in (("fields", body.fields), ("target_lang", body.to)) if v is not None}
     try:
-        return settings.check_task(body.task, given or None)
+        return settings.check_task(body.task, given or None, engine=True)
     except TaskError as exc:
         raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    except UnsupportedTask as exc:
+        raise ApiError(ErrorCode.UNSUPPORTED_TASK, str(exc)) from None
 
 
 class JobService:

@@ -50,6 +50,7 @@ from services.common.accept import Accepted, accept_image, accept_staged
 from services.common.cache import CacheUnavailable
 from services.common.claims import RequestClaim
 from services.common.errors import OcrError
+from services.common.imaging import READ_FORMATS
 from services.common.events import dumps
 from services.common.results import cache_hit_event, result_document
 from services.common.splitting import DOCUMENT_FORMATS
@@ -142,8 +143,9 @@ class SubmitService:
                 up = await read_raw(request, s.limits.max_image_bytes, held, c.pace, store=c.store,
                                     part_bytes=s.http_stream_part_bytes, on_staged_end=c.count_staged)
             else:
-                raise ApiError(ErrorCode.UNSUPPORTED_FORMAT,
-                               f"Content-Type {ctype!r}: send image bytes or multipart/form-data")
+                raise ApiError(ErrorCode.UNSUPPORTED_FORMAT, f"Content-Type {ctype[:100]!r}: send the file's bytes (as "
+                               "image/*, application/pdf or application/octet-stream) or multipart/form-data; "
+                               f"ocrstream reads {READ_FORMATS}")
             await check_job_of(c, opts.job_id, principal)  # with keys on: the key's own job, else 404
             deferred = None  # the door takes it (with the cache lookup, or first)
             status, body = await self.submit(up, opts, principal, request.headers.get("traceparent"), limit)
@@ -432,7 +434,8 @@ class SubmitService:
         await c.guard.peek(limit)  # not even one image would pass: refused before the body is read
         if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
             await c.guard.take(limit)  # a bad request costs its token, as a POST /v1/ocr does
-            raise ApiError(ErrorCode.UNSUPPORTED_FORMAT, "send multipart/form-data with one file part per image")
+            raise ApiError(ErrorCode.UNSUPPORTED_FORMAT, "send multipart/form-data with one file part per image; "
+                                                         f"ocrstream reads {READ_FORMATS}")
         held = c.uploads.open(request, principal.key_id, expected_hold(request, self.s.http_batch_max_bytes))
         try:
             return await self._batch(request, principal, limit, held)

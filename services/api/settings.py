@@ -21,12 +21,13 @@ class ApiSettings(CommonSettings):
 
     http_host: str = Field(default="127.0.0.1", description="address the HTTP door listens on")
     http_port: int = Field(default=8080, ge=1, le=65535, description="port of the HTTP door (also serves /metrics, /healthz, /readyz)")
-    http_wait_max_s: float = Field(default=60.0, gt=0, description="longest long-poll a GET ?wait= may ask for, s")
+    http_wait_max_s: float = Field(default=60.0, gt=0, description="longest long-poll a GET ?wait= may ask for "
+                                   "(more is 400 invalid_request naming it), s")
     http_max_waiters: int = Field(default=10_000, ge=1, description="long-polls held at once per process; more get 503")
     http_batch_max_files: int = Field(default=64, ge=1, description="images per POST /v1/ocr/batch (and request ids per GET /v1/events)")
     http_events_max_s: float = Field(
         default=300.0, gt=0, description="longest a GET /v1/events or GET /v1/jobs/{id}/events stream stays open "
-                                         "(its `timeout` defaults to it and is capped to it), s")
+                                         "(its `timeout` defaults to it; more is 400 invalid_request naming it), s")
     http_job_wait_s: float = Field(
         default=10.0, ge=0, le=120,
         description="longest the door waits for a job the jobs stage has not recorded yet (one just created): "

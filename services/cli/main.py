@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from schemas.tasks import TaskError, parse_fields
+from schemas.tasks import TaskError, UnsupportedTask, parse_fields
 from services.cli.helptext import whole_paragraphs
 from services.cli.jobs import job_app
 from services.cli.options import MAX_WAIT_S, bounded
@@ -255,17 +255,22 @@ async def _submit_job(submitter, files: list[Path], name: str, task: str, source
 
 def _task_params(s: CommonSettings, task: str, fields: str | None, to: str | None):
     """``--task``'s parameters from ``--fields`` (comma-separated) and ``--to``, checked as
-    ingest checks them (:meth:`CommonSettings.check_task`), before anything is sent.
+    ingest checks them (:meth:`CommonSettings.check_task`), and the task against the deployment's
+    engine as the HTTP door checks it, before anything is sent.
 
     Raises:
         typer.Exit: (2) after printing why they are refused (ingest would end each image
-            ``invalid_request``).
+            ``invalid_request``; a task the engine cannot do: ``unsupported_task`` and the
+            door's message, infer would end each image so).
     """
     given = {"fields": list(parse_fields(fields)) if fields is not None else None, "target_lang": to}
     try:
-        return s.check_task(task, {k: v for k, v in given.items() if v is not None} or None)
+        return s.check_task(task, {k: v for k, v in given.items() if v is not None} or None, engine=True)
     except TaskError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    except UnsupportedTask as exc:  # one line, whatever the terminal's width: the door's code and message
+        err.print(f"[red]error:[/red] unsupported_task: {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 

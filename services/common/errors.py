@@ -14,19 +14,9 @@ import botocore.exceptions
 import pymysql.err
 import redis.exceptions
 
-from schemas.errors import ErrorCode
+from schemas.errors import ErrorCode, OcrstreamError
 
-
-class OcrstreamError(Exception):
-    """The root of ocrstream's own exceptions (every class under ``services/`` derives from it).
-
-    ``retriable`` (a class attribute, or set per instance), as aiokafka's ``KafkaError.retriable``:
-    True when the failure may pass by itself (a store, the broker or a model server down), so the
-    runner retries with backoff for as long as it lasts; False when retrying the same input cannot
-    help (bad input, a bug), so it is tried a bounded number of times, then given up on.
-    """
-
-    retriable: bool = False
+__all__ = ["OcrError", "OcrstreamError", "StoreUnavailable", "TRANSIENT_LIBRARY_ERRORS", "TRANSIENT_S3_CODES", "is_transient"]
 
 
 class OcrError(OcrstreamError):

@@ -54,6 +54,11 @@ with a second picture, from phone cameras: Pillow's JPEG plugin opens it, as for
 PPM covers PBM/PGM/PPM/PNM. Everything else Pillow could open
 (PostScript/EPS, which would run Ghostscript where it is installed; PSD, TGA, ICO, and the rest)
 is ``unsupported_format``: fewer decoders, fewer ways in."""
+FORMAT_NAMES = {"WEBP": "WebP", "PPM": "PBM/PGM/PPM", "JPEG2000": "JPEG 2000"}
+"""How messages name the formats of :data:`ACCEPTED_FORMATS` whose Pillow name is not the usual one."""
+READ_FORMATS = ", ".join(FORMAT_NAMES.get(f, f) for f in ACCEPTED_FORMATS) + " or PDF"
+"""Every format ocrstream reads, as ``unsupported_format`` messages list them: ``PNG, JPEG, GIF, TIFF,
+BMP, WebP, PBM/PGM/PPM, JPEG 2000, AVIF or PDF``."""
 PDF_RENDER_DPI = 200
 TOTAL_PIXELS_FACTOR = 2
 """All pages of one input together may hold at most this many times ``max_pixels`` (a small
@@ -128,7 +133,8 @@ def _open(data: bytes | BinaryIO, max_pixels: int) -> tuple[str, Image.Image | N
             return "PDF", None, head
         if fmt := _raster_signature(head):
             raise OcrError(ErrorCode.CORRUPT_IMAGE, f"starts like a {fmt} file but its header cannot be read") from exc
-        raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, "not an image format ocrstream reads") from exc
+        raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, f"not an image format ocrstream reads; it reads {READ_FORMATS} "
+                                                     "(recognised from the bytes, not the name)") from exc
     return img.format or "unknown", img, head
 
 

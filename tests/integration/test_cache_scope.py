@@ -43,7 +43,7 @@ def _post(c: httpx.Client, token: str, img: bytes) -> httpx.Response:
 
 
 def _done(c: httpx.Client, token: str, r: httpx.Response) -> dict:
-    got = c.get(f"/v1/ocr/{r.json()['request_id']}", params={"wait": 90}, headers={"X-API-Key": token}).json()
+    got = c.get(f"/v1/ocr/{r.json()['request_id']}", params={"wait": 60}, headers={"X-API-Key": token}).json()
     assert got["status"] == "ok", got
     return got["result"]
 

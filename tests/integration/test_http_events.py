@@ -224,8 +224,12 @@ def test_timeout_keep_alives_and_the_waiter_bound(small_door):
             poll = c.get(f"/v1/ocr/{rids[3]}", params={"wait": 1})
             assert poll.status_code == 503 and poll.json()["error"]["code"] == "overloaded"
         assert _until(small_door, "ocrstream_http_waiters", 0) == 0
-        # and a timeout over the server's longest is capped, not refused
-        with c.stream("GET", "/v1/events", params={"id": rids[0], "timeout": 1e9}) as resp:
+        # a timeout over the server's longest is refused, naming the bound (it was taken, then capped)
+        for timeout, why in [(1e9, "Input should be less than or equal to 300"), ("1e400", "Input should be a finite number")]:
+            r = c.get("/v1/events", params={"id": rids[0], "timeout": timeout})
+            assert (r.status_code, r.json()) == (400, {"error": {"code": "invalid_request",
+                                                                 "message": f"query.timeout: {why} (timeout: 0 to 300)"}})
+        with c.stream("GET", "/v1/events", params={"id": rids[0], "timeout": 300}) as resp:  # the bound itself
             assert resp.status_code == 200 and next(sse(resp))["event"] == "pending"
 
 

@@ -62,7 +62,7 @@ def test_sigterm_right_after_a_burst_of_cached_answers_loses_no_row(pipeline):
     img = text_image([f"FLUSH {uuid.uuid4().hex[:6].upper()}"])
     with httpx.Client(base_url=url, timeout=150) as c:
         rid = c.post("/v1/ocr", content=img, headers={"Content-Type": "image/png"}).json()["request_id"]
-        first = c.get(f"/v1/ocr/{rid}", params={"wait": 120}).json()
+        first = c.get(f"/v1/ocr/{rid}", params={"wait": 60}).json()
         assert first["status"] == "ok", first
 
     answered = asyncio.run(_cached_burst(url, img, BURST))

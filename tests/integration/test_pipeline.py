@@ -9,7 +9,7 @@ import orjson
 
 from schemas.errors import ErrorCode
 from schemas.events import OcrOutput
-from schemas.tasks import TASKS
+from schemas.tasks import ENGINE_TASKS
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings
 from services.common.textlines import cer
@@ -19,7 +19,8 @@ from tests.stack import db_rows
 CER_BOUNDS = json.loads((REPO / "tests" / "data" / "cer_bounds.json").read_text())
 BOUNDS = CER_BOUNDS["images"]
 
-ALL_TASKS = ", ".join(TASKS)  # the default OCRSTREAM_TASKS: every task of the registry
+# the default OCRSTREAM_TASKS is every task of the registry; a refusal lists those the session's CPU engine runs
+RUNNABLE_TASKS = ", ".join(ENGINE_TASKS["rapidocr"])
 
 
 async def test_samples_complete_with_bounded_cer_and_agree_everywhere(pipeline, manifest):
@@ -93,7 +94,7 @@ async def test_a_task_the_deployment_does_not_list_is_refused_and_the_next_goes_
     calls = pipeline.engine_calls()
     [refused] = await pipeline.run([(text_image(["MADE UP TASK 41"]), "layout.png")], task="layout")
     assert refused.status == "error" and refused.error.code is ErrorCode.INVALID_REQUEST
-    assert refused.error.message == f"task 'layout' is not one of this deployment's tasks: {ALL_TASKS}"
+    assert refused.error.message == f"task 'layout' is not one of this deployment's tasks: {RUNNABLE_TASKS}"
     assert refused.task == "layout" and refused.content_sha256 is None and pipeline.engine_calls() == calls
     [row] = db_rows("SELECT status, error_code FROM requests WHERE request_id = %s", refused.request_id)
     assert row == {"status": "error", "error_code": "invalid_request"}
@@ -173,7 +174,7 @@ async def test_dedup_refuses_an_unlisted_task_that_got_past_an_ingest_with_other
     for rid, task in tasks.items():
         doc = docs[rid]
         assert doc.status == "error" and doc.error.code is ErrorCode.INVALID_REQUEST
-        assert doc.error.message == f"task {task[:64]!r} is not one of this deployment's tasks: {ALL_TASKS}"
+        assert doc.error.message == f"task {task[:64]!r} is not one of this deployment's tasks: {RUNNABLE_TASKS}"
         assert "dedup" in doc.timings_ms and doc.task == task
         [row] = db_rows("SELECT status, error_code, task FROM requests WHERE request_id = %s", rid)
         assert row == {"status": "error", "error_code": "invalid_request", "task": task[:64]}

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -395,13 +396,72 @@ def _answer(route, task: str, **slots) -> None:
     route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
 
 
+def _tasks_url(url: str) -> bool:
+    return urlparse(url).path == "/v1/tasks"
+
+
+def _vlm_tasks() -> str:
+    """``GET v1/tasks`` as a door configured for the ``openai`` engine answers it (every task runs)."""
+    from services.api.protocol import deployment_tasks
+    from services.common.settings import CommonSettings
+
+    return deployment_tasks(CommonSettings(engine_kind="openai")).model_dump_json()
+
+
+VLM_TASKS = _vlm_tasks()
+
+
+def _accepted(route) -> None:
+    """Answer the page's upload 202 pending, as a door that took it does."""
+    [rid] = parse_qs(urlparse(route.request.url).query)["request_id"]
+    route.fulfill(status=202, content_type="application/json", body=json.dumps(
+        {"request_id": rid, "status": "pending", "cache_hit": False, "result": None, "error": None,
+         "links": {"self": f"/v1/ocr/{rid}", "wait": f"/v1/ocr/{rid}?wait=60"}}))
+
+
+def test_the_task_menu_offers_only_the_tasks_this_deployment_runs(tab, api):
+    """The page reads the real door's ``GET v1/tasks``: on this session's CPU engine ``formula``,
+    ``chart``, ``extract`` and ``translate`` are greyed out (disabled), each with the reason the door
+    refuses it with, in the option's tooltip and in the list below the menu."""
+    from schemas.tasks import unsupported_task_message
+
+    page = tab.page
+    off = ["formula", "chart", "extract", "translate"]
+    expect(page.locator("#task option[value=extract]")).to_be_disabled()
+    for name in ["ocr", "doc_parse", "table"]:
+        option = page.locator(f"#task option[value={name}]")
+        expect(option).to_be_enabled()
+        assert option.get_attribute("title") == "" and not option.inner_text().endswith("(not here)")
+    for name in off:
+        option = page.locator(f"#task option[value={name}]")
+        expect(option).to_be_disabled()
+        assert option.get_attribute("title") == unsupported_task_message(name, "rapidocr")
+        assert option.inner_text().endswith(" (not here)")
+    assert page.locator("#task").input_value() == "ocr" and page.locator("#task").get_attribute("data-engine") == "rapidocr"
+    box = page.locator("#tasks-off")
+    expect(box).to_be_visible()
+    box.locator("summary").click()
+    items = box.locator("li")
+    assert [items.nth(i).get_attribute("data-task") for i in range(items.count())] == off
+    assert items.all_inner_texts() == [f"{n}: {unsupported_task_message(n, 'rapidocr')}" for n in off]
+    # the reason shown is what the door answers a submission of it with
+    r = httpx.post(f"{api.url}/v1/ocr", params={"task": "extract", "fields": "total"}, content=text_image(["X"]),
+                   headers={"Content-Type": "image/png"}, timeout=30)
+    assert (r.status_code, r.json()) == (422, {"error": {"code": "unsupported_task",
+                                                         "message": unsupported_task_message("extract", "rapidocr")}})
+    assert tab.off_origin() == [] and tab.errors == []
+
+
 def test_a_task_result_shows_its_tables_and_fields_beside_the_image_and_never_runs_the_models_html(tab, tmp_path):
     """The page sends the task chosen to the real door (its query string) and shows the answer beside
     the image: Markdown as headings, lists and tables, fields as a two-column table. The answers come
-    from the browser's router (this session's pipeline runs the CPU engine, which does only ``ocr``;
-    the answers' formats are tested on the real pipeline in tests/integration/test_tasks.py): what is
-    under test is the page's rendering of them, with a script, an event handler and a
-    ``javascript:`` link in the model's output that must be neither inserted nor run."""
+    from the browser's router (this session's pipeline runs the CPU engine, whose ``doc_parse`` finds
+    no table on a line of text; the answers' formats are tested on the real pipeline in
+    tests/integration/test_tasks.py): what is under test is the page's rendering of them, with a
+    script, an event handler and a ``javascript:`` link in the model's output that must be neither
+    inserted nor run. ``extract`` the CPU engine cannot do: the door refuses it (422) and the page
+    greys it out (:func:`test_the_task_menu_offers_only_the_tasks_this_deployment_runs`), so for it the
+    router also plays a VLM deployment's ``GET v1/tasks`` and its 202."""
     page = tab.page
     polls = lambda url: "/v1/ocr/" in url and "wait=" in url  # noqa: E731
     page.route(polls, lambda route: _answer(route, "doc_parse", markdown=HOSTILE_MARKDOWN))
@@ -437,6 +497,10 @@ def test_a_task_result_shows_its_tables_and_fields_beside_the_image_and_never_ru
     page.unroute(polls)
     fields = {"invoice number": "INV-7", "date": "2026-12-01", "total": None}
     page.route(polls, lambda route: _answer(route, "extract", fields=fields))
+    page.route(_tasks_url, lambda route: route.fulfill(status=200, content_type="application/json", body=VLM_TASKS))
+    page.route(_submits, _accepted)
+    page.reload()
+    expect(page.locator("#task option[value=extract]")).to_be_enabled()
     page.select_option("#task", "extract")
     page.get_by_label("Fields (comma-separated)").fill("invoice number,date,total")
     img = tmp_path / "task-fields.png"

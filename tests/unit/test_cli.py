@@ -16,6 +16,7 @@ def test_submit_refuses_a_task_or_source_the_submit_event_cannot_carry(tmp_path)
 
 def test_submit_prints_why_task_parameters_are_refused_and_exits_non_zero(tmp_path, monkeypatch):
     monkeypatch.delenv("OCRSTREAM_TASKS", raising=False)
+    monkeypatch.setenv("OCRSTREAM_ENGINE_KIND", "openai")  # an engine that does extract and translate
     (tmp_path / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     runner = CliRunner()
     cases = [(["--task", "extract"], "error: task 'extract' needs fields"),

@@ -111,7 +111,8 @@ async def test_rapid_answers_unsupported_task_naming_the_vlm_engines():
     eng = RapidOcrEngine()
     (out,) = await read_all(eng, [np.full((32, 32, 3), 255, np.uint8)], EXTRACT, timeout_s=5)
     assert isinstance(out, UnsupportedTask)
-    assert str(out) == "engine 'rapidocr' cannot do task 'extract'; engines that can: vllm, openai"
+    assert str(out) == ("engine 'rapidocr' cannot do task 'extract'; engines that can: vllm, openai (to run one, "
+                        "set OCRSTREAM_ENGINE__ENGINE and its model on every stage: docs/engines.md#choosing-an-engine)")
     assert engines_for("ocr") == ("rapidocr", "vllm", "openai")
     await eng.close()
 

@@ -1,4 +1,4 @@
-"""One error tree: every exception class under services/ derives from OcrstreamError and says
+"""One error tree: every exception class under services/ and schemas/ derives from OcrstreamError and says
 whether it is retriable; is_transient tells a dependency being down from bad input by class."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _exception_classes() -> list[tuple[str, str]]:
-    """(module, class name) of every class under services/ whose name ends in Error, Unavailable,
-    Refused, Timeout, Task, Output, Key, Stopped or Died, or that names an exception base."""
+    """(module, class name) of every top-level class under services/ and schemas/ whose bases name
+    an exception class."""
     found = []
-    for path in sorted((REPO / "services").rglob("*.py")):
+    for path in sorted([*(REPO / "services").rglob("*.py"), *(REPO / "schemas").rglob("*.py")]):
         tree = ast.parse(path.read_text())
         module = ".".join(path.relative_to(REPO).with_suffix("").parts)
         for node in tree.body:

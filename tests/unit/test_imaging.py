@@ -373,3 +373,18 @@ def test_a_multi_page_tiff_whose_second_page_is_broken_is_corrupt_image():
         sniff(bytes(data), 100_000_000, 20)
     assert err.value.code == ErrorCode.CORRUPT_IMAGE
     assert "unknown pixel mode" in str(err.value)
+
+
+def test_unsupported_format_says_which_formats_are_read():
+    from schemas.errors import ERRORS
+    from services.common.imaging import ACCEPTED_FORMATS, READ_FORMATS
+
+    assert READ_FORMATS == "PNG, JPEG, GIF, TIFF, BMP, WebP, PBM/PGM/PPM, JPEG 2000, AVIF or PDF"
+    assert len(READ_FORMATS.split(", ")) == len(ACCEPTED_FORMATS)  # each format named once, PDF with the last
+    for data in (b"%!PS-Adobe-3.0 EPSF", b"just some words, not an image\n", b"8BPS\0\1 a PSD"):
+        with pytest.raises(OcrError) as e:
+            sniff(data, BIG, 5)
+        assert e.value.code is ErrorCode.UNSUPPORTED_FORMAT
+        assert e.value.message == ("not an image format ocrstream reads; it reads PNG, JPEG, GIF, TIFF, BMP, WebP, "
+                                   "PBM/PGM/PPM, JPEG 2000, AVIF or PDF (recognised from the bytes, not the name)")
+    assert READ_FORMATS in ERRORS["unsupported_format"].meaning  # the error table lists the same

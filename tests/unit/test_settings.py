@@ -96,6 +96,7 @@ def test_tasks_come_from_the_environment_and_others_are_refused_by_name(monkeypa
 
     monkeypatch.delenv("OCRSTREAM_TASKS", raising=False)
     monkeypatch.delenv("OCRSTREAM_CACHE_TTL_BY_TASK", raising=False)
+    monkeypatch.setenv("OCRSTREAM_ENGINE_KIND", "openai")  # an engine that does every task: the list alone decides
     assert CommonSettings().tasks == ("ocr", "doc_parse", "table", "formula", "chart", "extract", "translate")
     assert CommonSettings().task_error("extract") is None
     monkeypatch.setenv("OCRSTREAM_TASKS", '["ocr", "extract"]')
@@ -122,8 +123,9 @@ def test_check_task_validates_the_allow_list_then_the_parameters(monkeypatch):
     from services.common.settings import CommonSettings
 
     monkeypatch.setenv("OCRSTREAM_TASKS", '["ocr", "extract", "translate"]')
+    monkeypatch.setenv("OCRSTREAM_ENGINE_KIND", "openai")  # does every task: the list, then the parameters decide
     s = load_settings(CommonSettings)
-    assert s.check_task("ocr", None) is None
+    assert s.check_task("ocr", None, engine=True) is None
     assert s.check_task("extract", {"fields": [" date", "total", "date"]}) == TaskParams(fields=("date", "total"))
     assert s.check_task("translate", TaskParams(target_lang="en")) == TaskParams(target_lang="en")
     for task, params, why in [
@@ -251,7 +253,7 @@ def test_the_door_reads_fields_and_the_target_language_and_says_why_it_refuses_t
     from services.common.settings import CommonSettings
     from starlette.datastructures import QueryParams
 
-    s = CommonSettings()
+    s = CommonSettings(engine_kind="openai")  # an engine that does extract and translate
     ok = {"invoice number,date, total": ("invoice number", "date", "total"),
           '["invoice number", "date"]': ("invoice number", "date"),
           query_options(QueryParams("fields=a,b&fields=c&task=extract"))["fields"]: ("a,b", "c")}

@@ -4,7 +4,7 @@
 "use strict";
 
 const KEY_STORE = "ocrstream.apiKey";
-const WAIT_S = 30;              // long-poll length asked of the server, s (it may cap it lower)
+const WAIT_S = 30;              // long-poll length asked of the server, s (less when its links say less: waitOf)
 const BOX_COLOR = "#ff00ff";    // every line's box; the tests look for this exact colour
 const HOT_COLOR = "#00ffff";    // the box of the line under the pointer / keyboard focus
 const MAX_CANVAS_SIDE = 2000;   // canvas pixels; larger pages are drawn scaled down
@@ -158,8 +158,9 @@ async function follow(file) {
     });
     card.dataset.requestId = body.request_id;
     if (body.status === "pending") setState(card, "queued");
+    const wait = waitOf(body);
     while (body.status === "pending") {
-      const url = `v1/ocr/${encodeURIComponent(body.request_id)}?wait=${WAIT_S}`;
+      const url = `v1/ocr/${encodeURIComponent(body.request_id)}?wait=${wait}`;
       body = (await polls.run(() => call(url, { headers: headers() }, note))).body;
     }
     if (body.status === "error") {
@@ -175,6 +176,14 @@ async function follow(file) {
   } finally {
     card.dataset.clientMs = String(Math.round(performance.now() - started));
   }
+}
+
+/** The long-poll length to ask for: WAIT_S, or the server's longest when that is shorter (its
+ *  links.wait carries it, OCRSTREAM_HTTP_WAIT_MAX_S; a longer wait is refused with 400). */
+function waitOf(body) {
+  const query = String((body.links && body.links.wait) || "").split("?")[1] || "";
+  const most = Number(new URLSearchParams(query).get("wait"));
+  return Number.isFinite(most) && most > 0 ? Math.min(WAIT_S, most) : WAIT_S;
 }
 
 function offerDownload(card, file, doc) {
@@ -394,6 +403,40 @@ function setupTaskForm() {
   };
   task.addEventListener("change", sync);
   sync();
+  return sync;
+}
+
+/** Grey out the menu's tasks this deployment does not run (GET v1/tasks: its engine and OCRSTREAM_TASKS),
+ *  each with the reason the door would refuse it; listed below the menu too. Unanswered: the menu stays whole. */
+async function loadTasks(sync) {
+  let info;
+  try {
+    const res = await fetch("v1/tasks", { headers: headers() });
+    if (!res.ok) return;
+    info = await res.json();
+  } catch { return; }
+  const menu = document.getElementById("task");
+  const list = document.getElementById("tasks-off-list");
+  list.replaceChildren();
+  for (const t of info.tasks) {
+    const option = [...menu.options].find((o) => o.value === t.name);
+    if (!option) continue;
+    option.disabled = !t.runs;
+    option.title = t.reason || "";
+    option.dataset.reason = t.reason || "";
+    if (t.runs) continue;
+    if (!option.textContent.endsWith(" (not here)")) option.textContent += " (not here)";
+    const li = document.createElement("li");
+    li.dataset.task = t.name;
+    const name = document.createElement("code");
+    name.textContent = t.name;
+    li.append(name, `: ${t.reason}`);
+    list.append(li);
+  }
+  if (menu.selectedOptions[0] && menu.selectedOptions[0].disabled) menu.value = info.default;
+  document.getElementById("tasks-off").hidden = !list.children.length;
+  menu.dataset.engine = info.engine;
+  sync();
 }
 
 function take(files) {
@@ -402,7 +445,7 @@ function take(files) {
 
 function setup() {
   askForKey = setupKeyForm();
-  setupTaskForm();
+  loadTasks(setupTaskForm());
   setupJob();
   const drop = document.getElementById("drop");
   const input = document.getElementById("files");

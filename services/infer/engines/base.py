@@ -6,8 +6,9 @@ One call is one page (or one tile of a long page) for one :class:`EngineTask` (a
 them :class:`UnsupportedTask` and :class:`UnparsableOutput` (final: not retried). The infer stage
 keeps many pages in flight at once (its window, docs/delivery.md); whatever batching an engine
 does (vLLM's continuous batching, a pool of CPU workers) it does itself across those concurrent
-calls. Which engine does which task: each engine class's :attr:`OcrEngine.tasks`, collected by
-:mod:`services.infer.engines.registry` (``docs/engines.md``).
+calls. Which engine does which task is one table, :data:`schemas.tasks.ENGINE_TASKS`: each
+engine class's :attr:`OcrEngine.tasks` is its row (:func:`tasks_of`), and the doors refuse what the
+deployment's engine cannot do from the same table (``docs/engines.md``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from schemas.lanes import Priority
-from schemas.tasks import DEFAULT_TASK, TaskParams
+# UnsupportedTask is defined with the table in schemas/tasks.py (the doors raise it too) and imported from here
+from schemas.tasks import DEFAULT_TASK, ENGINE_TASKS, TaskParams, UnsupportedTask
 from services.common.errors import OcrstreamError
 from services.common.textlines import Segment
 
@@ -42,20 +44,14 @@ OCR = EngineTask()
 """Text spotting, the default task (lines with boxes)."""
 
 
-class UnsupportedTask(OcrstreamError):
-    """This engine cannot do the task (``unsupported_task``, final): the message names the
-    engines that can (:func:`services.infer.engines.registry.engines_for`).
+def tasks_of(engine: str) -> frozenset[str]:
+    """Engine ``engine``'s tasks: its row of :data:`schemas.tasks.ENGINE_TASKS` (an engine class's
+    :attr:`OcrEngine.tasks`).
 
-    Args:
-        task: The task asked for.
-        engine: The engine asked.
-        able: Names of the engines that can do it (may be empty).
+    Raises:
+        KeyError: the table has no row for ``engine`` (add one with the engine).
     """
-
-    def __init__(self, task: str, engine: str, able: tuple[str, ...] = ()):
-        where = f"; engines that can: {', '.join(able)}" if able else "; no engine of this build can"
-        super().__init__(f"engine {engine!r} cannot do task {task!r}{where}")
-        self.task, self.engine, self.able = task, engine, tuple(able)
+    return frozenset(ENGINE_TASKS[engine])
 
 
 class UnparsableOutput(OcrstreamError):
@@ -127,7 +123,8 @@ class OcrEngine(ABC):
         name: Engine name as in the cache key (``rapidocr``, ``vllm``, ``openai``).
         max_side: Longest image side in pixels the engine reads well; larger inputs are
             downscaled by the infer stage and boxes mapped back.
-        tasks: The tasks this engine can do; any other answers :class:`UnsupportedTask`.
+        tasks: The tasks this engine can do, its row of :data:`schemas.tasks.ENGINE_TASKS`
+            (:func:`tasks_of`); any other answers :class:`UnsupportedTask`.
     """
 
     name: str = "engine"
@@ -152,10 +149,9 @@ class OcrEngine(ABC):
         return task.name in self.tasks
 
     def unsupported(self, task: EngineTask) -> UnsupportedTask:
-        """The :class:`UnsupportedTask` for ``task``, naming the registered engines that can do it."""
-        from services.infer.engines.registry import engines_for  # the registry imports the engines
-
-        return UnsupportedTask(task.name, self.name, engines_for(task.name))
+        """The :class:`UnsupportedTask` for ``task``, naming the engines that can do it
+        (:func:`schemas.tasks.engines_for`)."""
+        return UnsupportedTask(task.name, self.name)
 
     @abstractmethod
     async def start(self) -> None:

@@ -39,11 +39,11 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from schemas.events import WARNING_TRUNCATED_MAX_TOKENS
 from services.common.prompts import SPOTTING_PROMPT
-from schemas.tasks import TASKS
 from services.infer.engines import dialects, hunyuan, hunyuan_prompts
 from schemas.lanes import Priority
 from services.common.errors import OcrstreamError
-from services.infer.engines.base import OCR, EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine
+from services.infer.engines.base import (OCR, EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine,
+                                          tasks_of)
 from services.infer.engines.slots import PrioritySlots
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class OpenAiEngine(OcrEngine):
     """
 
     name = "openai"
-    tasks = frozenset(TASKS)
+    tasks = tasks_of("openai")
     max_side = hunyuan_prompts.VLM_MAX_SIDE
 
     def __init__(

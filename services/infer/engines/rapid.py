@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN, RAPIDOCR_STRUCTURE_TASKS
+from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN
 from services.common.textlines import Segment, restore_spaces
 from schemas.lanes import Priority
-from services.infer.engines.base import EngineOutput, EngineTask, EngineTimeout, OcrEngine
+from services.infer.engines.base import EngineOutput, EngineTask, EngineTimeout, OcrEngine, tasks_of
 from services.infer.engines.slots import PrioritySlots
 
 
@@ -62,7 +62,7 @@ class RapidOcrEngine(OcrEngine):
     """
 
     name = "rapidocr"
-    tasks = frozenset({"ocr", *RAPIDOCR_STRUCTURE_TASKS})
+    tasks = tasks_of("rapidocr")
 
     def __init__(self, intra_op_threads: int = 1, workers: int = 1, max_side: int = 2000,
                  det_limit_side_len: int = RAPIDOCR_DET_LIMIT_SIDE_LEN, interactive_workers: int = 0,

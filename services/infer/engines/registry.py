@@ -2,7 +2,8 @@
 
 Adding an engine is one module (a subclass of :class:`~services.infer.engines.base.OcrEngine`
 with ``name``, ``tasks`` and a ``from_settings(settings)`` classmethod) plus one line in
-:data:`ENGINES` (``docs/contributing.md``, "Adding an engine"). Classes are imported when first
+:data:`ENGINES` and its row of tasks in :data:`schemas.tasks.ENGINE_TASKS`
+(``docs/contributing.md``, "Adding an engine"). Classes are imported when first
 asked for, so the registry imports nothing heavy: each engine imports its runtime (RapidOCR,
 vLLM) in ``start()``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 
+from schemas.tasks import engines_for as _engines_for
 from services.infer.engines.base import OcrEngine
 
 ENGINES: dict[str, str] = {
@@ -44,5 +46,7 @@ def build(name: str, settings) -> OcrEngine:
 
 
 def engines_for(task: str) -> tuple[str, ...]:
-    """The registered engines whose class declares ``task`` (in registry order)."""
-    return tuple(n for n in ENGINES if task in engine_class(n).tasks)
+    """The registered engines that can do ``task`` (in registry order), from the one table
+    :data:`schemas.tasks.ENGINE_TASKS` (each engine class's ``tasks`` is its row); imports no engine."""
+    able = _engines_for(task)
+    return tuple(n for n in ENGINES if n in able)

@@ -20,9 +20,9 @@ import numpy as np
 from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
 from schemas.lanes import Priority
 from services.common.prompts import SPOTTING_PROMPT
-from schemas.tasks import TASKS
 from services.infer.engines import dialects, hunyuan, hunyuan_prompts
-from services.infer.engines.base import OCR, EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine
+from services.infer.engines.base import (OCR, EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine,
+                                          tasks_of)
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class VllmEngine(OcrEngine):
     """
 
     name = "vllm"
-    tasks = frozenset(TASKS)
+    tasks = tasks_of("vllm")
     max_side = hunyuan_prompts.VLM_MAX_SIDE
     check_every = 256
     check_after = 512
