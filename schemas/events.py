@@ -589,9 +589,10 @@ class DlqEvent(_Frozen):
 
 #: Every wire model, by schema name (used by the JSON Schema generator and the drift test).
 def _request_log_tag(value: object) -> str:
-    """The ``schema`` of a record of ``ocr.requests`` (a request when it names none)."""
+    """The ``schema`` of a record of ``ocr.requests``; a record that names none is a settlement when
+    it has a ``cache_key`` (which a request never has), else a request."""
     if isinstance(value, dict):
-        return value.get("schema", "ocr.request.v1")
+        return value.get("schema") or ("ocr.settled.v1" if "cache_key" in value else "ocr.request.v1")
     return getattr(value, "schema_", "ocr.request.v1")
 
 
@@ -600,7 +601,7 @@ class RequestLogEvent(RootModel[Annotated[
         Discriminator(_request_log_tag)]]):
     """A record of ``ocr.requests``: a request (``ocr.request.v1``, from ingest or the HTTP door) or
     a cache key's settlement (``ocr.settled.v1``, from the sink), told apart by ``schema`` (a
-    record without one is a request). Both are keyed by content SHA-256: one log per key, read by
+    record without one: by its ``cache_key``, which only a settlement has). Both are keyed by content SHA-256: one log per key, read by
     dedup in order (docs/single-flight.md). ``root`` is the event."""
 
 

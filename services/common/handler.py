@@ -8,10 +8,10 @@ cause. It never sees aiokafka: the runner fetches, produces, commits and handles
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-
-import asyncio
 
 from aiokafka import TopicPartition  # re-exported: the partitions on_assigned and on_revoked are given
 from pydantic import BaseModel
@@ -21,7 +21,7 @@ from schemas.lanes import Priority
 from services.common.kafka import Outgoing
 from services.common.records import Record
 
-__all__ = ["Handler", "Outgoing", "Record", "TopicPartition", "WindowHandler"]
+__all__ = ["Handler", "Outgoing", "Record", "TopicPartition", "WindowHandler", "poison_of"]
 
 
 class Handler(ABC):
@@ -59,7 +59,9 @@ class Handler(ABC):
 
         Called once per poison record (its ``value`` may be None: it did not decode); returns the
         ``ocr.dlq`` event and, where the record names a request, an error result so the request
-        still ends in a final state.
+        still ends in a final state. A handler that must read something to end what the record
+        held (dedup reads spilled copies back from its changelog) may define it ``async def``;
+        the runners call it through :func:`poison_of`.
         """
 
     def oversize(self, msg: Outgoing, exc: BaseException, stub: Outgoing) -> list[Outgoing]:
@@ -141,3 +143,9 @@ class WindowHandler(Handler):
         if failed := next((g for g in got if isinstance(g, BaseException)), None):
             raise failed
         return [m for out in got for m in out]
+
+
+async def poison_of(handler: "Handler", record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:
+    """``handler.poison(record, exc, attempts)``, awaited when the handler defines it ``async``."""
+    out = handler.poison(record, exc, attempts)
+    return await out if inspect.isawaitable(out) else out

@@ -71,7 +71,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from schemas.errors import ErrorCode
 from services.common.deaths import DeathLedger, ReadCommitted
 from services.common.errors import OcrError, is_transient
-from services.common.handler import Handler
+from services.common.handler import Handler, poison_of
 from services.common.kafka import Outgoing
 from services.common.producing import BatchProducer
 from services.common.rebalance import Revocations
@@ -236,7 +236,7 @@ class StageRunner:
                       self.stage, rec.topic, rec.partition, rec.offset, deaths)
             self.telemetry.poison(self.stage, ErrorCode.STAGE_CRASH.value)
             exc = OcrError(ErrorCode.STAGE_CRASH, f"in progress when the {self.stage} stage died {deaths} times")
-            await self._produce(self.handler.poison(rec, exc, deaths))
+            await self._produce(await poison_of(self.handler, rec, exc, deaths))
             await self._retrying(self.handler.after_produce)
             await self._commit([rec])
 
@@ -509,7 +509,7 @@ class StageRunner:
         log.error("%s: %s[%d]@%d is poison, sending to DLQ: %r",
                   self.stage, record.topic, record.partition, record.offset, last_exc)
         self.telemetry.poison(self.stage, getattr(getattr(last_exc, "code", None), "value", "internal_error"))
-        return self.handler.poison(record, last_exc, attempts)
+        return await poison_of(self.handler, record, last_exc, attempts)
 
     async def _retrying(self, fn) -> None:
         """Await ``fn()``, retrying while it fails with a transient error."""

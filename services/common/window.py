@@ -55,7 +55,7 @@ from schemas.errors import ErrorCode
 from schemas.lanes import PRIORITIES
 from services.common.deaths import ReadCommitted
 from services.common.errors import OcrError
-from services.common.handler import WindowHandler
+from services.common.handler import WindowHandler, poison_of
 from services.common.progress import Fate, PartitionProgress, read_metadata
 from services.common.records import Record
 from services.common.runner import MARK_SEND_TURNS, UNMARK_LOCK_S, StageRunner
@@ -275,7 +275,7 @@ class WindowRunner(StageRunner):
                   self.stage, rec.topic, rec.partition, rec.offset, deaths)
         self.telemetry.poison(self.stage, ErrorCode.STAGE_CRASH.value)
         exc = OcrError(ErrorCode.STAGE_CRASH, f"in progress when the {self.stage} stage died {deaths} times")
-        await self._produce(self.handler.poison(rec, exc, deaths))
+        await self._produce(await poison_of(self.handler, rec, exc, deaths))
 
     async def _drain(self) -> None:
         """After ``stop``: start nothing more, let the records in flight finish, commit."""

@@ -497,19 +497,20 @@ class DedupHandler(Handler):
         its request, as ``input_too_large`` (:func:`~services.common.dlq.oversized_result`)."""
         return [stub, *oversized_result(msg, exc)]
 
-    def poison(self, record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:
+    async def poison(self, record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:
         """DLQ the record and fail its request. A settlement that cannot be applied is applied as
         an ``internal_error`` of its request instead (when its key and request id can be read), so
         the copies waiting on the key are not left waiting: the first is promoted while attempts
-        are left, else all get the error."""
+        are left, else all get the error (those past ``max_waiters`` read back from the changelog
+        too)."""
         for st in self.states.values():
             st.rollback()
         out = poison_messages(stage="dedup", topics=self.s.topics, record=record, exc=exc, attempts=attempts)
         if not _is_settlement(record):
             return out
-        return out[:1] + self._settle_failed(record, exc)
+        return out[:1] + await self._settle_failed(record, exc)
 
-    def _settle_failed(self, record: Record, exc: BaseException) -> list[Outgoing]:
+    async def _settle_failed(self, record: Record, exc: BaseException) -> list[Outgoing]:
         st = self.states.get(record.partition)
         try:
             v = orjson.loads(record.raw)
@@ -522,7 +523,10 @@ class DedupHandler(Handler):
         if st is None:
             return []
         try:
-            out = self._answer(ev, st.settle(ev))
+            res = st.settle(ev)
+            if res.spilled:
+                res.answered.extend(await self._spilled(st, record.partition, ev.cache_key))
+            out = self._answer(ev, res)
         except Exception as err:  # noqa: BLE001 - a poison path must not raise
             st.rollback()
             log.error("dedup: the failed settlement of %s could not be applied either (%r)", ev.cache_key, err)

@@ -133,6 +133,29 @@ class MemoryChangelog:
         self.log.setdefault(partition, []).extend(records)
 
 
+def test_a_poisoned_settlement_on_the_last_attempt_answers_the_copies_kept_in_the_changelog_too():
+    """Past ``max_waiters`` copies wait in the changelog only; a settlement that cannot be applied
+    (sent to the DLQ) on the holder's last attempt ends every copy, those read back included."""
+    s = DedupSettings(max_waiters=1, max_attempts=1)
+    changelog = MemoryChangelog()
+    h = DedupHandler(s, CountingCache(down=True), Telemetry("dedup", TelemetrySettings()), changelog=changelog)
+    out = asyncio.run(h.handle([record(s.topics.requests, dumps(request(f"r{i}")), i) for i in range(4)]))
+    asyncio.run(h.after_produce())  # the batch's changelog records written, as the runner does
+    [holder] = [orjson.loads(m.value) for m in out]
+    key = holder["cache_key"]
+    bad = orjson.dumps({"schema": "ocr.settled.v1", "cache_key": key, "content_sha256": SHA, "request_id": "r0",
+                        "status": "bogus"})  # does not decode: the runner poisons it at once
+    rec = record(s.topics.requests, bad, 10)
+    assert rec.error is not None
+    msgs = asyncio.run(h.poison(rec, rec.error, 1))
+    answered = sorted(orjson.loads(m.value)["request"]["request_id"] for m in msgs if m.topic == s.topics.results)
+    assert answered == ["r1", "r2", "r3"]
+    assert [m.topic for m in msgs].count(s.topics.dlq) == 1
+    asyncio.run(h.after_produce())
+    left = asyncio.run(changelog.restore([0]))[0]
+    assert not [k for k in left if k.startswith(b"w|")]  # no copy left waiting in the changelog
+
+
 class RevokedMidBatch(CountingCache):
     """Redis misses; the first GET is where a revocation (whose drain timed out) lands."""
 
@@ -203,7 +226,7 @@ def test_a_settlement_sent_to_the_dlq_still_ends_its_key_for_the_waiting_copies(
     out = handle(h, *[(S.topics.requests, dumps(request(f"r{i}"))) for i in range(3)])
     key = out[0][1]["cache_key"]
     settled = SettledEvent(cache_key=key, content_sha256=SHA, request_id="r0", status="ok", result_uri="s3://b/d.json")
-    msgs = h.poison(record(S.topics.requests, dumps(settled), 5), RuntimeError("cannot apply"), 3)
+    msgs = asyncio.run(h.poison(record(S.topics.requests, dumps(settled), 5), RuntimeError("cannot apply"), 3))
     got = [(m.topic, orjson.loads(m.value)) for m in msgs]
     assert [t for t, _ in got] == [S.topics.dlq, S.topics.infer]  # the first waiter computes it again
     assert (got[1][1]["request"]["request_id"], got[1][1]["attempt"]) == ("r1", 2)
@@ -211,3 +234,14 @@ def test_a_settlement_sent_to_the_dlq_still_ends_its_key_for_the_waiting_copies(
                         attempt=2)
     out = handle(h, (S.topics.requests, dumps(done)))
     assert [(ev["request"]["request_id"], ev["cache_tier"]) for _, ev in out] == [("r2", "single_flight")]
+
+
+def test_a_settlement_without_its_schema_field_is_still_read_as_a_settlement():
+    """A producer that leaves ``schema`` out: a settlement has a ``cache_key``, a request never."""
+    settled = orjson.loads(dumps(SettledEvent(cache_key="k", content_sha256=SHA, request_id="r0", status="ok",
+                                              result_uri="s3://b/d.json")))
+    settled.pop("schema")
+    req = orjson.loads(dumps(request("r1")))
+    req.pop("schema")
+    assert isinstance(record(S.topics.requests, orjson.dumps(settled)).value.root, SettledEvent)
+    assert isinstance(record(S.topics.requests, orjson.dumps(req)).value.root, RequestEvent)
