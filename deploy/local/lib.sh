@@ -95,6 +95,16 @@ require_port_free() {
   local svc="$1" port="$2" who
   port_open "$port" || return 0
   who="$(ss -Htlnp "sport = :$port" 2>/dev/null | grep -o 'users:(.*)' | head -1)"
+  local pid owner=""
+  pid="$(grep -o 'pid=[0-9]*' <<<"$who" | head -1 | cut -d= -f2)"
+  if [[ -n "$pid" && -r "/proc/$pid/cmdline" ]]; then  # a stack started by another clone names its state folder
+    owner="$( { tr '\0' '\n' <"/proc/$pid/cmdline"; readlink "/proc/$pid/cwd"; } 2>/dev/null \
+      | grep -o '/[^ :=]*/\.state' | head -1)"
+  fi
+  if [[ -n "$owner" && "$owner" != "$STATE_DIR" ]]; then
+    die "$svc" "port $port is in use by the local stack of another clone (state folder $owner); one machine runs one stack." \
+      "Stop it from that clone (bash deploy/local/down.sh there), or use it from here: export OCRSTREAM_STATE_DIR=$owner"
+  fi
   # shellcheck disable=SC2016
   die "$svc" "port $port is already in use by another process: ${who:-unknown (run: ss -ltnp 'sport = :$port')}." \
     "Stop it or set the matching OCRSTREAM_*_PORT variable."

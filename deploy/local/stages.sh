@@ -49,7 +49,7 @@ case "${1:-}" in
       echo "$st: ready"
     done
     if [[ " ${NAMES[*]} " == *" api "* ]]; then
-      echo "api: http://127.0.0.1:${PORT[api]}/ (web page), POST /v1/ocr, OpenAPI at /openapi.json"
+      echo "api: http://127.0.0.1:${PORT[api]}/ (web page), POST /v1/ocr, the API explorer at /docs (OpenAPI at /openapi.json)"
     fi ;;
   stop)
     for st in api jobs sink infer dedup ingest; do

@@ -89,8 +89,9 @@ def submit(
     out: Optional[Path] = typer.Option(None, "--out", help="A folder to write each whole result document to, as JSON."),
     timeout: float = bounded(600.0, "--timeout", lo=1, hi=MAX_WAIT_S, unit="s",
                              help="How long --wait waits for all the results"),
-    task: str = typer.Option("ocr", help="The task (part of the cache key): one of the deployment's OCRSTREAM_TASKS: "
-                             "ocr, doc_parse, table, formula, chart, extract, translate (docs/tasks.md)."),
+    task: str = typer.Option("ocr", help="The task (part of the cache key): ocr, doc_parse, table, formula, chart, extract or "
+                             "translate, of those the configured engine can do (the CPU engine: ocr, doc_parse, "
+                             "table; docs/tasks.md)."),
     fields: Optional[str] = typer.Option(
         None, "--fields", help='For --task extract, the field names, comma-separated ("invoice number,date,total"; '
         "1 to 50, each at most 100 characters)."),
