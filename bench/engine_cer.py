@@ -64,7 +64,7 @@ def pipeline_text(engine: RapidOcrEngine, data: bytes, max_aspect: float) -> str
     for page, _ in imaging.iter_flattened(data, MAX_PIXELS, 100):
         h, w = page.shape[:2]
         segs: list[Segment] = []
-        for tile in make_tiles(page, max_aspect, engine.max_side):
+        for tile in make_tiles(page, max_aspect, engine.max_side, downscale=not engine.shrinks_large_pages):
             segs += map_back(tile, engine._one(tile.image).segments, w, h)
         pages.append("\n".join(line.text for line in group_lines(segs)))
     return "\n\n".join(pages)

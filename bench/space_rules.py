@@ -121,7 +121,7 @@ def main() -> None:
     for m in json.loads((SAMPLES / "manifest.json").read_text()):
         truth = _stripped("\n".join(m["lines"]))
         page, _ = next(imaging.iter_flattened((SAMPLES / m["file"]).read_bytes(), 100_000_000, 1))
-        for tile in make_tiles(page, 3.0, ENGINE_MAX_SIDE):
+        for tile in make_tiles(page, 3.0, ENGINE_MAX_SIDE, downscale=False):  # as infer hands them to RapidOCR
             grey = _grey(tile.image)
             for row in read(tile.image):
                 ev = space_evidence(row, grey)

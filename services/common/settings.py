@@ -231,8 +231,9 @@ class EngineIdentity(BaseModel):
         default="", description="model revision (part of the cache key); empty = rapidocr: the package of the "
         "model (rapidocr-3.10.0, rapidocr-onnxruntime-1.4.4), other engines: empty")
     preprocess_version: int = Field(
-        default=2, ge=1, description="bump when decoding/preprocessing changes results (2: contrast-keeping alpha, "
-        "spaces and columns in line assembly, tiles cut in gaps)")
+        default=3, ge=1, description="bump when decoding/preprocessing changes results (2: contrast-keeping alpha, "
+        "spaces and columns in line assembly, tiles cut in gaps; 3: the CPU engine shrinks large pages itself, "
+        "side-by-side regions kept apart)")
     det_limit_side_len: int = Field(
         default=RAPIDOCR_DET_LIMIT_SIDE_LEN, ge=32, le=2048,
         description="rapidocr: the detector upscales the short side to at least this (px; RapidOCR's 736); "

@@ -39,8 +39,8 @@ def test_detector_limit_is_part_of_the_key_and_the_default_key_is_unchanged():
 
     default = EngineIdentity().generation("ocr")
     # the default key has no options part: the format from before options existed (at the current
-    # model, PP-OCRv6 small from rapidocr 3.10.0 since issue 34, and preprocess version, 2 since issue 21)
-    before_options = hashlib.sha256(b"rapidocr|PP-OCRv6-small|rapidocr-3.10.0|ocr|2").hexdigest()[:12]
+    # model, PP-OCRv6 small from rapidocr 3.10.0, and preprocess version, 3 since issue 34)
+    before_options = hashlib.sha256(b"rapidocr|PP-OCRv6-small|rapidocr-3.10.0|ocr|3").hexdigest()[:12]
     assert default.options == "" and default.gen_id == before_options
     fast = EngineIdentity(det_limit_side_len=96).generation("ocr")
     assert fast.options == "det_limit_side_len=96" and fast.gen_id != default.gen_id
@@ -53,13 +53,13 @@ def test_engine_identity_builds_generation():
     assert g.model_revision == "x" and g.task == "ocr" and g.engine == "rapidocr"
 
 
-DEFAULT_GEN_ID = "155ed77865f6"
+DEFAULT_GEN_ID = "6a1f8c529a3a"
 """The default CPU generation (rapidocr, PP-OCRv6-small, rapidocr-3.10.0, task ocr, preprocessing
-2): pinned, because changing it turns every existing cache entry into a miss. Left behind on
+3): pinned, because changing it turns every existing cache entry into a miss. Left behind on
 purpose, each when results of the same bytes changed: ``672cc006da7b`` (preprocessing 1) by issue
-21, ``e34820258631`` (PP-OCRv4-ch) by issue 34's new models."""
-LEGACY_GEN_ID = "e34820258631"
-"""``OCRSTREAM_ENGINE__MODEL=PP-OCRv4-ch``: the engine before PP-OCRv6, its generation as it was."""
+21, ``e34820258631`` (PP-OCRv4-ch, rapidocr-onnxruntime-1.4.4, preprocessing 2) by issue 34."""
+LEGACY_GEN_ID = "a6cb348509ec"
+"""``OCRSTREAM_ENGINE__MODEL=PP-OCRv4-ch``: the engine before PP-OCRv6, at preprocessing 3."""
 
 
 def test_the_old_engine_is_one_setting_away_with_a_generation_of_its_own():
@@ -92,7 +92,7 @@ def test_each_deployment_setting_that_changes_results_changes_the_key():
         "engine_kind": settings(engine_kind="openai"),
         "model": settings(engine=EngineIdentity(model="m2")),
         "model_revision": settings(engine=EngineIdentity(model_revision="r2")),
-        "preprocess_version": settings(engine=EngineIdentity(preprocess_version=3)),
+        "preprocess_version": settings(engine=EngineIdentity(preprocess_version=4)),
         "det_limit_side_len": settings(engine=EngineIdentity(det_limit_side_len=96)),
         "engine_max_side": settings(engine_max_side=1000),
     }

@@ -75,6 +75,9 @@ class RapidOcrEngine(OcrEngine):
 
     name = "rapidocr"
     tasks = frozenset({"ocr", *RAPIDOCR_STRUCTURE_TASKS})
+    # RapidOCR shrinks an image over max_side_len itself (to a multiple of 32, as its detector
+    # needs) and maps its boxes back: a page shrunk before that would be resampled twice
+    shrinks_large_pages = True
 
     def __init__(self, intra_op_threads: int = 1, workers: int = 1, max_side: int = 2000,
                  det_limit_side_len: int = RAPIDOCR_DET_LIMIT_SIDE_LEN, interactive_workers: int = 0,

@@ -6,8 +6,7 @@
   ``PP-OCRv6_det_small.onnx``, ``PP-OCRv6_rec_small.onnx`` (its character list in the ONNX
   metadata) and the PP-OCR mobile direction classifier ``ch_ppocr_mobile_v2.0_cls_mobile.onnx``;
 * ``PP-OCRv4-ch``: the engine before it, ``rapidocr-onnxruntime`` 1.4.4 and the PP-OCRv4 models in
-  its wheel, run exactly as before (same inputs, same options), so its cache generation
-  (``e34820258631`` at preprocessing version 2) keeps meaning what it meant.
+  its wheel, called as before (same inputs, same options), under a cache generation of its own.
 
 **Nothing is downloaded.** rapidocr 3.x downloads a model (or a recogniser's character list)
 from ModelScope when it is given no model path; each model here is given by its explicit path
