@@ -2,7 +2,8 @@
 
 Pages: every file of ``../shared/samples`` (its manifest's true lines; kind from the manifest)
 and every generated page of :mod:`tests.pages` (light text on transparent backgrounds, a
-two-column form, words whose spaces the recogniser drops, a 6000x160 banner).
+two-column form, words whose spaces the recogniser drops, a 6000x160 banner, side-by-side
+regions of a form and a product label).
 
 Per page and per engine model (``--models``, the first is the engine the bounds are for:
 ``PP-OCRv6-small``, then ``PP-OCRv4-ch``, the engine before it):

@@ -42,6 +42,19 @@ share no row with the other block (the row rule of step 1, after undoing the pag
 the median slope of the segments' top edges), on both sides, for the two blocks to be read as
 independent columns."""
 
+HEIGHT_APART = 1.4
+"""Two side-by-side blocks whose median segment heights differ by this factor are two regions
+(:func:`_apart`). On ``../shared/samples`` (PP-OCRv6 small's boxes) the blocks whose sides hold two
+segments or more differ by at most 1.27 (a FUNSD form's attorney block), a receipt's by at most
+1.22; the generated product label (24 px type beside 40 px, ``tests/pages.py``) by 1.64."""
+REGION_GAP = 5.0
+"""A gutter at least this many mean text heights wide, and :data:`REGION_GAP_RATIO` times the
+widest gap inside either side, parts two tables side by side (:func:`_apart`). On the samples
+the five blocks whose two sides both have inner gaps (receipt columns, read row by row in their
+ground truth) have gutters of 2.0 to 2.2 heights; the generated key/value form 7.1 heights, 2.2
+times its widest gap between a key and its value."""
+REGION_GAP_RATIO = 2.0
+
 
 @dataclass(frozen=True)
 class SpaceRule:
@@ -211,7 +224,7 @@ def _read(segs: list[Segment], min_overlap: float, skew: float) -> list[list[Seg
             block = [s for row in rows[i:j] for s in row]
             left = [s for s in block if s.right <= gutter[0]]
             right = [s for s in block if s.left >= gutter[1]]
-            if _independent(left, right, skew, min_overlap):
+            if _independent(left, right, skew, min_overlap) or _apart(left, right, gutter):
                 out += _read(left, min_overlap, skew)
                 out += _read(right, min_overlap, skew)
                 i = j
@@ -332,6 +345,38 @@ def _independent(left: list[Segment], right: list[Segment], skew: float, min_ove
         return alone / level if level else 0.0
 
     return unaligned(left, right) >= UNALIGNED_SHARE and unaligned(right, left) >= UNALIGNED_SHARE
+
+
+def _apart(left: list[Segment], right: list[Segment], gutter: tuple[float, float]) -> bool:
+    """Whether two side-by-side blocks whose lines line up (:func:`_independent` says a table)
+    are still two regions, read one after the other rather than row by row across:
+
+    * their **heights disagree**: the median segment height of one side is at least
+      :data:`HEIGHT_APART` times the other's, each side holding at least two segments (a label
+      in small type beside lines in large type); or
+    * the **gap is wide**: the gutter is at least :data:`REGION_GAP` mean text heights wide and
+      at least :data:`REGION_GAP_RATIO` times the widest gap between neighbouring segments of a
+      row inside either side, and each side has such a gap (each side is itself a table: two
+      groups of keys and values, not a receipt's items and prices).
+    """
+    if len(left) < 2 or len(right) < 2:
+        return False
+    hl, hr = statistics.median(s.height for s in left), statistics.median(s.height for s in right)
+    if min(hl, hr) > 0 and max(hl, hr) / min(hl, hr) >= HEIGHT_APART:
+        return True
+    height = statistics.mean(s.height for s in left + right) or 1.0
+    width = gutter[1] - gutter[0]
+    inner = [_widest_gap(left), _widest_gap(right)]
+    return min(inner) > 0 and width >= REGION_GAP * height and width >= REGION_GAP_RATIO * max(inner)
+
+
+def _widest_gap(side: list[Segment]) -> float:
+    """The widest horizontal gap between neighbouring segments of one row of ``side`` (0: none)."""
+    best = 0.0
+    for row in _rows(side, 0.5):
+        for a, b in zip(row, row[1:]):
+            best = max(best, b.left - a.right)
+    return best
 
 
 def _line(row: list[Segment]) -> Segment:
