@@ -233,7 +233,7 @@ class EngineIdentity(BaseModel):
     preprocess_version: int = Field(
         default=3, ge=1, description="bump when decoding/preprocessing changes results (2: contrast-keeping alpha, "
         "spaces and columns in line assembly, tiles cut in gaps; 3: the CPU engine shrinks large pages itself, "
-        "side-by-side regions kept apart)")
+        "side-by-side regions kept apart, its table task answers only table regions)")
     det_limit_side_len: int = Field(
         default=RAPIDOCR_DET_LIMIT_SIDE_LEN, ge=32, le=2048,
         description="rapidocr: the detector upscales the short side to at least this (px; RapidOCR's 736); "

@@ -66,5 +66,5 @@ def test_the_engine_reads_pages_with_every_socket_refused():
     assert out["tried"] == []
     # PP-OCRv6's detector boxes each word (docs/lines.md), PP-OCRv4's the line
     assert " ".join(out["ocr"]) == "OFFLINE CHECK 2026" and out["legacy"] == ["OFFLINE CHECK 2026"]
-    assert "OFFLINE CHECK 2026" in out["doc_parse"]
+    assert "OFFLINE CHECK 2026" in out["doc_parse"] and out["table"] == ""  # no table region: none made up
     assert out["download"].startswith("rapidocr tried to download https://example.com/m.onnx")

@@ -22,11 +22,13 @@ import numpy as np
 
 from services.common.settings import RAPIDOCR_DEFAULT_MODEL, RAPIDOCR_DET_LIMIT_SIDE_LEN, RAPIDOCR_STRUCTURE_TASKS
 from services.common.textlines import SPACES_PP_OCRV4, SPACES_PP_OCRV6, Segment, SpaceRule, restore_spaces
+from schemas.events import WARNING_NO_TABLE_FOUND
 from schemas.lanes import Priority
 from services.infer.engines import rapid_models
 from services.infer.engines.base import EngineOutput, EngineTask, EngineTimeout, OcrEngine
 from services.infer.engines.rapid_models import Row
 from services.infer.engines.slots import PrioritySlots
+from services.infer.engines.structure import TABLE_LABELS
 
 
 MIN_SIDE = 8
@@ -133,7 +135,8 @@ class RapidOcrEngine(OcrEngine):
 
     def _one(self, image: np.ndarray, task: str = "ocr") -> EngineOutput:
         """One image's output for ``task`` (``ocr``: segments; ``doc_parse``: Markdown;
-        ``table``: HTML), timed from the start of its OCR."""
+        ``table``: HTML, or ``""`` and the warning ``no_table_found`` when the layout model finds
+        no table region), timed from the start of its OCR."""
         started = time.perf_counter()
         segs = self._segments(image)
         if task == "ocr":
@@ -141,11 +144,14 @@ class RapidOcrEngine(OcrEngine):
         import cv2  # RapidOCR's own dependency
 
         bgr = cv2.cvtColor(np.ascontiguousarray(image), cv2.COLOR_RGB2BGR)  # the layout packages read BGR
+        warnings: tuple[str, ...] = ()
         if task == "doc_parse":
             answer, _ = self._structure.doc_parse(bgr, segs)
         else:
-            answer, _ = self._structure.tables(bgr, segs)
-        return EngineOutput([], (time.perf_counter() - started) * 1000, answer=answer)
+            answer, regions = self._structure.tables(bgr, segs)
+            if not any(r.label in TABLE_LABELS for r in regions):
+                warnings = (WARNING_NO_TABLE_FOUND,)
+        return EngineOutput([], (time.perf_counter() - started) * 1000, warnings=warnings, answer=answer)
 
     def _segments(self, image: np.ndarray) -> list[Segment]:
         """RapidOCR's segments of one RGB image, spaces restored (boxes in its pixels)."""
