@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.errors import ErrorCode
-from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
+from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN, is_page_request_id
 from schemas.jobs import JobCompletedEvent, JobEvent, JobId
 from schemas.lanes import Priority
 from schemas.tasks import TaskParams
@@ -149,7 +149,8 @@ class SubmitEvent(_Frozen):
 
     Exactly one of ``image_b64`` (inline bytes, base64; keep under ~700 KiB so the Kafka
     message stays below the broker's 1 MiB default) or ``image_uri`` (``s3://bucket/key``).
-    ``request_id`` makes the submission idempotent (the rule: :mod:`schemas.ids`); when absent,
+    ``request_id`` makes the submission idempotent (the rule: :mod:`schemas.ids`; not of a page
+    id's form, ``<document id>:p<n>``, which the split gives); when absent,
     ingest derives one from the message's topic, partition and offset so a replay never creates
     a second request. ``submitted_at_ms`` left out: ingest takes the record's Kafka timestamp.
     """
@@ -159,13 +160,16 @@ class SubmitEvent(_Frozen):
     request_id: str | None = Field(default=None, min_length=1, max_length=REQUEST_ID_MAX_LENGTH,
                                    pattern=REQUEST_ID_PATTERN)
     image_b64: str | None = None
-    image_uri: str | None = Field(default=None, pattern=r"^s3://[^/]+/.+")
+    image_uri: str | None = Field(default=None, max_length=1100, pattern=r"^s3://[^/]{1,63}/.{1,1024}$",
+                                  description="s3://<bucket>/<key>: a bucket name of 1 to 63 characters and an S3 "
+                                              "object key of 1 to 1,024 (S3's own limits)")
     filename: str | None = Field(default=None, max_length=512)
     task: str = Field(default="ocr", max_length=64)
     task_params: TaskParamsField = None
     source: str = Field(default="default", max_length=64)
     callback_url: str | None = Field(default=None, max_length=2048)
-    submitted_at_ms: int = Field(default_factory=now_ms)
+    submitted_at_ms: int = Field(default_factory=now_ms, ge=0, le=253_402_300_799_999,
+                                 description="when the submitter sent it, epoch ms (0 to the end of year 9999)")
     metadata: dict[str, str] = Field(default_factory=dict)
     job_id: JobIdField = None
     door: Literal["kafka", "http"] = Field(
@@ -184,6 +188,9 @@ class SubmitEvent(_Frozen):
 
     @model_validator(mode="after")
     def _one_image(self) -> "SubmitEvent":
+        if self.request_id is not None and is_page_request_id(self.request_id):
+            raise ValueError("request_id has the form of a document page's id (<document id>:p<page>), which "
+                             "ocrstream gives the pages it splits")
         if (self.image_b64 is None) == (self.image_uri is None):
             raise ValueError("exactly one of image_b64 or image_uri is required")
         if sum(len(k) + len(v) for k, v in self.metadata.items()) > 16_384:

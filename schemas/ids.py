@@ -9,6 +9,11 @@ SQL ``VARCHAR(64)``), and not only dots (``.`` and ``..`` are not path segments 
 Ids the system makes itself (the HTTP door's for a request without one, ingest's derived one
 for a submission without one or with an id it refuses) are 32 lowercase hex digits, which the
 rule also admits, so they can be read back through the same routes.
+
+One form is the system's alone: ``<anything>:p<digits>``, the id of a document's page
+(:func:`page_request_id`). A client may read such an id but not choose one
+(:func:`chosen_request_id_problem`), so a page id is never held by another request, whichever
+comes first.
 """
 
 from __future__ import annotations
@@ -44,6 +49,26 @@ def request_id_problem(value: object) -> str | None:
     shown = ascii(value[:80]) + ("..." if len(value) > 80 else "") if isinstance(value, str) else type(value).__name__
     length = f" ({len(value)} characters)" if isinstance(value, str) and len(value) > REQUEST_ID_MAX_LENGTH else ""
     return f"request_id {shown}{length} is not a valid request id: {REQUEST_ID_RULE}"
+
+
+_PAGE_ID_RE = re.compile(r".*:p[0-9]+")
+
+
+def is_page_request_id(value: str) -> bool:
+    """True if ``value`` has the form of a document page's id (``<document id>:p<n>``)."""
+    return _PAGE_ID_RE.fullmatch(value) is not None
+
+
+def chosen_request_id_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a request id a submitter chooses (a message for
+    ``invalid_request``), or None if it can: :func:`request_id_problem`, and not of the page id
+    form (``<document id>:p<n>``, :func:`page_request_id`: the system gives those)."""
+    if (bad := request_id_problem(value)) is not None:
+        return bad
+    if is_page_request_id(value):
+        return (f"request_id {value!r} has the form of a document page's id (<document id>:p<page>), which "
+                "ocrstream gives the pages it splits; choose an id that does not end in ':p' and digits")
+    return None
 
 
 def page_request_id(document_id: str, page_number: int) -> str:

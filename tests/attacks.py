@@ -69,3 +69,15 @@ def eps_file() -> bytes:
     """A minimal Encapsulated PostScript file (Pillow's EPS plugin would hand it to Ghostscript)."""
     body = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 100 100\n0 0 moveto 100 100 lineto stroke\nshowpage\n%%EOF\n"
     return body
+
+
+def miscounted_pdf(pdf: bytes, count: int) -> bytes:
+    """``pdf`` (one page tree node, as Pillow writes it) with its ``/Count`` replaced by ``count``,
+    the byte offsets unchanged (``count`` has as many digits as the true count): the page tree
+    holds the same pages, its ``/Count`` says otherwise."""
+    import re
+
+    [old] = re.findall(rb"/Count (\d+)", pdf)
+    new = str(count).encode()
+    assert len(new) == len(old), "keep the digits: the xref's offsets must stay true"
+    return pdf.replace(b"/Count " + old, b"/Count " + new, 1)

@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Literal
 
 import orjson
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, StrictInt, ValidationError, field_validator
 
 from schemas.errors import ERRORS, ErrorCode, HttpErrorCode
 from schemas.events import ResultDocument
 from schemas.lanes import Priority
-from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
+from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN, is_page_request_id
 from schemas.jobs import JOB_EXPECTED_MAX
 from schemas.tasks import TaskError, TaskParams, parse_fields
 from services.api.errors import ApiError
@@ -70,6 +70,14 @@ class SubmitOptions(BaseModel):
                     "own) or `bulk`; default `interactive` for one image, `bulk` in a job or a batch (a document's "
                     "pages are always `bulk`; docs/delivery.md)")
     _task_params: TaskParams | None = PrivateAttr(default=None)
+
+    @field_validator("request_id")
+    @classmethod
+    def _not_a_page_id(cls, v: str | None) -> str | None:
+        if v is not None and is_page_request_id(v):  # schemas/ids.py: ocrstream gives a document's pages those
+            raise ValueError("has the form of a document page's id (<document id>:p<page>), which ocrstream gives "
+                             "the pages it splits; choose an id that does not end in ':p' and digits")
+        return v
 
     @property
     def task_params(self) -> TaskParams | None:
@@ -211,13 +219,17 @@ class BatchResponse(BaseModel):
     links: BatchLinks = Field(default_factory=BatchLinks)
 
 
+_NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
+
+
 class JobCreate(BaseModel):
     """``POST /v1/jobs``'s body (JSON; every field optional)."""
 
     job_id: str | None = Field(default=None, min_length=1, max_length=REQUEST_ID_MAX_LENGTH, pattern=REQUEST_ID_PATTERN,
                                description="your own id for the job (default: a new 32-hex-digit id); creating it "
                                            "again changes nothing")
-    name: str | None = Field(default=None, max_length=256, description="a label for people")
+    name: str | None = Field(default=None, max_length=256, pattern=_NO_CONTROL,
+                             description="a label for people (no control characters)")
     task: str | None = Field(default=None, max_length=64, description="the task its images run (report columns)")
     fields: list[str] | None = Field(default=None, max_length=50,
                                      description="`task=extract`: the field names (one report column each)")
@@ -229,12 +241,13 @@ class JobCreate(BaseModel):
                                                 "request's webhook (same allow-list and secret rules as `callback_url`)")
 
 
+
 class JobClose(BaseModel):
     """``POST /v1/jobs/{job_id}/close``'s body: how many images the job has (the accepted submissions)."""
 
-    expected: int = Field(ge=0, le=JOB_EXPECTED_MAX,
-                          description="the job's request count (0 to 2147483647): it completes when that many are "
-                                      "final")
+    expected: StrictInt = Field(ge=0, le=JOB_EXPECTED_MAX,
+                                description="the job's request count, a JSON integer (0 to 2147483647; not a "
+                                            "string, a boolean or a float): it completes when that many are final")
 
 
 class JobCreated(BaseModel):
@@ -285,8 +298,16 @@ BATCH_ERRORS = (_E.INVALID_REQUEST, _E.EMPTY_INPUT, _H.UNAUTHORIZED, _H.REQUEST_
                 _H.OVERLOADED, _H.NOT_FOUND)
 READ_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.NOT_FOUND, _H.RATE_LIMITED, _H.UNAVAILABLE, _H.OVERLOADED)
 EVENTS_ERRORS = READ_ERRORS
-JOB_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.NOT_FOUND, _H.RATE_LIMITED, _H.UNAVAILABLE)
+JOB_ERRORS = (_E.INVALID_REQUEST, _H.UNAUTHORIZED, _H.REQUEST_TIMEOUT, _E.INPUT_TOO_LARGE, _H.NOT_FOUND,
+              _H.RATE_LIMITED, _H.TOO_MANY_UPLOADS, _H.UNAVAILABLE, _H.OVERLOADED)
 JOB_CLOSE_ERRORS = (*JOB_ERRORS, _H.JOB_EXPECTED_TOO_SMALL)
+
+
+def json_body(model: str) -> dict:
+    """An OpenAPI ``requestBody`` of a JSON body whose schema is component ``model`` (a body the
+    endpoint reads itself: :mod:`services.api.bodies`)."""
+    return {"required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}
 
 
 def error_responses(*codes: ErrorCode | HttpErrorCode) -> dict[int | str, dict]:

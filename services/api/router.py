@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from schemas.errors import HttpErrorCode
 from schemas.jobs import JobProgress
 from services.api import protocol as p
+from services.api.bodies import read_json_body
 from services.api.clients import Clients
 from services.api.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler, \
     validation_error_handler
@@ -109,6 +110,9 @@ def _openapi(app: FastAPI) -> dict:
                     del op["responses"]["422"]
         for name in ("HTTPValidationError", "ValidationError"):
             spec.get("components", {}).get("schemas", {}).pop(name, None)
+        for model in (p.JobCreate, p.JobClose):  # bodies read by the endpoint itself (services/api/bodies.py)
+            spec.setdefault("components", {}).setdefault("schemas", {})[model.__name__] = model.model_json_schema(
+                ref_template="#/components/schemas/{model}")
         app.openapi_schema = spec
     return app.openapi_schema
 
@@ -184,19 +188,23 @@ _JobId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=ID_PATTER
 def _job_routes(app: FastAPI, clients: Clients, jobs: JobService) -> None:
     s = clients.s
 
+    # the bodies are read after the key is checked, bounded and within the upload budget (services/api/bodies.py)
     @app.post("/v1/jobs", response_model=p.JobCreated, status_code=201, tags=["jobs"], summary="Create a job",
-              responses=p.error_responses(*p.JOB_ERRORS))
-    async def create_job(request: Request, body: p.JobCreate) -> Response:
+              responses=p.error_responses(*p.JOB_ERRORS), openapi_extra={"requestBody": p.json_body("JobCreate")})
+    async def create_job(request: Request) -> Response:
         """Create a job (an event on `ocr.jobs`): submit images with `job_id`, then close it with their count."""
         principal = await clients.guard.check(request)
+        body = await read_json_body(request, p.JobCreate, clients, principal.key_id)
         return json_response(await jobs.create(body, principal), 201)
 
     @app.post("/v1/jobs/{job_id}/close", response_model=p.JobCreated, status_code=202, tags=["jobs"],
-              summary="Close a job with its request count", responses=p.error_responses(*p.JOB_CLOSE_ERRORS))
-    async def close_job(request: Request, job_id: _JobId, body: p.JobClose) -> Response:
+              summary="Close a job with its request count", responses=p.error_responses(*p.JOB_CLOSE_ERRORS),
+              openapi_extra={"requestBody": p.json_body("JobClose")})
+    async def close_job(request: Request, job_id: _JobId) -> Response:
         """Say how many images the job has (at least as many as are final already, else 409
         `job_expected_too_small`); it completes once that many are final (the first close counts)."""
         principal = await clients.guard.check(request)
+        body = await read_json_body(request, p.JobClose, clients, principal.key_id)
         return json_response(await jobs.close(job_id, body, principal), 202)
 
     @app.get("/v1/jobs/{job_id}", response_model=JobProgress, tags=["jobs"], summary="Read a job's progress",

@@ -102,6 +102,12 @@ class ApiSettings(CommonSettings):
                     "document_too_many_pages, document_too_large), stored, and handed to ingest on "
                     "ocr.submit to be split into pages (docs/documents.md); false: one request of at most "
                     "limits.max_pages pages, straight to ocr.requests, as before")
+    http_max_head_bytes: int = Field(
+        default=16 * 1024, ge=1024,
+        description="request target and header lines of one request, bytes; past it 431 and the connection "
+                    "is closed (a browser's cookies and a GET /v1/events of 64 ids fit well within the default)")
+    http_max_headers: int = Field(
+        default=100, ge=8, description="header lines of one request; past it 431 and the connection is closed")
     http_cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty = closed")
 
     auth_required: bool = Field(default=False, description="require an API key (X-API-Key or Bearer) on /v1/ routes")

@@ -37,6 +37,7 @@ from PIL import Image, ImageOps, ImageStat
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
+from services.common.pdf_tree import open_pdf
 
 PDF_MAGIC = b"%PDF-"
 PDF_HEADER_WINDOW = 1024
@@ -68,19 +69,6 @@ class ImageInfo:
     width: int
     height: int
     frames: int
-
-
-def _pdf_document(data: bytes | BinaryIO):
-    import pypdfium2 as pdfium  # imported lazily: only PDFs need it
-
-    try:
-        return pdfium.PdfDocument(data)
-    except MemoryError:
-        raise
-    except Exception as exc:  # pdfium raises PdfiumError for damaged files
-        if getattr(exc, "err_code", None) == 0:  # refused with "PDFium: Success": no page tree, or an empty one
-            raise OcrError(ErrorCode.CORRUPT_IMAGE, "the PDF has no pages (no page tree with a page in it)") from exc
-        raise OcrError(ErrorCode.CORRUPT_IMAGE, f"PDF could not be opened: {exc}") from exc
 
 
 def is_pdf(data: bytes) -> bool:
@@ -237,13 +225,14 @@ def page_sizes(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> tuple
 def pdf_page_sizes(data: bytes | BinaryIO, max_pages: int,
                    too_many: ErrorCode = ErrorCode.TOO_MANY_PAGES) -> list[tuple[int, int]]:
     """Every page's ``(width, height)`` in pixels at :data:`PDF_RENDER_DPI`, read from the page
-    tree (no page is loaded or rendered).
+    tree (no page is loaded or rendered). The pages are those the tree holds, counted leaf by
+    leaf where its ``/Count`` says otherwise (:func:`~services.common.pdf_tree.open_pdf`).
 
     Raises:
         OcrError: ``corrupt_image`` (no pages, or a page the tree names cannot be read);
             ``too_many`` when the tree holds more than ``max_pages`` pages.
     """
-    doc = _pdf_document(data)
+    doc = open_pdf(data, walk_tree=True)
     try:
         n = len(doc)
         if n == 0:
@@ -446,9 +435,7 @@ def _render_pdf(data: bytes | BinaryIO, max_pixels: int) -> Iterator[np.ndarray]
     (``image_too_large``), so a PDF whose later pages are huge is refused before they cost
     memory, whatever page 1 says.
     """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        data.seek(0)
-    doc = _pdf_document(data)
+    doc = open_pdf(data, walk_tree=True)
     try:
         total = 0
         for page in doc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -97,8 +98,28 @@ class SummaryBuilder:
                           pages=self.pages, lines=self.lines, chars=self.chars)
 
 
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+"""A CSV cell whose text starts with one of these is a formula to a spreadsheet (OWASP, "CSV
+Injection": ``=HYPERLINK(...)``, ``=cmd|' /C calc'!A0``, ``@SUM(...)``, a tab or CR before one)."""
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def neutral_cell(text: str) -> str:
+    """``text`` as a CSV cell no spreadsheet runs as a formula: prefixed with a single quote when
+    it starts with one of :data:`FORMULA_STARTS` (OWASP's rule), unless it is a plain number
+    (``-12.50``, ``+3``, ``-1,234.5``: no formula, and read as the number it is). The quote shows in
+    the cell; JSONL and xlsx keep the value as it is (xlsx cells are text cells)."""
+    if text[:1] in FORMULA_STARTS and not _PLAIN_NUMBER.fullmatch(text):
+        return "'" + text
+    return text
+
+
 def _csv_cell(v) -> object:
-    return "" if v is None else ("true" if v is True else "false" if v is False else v)
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return neutral_cell(v) if isinstance(v, str) else v
 
 
 def write_rows(rows: Iterable[dict], fields: list[str], sinks: dict[str, IO],
@@ -110,7 +131,8 @@ def write_rows(rows: Iterable[dict], fields: list[str], sinks: dict[str, IO],
         fields: The job's ``extract`` fields (columns).
         sinks: ``"csv"`` and/or ``"jsonl"`` -> a text file open for writing, with ``newline=""``
             (CSV: RFC 4180, a header row, CRLF line endings, a field holding a comma, a quote, CR
-            or LF quoted, ``""`` for None; JSONL: one object per line, LF).
+            or LF quoted, ``""`` for None, a text that a spreadsheet would run as a formula
+            prefixed with ``'`` (:func:`neutral_cell`); JSONL: one object per line, LF).
         each: Called with every report row (e.g. :meth:`SummaryBuilder.add`, an xlsx sheet's append).
 
     Returns:

@@ -30,9 +30,10 @@ from PIL import Image, ImageOps
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
 from services.common.imaging import (
-    PDF_RENDER_DPI, ImageInfo, _check_pixels, _frame_sizes, _next_frame, _open, _pdf_document,
-    _pdf_pixels, flatten, pdf_page_sizes,
+    PDF_RENDER_DPI, ImageInfo, _check_pixels, _frame_sizes, _next_frame, _open, _pdf_pixels, flatten,
+    pdf_page_sizes,
 )
+from services.common.pdf_tree import open_pdf
 
 DOCUMENT_FORMATS = ("PDF", "TIFF")
 """The formats split into pages when they hold more than one."""
@@ -185,9 +186,7 @@ def _page_or_error(render: Callable[[], tuple[bytes, int, int]], fmt: str, i: in
 
 
 def _render_pdf_pages(data: bytes | BinaryIO, first: int, count: int, max_pixels: int) -> Iterator[Rendered]:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        data.seek(0)
-    doc = _pdf_document(data)
+    doc = open_pdf(data, pages_needed=first + count)  # pages past an understated /Count too
     try:
         for i in range(first, min(first + count, len(doc))):
             yield _page_or_error(lambda: _pdf_page(doc, i, max_pixels), "PDF", i)

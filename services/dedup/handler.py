@@ -49,8 +49,9 @@ class DedupHandler(Handler):
 
     1. its request id already in flight here: nothing (a replay);
     2. its key settled a moment ago (the state's window): a hit, tier ``settled``;
-    3. its key in flight: it joins the waiters (no output), or past ``max_waiters`` goes to
-       inference on its own;
+    3. its key in flight: it joins the waiters (no output); past ``max_waiters`` held in memory it
+       waits in the changelog only (spilled) and is read back when the key settles: never
+       computed again;
     4. the LRU (L1), Redis (L2), the stored result document in S3 (L3, one HEAD within
        ``s3_tier_timeout_ms``, fenced by ``cache purge``): a hit with that tier;
        ``extract`` only: an extraction of the image holding every field asked (tier ``fields``,
@@ -135,7 +136,8 @@ class DedupHandler(Handler):
     def _gauge(self) -> None:
         states = list(self.states.values())
         self.telemetry.state_size.labels("in_flight").set(sum(len(s.inflight) for s in states))
-        self.telemetry.state_size.labels("waiters").set(sum(len(f.waiters) for s in states for f in s.inflight.values()))
+        self.telemetry.state_size.labels("waiters").set(sum(len(f.waiters) + f.spilled for s in states
+                                                             for f in s.inflight.values()))
         self.telemetry.state_size.labels("settled").set(sum(len(s.settled) for s in states))
 
     # -- records ----------------------------------------------------------------------------
@@ -219,9 +221,10 @@ class DedupHandler(Handler):
             self.telemetry.cache.labels("dedup", "joined", "state").inc()
             st.join(key, record.offset, timed(req))
             return [], "joined the copy in flight"
-        if found.kind == "full":
-            self.telemetry.cache.labels("dedup", "overflow", "state").inc()
-            return [self._infer(timed(req), key, 1, headers)], f"ocr.infer (over {self.s.max_waiters} waiting)"
+        if found.kind == "spill":
+            self.telemetry.cache.labels("dedup", "joined", "changelog").inc()
+            st.spill(key, record.offset, timed(req))
+            return [], f"joined the copy in flight (in the changelog: over {self.s.max_waiters} waiting)"
         hit = await self._cached(key, gen, fence)
         if hit is not None:
             settled, tier = hit
@@ -354,7 +357,10 @@ class DedupHandler(Handler):
         ev = record.value
         if ev.error is not None and ev.error.code == ErrorCode.MISSING_OBJECT:
             self.lru.drop(ev.cache_key)  # its document is gone: not answered from memory either
-        res = self.states[record.partition].settle(ev)
+        st = self.states[record.partition]
+        res = st.settle(ev)
+        if res.spilled:
+            res.answered.extend(await self._spilled(st, record.partition, ev.cache_key))
         out = self._answer(ev, res)
         if res.index is not None and self.near is not None:
             await self._index(*res.index)
@@ -441,7 +447,7 @@ class DedupHandler(Handler):
         for st in self.states.values():
             st.expire(now)
             for key in st.unheld():
-                out.extend(self._resolve_unheld(st, key, now))
+                out.extend(await self._resolve_unheld(st, key, now))
             st.keep()
         retry, self._to_index = self._to_index, []
         for space, sha, h in retry:
@@ -451,11 +457,21 @@ class DedupHandler(Handler):
             await self.after_produce()  # the runner calls it only after producing something
         return out
 
-    def _resolve_unheld(self, st: PartitionState, key: str, now: int) -> list[Outgoing]:
+    async def _spilled(self, st: PartitionState, partition: int, key: str) -> list[RequestEvent]:
+        """The waiting copies of ``key`` kept in the changelog only (past ``max_waiters``): read
+        back from the partition's changelog (one read of it, as a restore), tombstoned."""
+        records = (await self.changelog.restore([partition]))[partition] if self.changelog is not None else {}
+        found = st.spilled_waiters(key, records)
+        log.info("dedup: %s: %d waiting copies read back from the changelog", key, len(found))
+        return found
+
+    async def _resolve_unheld(self, st: PartitionState, key: str, now: int) -> list[Outgoing]:
         found = st.settled.get(key)
         if found is not None:
-            return [self._hit(w, key, found, "single_flight", self.telemetry.inject(), traced=True)
-                    for w in st.answer_unheld(key)]
+            held, spilled = st.answer_unheld(key)
+            if spilled:
+                held += await self._spilled(st, st.partition, key)
+            return [self._hit(w, key, found, "single_flight", self.telemetry.inject(), traced=True) for w in held]
         first = st.promote_unheld(key)
         if first is None:
             return []

@@ -47,8 +47,8 @@ class DedupSettings(CommonSettings):
     lru_ttl_s: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="in-process LRU: entry age limit, s (bounds how long a purge takes to reach dedup)")
     max_waiters: int = Field(
         default=1000, ge=0,
-        description="copies of one image kept waiting on its computation (per cache key); a copy past it goes to "
-                    "inference on its own (computed once more; its result also answers the waiting copies)")
+        description="copies of one image waiting on its computation held in memory (per cache key); a copy past it "
+                    "waits in the changelog only and is read back when the key settles (never computed again)")
     settled_window_s: float = Field(
         default=600.0, ge=0, allow_inf_nan=False,
         description="a cache key settled this long ago is still answered from dedup's state (no Redis or S3 call; "

@@ -12,7 +12,10 @@ The state is backed up to a compacted changelog topic, partition p for partition
 Streams' state stores and faust Tables are. Each change is one small record:
 
 * ``f|<cache key>`` -> the holder (the request computed for the key): :class:`InFlight` head.
-* ``w|<cache key>|<request id>`` -> one waiting copy (its RequestEvent and arrival offset).
+* ``w|<cache key>|<request id>`` -> one waiting copy (its RequestEvent and arrival offset). The
+  first ``max_waiters`` of a key are also held in memory; the others wait in the changelog only
+  (spilled) and are read back when the key settles, so however many copies arrive, none is
+  computed again and memory stays bounded.
 * ``s|<cache key>`` -> the key's settled result pointer (:class:`Settled`).
 
 A removed entry is a tombstone (value None). Changes are collected per handler call
@@ -61,7 +64,9 @@ class InFlight:
         near_hash: The holder's page pHash (64 bits) when the near-duplicate lookup computed it,
             so the image is indexed from its settled result.
         near_space: The near-duplicate index space of that hash.
-        waiters: The waiting copies, oldest first: (arrival offset, request).
+        waiters: The waiting copies held in memory, oldest first: (arrival offset, request).
+        spilled: Waiting copies past ``max_waiters``, kept in the changelog only (``w|`` records,
+            as every waiter) and answered from there at settlement.
     """
 
     holder: RequestEvent | None
@@ -69,6 +74,7 @@ class InFlight:
     near_hash: int | None = None
     near_space: str | None = None
     waiters: tuple[tuple[int, RequestEvent], ...] = ()
+    spilled: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,8 +82,8 @@ class Lookup:
     """What the state says about a request before any cache is asked.
 
     ``kind``: ``replay`` (this request id is already in flight: nothing to do), ``settled``
-    (answer from ``settled``), ``joinable`` (in flight, room among the waiters), ``full`` (in
-    flight, no room: the request goes to inference on its own) or ``absent``.
+    (answer from ``settled``), ``joinable`` (in flight, room among the waiters held in memory),
+    ``spill`` (in flight, no room in memory: the copy waits in the changelog only) or ``absent``.
     """
 
     kind: str
@@ -96,6 +102,9 @@ class Settlement:
             inference with ``attempt``.
         attempt: The promoted waiter's attempt.
         index: ``(near_space, near_hash, content_sha256)`` to add to the near-duplicate index, or None.
+        spilled: Waiting copies of the key in the changelog only (:meth:`PartitionState.spill`):
+            the caller reads them (:meth:`PartitionState.spilled_waiters`) and answers them as
+            ``answered``.
     """
 
     answered: list[RequestEvent] = field(default_factory=list)
@@ -104,6 +113,7 @@ class Settlement:
     promoted: RequestEvent | None = None
     attempt: int = 1
     index: tuple[str, int, str] | None = None
+    spilled: int = 0
 
 
 def _req_json(req: RequestEvent) -> bytes:
@@ -115,7 +125,8 @@ class PartitionState:
 
     Args:
         partition: The partition number (of ``ocr.requests``, ``ocr.settled`` and the changelog).
-        max_waiters: Waiting copies kept per key; a copy past it goes to inference on its own.
+        max_waiters: Waiting copies held in memory per key; past it a copy waits in the changelog
+            only (:meth:`spill`), never computed again.
         settled_window_ms: How long a settled key is answered from here, ms.
         settled_max_keys: Settled keys kept; past it the oldest is evicted first.
         max_attempts: Attempts across the key (``OCRSTREAM_MAX_ATTEMPTS``) before a retryable
@@ -212,7 +223,7 @@ class PartitionState:
         f = self.inflight.get(key)
         if f is None:
             return Lookup("absent")
-        return Lookup("joinable" if len(f.waiters) < self.max_waiters else "full")
+        return Lookup("joinable" if len(f.waiters) < self.max_waiters else "spill")
 
     def lead(self, key: str, req: RequestEvent, near_hash: int | None = None, near_space: str | None = None) -> None:
         """``req`` is computed for ``key``: it becomes the holder (the caller sends it to inference)."""
@@ -223,9 +234,31 @@ class PartitionState:
         """``req`` waits for ``key``'s holder (after :meth:`lookup` said ``joinable``)."""
         f = self.inflight[key]
         self._set(self.inflight, key, InFlight(f.holder, f.attempt, f.near_hash, f.near_space,
-                                               (*f.waiters, (offset, req))))
+                                               (*f.waiters, (offset, req)), f.spilled))
         self._put_waiter(key, offset, req)
         self._set(self.ids, req.request_id, key)
+
+    def spill(self, key: str, offset: int, req: RequestEvent) -> None:
+        """``req`` waits for ``key``'s holder in the changelog only (after :meth:`lookup` said
+        ``spill``): its ``w|`` record is written as a waiter's, memory holds a count. A replay of
+        it writes the same record again."""
+        f = self.inflight[key]
+        self._set(self.inflight, key, InFlight(f.holder, f.attempt, f.near_hash, f.near_space, f.waiters, f.spilled + 1))
+        self._put_waiter(key, offset, req)
+
+    def spilled_waiters(self, key: str, changelog: dict[bytes, bytes]) -> list[RequestEvent]:
+        """The waiting copies of ``key`` not held in memory: its ``w|`` records in ``changelog`` (a
+        read of the partition's changelog, latest value per key) and in the changes not yet
+        written, less those removed since (the in-memory waiters a settlement just answered),
+        oldest first; each gets its tombstone (call after :meth:`settle` said ``spilled``)."""
+        prefix = f"w|{key}|".encode()
+        records = {k: v for k, v in changelog.items() if k.startswith(prefix)}
+        records.update({k: v for k, v in self.pending.items() if k.startswith(prefix)})
+        found = sorted(((int(d["offset"]), RequestEvent.model_validate(d["request"]))
+                        for d in (orjson.loads(v) for v in records.values() if v is not None)), key=lambda t: t[0])
+        for _, w in found:
+            self._drop_waiter(key, w)
+        return [w for _, w in found]
 
     def settle(self, ev: SettledEvent) -> Settlement:
         """Apply a settlement from the sink; returns what to send (see :class:`Settlement`).
@@ -252,6 +285,7 @@ class PartitionState:
                 out.settled = Settled(ev.result_uri, ev.settled_at_ms, ev.engine, ev.model, ev.model_revision)
             if f.holder is not None and f.near_hash is not None and not ev.near and ev.cacheable:
                 out.index = (f.near_space or "", f.near_hash, f.holder.content_sha256)
+            out.spilled = f.spilled
             self._end(key, f)
             return out
         code = ev.error.code if ev.error else ErrorCode.INTERNAL_ERROR
@@ -263,11 +297,12 @@ class PartitionState:
             (_, first), rest = f.waiters[0], f.waiters[1:]
             self._del(self.ids, f.holder.request_id)
             self._drop_waiter(key, first)
-            self._put_head(key, InFlight(first, ev.attempt + 1, f.near_hash, f.near_space, rest))
+            self._put_head(key, InFlight(first, ev.attempt + 1, f.near_hash, f.near_space, rest, f.spilled))
             out.promoted, out.attempt = first, ev.attempt + 1
             return out
         out.answered = [w for _, w in f.waiters]
         out.error = ev.error or ErrorInfo(code=code, message="the computation of this image failed")
+        out.spilled = f.spilled
         self._end(key, f)
         return out
 
@@ -279,7 +314,7 @@ class PartitionState:
             return None
         (_, first), rest = f.waiters[0], f.waiters[1:]
         self._drop_waiter(key, first)
-        self._put_head(key, InFlight(first, 1, None, None, rest))
+        self._put_head(key, InFlight(first, 1, None, None, rest, f.spilled))
         return first
 
     def unheld(self) -> list[str]:
@@ -287,13 +322,14 @@ class PartitionState:
         changelog write): the caller answers them from ``settled`` or promotes one."""
         return [k for k, f in self.inflight.items() if f.holder is None]
 
-    def answer_unheld(self, key: str) -> list[RequestEvent]:
-        """End an unheld key whose result is settled: its waiters, to be answered from it."""
+    def answer_unheld(self, key: str) -> tuple[list[RequestEvent], int]:
+        """End an unheld key whose result is settled: its waiters held in memory, to be answered
+        from it, and how many wait in the changelog only (:meth:`spilled_waiters`)."""
         f = self.inflight.get(key)
         if f is None or f.holder is not None:
-            return []
+            return [], 0
         self._end(key, f)
-        return [w for _, w in f.waiters]
+        return [w for _, w in f.waiters], f.spilled
 
     def forget_settled(self, key: str) -> None:
         """Drop ``key``'s settled pointer (its generation was purged since)."""
@@ -319,14 +355,14 @@ class PartitionState:
             ``(keys in flight, waiters, settled keys)`` restored.
         """
         heads: dict[str, dict] = {}
-        waiters: dict[str, list[tuple[int, RequestEvent]]] = {}
+        waiters: dict[str, list[tuple[int, dict]]] = {}  # parsed into RequestEvents only for those held
         settled: list[tuple[str, Settled]] = []
         for k, v in records.items():
             d = orjson.loads(v)
             if k.startswith(b"f|"):
                 heads[d["key"]] = d
             elif k.startswith(b"w|"):
-                waiters.setdefault(d["key"], []).append((int(d["offset"]), RequestEvent.model_validate(d["request"])))
+                waiters.setdefault(d["key"], []).append((int(d["offset"]), d["request"]))
             elif k.startswith(b"s|"):
                 settled.append((d["key"], Settled(d["result_uri"], int(d["at_ms"]), d.get("engine"), d.get("model"),
                                                   d.get("model_revision"))))
@@ -336,10 +372,13 @@ class PartitionState:
             self.ids[holder.request_id] = key
         for key, ws in waiters.items():
             ws.sort(key=lambda t: t[0])
+            held = [(o, RequestEvent.model_validate(r)) for o, r in ws[:self.max_waiters]]
+            spilled = len(ws) - len(held)  # the rest stay in the changelog only
             f = self.inflight.get(key) or InFlight(None)
-            self.inflight[key] = InFlight(f.holder, f.attempt, f.near_hash, f.near_space, tuple(ws))
-            for _, w in ws:
+            self.inflight[key] = InFlight(f.holder, f.attempt, f.near_hash, f.near_space, tuple(held), spilled)
+            for _, w in held:
                 self.ids[w.request_id] = key
         for key, s in sorted(settled, key=lambda t: t[1].at_ms):
             self.settled[key] = s
-        return len(self.inflight), sum(len(f.waiters) for f in self.inflight.values()), len(self.settled)
+        return (len(self.inflight), sum(len(f.waiters) + f.spilled for f in self.inflight.values()),
+                len(self.settled))

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
 from schemas.lanes import request_priority
-from schemas.ids import is_request_id, request_id_problem
+from schemas.ids import chosen_request_id_problem, is_request_id
 from schemas.tasks import TaskError
 from services.common import claims, documents
 from services.common.claims import RequestClaim
@@ -292,7 +292,8 @@ def _parse(record: Record) -> tuple[SubmitEvent | None, RequestEvent, str | None
 
     ``event`` is None when the record is refused as it stands (``problem`` says why): not JSON
     (e.g. a lone surrogate escape, which orjson refuses), not an object, an invalid
-    ``request_id`` (:func:`schemas.ids.request_id_problem`) or another schema error.
+    ``request_id`` (:func:`schemas.ids.chosen_request_id_problem`: the rule, and not a page id's
+    form) or another schema error.
     ``chosen`` is the record's own ``request_id`` when it follows the rule (else None);
     ``request`` is the request its outcome belongs to, under ``chosen`` or else the derived id,
     with the record's other options when they are valid (callback URL, source, metadata ...).
@@ -308,7 +309,7 @@ def _parse(record: Record) -> tuple[SubmitEvent | None, RequestEvent, str | None
     if not isinstance(value, dict):
         return None, bare, None, f"not a JSON object but {type(value).__name__}"
     rid = value.get("request_id")
-    if rid is not None and (bad := request_id_problem(rid)) is not None:
+    if rid is not None and (bad := chosen_request_id_problem(rid)) is not None:
         try:  # its other options still travel with the error (a webhook, metadata)
             rest = SubmitEvent.model_validate({**value, "request_id": None})
             return None, _request_of(rest, derived, record), None, bad

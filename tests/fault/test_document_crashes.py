@@ -152,8 +152,7 @@ def _split_document() -> tuple[bytes, list[str], list[str]]:
     """A PDF of :data:`SPLIT_PAGES` pages each drawn from a bilevel image :data:`SPLIT_SCALE` times
     its rendered size (a slower render, the same text as a plain page); its texts; the object keys
     of its rendered pages (rendered here as ingest renders them: the same PNG bytes)."""
-    tag = uuid.uuid4().hex[:4].upper()
-    texts = [f"SPLIT {tag} {k:02d}" for k in range(1, SPLIT_PAGES + 1)]
+    texts = [f"SPLIT PAGE {k:02d}" for k in range(1, SPLIT_PAGES + 1)]
     images = []
     for t in texts:
         page = page_image(t).point(lambda v: 255 if v > 127 else 0, "1")

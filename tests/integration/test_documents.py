@@ -13,6 +13,7 @@ from schemas.errors import ErrorCode
 from schemas.events import DocumentResult
 from schemas.ids import page_request_id
 from services.common.settings import CommonSettings
+from tests.attacks import miscounted_pdf
 from tests.conftest import text_image
 from tests.documents import make_pdf, page_image, s3_count, s3_get, submit_and_watch, tiff_with_broken_page
 from tests.stack import REPO, Pipeline, db_rows, env_applied, metric_value, namespace_env
@@ -155,6 +156,20 @@ async def test_a_replayed_document_ends_the_same_bytes_once_more(doc_pipeline):
     [row] = db_rows("SELECT COUNT(*) AS n FROM document_pages WHERE document_id = %s", rid)
     assert row["n"] == 3
     assert [ev.request_id for ev in again].count(rid) == 1
+
+
+@pytest.mark.parametrize("count", [1, 5])
+async def test_a_pdf_whose_count_says_otherwise_is_read_page_by_page_of_its_tree(doc_pipeline, count):
+    """/Count 1 over 3 pages was one page (pages 2 and 3 dropped, no warning); /Count 5 over 3
+    failed whole ("PDF page 4 could not be read"): each is now its 3 pages, in order."""
+    texts = [f"TREE PAGE {count}{n}" for n in range(1, 4)]
+    pdf = miscounted_pdf(make_pdf([page_image(t) for t in texts]), count)
+    rid, seen = await submit_and_watch(pdf, f"count-{count}.pdf", pages=3)
+    doc = seen[-1].result
+    assert (doc.status, doc.error, doc.page_count, doc.failed_pages) == ("ok", None, 3, []), doc.error
+    assert doc.text == "\n\n".join(texts)
+    assert db_rows("SELECT page_number, status FROM document_pages WHERE document_id = %s ORDER BY page_number",
+                   rid) == [{"page_number": n, "status": "ok"} for n in (1, 2, 3)]
 
 
 @pytest.mark.parametrize("kind", ["pages", "pixels"])

@@ -1,8 +1,11 @@
-"""Edges of documents at the HTTP door: request ids that name a document's pages, which no claim
-holds (ingest's split names them), are refused as any taken id (409 ``request_id_conflict``)."""
+"""Edges of documents at the HTTP door: a document page's id (``<doc>:p<n>``, ingest's split gives
+them) can be read but never chosen (400 ``invalid_request``; Kafka: ``invalid_request`` under the
+derived id), whichever comes first; a document's own answer and its cached repeat."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
 import time
 
@@ -30,74 +33,104 @@ def png(text: str) -> bytes:
     return buf.getvalue()
 
 
-def test_a_page_id_of_a_finished_document_is_refused_not_answered_with_that_page(client):
-    """Before: a PDF (or an image) posted with ``request_id=<doc>:p3`` was accepted (202) and its
-    id then answered with the other document's page 3 (the first final state is kept)."""
-    u = time.time_ns()
-    doc = f"edge-doc-{u}"
-    r = client.post("/v1/ocr", content=make_pdf([page_image(f"EDGE DOC {n}") for n in (1, 2, 3)]), headers=PDF,
-                    params={"request_id": doc})
-    assert r.status_code == 202, r.text
-    assert wait_result(client, doc)["status"] == "ok"
-    other = make_pdf([page_image(f"EDGE OTHER {n}") for n in (1, 2)])
-    r = client.post("/v1/ocr", content=other, headers=PDF, params={"request_id": f"{doc}:p3"})
-    assert (r.status_code, r.json()["error"]) == (409, {
-        "code": "request_id_conflict",
-        "message": f"request_id '{doc}:p3' is already used by another request (it has its final state); "
-                   "choose a new request_id"})
-    r = client.post("/v1/ocr", content=png(f"EDGE IMAGE {u}"), headers={"Content-Type": "image/png"},
-                    params={"request_id": f"{doc}:p2"})
-    assert r.status_code == 409 and r.json()["error"]["code"] == "request_id_conflict", r.text
-    # nothing was claimed, and the page keeps its own result
-    assert db_rows("SELECT request_id FROM request_claims WHERE request_id IN (%s, %s)", f"{doc}:p3", f"{doc}:p2") == []
-    page = client.get(f"/v1/ocr/{doc}:p3").json()
-    assert (page["status"], page["result"]["text"], page["result"]["document_id"]) == ("ok", "EDGE DOC 3", doc)
-    # an id merely of the page form, of no document, is a document's own id as any
-    lone = f"edge-lone-{u}:p1"
-    r = client.post("/v1/ocr", content=other, headers=PDF, params={"request_id": lone})
-    assert r.status_code == 202, r.text
-    body = wait_result(client, lone)
-    assert (body["status"], body["result"]["document_id"], body["result"]["text"]) == (
-        "ok", lone, "EDGE OTHER 1\n\nEDGE OTHER 2")
+PAGE_FORM = ("has the form of a document page's id (<document id>:p<page>), which ocrstream gives the pages it "
+             "splits; choose an id that does not end in ':p' and digits")
 
 
-def test_a_page_id_of_a_document_in_flight_is_refused(client):
-    """The page has no final state yet: the registered document's page count says it is taken."""
+def _page_id_refused(client, rid: str, data: bytes, headers: dict) -> None:
+    r = client.post("/v1/ocr", content=data, headers=headers, params={"request_id": rid})
+    assert (r.status_code, r.json()["error"]) == (400, {"code": "invalid_request",
+                                                        "message": f"request_id: Value error, {PAGE_FORM}"}), r.text
+
+
+async def _kafka_page_id_refused(rid: str, data: bytes) -> None:
+    """A Kafka submission choosing ``rid`` ends ``invalid_request`` under its derived id."""
+    from services.common.completions import CompletionWatcher
+    from services.common.settings import CommonSettings
+    from tests.stack import db_rows as rows
+
+    s = CommonSettings()
+    watcher = CompletionWatcher(s)
+    await watcher.start()
+    try:
+        from schemas.events import SubmitEvent
+        from services.common.events import dumps
+        from services.common.kafka import make_producer
+
+        producer = make_producer(s.kafka, "test-page-ids")
+        await producer.start()
+        try:
+            ev = SubmitEvent.model_construct(request_id=rid, image_b64=base64.b64encode(data).decode(),
+                                             filename="forged.png")
+            await producer.send_and_wait(s.topics.submit, dumps(ev), key=rid.encode())
+        finally:
+            await producer.stop()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            got = rows("SELECT request_id, status, error_code, error_message FROM requests WHERE error_message LIKE %s",
+                       f"%{rid}%")
+            if got:
+                [row] = got
+                assert (row["status"], row["error_code"]) == ("error", "invalid_request") and row["request_id"] != rid
+                assert PAGE_FORM in row["error_message"]
+                return
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"the submission choosing {rid} never ended")
+    finally:
+        await watcher.stop()
+
+
+def test_no_submission_may_choose_a_page_id_before_or_after_its_document(client):
+    """A page id (``<doc>:p<n>``) is the system's alone. Before: an image submitted as ``D:p2``
+    before the PDF ``D`` was split kept the claim and was answered with the PDF's page 2 (its own
+    result lost); one submitted after was refused only while the page was known. Now either
+    order, either door: the submission choosing the page id is refused at once (HTTP 400, Kafka
+    ``invalid_request`` under its derived id), and the document's pages are its own."""
     u = time.time_ns()
-    doc = f"edge-fly-{u}"
-    r = client.post("/v1/ocr", content=make_pdf([page_image(f"EDGE FLY {u % 1000} {n}") for n in (1, 2)]),
-                    headers=PDF, params={"request_id": doc})
-    assert r.status_code == 202, r.text
-    deadline = time.monotonic() + 30
-    while not db_rows("SELECT 1 FROM documents WHERE document_id = %s", doc):
-        assert time.monotonic() < deadline, "the document was never registered"
-        time.sleep(0.05)
-    r = client.post("/v1/ocr", content=png(f"EDGE FLY IMAGE {u}"), headers={"Content-Type": "image/png"},
-                    params={"request_id": f"{doc}:p2"})
-    assert r.status_code == 409, r.text
-    assert r.json()["error"]["code"] == "request_id_conflict"
-    assert r.json()["error"]["message"] in (
-        f"request_id '{doc}:p2' is page 2 of the document '{doc}'; choose a new request_id",
-        # the page may already be final on a fast stack
-        f"request_id '{doc}:p2' is already used by another request (it has its final state); choose a new request_id")
-    # a page number past the document's is not a page of it
-    r = client.post("/v1/ocr", content=png(f"EDGE FLY P3 {u}"), headers={"Content-Type": "image/png"},
-                    params={"request_id": f"{doc}:p3"})
-    assert r.status_code == 202, r.text
-    body = wait_result(client, doc)
-    assert (body["status"], body["result"]["page_count"]) == ("ok", 2)
+    image = png(f"EDGE IMAGE {u}")
+    first, then = f"edge-first-{u}", f"edge-then-{u}"
+    # the image (as page 2 of a document not yet submitted), at both doors, then the document
+    _page_id_refused(client, f"{first}:p2", image, {"Content-Type": "image/png"})
+    asyncio.run(_kafka_page_id_refused(f"{first}:p2", image))
+    for doc in (first, then):
+        r = client.post("/v1/ocr", content=make_pdf([page_image(f"EDGE {doc[5:10]} {n}") for n in (1, 2, 3)]),
+                        headers=PDF, params={"request_id": doc})
+        assert r.status_code == 202, r.text
+    # ... and after: the documents in flight or finished
+    _page_id_refused(client, f"{then}:p2", image, {"Content-Type": "image/png"})
+    asyncio.run(_kafka_page_id_refused(f"{then}:p3", image))
+    for doc in (first, then):
+        body = wait_result(client, doc)
+        assert (body["status"], body["result"]["page_count"]) == ("ok", 3)
+        for n in (2, 3):
+            page = client.get(f"/v1/ocr/{doc}:p{n}").json()
+            assert (page["status"], page["result"]["text"], page["result"]["document_id"]) == (
+                "ok", f"EDGE {doc[5:10]} {n}", doc)
+    assert db_rows("SELECT request_id FROM request_claims WHERE request_id IN (%s, %s, %s)",
+                   f"{first}:p2", f"{then}:p2", f"{then}:p3") == []
+    # a page number past the document's, or an id of the page form of no document: the form is refused
+    _page_id_refused(client, f"{then}:p9", image, {"Content-Type": "image/png"})
+    _page_id_refused(client, f"edge-lone-{u}:p1", make_pdf([page_image("EDGE LONE")]), PDF)
+    # an id that only looks close is anyone's
+    r = client.post("/v1/ocr", content=image, headers={"Content-Type": "image/png"},
+                    params={"request_id": f"edge-near-{u}:p2a"})
+    assert r.status_code in (200, 202), r.text
 
 
 def test_a_doc_parse_document_answers_with_its_pages_markdown_and_so_does_its_repeat(client):
     """Before: the document's answer (and the cached repeat's) had ``markdown`` null; only each
     page's own answer (``<id>:p<n>``) had it."""
-    u = time.time_ns() % 10**6
-    texts = [f"EDGE PARSE {u} {n}" for n in (1, 2)]
+    texts = ["EDGE PARSE 314159 1", "EDGE PARSE 314159 2"]  # fixed: the namespace is new each run
     pdf = make_pdf([page_image(t) for t in texts])
     r = client.post("/v1/ocr", content=pdf, headers=PDF, params={"task": "doc_parse"})
     assert r.status_code == 202, r.text
-    body = wait_result(client, r.json()["request_id"])
-    want = "\n\n".join(f"# {t}" for t in texts)
+    rid = r.json()["request_id"]
+    body = wait_result(client, rid)
+    # the document's markdown is its pages' own, in order (whether the layout model calls a line a
+    # title, "# ...", or text is the model's business, not this test's)
+    pages = [client.get(f"/v1/ocr/{rid}:p{n}").json()["result"]["markdown"] for n in (1, 2)]
+    assert [m.removeprefix("# ") for m in pages] == texts, pages
+    want = "\n\n".join(pages)
     assert (body["status"], body["result"]["markdown"], body["result"]["text"]) == ("ok", want, want), body
     assert (body["result"]["html"], body["result"]["fields"]) == (None, None)
     again = client.post("/v1/ocr", content=pdf, headers=PDF, params={"task": "doc_parse"})

@@ -78,7 +78,13 @@ QUERY_VALUE_CAP = 2_000
 
 
 def _cap_query(case) -> None:
-    """Cut every generated query string (or each string of a list) to :data:`QUERY_VALUE_CAP`."""
+    """Cut every generated query string (or each string of a list), and every generated header
+    value, to :data:`QUERY_VALUE_CAP`: a request head over ``http_max_head_bytes`` (16 KiB) is
+    refused with 431 by the HTTP protocol before any route (tests/integration/test_http_heads.py)."""
+    if isinstance(case.headers, dict):
+        for name, value in case.headers.items():
+            if isinstance(value, str):
+                case.headers[name] = value[:QUERY_VALUE_CAP]
     if not isinstance(case.query, dict):
         return
     for name, value in case.query.items():

@@ -16,6 +16,7 @@ import time
 import uuid
 
 import httpx
+import orjson
 import pytest
 
 from schemas.events import ResultDocument
@@ -81,9 +82,10 @@ def test_a_job_over_http_from_create_to_report(api, jobs_stage):
         job_id = made.json()["job_id"]
         assert made.json()["links"]["self"] == f"/v1/jobs/{job_id}"
         new = text_image([f"HTTP JOB {uuid.uuid4().hex[:6]}"], size=28)
-        answers = [c.post(f"/v1/ocr?job_id={job_id}&filename={name}", content=data,
+        hostile = '=HYPERLINK("http://evil.example/x","again")'  # a file name a spreadsheet would run
+        answers = [c.post("/v1/ocr", params={"job_id": job_id, "filename": name}, content=data,
                           headers={"Content-Type": "image/png"})
-                   for data, name in ((new, "new.png"), (new, "again.png"), (b"", "empty.png"))]
+                   for data, name in ((new, "new.png"), (new, hostile), (b"", "empty.png"))]
         assert [a.status_code for a in answers[:1]] == [202] and answers[2].status_code == 400
         accepted = [a.json()["request_id"] for a in answers if a.status_code in (200, 202)]
         assert len(accepted) == 2
@@ -106,10 +108,11 @@ def test_a_job_over_http_from_create_to_report(api, jobs_stage):
         report = c.get(f"/v1/jobs/{job_id}/report", params={"format": "csv"})
         assert report.headers["content-type"].startswith("text/csv")
         rows = list(csv.DictReader(io.StringIO(report.text)))
+        # the CSV neutralises the formula (a leading quote, OWASP's rule); the JSONL keeps the name as given
         assert sorted((r["request_id"], r["name"], r["status"]) for r in rows) == sorted(
-            zip(accepted, ("new.png", "again.png"), ("ok", "ok")))
+            zip(accepted, ("new.png", "'" + hostile), ("ok", "ok")))
         lines = c.get(f"/v1/jobs/{job_id}/report", params={"format": "jsonl"}).text.splitlines()
-        assert len(lines) == 2
+        assert sorted(orjson.loads(ln)["name"] for ln in lines) == sorted(["new.png", hostile])
         assert c.get("/v1/jobs/no-such-job").status_code == 404
         # the job's webhook: its completion event, as published, signed like a request's
         deadline = time.monotonic() + 60
@@ -169,7 +172,8 @@ async def test_an_extract_job_reports_one_column_per_field(tmp_path_factory, sta
     from tests.stack import LoopbackOcrServer, namespaced_pipeline
 
     srv = LoopbackOcrServer("WARM UP")
-    srv.replies = {EXTRACT.prompt: ('```json\n{"invoice number": "INV-9", "date": "2026-12-03"}\n```', "stop")}
+    srv.replies = {EXTRACT.prompt: ('```json\n{"invoice number": "=cmd|\' /C calc\'!A0", "date": "2026-12-03", '
+                                    '"total": "-12.50"}\n```', "stop")}
     srv.start()
     extra = {"OCRSTREAM_ENGINE_KIND": "openai", "OCRSTREAM_OPENAI_BASE_URL": srv.url,
              "OCRSTREAM_OPENAI_READY_TIMEOUT_S": "60"}
@@ -185,7 +189,7 @@ async def test_an_extract_job_reports_one_column_per_field(tmp_path_factory, sta
                 await sub.job_event(JobEvent(action="close", job_id=job_id, expected=2))
             finally:
                 await sub.stop()
-            items = [(text_image([f"INVOICE {uuid.uuid4().hex[:6]}"]), f"inv{i}.png") for i in range(2)]
+            items = [(text_image([f"INVOICE {uuid.uuid4().hex[:6]}"]), name) for name in ("inv0.png", "@SUM(A1:A9)")]
             docs = await p.run(items, task="extract", task_params=params, job_id=job_id)
             assert [d.status for d in docs] == ["ok", "ok"]
             [raw] = await job_completions(job_id, settle_s=0.5)
@@ -195,8 +199,11 @@ async def test_an_extract_job_reports_one_column_per_field(tmp_path_factory, sta
         srv.stop()
     rows = list(csv.DictReader(io.StringIO(body.decode())))
     assert list(rows[0])[-3:] == ["field:invoice number", "field:date", "field:total"]
+    # the S3 copy of the CSV neutralises a formula in a file name and in a model's field value
+    # (a leading quote); a plain negative number stays a number
     assert sorted((r["name"], r["field:invoice number"], r["field:date"], r["field:total"]) for r in rows) == [
-        ("inv0.png", "INV-9", "2026-12-03", ""), ("inv1.png", "INV-9", "2026-12-03", "")]
+        ("'@SUM(A1:A9)", "'=cmd|' /C calc'!A0", "2026-12-03", "-12.50"),
+        ("inv0.png", "'=cmd|' /C calc'!A0", "2026-12-03", "-12.50")]
 
 
 def test_the_web_page_follows_a_job_to_its_failures(api, jobs_stage, browser, tmp_path):

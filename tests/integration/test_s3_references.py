@@ -52,7 +52,7 @@ def _exists(s3, bucket: str, key: str) -> bool:
 async def test_references_outside_the_allow_list_end_unread_and_the_next_goes_through(pipeline, s3, other_bucket):
     tag = printable_tag()
     bucket = s3.bucket
-    secret = text_image([f"SECRET {tag}"])
+    secret = text_image(["SECRET 933745"])
     placed = {(bucket, f"results/reqids-{tag}/doc.png"), (other_bucket, f"uploads/reqids-{tag}.png")}
     for b, k in placed:
         s3.put_object(Bucket=b, Key=k, Body=secret)
@@ -89,7 +89,7 @@ async def test_references_outside_the_allow_list_end_unread_and_the_next_goes_th
     # the next one, through the upload prefix (what the CLI does with a file too large to inline), goes through
     s = CommonSettings()
     submitter = Submitter(s.model_copy(update={"limits": Limits(inline_max_bytes=0)}))
-    data = text_image([f"UPLOADED {tag}"])
+    data = text_image(["UPLOADED 323788"])
     async with KafkaDoor() as door:
         await submitter.start()
         try:
@@ -97,8 +97,23 @@ async def test_references_outside_the_allow_list_end_unread_and_the_next_goes_th
         finally:
             await submitter.stop()
         doc = (await door.collect({rid}))[rid]
-    assert doc.status == "ok" and reads(doc.text, f"UPLOADED {tag}")
+    assert doc.status == "ok" and reads(doc.text, "UPLOADED 323788")
     assert _exists(s3, bucket, f"uploads/{hashlib.sha256(data).hexdigest()}")
+
+
+async def test_an_overlong_reference_and_a_negative_submit_time_are_input_errors(pipeline):
+    """Before: an ``s3://`` URI of 5,000 characters ended ``internal_error`` (S3 refused the key
+    after the stage had tried it), and ``submitted_at_ms`` -5 was accepted and skewed the request's
+    latency figures. Both are the submitter's mistakes: ``invalid_request`` at once, naming the field."""
+    bucket = CommonSettings().s3.bucket
+    async with KafkaDoor() as door:
+        long_id, neg_id = f"ref-long-{uuid.uuid4().hex[:8]}", f"ref-neg-{uuid.uuid4().hex[:8]}"
+        await door.send(orjson.dumps({"request_id": long_id, "image_uri": f"s3://{bucket}/uploads/" + "k" * 5000}))
+        await door.send(orjson.dumps({"request_id": neg_id, "image_b64": "aGk=", "submitted_at_ms": -5}))
+        docs = await door.collect({long_id, neg_id})
+    for rid, field in ((long_id, "image_uri"), (neg_id, "submitted_at_ms")):
+        assert docs[rid].status == "error" and docs[rid].error.code is ErrorCode.INVALID_REQUEST, (rid, docs[rid].error)
+        assert field in docs[rid].error.message
 
 
 async def test_a_file_over_the_limit_is_refused_by_the_cli_before_anything_is_uploaded(pipeline, s3, tmp_path):

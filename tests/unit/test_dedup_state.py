@@ -52,12 +52,50 @@ def test_claim_then_join_then_settle_ok_answers_every_waiter_and_keeps_the_point
     assert found.kind == "settled" and found.settled.result_uri == URI
 
 
-def test_a_replayed_request_is_a_no_op_and_a_full_key_says_so():
+def test_a_replayed_request_is_a_no_op_and_a_full_key_spills():
     st = state(max_waiters=2)
     in_flight(st)
     assert st.lookup(KEY, "h", 0).kind == "replay"
     assert st.lookup(KEY, "w2", 0).kind == "replay"
-    assert st.lookup(KEY, "w3", 0).kind == "full"
+    assert st.lookup(KEY, "w3", 0).kind == "spill"
+
+
+def test_copies_past_the_bound_wait_in_the_changelog_and_are_answered_at_settlement():
+    """Past ``max_waiters`` a copy is not computed: its ``w|`` record goes to the changelog, memory
+    keeps a count, and the settlement reads the spilled copies back (from the changelog and from
+    the changes not yet written), answers them with the others and tombstones them."""
+    st = state(max_waiters=2)
+    in_flight(st)
+    for i in range(3, 7):
+        assert st.lookup(KEY, f"w{i}", 0).kind == "spill"
+        st.spill(KEY, 100 + i, req(f"w{i}"))
+    st.keep()
+    written = dict(st.writes())  # w3..w6 (and the rest) reach the changelog
+    assert {f"w|{KEY}|w{i}".encode() for i in range(1, 7)} <= set(written)
+    assert len(st.inflight[KEY].waiters) == 2 and st.inflight[KEY].spilled == 4
+    assert "w3" not in st.ids  # memory holds a count, not the copies
+    st.spill(KEY, 200, req("w7"))  # not yet written when the key settles
+    res = st.settle(ok("h"))
+    assert res.spilled == 5 and [w.request_id for w in res.answered] == ["w1", "w2"]
+    changelog = {k: v for k, v in written.items() if v is not None}
+    back = st.spilled_waiters(KEY, changelog)
+    assert [w.request_id for w in back] == ["w3", "w4", "w5", "w6", "w7"]  # in arrival order, none answered twice
+    st.keep()
+    tomb = dict(st.writes())
+    assert all(tomb[f"w|{KEY}|w{i}".encode()] is None for i in range(1, 8)) and st.inflight == {}
+
+
+def test_a_restore_holds_the_first_waiters_and_counts_the_rest_as_spilled():
+    st = state(max_waiters=10)
+    in_flight(st, waiters=tuple(f"w{i}" for i in range(1, 6)))
+    records = {k: v for k, v in st.writes()}
+    again = state(max_waiters=2)
+    assert again.restore(records) == (1, 5, 0)
+    f = again.inflight[KEY]
+    assert [w.request_id for _, w in f.waiters] == ["w1", "w2"] and f.spilled == 3
+    res = again.settle(ok("h"))
+    assert res.spilled == 3
+    assert [w.request_id for w in again.spilled_waiters(KEY, records)] == ["w3", "w4", "w5"]
 
 
 def test_retryable_error_of_the_holder_promotes_the_first_waiter_bounded_by_attempts():
@@ -125,7 +163,8 @@ def test_waiters_restored_without_their_holder_are_promoted_or_answered():
     assert again.unheld() == [] and again.inflight[KEY].holder.request_id == "w1"
     third = state()
     third.restore(records | {b"s|" + KEY.encode(): orjson.dumps({"key": KEY, "result_uri": URI, "at_ms": 1})})
-    assert [w.request_id for w in third.answer_unheld(KEY)] == ["w1", "w2"] and third.inflight == {}
+    held, spilled = third.answer_unheld(KEY)
+    assert [w.request_id for w in held] == ["w1", "w2"] and spilled == 0 and third.inflight == {}
 
 
 def test_rollback_undoes_a_failed_call():

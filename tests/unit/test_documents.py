@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 
+import pypdfium2
 import pytest
 from PIL import Image, ImageDraw
 
@@ -13,9 +14,11 @@ from schemas.events import ErrorInfo, Line, RequestEvent, ResultDocument
 from schemas.ids import is_request_id, page_request_id
 from services.common.decoding import DecoderPool, DecoderStopped
 from services.common.errors import OcrError
+from services.common.imaging import decode
 from services.common.settings import DecodeSettings, Limits
 from services.common.splitting import document_plan, render_pages
 from services.sink.documents import _page_of, assemble, document_status, summary
+from tests.attacks import miscounted_pdf
 from tests.conftest import CASES
 from tests.documents import make_pdf, page_image, tiff_with_broken_page
 
@@ -64,6 +67,20 @@ def test_pdf_page_count_and_pixels_are_checked_before_rendering():
     with pytest.raises(OcrError) as e:  # a one-page PDF is one request: refused as any image
         document_plan(pdf_of(1), 29_999, 2, 3000, 10**9)
     assert e.value.code is ErrorCode.IMAGE_TOO_LARGE
+
+
+@pytest.mark.parametrize("count", [1, 5])
+def test_a_pdf_is_the_pages_its_tree_holds_whatever_its_count_says(count):
+    pdf = pdf_of(3)
+    bad = miscounted_pdf(pdf, count)
+    assert len(pypdfium2.PdfDocument(bad)) == count  # PDFium alone: /Count as it stands
+    info, sizes = document_plan(bad, 10**8, 2, 3000, 10**9)
+    assert (info.frames, sizes) == (3, [(300, 100)] * 3)
+    assert list(render_pages(bad, 0, 3, 10**8)) == list(render_pages(pdf, 0, 3, 10**8))
+    assert [p.shape for p in decode(bad, 10**8, 5)] == [(100, 300, 3)] * 3  # the one-request path too
+    with pytest.raises(OcrError) as e:  # the tree's count meets the limits
+        document_plan(miscounted_pdf(pdf_of(5), 1), 10**8, 2, 4, 10**9)
+    assert e.value.code is ErrorCode.DOCUMENT_TOO_MANY_PAGES and "5 pages, limit 4" in e.value.message
 
 
 def test_tiff_pages_are_walked_to_the_document_limit_only():

@@ -256,6 +256,23 @@ def test_the_csv_report_is_rfc_4180_crlf_lines_and_quoted_fields_with_newlines()
     assert [(r[0], r[1], r[-1]) for r in back[1:]] == [("two\nlines.png", "r1", 'say "hi"\r\nbye'), ("b,c.png", "r2", "")]
 
 
+def test_the_csv_report_neutralises_formulas_in_names_and_field_values():
+    """OWASP's CSV injection: a cell starting with = + - @ TAB or CR is a formula to a spreadsheet;
+    the CSV prefixes it with a single quote, a plain number stays as it is, the JSONL keeps the value."""
+    import csv
+
+    hostile = ['=HYPERLINK("http://evil.example","x")', "+cmd|' /C calc'!A0", "-1+1", "@SUM(A1:A9)", "\t=1+2",
+               "\r=1+2"]
+    rows = [_report_row(f"r{i}", name, {"total": name, "amount": "-12.50"}) for i, name in enumerate(hostile)]
+    out, jsonl = io.StringIO(newline=""), io.StringIO()
+    assert write_rows(iter(rows), ["total", "amount"], {"csv": out, "jsonl": jsonl}) == len(hostile)
+    back = list(csv.DictReader(io.StringIO(out.getvalue(), newline="")))
+    assert [r["name"] for r in back] == ["'" + h for h in hostile]
+    assert [r["field:total"] for r in back] == ["'" + h for h in hostile]
+    assert {r["field:amount"] for r in back} == {"-12.50"}
+    assert [orjson.loads(ln)["name"] for ln in jsonl.getvalue().splitlines()] == hostile
+
+
 def test_the_xlsx_report_writes_strings_as_text_and_replaces_characters_xml_cannot_hold(tmp_path):
     from openpyxl import load_workbook
 

@@ -124,3 +124,18 @@ def test_the_allow_list_setting_defaults_to_the_upload_prefix_and_refuses_uris()
     for bad in ("s3://scans/in/", "scans", "/in/"):
         with pytest.raises(ValidationError):
             IngestSettings(s3_allowed_prefixes=[bad])
+
+
+def test_a_page_ids_form_is_the_systems_alone():
+    from schemas.events import SubmitEvent
+    from schemas.ids import chosen_request_id_problem, is_page_request_id, page_request_id
+
+    assert is_page_request_id(page_request_id("invoice-7", 2)) and is_page_request_id(page_request_id("x" * 60, 3000))
+    for rid in ("D:p2", "a.b:p0", "x:p123456"):
+        assert is_request_id(rid)  # readable: GET /v1/ocr/D:p2
+        assert "has the form of a document page's id" in chosen_request_id_problem(rid)
+        with pytest.raises(ValueError, match="form of a document page's id"):
+            SubmitEvent(request_id=rid, image_b64="aGk=")
+    for rid in ("D:p2a", "D:page2", "D-p2", "p2", "D:P2", "D:p"):
+        assert chosen_request_id_problem(rid) is None, rid
+    assert chosen_request_id_problem("bell\x07").startswith("request_id 'bell\\x07' is not a valid request id")
