@@ -246,7 +246,8 @@ def _engine_worker(env: dict[str, str], images: list[bytes], conn) -> None:
         pages = [p for data in images for p in decode(data, s.limits.max_pixels, s.limits.max_pages)]
         conn.send("ready")
         async def one(page) -> float:
-            tiles = [t.image for t in make_tiles(page, s.tile_max_aspect, engine.max_side)]
+            tiles = [t.image for t in make_tiles(page, s.tile_max_aspect, engine.max_side,
+                                                 downscale=not engine.shrinks_large_pages)]
             await asyncio.gather(*(engine.page(t, OCR, s.limits.infer_timeout_s) for t in tiles))
             return time.time()
 

@@ -75,7 +75,8 @@ def run(engine: RapidOcrEngine, data: bytes, max_aspect: float, repeat: int) -> 
     h, w = page.shape[:2]
     out: dict = {}
     for task in ("ocr", "doc_parse", "table"):
-        tiles = make_tiles(page, max_aspect if task == "ocr" else float("inf"), engine.max_side)
+        tiles = make_tiles(page, max_aspect if task == "ocr" else float("inf"), engine.max_side,
+                           downscale=not engine.shrinks_large_pages)
         best = float("inf")
         for _ in range(repeat):
             t0 = time.perf_counter()
@@ -87,7 +88,7 @@ def run(engine: RapidOcrEngine, data: bytes, max_aspect: float, repeat: int) -> 
             out["ocr"] = "\n".join(line.text for line in group_lines(segs))
         else:
             out[task] = "\n\n".join(r.answer for _, r in results if r.answer)
-    tile = make_tiles(page, float("inf"), engine.max_side)[0]
+    tile = make_tiles(page, float("inf"), engine.max_side, downscale=not engine.shrinks_large_pages)[0]
     bgr = np.ascontiguousarray(tile.image[:, :, ::-1])
     segs = engine._segments(tile.image)
     out["layout_ms"] = out["struct_ms"] = float("inf")

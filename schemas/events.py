@@ -40,10 +40,14 @@ WARNING_TRUNCATED_MAX_TOKENS = "truncated_max_tokens"
 #: The VLM answered text with no readable ``text(box)`` entry: the answer's text is kept as one
 #: line whose box is the whole page (or tile), confidence 0.
 WARNING_UNPARSED_OUTPUT = "unparsed_output"
+#: Task ``table`` on the CPU engine: its layout model found no table region on a page, so that
+#: page answers no table (an empty ``html``), never one made up from the whole page.
+WARNING_NO_TABLE_FOUND = "no_table_found"
 _WARNINGS_DOC = ("why an ok result may be incomplete: 'truncated_repetition' (generation stopped by the "
-                 "runaway-repetition guard), 'truncated_max_tokens' (generation hit its token cap) or "
+                 "runaway-repetition guard), 'truncated_max_tokens' (generation hit its token cap), "
                  "'unparsed_output' (the model's answer had no text-with-box entry: its text is one line "
-                 "boxing the whole page, confidence 0); empty when complete")
+                 "boxing the whole page, confidence 0) or 'no_table_found' (task table on the CPU engine: no "
+                 "table region on a page, which answers no table); empty when complete")
 
 
 # The task fields (schemas/tasks.py), defined once: on the submission and the request, and the

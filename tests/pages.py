@@ -1,7 +1,8 @@
 """Generated pages of the kinds the pipeline must read at least as well as the raw engine,
 each with the lines it holds: light text on transparent backgrounds (RGBA, LA,
-palette, 16-bit), independent columns, words whose spaces the recogniser tends to drop, and a
-6000x160 banner.
+palette, 16-bit), independent columns, words whose spaces the recogniser tends to drop, a
+6000x160 banner, and side-by-side regions whose lines share a height (two groups of form
+fields, a short label beside a longer line).
 
 Used by the accuracy tests (``tests/integration/test_accuracy.py``) and by the CER bench
 (``bench/engine_cer.py``), so both read exactly the same pages. Nothing here is committed as
@@ -38,6 +39,12 @@ COLUMN_LEFT = ("NORTH DEPOT", "12 HARBOUR ROAD", "PORT TOWN 4410", "OPEN MONDAY"
 COLUMN_RIGHT = ("INVOICE 88213", "DATE 2024 03 14", "AMOUNT 415.20", "PAID IN FULL")
 SPACED_LINES = ("TICKET 5590", "SECTION 01 CLAUSE 1037", "GATE 7 SEAT 22", "ORDER NUMBER 3344")
 BANNER_LINE = "GRAND OPENING SALE 25 PERCENT OFF EVERY ITEM UNTIL 31 DECEMBER"
+FORM_LEFT = (("BILL TO", ""), ("Name:", "ANNA BERG"), ("Street:", "12 HARBOUR ROAD"), ("Town:", "PORT TOWN 4410"),
+             ("Phone:", "555 0199"))
+FORM_RIGHT = (("SHIP TO", ""), ("Name:", "OLE HANSEN"), ("Street:", "4 MILL LANE"), ("Town:", "RIVERDALE 2210"),
+              ("Phone:", "555 0342"))
+LABEL_MAIN = ("CUSTOM GIFT BOXES AND BAGS", "PRINTED TO ORDER IN ANY SIZE", "FREE DESIGN ON EVERY ORDER")
+LABEL_SIDE = ("ODM OEM", "(PACKAGING)")
 
 
 def _png(img: Image.Image, **params) -> bytes:
@@ -127,9 +134,50 @@ def banner_page() -> Page:
     return Page("banner_6000x160.png", "banner", _png(img), (BANNER_LINE,))
 
 
+def key_value_form_page() -> Page:
+    """Two groups of key/value fields side by side ("BILL TO" and "SHIP TO"), their rows level
+    with each other: in each group a key, then its value 75 px after the longest key; between the
+    groups 240 px (about 7 text heights, twice the widest gap between a key and its value). Read:
+    the left group, then the right one (read row by row across, each line would hold two groups'
+    fields)."""
+    f = font(30)
+    key_w = max(int(f.getlength(k)) for k, _ in FORM_LEFT + FORM_RIGHT)
+    group_w = key_w + 75 + max(int(f.getlength(v)) for _, v in FORM_LEFT + FORM_RIGHT)
+    x_right = 40 + group_w + 240
+    img = Image.new("RGB", (x_right + group_w + 40, 80 + 56 * len(FORM_LEFT)), "white")
+    d = ImageDraw.Draw(img)
+    for x0, group in ((40, FORM_LEFT), (x_right, FORM_RIGHT)):
+        for i, (key, value) in enumerate(group):
+            d.text((x0, 30 + 56 * i), key, fill="black", font=f)
+            if value:
+                d.text((x0 + key_w + 75, 30 + 56 * i), value, fill="black", font=f)
+    lines = tuple(f"{k} {v}".strip() for k, v in FORM_LEFT) + tuple(f"{k} {v}".strip() for k, v in FORM_RIGHT)
+    return Page("key_value_form.png", "regions", _png(img), lines)
+
+
+def side_label_page() -> Page:
+    """A product sheet: three lines of 40 px type on a cream ground, and beside the first two, 7
+    text heights to their right, a short label of two lines of 24 px type on a coloured box
+    (``ODM OEM``, ``(PACKAGING)``: the ``（成品包材）`` of a real one), each label line level with
+    a line of the text. Read: the text, then the label (a label line joined to the text line
+    beside it would split the text)."""
+    big, small = font(40), font(24)
+    main_w = max(int(big.getlength(t)) for t in LABEL_MAIN)
+    x_label = 40 + main_w + 280
+    label_w = max(int(small.getlength(t)) for t in LABEL_SIDE)
+    img = Image.new("RGB", (x_label + label_w + 60, 60 + 70 * len(LABEL_MAIN)), (250, 244, 228))
+    d = ImageDraw.Draw(img)
+    d.rectangle([x_label - 14, 34, x_label + label_w + 14, 34 + 70 * len(LABEL_SIDE) + 6], fill=(255, 214, 150))
+    for i, t in enumerate(LABEL_MAIN):
+        d.text((40, 30 + 70 * i), t, fill=(40, 30, 20), font=big)
+    for i, t in enumerate(LABEL_SIDE):
+        d.text((x_label, 42 + 70 * i), t, fill=(120, 20, 20), font=small)
+    return Page("side_label.png", "regions", _png(img), LABEL_MAIN + LABEL_SIDE)
+
+
 def all_pages() -> list[Page]:
     """Every generated page, kinds in the bench table's order."""
-    return [*alpha_pages(), column_page(), spaced_page(), banner_page()]
+    return [*alpha_pages(), column_page(), spaced_page(), banner_page(), key_value_form_page(), side_label_page()]
 
 
 ORDER_TITLE = "FRUIT ORDER"

@@ -76,8 +76,54 @@ def init() -> None:
                 err.print(f"[yellow]warning:[/yellow] no lifecycle rule on {prefix} ({code}): {left}")
         applied = await Database(s.mysql, pool_size=1).migrate()
         console.print(f"mariadb: {'applied ' + ', '.join(applied) if applied else 'schema up to date'}")
+        from redis.exceptions import RedisError
+
+        from services.common.cache import ResultCache
+
+        cache = ResultCache(s.redis.model_copy(update={"timeout_ms": max(s.redis.timeout_ms, 5000)}))
+        try:
+            known = await cache.generations()
+        except (RedisError, OSError) as exc:  # Redis is only a cache: init's work is done
+            err.print(f"[yellow]warning:[/yellow] Redis (OCRSTREAM_REDIS__URL) did not answer ({exc}): "
+                      "cache generations of other settings not checked")
+            return
+        finally:
+            await cache.close()
+        for line in generation_report([s.generation(t) for t in s.tasks], known):
+            console.print(escape(line))
 
     asyncio.run(_run())
+
+
+def generation_report(current: list, known: dict) -> list[str]:
+    """What ``init`` says about the result cache: the generation this deployment reads and writes,
+    and the generations of other settings (another engine, model, model revision or preprocessing
+    version: results of an engine before an upgrade) that Redis still holds, never served again,
+    with the ``cache purge`` that frees them.
+
+    Args:
+        current: This deployment's generations (:class:`~schemas.keys.CacheGeneration`), one per task.
+        known: Every generation registered in Redis, by id (:meth:`ResultCache.generations`).
+    """
+    def ident(g) -> tuple:  # what a generation reads with, whatever the task or request options
+        return g.engine, g.model, g.model_revision, g.preprocess_version
+
+    mine = {ident(g) for g in current}
+    revisions = {g.model_revision for g in current}
+    lines = [f"cache: results of {', '.join(sorted({f'{e} {m} {r} (preprocessing {p})' for e, m, r, p in mine}))}"
+             f" under generation{'s' if len(current) > 1 else ''} "
+             f"{', '.join(sorted({g.gen_id for g in current}))}"]
+    old: dict[tuple, list[str]] = {}
+    for gid, g in known.items():
+        if ident(g) not in mine:
+            old.setdefault(ident(g), []).append(gid)
+    for (engine, model, rev, pre), ids in sorted(old.items()):
+        purge = (f"ocrstream cache purge --model {rev}" if rev not in revisions else
+                 " && ".join(f"ocrstream cache purge --generation {i}" for i in sorted(ids)))
+        lines.append(f"cache: {len(ids)} generation{'s' if len(ids) > 1 else ''} of {engine} {model} {rev} "
+                     f"(preprocessing {pre}) still in Redis, never served by these settings: "
+                     f"every image is read again on its first request; free them with `{purge}`")
+    return lines
 
 
 @app.command()

@@ -180,6 +180,15 @@ class ResultCache:
         """Record a generation so ``purge`` can find its entries by model revision."""
         await self._call("hset", self.client.hset(f"{self.p}:gens", gen.gen_id, gen.model_dump_json()))
 
+    async def generations(self) -> dict[str, CacheGeneration]:
+        """Every generation registered in ``ocr:gens`` (by dedup), by id.
+
+        Raises:
+            RedisError: Redis down, refusing, or slower than the client's socket timeout.
+        """
+        gens = await self.client.hgetall(f"{self.p}:gens")
+        return {gid.decode(): CacheGeneration.model_validate_json(raw) for gid, raw in gens.items()}
+
     async def purge(self, *, model_revision: str | None = None, gen_id: str | None = None) -> tuple[list[str], int]:
         """Delete every cache entry (and near-duplicate index) of the matching generations.
 

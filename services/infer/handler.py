@@ -347,7 +347,9 @@ class InferHandler(WindowHandler):
             t0 = time.perf_counter()
             # text spotting slices long pages into tiles; the other tasks read each page whole
             aspect = self.s.tile_max_aspect if task.name == "ocr" else float("inf")
-            jobs = [(p, tile) for p, page in enumerate(it.pages) for tile in make_tiles(page, aspect, self.engine.max_side)]
+            shrink = not self.engine.shrinks_large_pages
+            jobs = [(p, tile) for p, page in enumerate(it.pages)
+                    for tile in make_tiles(page, aspect, self.engine.max_side, downscale=shrink)]
             sp.set_attribute("ocrstream.tiles", len(jobs))
             t_engine = time.perf_counter()
             outputs, first_start = await self._engine_request([tile.image for _, tile in jobs], task, it.lane)

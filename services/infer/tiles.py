@@ -11,7 +11,8 @@
   tile's length with the fixed overlap. Slices of a wide page shorter than the others are
   padded to full length with their own background colour. Pages that already fit (a single
   25x323 text line, say) are left whole.
-* Tiles larger than the engine's ``max_side`` are downscaled for the engine.
+* Tiles larger than the engine's ``max_side`` are downscaled for the engine, unless it shrinks
+  them itself (``downscale=False``: the CPU engine, whose detector resizes every image anyway).
 * Boxes are mapped back to the original (upright) page: scaled up, shifted by the tile offset;
   a line seen in two overlapping tiles is kept only from the tile whose core holds its centre.
 """
@@ -65,7 +66,8 @@ INK_PIXELS = 0.002
 blank."""
 
 
-def make_tiles(page: np.ndarray, max_aspect: float, max_side: int, overlap_frac: float = 0.15) -> list[Tile]:
+def make_tiles(page: np.ndarray, max_aspect: float, max_side: int, overlap_frac: float = 0.15,
+               downscale: bool = True) -> list[Tile]:
     """Cut a page into engine-ready tiles (sliced if long, downscaled if large).
 
     A page is sliced only when its long side is above ``max_side`` *and* long side / short
@@ -82,10 +84,13 @@ def make_tiles(page: np.ndarray, max_aspect: float, max_side: int, overlap_frac:
             (slices are at most ``max(max_side, short side)`` pixels long; at least 32 pixels
             overlap), so a text line cut by one slice's edge is whole in the next. Where a
             cut lies in a blank gap, the slices overlap only as far as the gap reaches.
+        downscale: Shrink a tile longer than ``max_side`` to ``max_side``. False for an engine
+            that shrinks large images itself (:attr:`~services.infer.engines.base.OcrEngine.shrinks_large_pages`):
+            the tile goes at full resolution, so it is resampled once, the engine's way.
 
     Returns:
-        At least one :class:`Tile`, in page order (top to bottom or left to right); each tile
-        image has its longest side at most ``max_side`` pixels.
+        At least one :class:`Tile`, in page order (top to bottom or left to right); with
+        ``downscale``, each tile image has its longest side at most ``max_side`` pixels.
 
     Raises:
         Nothing of its own: ``page`` must be a non-empty ``(height, width, 3)`` array.
@@ -107,7 +112,7 @@ def make_tiles(page: np.ndarray, max_aspect: float, max_side: int, overlap_frac:
         if not vertical and len(spans) > 1 and b - a < size:
             crop = _pad_right(crop, size)
         ch, cw = crop.shape[:2]
-        scale = min(1.0, max_side / max(ch, cw))
+        scale = min(1.0, max_side / max(ch, cw)) if downscale else 1.0
         sx = sy = scale
         if scale < 1.0:
             nw, nh = max(1, round(cw * scale)), max(1, round(ch * scale))

@@ -169,3 +169,29 @@ def test_every_help_text_is_whole_sentences_and_shown_whole():
                 assert " ".join(paragraphs[0].split()) in listed, (path, width, listed)
     assert sorted(seen) == ["", "cache", "cache purge", "init", "job", "job report", "job status", "keys",
                             "keys create", "keys list", "keys revoke", "report", "run", "status", "submit"]
+
+
+def test_init_says_which_generation_is_read_and_how_to_purge_the_old_engines():
+    """A user with a warm cache from the engine before (PP-OCRv4) upgrades: ``init`` names the new
+    generation, and the old one with the ``cache purge`` that frees it; a generation of the same
+    revision (only the preprocessing changed) is purged by id, never by ``--model`` (that would
+    take the current one too); a task's request options are not an old generation."""
+    from schemas.keys import CacheGeneration
+    from services.cli.main import generation_report
+
+    new = [CacheGeneration(engine="rapidocr", model="PP-OCRv6-small", model_revision="rapidocr-3.10.0", task=t,
+                           preprocess_version=3) for t in ("ocr", "doc_parse")]
+    old = CacheGeneration(engine="rapidocr", model="PP-OCRv4-ch", model_revision="rapidocr-onnxruntime-1.4.4",
+                          task="ocr", preprocess_version=2)
+    same_rev = new[0].model_copy(update={"preprocess_version": 2})
+    option = new[0].model_copy(update={"options": "max_side=1000"})
+    assert generation_report(new, {new[0].gen_id: new[0]}) == [
+        f"cache: results of rapidocr PP-OCRv6-small rapidocr-3.10.0 (preprocessing 3) under generations "
+        f"{', '.join(sorted(g.gen_id for g in new))}"]
+    lines = generation_report(new, {g.gen_id: g for g in (*new, old, same_rev, option)})
+    assert len(lines) == 3, lines
+    assert lines[1] == ("cache: 1 generation of rapidocr PP-OCRv4-ch rapidocr-onnxruntime-1.4.4 (preprocessing 2) "
+                        "still in Redis, never served by these settings: every image is read again on its first "
+                        "request; free them with `ocrstream cache purge --model rapidocr-onnxruntime-1.4.4`")
+    assert lines[2].startswith("cache: 1 generation of rapidocr PP-OCRv6-small rapidocr-3.10.0 (preprocessing 2)")
+    assert lines[2].endswith(f"`ocrstream cache purge --generation {same_rev.gen_id}`")

@@ -50,7 +50,7 @@ def test_a_key_of_another_generation_is_computed_but_marked_not_cacheable():
     [res], tel = _results(InferSettings(), key_settings=new)  # an old infer gets a new dedup's key
     assert res.status == "ok" and res.lines[0].text == "TEXT 100x300"  # the request is still answered
     assert res.cacheable is False and res.cache_key == cache_key(SHA, new.generation("ocr"))
-    assert res.model_revision == "rapidocr-onnxruntime-1.4.4"  # labelled with what really computed it
+    assert res.model_revision == "rapidocr-3.10.0"  # labelled with what really computed it
     assert _mismatches(tel) == 1
 
 

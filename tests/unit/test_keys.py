@@ -39,8 +39,8 @@ def test_detector_limit_is_part_of_the_key_and_the_default_key_is_unchanged():
 
     default = EngineIdentity().generation("ocr")
     # the default key has no options part: the format from before options existed (at the current
-    # preprocess version, 2 since issue 21's alpha, line assembly and tiling changes)
-    before_options = hashlib.sha256(b"rapidocr|PP-OCRv4-ch|rapidocr-onnxruntime-1.4.4|ocr|2").hexdigest()[:12]
+    # model, PP-OCRv6 small from rapidocr 3.10.0, and preprocess version, 3 since issue 34)
+    before_options = hashlib.sha256(b"rapidocr|PP-OCRv6-small|rapidocr-3.10.0|ocr|3").hexdigest()[:12]
     assert default.options == "" and default.gen_id == before_options
     fast = EngineIdentity(det_limit_side_len=96).generation("ocr")
     assert fast.options == "det_limit_side_len=96" and fast.gen_id != default.gen_id
@@ -53,11 +53,24 @@ def test_engine_identity_builds_generation():
     assert g.model_revision == "x" and g.task == "ocr" and g.engine == "rapidocr"
 
 
-DEFAULT_GEN_ID = "e34820258631"
-"""The default CPU generation (rapidocr, PP-OCRv4-ch, rapidocr-onnxruntime-1.4.4, task ocr,
-preprocessing 2): pinned, because changing it turns every existing cache entry into a miss
-(preprocessing 1, ``672cc006da7b``, was left behind on purpose by issue 21: results of the same
-bytes changed)."""
+DEFAULT_GEN_ID = "6a1f8c529a3a"
+"""The default CPU generation (rapidocr, PP-OCRv6-small, rapidocr-3.10.0, task ocr, preprocessing
+3): pinned, because changing it turns every existing cache entry into a miss. Left behind on
+purpose, each when results of the same bytes changed: ``672cc006da7b`` (preprocessing 1) by issue
+21, ``e34820258631`` (PP-OCRv4-ch, rapidocr-onnxruntime-1.4.4, preprocessing 2) by issue 34."""
+LEGACY_GEN_ID = "a6cb348509ec"
+"""``OCRSTREAM_ENGINE__MODEL=PP-OCRv4-ch``: the engine before PP-OCRv6, at preprocessing 3."""
+
+
+def test_the_old_engine_is_one_setting_away_with_a_generation_of_its_own():
+    legacy = settings(engine=EngineIdentity(model="PP-OCRv4-ch"))
+    g = legacy.generation("ocr")
+    assert (g.model, g.model_revision, g.gen_id) == ("PP-OCRv4-ch", "rapidocr-onnxruntime-1.4.4", LEGACY_GEN_ID)
+    assert g.gen_id != settings().generation("ocr").gen_id
+    # a revision set by hand is the key's, whatever the model (an operator's upgrade label)
+    assert settings(engine=EngineIdentity(model_revision="rev-9")).generation("ocr").model_revision == "rev-9"
+    # the VLM engines name no package of their own: an unset revision is empty
+    assert settings(engine=EngineIdentity(engine="vllm", model="tencent/HunyuanOCR")).generation("ocr").model_revision == ""
 
 
 def settings(**kw) -> CommonSettings:
@@ -79,7 +92,7 @@ def test_each_deployment_setting_that_changes_results_changes_the_key():
         "engine_kind": settings(engine_kind="openai"),
         "model": settings(engine=EngineIdentity(model="m2")),
         "model_revision": settings(engine=EngineIdentity(model_revision="r2")),
-        "preprocess_version": settings(engine=EngineIdentity(preprocess_version=3)),
+        "preprocess_version": settings(engine=EngineIdentity(preprocess_version=4)),
         "det_limit_side_len": settings(engine=EngineIdentity(det_limit_side_len=96)),
         "engine_max_side": settings(engine_max_side=1000),
     }

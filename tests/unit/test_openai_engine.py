@@ -395,7 +395,7 @@ def test_a_cache_key_naming_another_model_is_reported(caplog):
     with caplog.at_level("WARNING", logger="services.infer.engines.openai_engine"):
         OpenAiEngine.from_settings(InferSettings(engine_kind="openai", openai_model="my-ocr-vlm"))
     assert [r.getMessage() for r in caplog.records] == [
-        "openai: engine.model='PP-OCRv4-ch' (the cache key) differs from openai_model='my-ocr-vlm' (what is asked)"]
+        "openai: engine.model='PP-OCRv6-small' (the cache key) differs from openai_model='my-ocr-vlm' (what is asked)"]
     caplog.clear()
     with caplog.at_level("WARNING", logger="services.infer.engines.openai_engine"):
         OpenAiEngine.from_settings(InferSettings(

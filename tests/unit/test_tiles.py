@@ -18,6 +18,15 @@ def test_big_page_is_downscaled_and_boxes_scale_back():
     assert s.box == [[20, 40], [220, 40], [220, 80], [20, 80]]
 
 
+def test_an_engine_that_shrinks_pages_itself_gets_them_whole_and_long_ones_still_sliced():
+    """downscale=False (the CPU engine: RapidOCR shrinks to max_side itself, to a multiple of 32,
+    so a page shrunk here first would be resampled twice)."""
+    [t] = make_tiles(np.zeros((4000, 3000, 3), np.uint8), max_aspect=3, max_side=2000, downscale=False)
+    assert t.scale == 1.0 and t.image.shape[:2] == (4000, 3000)
+    tiles = make_tiles(np.zeros((9000, 600, 3), np.uint8), max_aspect=3, max_side=2000, downscale=False)
+    assert len(tiles) > 4 and all(t.scale == 1.0 and t.image.shape[0] <= 2000 for t in tiles)
+
+
 def test_long_receipt_is_sliced_and_each_line_kept_once():
     h, w = 12000, 600
     tiles = make_tiles(np.zeros((h, w, 3), np.uint8), max_aspect=3, max_side=2000)

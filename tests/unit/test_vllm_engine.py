@@ -289,14 +289,14 @@ def test_sampling_is_the_recipe_and_settings_reach_the_engine():
 
 def test_a_cache_key_naming_another_model_is_reported(caplog):
     """engine_kind=vllm with engine.model left at the CPU default: the cache key would name
-    PP-OCRv4-ch while HunyuanOCR is loaded, so a model change would not change the key."""
+    PP-OCRv6-small while HunyuanOCR is loaded, so a model change would not change the key."""
     from services.common.settings import EngineIdentity
     from services.infer.settings import InferSettings
 
     with caplog.at_level("WARNING", logger="services.infer.engines.vllm_engine"):
         VllmEngine.from_settings(InferSettings(engine_kind="vllm"))
     assert [r.getMessage() for r in caplog.records] == [
-        "vllm: engine.model='PP-OCRv4-ch' (the cache key) differs from vllm_model='tencent/HunyuanOCR' (what is loaded)"]
+        "vllm: engine.model='PP-OCRv6-small' (the cache key) differs from vllm_model='tencent/HunyuanOCR' (what is loaded)"]
     caplog.clear()
     with caplog.at_level("WARNING", logger="services.infer.engines.vllm_engine"):
         VllmEngine.from_settings(InferSettings(

