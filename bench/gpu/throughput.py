@@ -176,10 +176,10 @@ def records(store: MemoryStore, pages: list[np.ndarray], tag: str, gen_id: str, 
     from aiokafka import ConsumerRecord
 
     from schemas.events import InferEvent, RequestEvent
-    from services.common.events import dumps
-    from services.common.records import Decoder
+    from services.common.codec import dumps
+    from services.common.records import RecordParser
 
-    decode = Decoder({"ocr.infer": InferEvent})  # as the runner decodes them for InferHandler
+    decode = RecordParser({"ocr.infer": InferEvent})  # as the runner decodes them for InferHandler
     out = []
     now = int(time.time() * 1000)
     for i, img in enumerate(pages):

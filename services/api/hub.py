@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from schemas.events import CompletedEvent
 from services.common.completions import CompletionWatcher
-from services.common.events import loads
+from services.common.codec import loads
 from services.common.settings import CommonSettings
 
 log = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ from services.api.clients import Clients
 from services.api.docs_pages import add_docs_pages
 from services.api.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler, \
     validation_error_handler
-from services.api.events import ID_PATTERN, MEDIA_TYPE
+from services.api.sse import ID_PATTERN, MEDIA_TYPE
 from services.api.queries import KnownQueryRoute, query_names, unknown_query_error
 from services.api.serving_jobs import JobService
 from services.api.serving_read import ReadService

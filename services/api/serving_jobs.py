@@ -24,11 +24,11 @@ from schemas.jobs import JobEvent, JobProgress
 from schemas.tasks import TaskError, TaskParams, UnsupportedTask
 from services.api.clients import Clients
 from services.api.errors import ApiError
-from services.api.events import EventStream, KEEPALIVE, encode
+from services.api.sse import EventStream, KEEPALIVE, encode
 from services.api.protocol import JobClose, JobCreate, JobCreated
 from services.api.serving_keys import Principal
 from services.api.serving_webhooks import validate_callback_url
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.job_report import write_rows
 from services.common.jobs import REPORT_SQL, JobRow, JobStore
 

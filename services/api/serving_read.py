@@ -17,7 +17,7 @@ from schemas.errors import ErrorCode, HttpErrorCode
 from schemas.events import CompletedEvent, ResultDocument
 from services.api.clients import Clients
 from services.api.errors import ApiError
-from services.api.events import EventStream, Watch, progress
+from services.api.sse import EventStream, Watch, progress
 from services.api.protocol import OcrResponse, finished
 from services.api.serving_keys import Principal
 from services.common import claims

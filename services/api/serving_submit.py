@@ -51,7 +51,7 @@ from services.common.cache import CacheUnavailable
 from services.common.claims import RequestClaim
 from services.common.errors import OcrError
 from services.common.imaging import READ_FORMATS
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.results import cache_hit_event, result_document
 from services.common.splitting import DOCUMENT_FORMATS
 from services.common.telemetry import SpanKind

@@ -49,7 +49,7 @@ from prometheus_client import Counter, Histogram
 from schemas.events import CompletedEvent, now_ms
 from schemas.jobs import JobCompletedEvent
 from services.common.db import Database
-from services.common.events import loads
+from services.common.codec import loads
 from services.common.kafka import make_consumer
 from services.common.telemetry import Telemetry
 from services.api.callbacks import RESOLVE_TIMEOUT_S, CallbackRefused, check_callback

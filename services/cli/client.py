@@ -18,7 +18,7 @@ from schemas.lanes import Priority
 from schemas.jobs import JobEvent
 from schemas.tasks import TaskParams
 from services.common.errors import OcrError
-from services.common.events import dumps
+from services.common.codec import dumps
 
 from services.common.kafka import make_producer
 from services.common.s3 import ObjectStore

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from aiokafka import TopicPartition
 
 from schemas.events import CompletedEvent
-from services.common.events import loads
+from services.common.codec import loads
 from services.common.kafka import make_consumer, topic_partitions
 from services.common.settings import CommonSettings
 

@@ -51,7 +51,7 @@ MAX_RANGE = 10_000
 """Most offsets one ``in_progress`` range may count a death for (a batch holds at most
 ``max_batch`` records; the bound only guards against a corrupt or foreign value)."""
 
-ReadCommitted = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, OffsetAndMetadata]]]
+CommittedOffsetsReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, OffsetAndMetadata]]]
 """Reads the group's committed offsets with their metadata (an admin client's
 ``list_consumer_group_offsets`` bound to the group)."""
 
@@ -127,7 +127,7 @@ class DeathLedger:
         read_committed: Reads the group's committed offsets and metadata.
     """
 
-    def __init__(self, stage: str, poison_after: int, read_committed: ReadCommitted):
+    def __init__(self, stage: str, poison_after: int, read_committed: CommittedOffsetsReader):
         if poison_after < 1:
             raise ValueError("poison_after must be at least 1")
         self.stage = stage
@@ -235,8 +235,8 @@ def _runs_text(deaths: dict[int, int]) -> str:
     return encode(None, deaths) or "none"
 
 
-def admin_reader(admin, group_id: str) -> ReadCommitted:
-    """A :data:`ReadCommitted` over a started ``AIOKafkaAdminClient`` (its
+def admin_reader(admin, group_id: str) -> CommittedOffsetsReader:
+    """A :data:`CommittedOffsetsReader` over a started ``AIOKafkaAdminClient`` (its
     ``list_consumer_group_offsets``, OffsetFetch to the group's coordinator).
 
     The consumer's own coordinator could answer the same request, but only through aiokafka's

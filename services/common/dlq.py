@@ -12,7 +12,7 @@ from schemas.errors import ErrorCode
 from schemas.events import DlqEvent, ErrorInfo, RequestEvent, ResultEvent
 from schemas.ids import is_request_id
 from services.common.errors import OcrError
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.kafka import Outgoing
 from services.common.records import Record
 from schemas.topics import Topics

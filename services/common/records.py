@@ -2,7 +2,7 @@
 span the runner opened for it.
 
 The runner (:mod:`services.common.runner`) turns every fetched record into a :class:`Record` with
-:class:`Decoder`: the value is parsed into the event model the handler declared for its topic
+:class:`RecordParser`: the value is parsed into the event model the handler declared for its topic
 (:meth:`services.common.handler.Handler.consumes`); a value that does not parse keeps ``value``
 None and the parse error in ``error``, and goes to :meth:`Handler.undecodable` instead of
 :meth:`Handler.handle`. Each time a batch is handed to the handler, every record gets a fresh
@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 from opentelemetry import trace
 from pydantic import BaseModel
 
-from services.common.events import loads
+from services.common.codec import loads
 from services.common.telemetry import Span, SpanKind, StatusCode, Telemetry, record_attrs
 
 E = TypeVar("E")
@@ -153,12 +153,12 @@ class Record(Generic[E]):
         return replace(self, trace=RecordSpan(start))
 
 
-class Decoder:
+class RecordParser:
     """Turns consumed records into :class:`Record` values, parsing each value by its topic.
 
     Args:
         models: Topic -> the event model its values are parsed into
-            (:func:`services.common.events.loads`); a topic not named keeps its bytes as ``value``.
+            (:func:`services.common.codec.loads`); a topic not named keeps its bytes as ``value``.
     """
 
     def __init__(self, models: Mapping[str, type[BaseModel]]):

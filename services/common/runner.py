@@ -69,13 +69,13 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from schemas.errors import ErrorCode
-from services.common.deaths import DeathLedger, ReadCommitted
+from services.common.deaths import DeathLedger, CommittedOffsetsReader
 from services.common.errors import OcrError, is_transient
 from services.common.handler import Handler, poison_of
 from services.common.kafka import Outgoing
 from services.common.producing import BatchProducer
 from services.common.rebalance import Revocations
-from services.common.records import Decoder, Record
+from services.common.records import RecordParser, Record
 from services.common.retry import capped_backoff_s, retry_outages
 from services.common.telemetry import Telemetry
 
@@ -145,7 +145,7 @@ class StageRunner:
         dlq_topic: str = "ocr.dlq",
         size_limits: dict[str, int] | None = None,
         poison_after_deaths: int = 0,
-        read_committed: ReadCommitted | None = None,
+        read_committed: CommittedOffsetsReader | None = None,
         drain_on_revoke: bool = False,
         drain_timeout_s: float = 30.0,
     ):
@@ -163,7 +163,7 @@ class StageRunner:
         self._producing = BatchProducer(stage=stage, producer=producer, telemetry=telemetry,
                                         size_limits=self.size_limits, dlq_topic=dlq_topic, max_attempts=max_attempts,
                                         oversize=handler.oversize, delay=self._delay, on_retry=self._on_retry)
-        self._decode = Decoder(handler.consumes())
+        self._decode = RecordParser(handler.consumes())
         self._carry: list[Record] = []  # fetched, not yet handled (the batch being assembled, then the next)
         self._in_flight: list[Record] = []  # the batch being handled, produced and committed
         self._lost: set[TopicPartition] = set()  # partitions revoked since the batch in flight was taken

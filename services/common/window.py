@@ -53,7 +53,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from schemas.errors import ErrorCode
 from schemas.lanes import PRIORITIES
-from services.common.deaths import ReadCommitted
+from services.common.deaths import CommittedOffsetsReader
 from services.common.errors import OcrError
 from services.common.handler import WindowHandler, poison_of
 from services.common.progress import Fate, PartitionProgress, read_metadata
@@ -96,7 +96,7 @@ class WindowRunner(StageRunner):
                  handler: WindowHandler, telemetry: Telemetry, max_in_flight: int, interactive_reserve: int = 0,
                  max_attempts: int = 3, max_backoff_s: float = 10.0, dlq_topic: str = "ocr.dlq",
                  size_limits: dict[str, int] | None = None, poison_after_deaths: int = 0,
-                 read_committed: ReadCommitted | None = None, commit_interval_s: float = 0.1):
+                 read_committed: CommittedOffsetsReader | None = None, commit_interval_s: float = 0.1):
         if max_in_flight < 1 or not 0 <= interactive_reserve < max_in_flight:
             raise ValueError(f"need max_in_flight >= 1 and 0 <= interactive_reserve < max_in_flight, got "
                              f"{max_in_flight}, {interactive_reserve}")

@@ -17,7 +17,7 @@ from schemas.keys import purge_fence_key, result_object_key, split_cache_key
 from schemas.tasks import TASKS, TaskError
 from services.common.cache import CacheUnavailable, ResultCache
 from services.common.dlq import oversized_result, poison_messages
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.field_index import find_extractions
 from services.common.handler import Handler, Outgoing, Record, TopicPartition
 from services.common.results import cache_hit_event

@@ -27,7 +27,7 @@ from schemas.lanes import Priority
 from schemas.keys import CacheGeneration, split_cache_key
 from services.common.dlq import oversized_result, poison_messages
 from services.common.errors import OcrError
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.decoding import DecoderPool
 from services.common.handler import Outgoing, Record, WindowHandler
 from services.common.s3 import ObjectStore

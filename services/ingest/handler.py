@@ -21,7 +21,7 @@ from services.common.db import Database
 from services.common.decoding import DecoderPool
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
-from services.common.events import derived_request_id, dumps
+from services.common.codec import derived_request_id, dumps
 from services.common.handler import Handler, Outgoing, Record
 from services.common.s3 import ObjectStore, reference_problem
 from services.common.telemetry import Telemetry
@@ -45,7 +45,7 @@ class IngestHandler(Handler):
     Which id a final state goes under: the chosen ``request_id`` when this submission holds it
     (a new claim, or a retry of the same record or the same content); else -- no id, an invalid
     one, one another request holds -- the id derived from the record's offset
-    (:func:`~services.common.events.derived_request_id`), the message naming the id it asked for.
+    (:func:`~services.common.codec.derived_request_id`), the message naming the id it asked for.
     So a submission can never end, or take the result of, another request. A submission refused
     before its image was read claims its id without content (it has its final state under it).
 

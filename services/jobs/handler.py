@@ -12,7 +12,7 @@ from schemas.jobs import JobCompletedEvent, JobEvent, job_completion_event_id
 from services.common.db import Database
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.handler import Handler, Outgoing, Record
 from services.common.job_report import write_job_report
 from services.common.jobs import JobStore, is_page

@@ -24,7 +24,7 @@ from schemas.events import RequestEvent, ResultDocument
 from schemas.keys import result_object_key
 from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
 from services.common.db import Database
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.results import document_output
 from services.common.s3 import ObjectStore
 from services.sink.settings import SinkSettings

@@ -17,7 +17,7 @@ from schemas.events import DocumentPage, DocumentResult, ErrorInfo, Line, Page, 
 from schemas.keys import document_object_key
 from services.common import documents
 from services.common.db import Database
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.outputs import OutputLru
 from services.common.s3 import ObjectStore
 

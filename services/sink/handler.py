@@ -17,7 +17,7 @@ from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
 from services.common.db import Database
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
-from services.common.events import completion_event_id, dumps
+from services.common.codec import completion_event_id, dumps
 from services.common.field_index import forget_extraction, record_extraction
 from services.common.handler import Handler, Outgoing, Record
 from services.common.outputs import OutputLru

@@ -19,7 +19,7 @@ from schemas.ids import page_request_id
 from schemas.keys import image_object_key
 from services.common import documents
 from services.common.db import Database
-from services.common.events import completion_event_id, dumps
+from services.common.codec import completion_event_id, dumps
 from services.common.settings import CommonSettings
 from services.common.splitting import render_pages
 from services.sink.documents import _page_of, assemble

@@ -12,7 +12,7 @@ import uuid
 from schemas.jobs import JobCompletedEvent, JobEvent, JobProgress, job_completion_event_id
 from services.cli.client import Submitter
 from services.common.db import Database
-from services.common.events import loads
+from services.common.codec import loads
 from services.common.jobs import JobStore
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings

@@ -11,7 +11,7 @@ from aiokafka import TopicPartition
 
 from schemas.errors import ErrorCode
 from schemas.events import DlqEvent, RequestEvent, ResultEvent, SubmitEvent
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.kafka import make_consumer, make_producer
 from services.common.settings import CommonSettings
 from tests.conftest import text_image

@@ -20,7 +20,7 @@ from PIL import Image
 from schemas.events import SubmitEvent
 from schemas.keys import image_object_key
 from services.cli.client import Submitter
-from services.common.events import derived_request_id, dumps
+from services.common.codec import derived_request_id, dumps
 from services.common.settings import CommonSettings
 from tests.integration.conftest import API_ENV
 from tests.documents import make_pdf, page_image

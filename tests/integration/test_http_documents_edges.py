@@ -54,7 +54,7 @@ async def _kafka_page_id_refused(rid: str, data: bytes) -> None:
     await watcher.start()
     try:
         from schemas.events import SubmitEvent
-        from services.common.events import dumps
+        from services.common.codec import dumps
         from services.common.kafka import make_producer
 
         producer = make_producer(s.kafka, "test-page-ids")

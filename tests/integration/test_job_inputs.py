@@ -16,7 +16,7 @@ from schemas.events import CompletedEvent, ResultDocument
 from schemas.jobs import JobEvent
 from services.cli.client import Submitter
 from services.common.db import Database
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.jobs import JobStore
 from services.common.kafka import make_producer
 from services.common.settings import CommonSettings

@@ -24,7 +24,7 @@ from schemas.events import CompletedEvent, ResultDocument
 from schemas.jobs import JobCompletedEvent, JobEvent, JobProgress, job_completion_event_id
 from services.cli.client import Submitter
 from services.common.db import Database
-from services.common.events import completion_event_id, dumps, loads
+from services.common.codec import completion_event_id, dumps, loads
 from services.common.jobs import JobStore
 from services.common.kafka import make_producer
 from services.common.s3 import ObjectStore

@@ -23,7 +23,7 @@ from schemas.events import ResultDocument
 from schemas.jobs import JobCompletedEvent, JobEvent
 from services.cli.client import Submitter
 from services.common.db import Database
-from services.common.events import loads
+from services.common.codec import loads
 from services.common.jobs import JobStore
 from services.common.settings import CommonSettings
 from tests.conftest import text_image

@@ -143,7 +143,7 @@ async def test_dedup_refuses_an_unlisted_task_that_got_past_an_ingest_with_other
     from schemas.events import RequestEvent
     from schemas.keys import image_object_key
     from services.common.completions import CompletionWatcher
-    from services.common.events import dumps
+    from services.common.codec import dumps
     from services.common.kafka import make_producer
 
     s = CommonSettings()

@@ -11,7 +11,7 @@ from aiokafka.admin import NewTopic
 
 from schemas.events import Line, Page, RequestEvent, ResultEvent
 from services.common.dlq import oversized_result
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.kafka import (
     BROKER_DEFAULT_MESSAGE_BYTES,
     Outgoing,

@@ -20,7 +20,7 @@ from schemas.events import SubmitEvent
 from schemas.keys import image_object_key
 from services.cli.client import Submitter
 from services.common.errors import OcrError
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.s3 import upload_rule_id
 from services.common.settings import CommonSettings, Limits
 from tests.conftest import text_image

@@ -26,7 +26,7 @@ from aiokafka import TopicPartition
 from schemas.errors import ErrorCode
 from schemas.events import CompletedEvent, DlqEvent, Line, OcrOutput, Page, RequestEvent, ResultEvent
 from schemas.keys import request_output_key
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.kafka import make_consumer, make_producer
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings

@@ -17,7 +17,7 @@ import pytest
 
 from schemas.events import OcrOutput
 from services.common.kafka import make_consumer, make_producer
-from services.common.records import Decoder
+from services.common.records import RecordParser
 from services.common.s3 import ObjectStore
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
@@ -70,7 +70,7 @@ async def play_infer(n: int) -> None:
             for recs in (await consumer.getmany(timeout_ms=1000)).values():
                 records.extend(recs)
         handler = InferHandler(s, store, CutEngine(), Telemetry("infer", TelemetrySettings()))
-        decode = Decoder(handler.consumes())  # as the runner does
+        decode = RecordParser(handler.consumes())  # as the runner does
         for o in await handler.handle([decode(r) for r in records]):
             await producer.send_and_wait(o.topic, o.value, key=o.key.encode() if o.key else None, headers=o.headers)
     finally:

@@ -10,7 +10,7 @@ import pytest
 
 from schemas.events import CompletedEvent, ResultDocument
 from services.common.settings import CommonSettings
-from services.api.events import KEEPALIVE, EventStream, Watch, encode, progress
+from services.api.sse import KEEPALIVE, EventStream, Watch, encode, progress
 from services.api.hub import CompletionHub
 
 

@@ -17,7 +17,7 @@ from schemas.events import Line, ResultDocument
 from services.common.db import bound_document, cut_utf8
 from services.common.deaths import METADATA_MAX_BYTES, DeathLedger, decode, encode
 from services.common.kafka import Outgoing
-from services.common.records import Decoder, Record
+from services.common.records import RecordParser, Record
 from services.common.runner import Handler, StageRunner
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
@@ -27,7 +27,7 @@ TP = TopicPartition("t", 0)
 
 
 def rec(offset: int, tp: TopicPartition = TP) -> Record:
-    return Decoder({})(ConsumerRecord(topic=tp.topic, partition=tp.partition, offset=offset, timestamp=0,
+    return RecordParser({})(ConsumerRecord(topic=tp.topic, partition=tp.partition, offset=offset, timestamp=0,
                                       timestamp_type=0, key=None, value=b"v", checksum=None, serialized_key_size=0,
                                       serialized_value_size=1, headers=()))
 

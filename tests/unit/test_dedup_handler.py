@@ -11,8 +11,8 @@ from aiokafka import ConsumerRecord
 
 from schemas.events import RequestEvent, RequestLogEvent, SettledEvent
 from services.common.cache import CacheEntry, CacheUnavailable
-from services.common.events import dumps
-from services.common.records import Decoder
+from services.common.codec import dumps
+from services.common.records import RecordParser
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.dedup.handler import DedupHandler
@@ -50,7 +50,7 @@ def request(rid: str) -> RequestEvent:
     return RequestEvent(request_id=rid, content_sha256=SHA, image_uri=f"s3://b/images/{SHA}", size_bytes=10)
 
 
-DECODE = Decoder({S.topics.requests: RequestLogEvent})  # as DedupHandler.consumes
+DECODE = RecordParser({S.topics.requests: RequestLogEvent})  # as DedupHandler.consumes
 
 
 def record(topic: str, value: bytes, offset: int = 0):

@@ -15,8 +15,8 @@ from schemas.events import InferEvent, Line, OcrOutput, Page, RequestEvent, Resu
 from schemas.keys import cache_key, image_object_key
 from services.common.cache import CacheEntry, CacheUnavailable
 from services.common.errors import OcrError
-from services.common.events import dumps
-from services.common.records import Decoder
+from services.common.codec import dumps
+from services.common.records import RecordParser
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.dedup.handler import DedupHandler
@@ -107,7 +107,7 @@ def put_image(store: MemoryStore, data: bytes) -> RequestEvent:
 
 
 def handle(handler: DedupHandler, req: RequestEvent):
-    rec = Decoder(handler.consumes())(ConsumerRecord(handler.s.topics.requests, 0, 0, 0, 0, None, dumps(req), None, 0, 0, []))
+    rec = RecordParser(handler.consumes())(ConsumerRecord(handler.s.topics.requests, 0, 0, 0, 0, None, dumps(req), None, 0, 0, []))
     [out] = asyncio.run(handler.handle([rec]))
     return out.topic, orjson.loads(out.value)
 
@@ -125,7 +125,7 @@ def done(handler: DedupHandler, store: MemoryStore, cache: MemoryCache, req: Req
     cache.entries[key] = CacheEntry(f"s3://{BUCKET}/results/{req.content_sha256}.json", 1, len(text), 0)
     settled = SettledEvent(cache_key=key, content_sha256=req.content_sha256, request_id=req.request_id, status="ok",
                            result_uri=f"s3://{BUCKET}/results/{req.content_sha256}.json")
-    rec = Decoder(handler.consumes())(ConsumerRecord(settings.topics.requests, 0, 0, 0, 0, None, dumps(settled), None,
+    rec = RecordParser(handler.consumes())(ConsumerRecord(settings.topics.requests, 0, 0, 0, 0, None, dumps(settled), None,
                                                      0, 0, []))
     assert asyncio.run(handler.handle([rec])) == []  # nobody waited
 

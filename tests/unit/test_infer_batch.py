@@ -15,8 +15,8 @@ from PIL import Image
 from schemas.errors import ErrorCode
 from schemas.events import InferEvent, RequestEvent, ResultEvent
 from services.common.errors import OcrError
-from services.common.events import dumps
-from services.common.records import Decoder, Record
+from services.common.codec import dumps
+from services.common.records import RecordParser, Record
 from services.common.settings import Limits, TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.common.textlines import Segment
@@ -68,7 +68,7 @@ def png(w: int, h: int) -> bytes:
     return buf.getvalue()
 
 
-DECODE = Decoder({"ocr.infer": InferEvent})  # as InferHandler.consumes
+DECODE = RecordParser({"ocr.infer": InferEvent})  # as InferHandler.consumes
 
 
 def record(i: int, uri: str) -> Record:
@@ -349,7 +349,7 @@ def test_an_interactive_record_waits_for_pixels_only_behind_interactive_ones():
     def rec(i: int, topic: str) -> Record:
         ev = InferEvent(request=RequestEvent(request_id=f"r{i}", content_sha256=f"{i:064d}", image_uri=f"s3://b/{i}"),
                         cache_key=f"abcdefabcdef:{i:064d}")
-        return Decoder({topic: InferEvent})(ConsumerRecord(topic, 0, i, 0, 0, None, dumps(ev), None, 0, 0, []))
+        return RecordParser({topic: InferEvent})(ConsumerRecord(topic, 0, i, 0, 0, None, dumps(ev), None, 0, 0, []))
 
     async def main():
         handler = InferHandler(InferSettings(pixel_budget_mb=1), MemoryStore(objs), Recording(),

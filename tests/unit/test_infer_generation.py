@@ -9,8 +9,8 @@ from aiokafka import ConsumerRecord
 
 from schemas.events import InferEvent, RequestEvent, ResultEvent
 from schemas.keys import cache_key
-from services.common.events import dumps
-from services.common.records import Decoder
+from services.common.codec import dumps
+from services.common.records import RecordParser
 from services.common.settings import EngineIdentity, TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.infer.handler import InferHandler, generation_matches
@@ -36,7 +36,7 @@ def _results(settings: InferSettings, key_settings: InferSettings) -> tuple[list
     handler = InferHandler(settings, MemoryStore({"s3://b/i": png(300, 100)}), ScriptedEngine(), telemetry)
     ev = InferEvent(request=RequestEvent(request_id="r1", content_sha256=SHA, image_uri="s3://b/i"),
                     cache_key=cache_key(SHA, key_settings.generation("ocr")))
-    rec = Decoder(handler.consumes())(ConsumerRecord(settings.topics.infer, 0, 0, 0, 0, None, dumps(ev), None, 0, 0, []))
+    rec = RecordParser(handler.consumes())(ConsumerRecord(settings.topics.infer, 0, 0, 0, 0, None, dumps(ev), None, 0, 0, []))
     out = asyncio.run(handler.handle([rec]))
     return [ResultEvent.model_validate(orjson.loads(o.value)) for o in out], telemetry
 

@@ -9,8 +9,8 @@ from aiokafka import ConsumerRecord
 from schemas.errors import ErrorCode
 from schemas.events import SubmitEvent
 from services.common.errors import OcrError
-from services.common.events import derived_request_id, dumps
-from services.common.records import Decoder
+from services.common.codec import derived_request_id, dumps
+from services.common.records import RecordParser
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.ingest.handler import IngestHandler
@@ -21,7 +21,7 @@ S = IngestSettings()
 
 def poisoned(value: bytes, key: bytes | None) -> list:
     h = IngestHandler(S, None, Telemetry("ingest", TelemetrySettings()), None)  # type: ignore[arg-type]
-    record = Decoder(h.consumes())(ConsumerRecord(S.topics.submit, 2, 417, 0, 0, key, value, None, len(key or b""),
+    record = RecordParser(h.consumes())(ConsumerRecord(S.topics.submit, 2, 417, 0, 0, key, value, None, len(key or b""),
                                                   len(value), []))
     return h.poison(record, OcrError(ErrorCode.MISSING_OBJECT, "s3://b/gone.png: no such key"), attempts=3)
 

@@ -108,9 +108,9 @@ from aiokafka import ConsumerRecord  # noqa: E402
 
 from schemas.events import CompletedEvent  # noqa: E402
 from schemas.jobs import JobCompletedEvent, JobSummary  # noqa: E402
-from services.common.events import dumps  # noqa: E402
+from services.common.codec import dumps  # noqa: E402
 from services.common.jobs import is_page  # noqa: E402
-from services.common.records import Decoder  # noqa: E402
+from services.common.records import RecordParser  # noqa: E402
 from services.jobs.handler import JobsHandler  # noqa: E402
 from services.jobs.settings import JobsSettings  # noqa: E402
 
@@ -167,7 +167,7 @@ async def _report(db, store, job):
 
 
 def _records(values: list[tuple[str, bytes]]):
-    dec = Decoder({JS.topics.jobs: JobEvent, JS.topics.completed: CompletedEvent})
+    dec = RecordParser({JS.topics.jobs: JobEvent, JS.topics.completed: CompletedEvent})
     return [dec(ConsumerRecord(t, 0, i, 0, 0, None, v, None, 0, 0, [])) for i, (t, v) in enumerate(values)]
 
 

@@ -12,9 +12,9 @@ from aiokafka import ConsumerRecord
 from schemas.errors import ErrorCode
 from schemas.events import DlqEvent, Line, Page, RequestEvent, ResultEvent
 from services.common.dlq import oversized_result
-from services.common.events import dumps
+from services.common.codec import dumps
 from services.common.kafka import Outgoing
-from services.common.records import Decoder, Record
+from services.common.records import RecordParser, Record
 from services.common.runner import Handler, StageRunner
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
@@ -57,15 +57,15 @@ def runner_for(handler: Handler, telemetry: Telemetry | None = None) -> StageRun
 
 def test_a_record_is_decoded_by_its_topic_and_keeps_what_it_was_consumed_as():
     req = RequestEvent(request_id="r1")
-    rec = Decoder({"t": RequestEvent})(consumed("t", 5, dumps(req), UPSTREAM))
+    rec = RecordParser({"t": RequestEvent})(consumed("t", 5, dumps(req), UPSTREAM))
     assert rec.value == req and rec.error is None and rec.raw == dumps(req) and rec.size_bytes == len(dumps(req))
     assert (rec.topic, rec.partition, rec.offset, rec.timestamp_ms) == ("t", 0, 5, 1_000)
     assert rec.key == "k\ufffd" and rec.raw_key == b"k\xff" and rec.headers == tuple(UPSTREAM)
-    bad = Decoder({"t": RequestEvent})(consumed("t", 6, b"not json"))
+    bad = RecordParser({"t": RequestEvent})(consumed("t", 6, b"not json"))
     assert bad.value is None and isinstance(bad.error, orjson.JSONDecodeError) and bad.raw == b"not json"
-    none = Decoder({"t": RequestEvent})(consumed("t", 7, None))
+    none = RecordParser({"t": RequestEvent})(consumed("t", 7, None))
     assert none.value is None and str(none.error) == "record has no value"
-    raw = Decoder({"t": RequestEvent})(consumed("other", 8, b"\x00bytes"))
+    raw = RecordParser({"t": RequestEvent})(consumed("other", 8, b"\x00bytes"))
     assert raw.value == b"\x00bytes" and raw.error is None  # a topic without a model: its bytes
 
 

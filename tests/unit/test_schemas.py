@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from schemas import generate
 from schemas.errors import ErrorCode
 from schemas.events import ALL_EVENTS, CompletedEvent, Line, RequestEvent, ResultDocument, ResultEvent, SubmitEvent
-from services.common.events import completion_event_id, derived_request_id, dumps, loads
+from services.common.codec import completion_event_id, derived_request_id, dumps, loads
 
 
 def test_jsonschema_files_match_models():

@@ -9,8 +9,8 @@ import orjson
 from aiokafka import ConsumerRecord
 
 from schemas.events import Line, Page, RequestEvent, ResultEvent, SettledEvent
-from services.common.events import dumps
-from services.common.records import Decoder, Record
+from services.common.codec import dumps
+from services.common.records import RecordParser, Record
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.sink.handler import SinkHandler
@@ -37,7 +37,7 @@ class MemoryDb:
 
 
 def record(topic: str, value: bytes) -> Record:
-    return Decoder({S.topics.results: ResultEvent})(ConsumerRecord(topic, 0, 7, 0, 0, None, value, None, 0, 0, []))
+    return RecordParser({S.topics.results: ResultEvent})(ConsumerRecord(topic, 0, 7, 0, 0, None, value, None, 0, 0, []))
 
 
 def test_a_computed_result_sent_to_the_dlq_still_settles_its_key_with_an_error():
