@@ -291,9 +291,11 @@ def test_health_and_metrics(api):
 
 
 def _requests_with_id(rid: str) -> int:
-    """How many RequestEvents for ``rid`` are on this namespace's ``ocr.requests`` (read from the start)."""
+    """How many RequestEvents for ``rid`` are on this namespace's ``ocr.requests`` (read from the start;
+    the settlements the sink writes there are not counted)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
+    from services.common.kafka import topic_partitions
     from services.common.settings import CommonSettings
 
     async def count() -> int:
@@ -303,15 +305,16 @@ def _requests_with_id(rid: str) -> int:
         try:
             tps = [TopicPartition(s.topics.requests, p) for p in c.partitions_for_topic(s.topics.requests) or []]
             if not tps:
-                await c._client.force_metadata_update()
-                tps = [TopicPartition(s.topics.requests, p) for p in c.partitions_for_topic(s.topics.requests)]
+                tps = [TopicPartition(s.topics.requests, p)
+                       for p in await topic_partitions(s.kafka, s.topics.requests, "ocrstream-test")]
             c.assign(tps)
             await c.seek_to_beginning(*tps)
             ends = await c.end_offsets(tps)
             n = 0
             while any(pos < ends[tp] for tp, pos in zip(tps, [await c.position(tp) for tp in tps])):
                 for recs in (await c.getmany(timeout_ms=1000)).values():
-                    n += sum(1 for r in recs if f'"request_id":"{rid}"'.encode() in r.value)
+                    n += sum(1 for r in recs if f'"request_id":"{rid}"'.encode() in r.value
+                             and b'"schema":"ocr.request.v1"' in r.value)  # not the key's settlement
             return n
         finally:
             await c.stop()
