@@ -591,7 +591,6 @@ class DlqEvent(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
-#: Every wire model, by schema name (used by the JSON Schema generator and the drift test).
 def _request_log_tag(value: object) -> str:
     """The ``schema`` of a record of ``ocr.requests``; a record that names none is a settlement when
     it has a ``cache_key`` (which a request never has), else a request."""
@@ -605,10 +604,12 @@ class RequestLogEvent(RootModel[Annotated[
         Discriminator(_request_log_tag)]]):
     """A record of ``ocr.requests``: a request (``ocr.request.v1``, from ingest or the HTTP door) or
     a cache key's settlement (``ocr.settled.v1``, from the sink), told apart by ``schema`` (a
-    record without one: by its ``cache_key``, which only a settlement has). Both are keyed by content SHA-256: one log per key, read by
-    dedup in order (docs/single-flight.md). ``root`` is the event."""
+    record without one: by its ``cache_key``, which only a settlement has). Both are keyed by
+    content SHA-256: one log per key, read by dedup in order (docs/single-flight.md). ``root`` is
+    the event."""
 
 
+#: Every wire model, by schema name (used by the JSON Schema generator and the drift test).
 ALL_EVENTS: dict[str, type[BaseModel]] = {
     "ocr.submit.v1": SubmitEvent,
     "ocr.request.v1": RequestEvent,

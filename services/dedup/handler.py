@@ -44,12 +44,14 @@ first S3 call of a fresh process may take a second on a loaded machine)."""
 
 def _is_settlement(record: Record) -> bool:
     """Whether a record of ``ocr.requests`` is a settlement: decoded as one, or, undecodable, its
-    JSON names ``ocr.settled.v1`` as its schema."""
+    JSON names ``ocr.settled.v1`` as its schema (or names none and has a ``cache_key``, as
+    :class:`~schemas.events.RequestLogEvent` reads it)."""
     value = record.value.root if isinstance(record.value, RequestLogEvent) else record.value
     if isinstance(value, SettledEvent):
         return True
     try:
-        return orjson.loads(record.raw).get("schema") == "ocr.settled.v1"
+        v = orjson.loads(record.raw)
+        return v.get("schema") == "ocr.settled.v1" or (not v.get("schema") and "cache_key" in v)
     except Exception:  # noqa: BLE001 - not JSON, or not an object: not a settlement we can end
         return False
 
