@@ -395,7 +395,9 @@ def _join_row(row: list[Segment]) -> str:
     Where two neighbouring detections overlap horizontally, the detector often read the
     overlapped characters twice ("QTY 1" + "12 PCS"); the repeated characters are dropped
     from the left segment when its last characters equal the right segment's first ones
-    (at most as many as the overlap is wide, estimated from the left segment's character width).
+    (at most as many as the overlap is wide, estimated from the left segment's character width:
+    k characters only where the overlap is at least k - 1/2 of them, so two words whose boxes
+    touch, "AFTER" + "REFUSED" 1 px apart, keep their letters).
     """
     parts = [row[0].text.strip()]
     for a, b in zip(row, row[1:]):
@@ -404,7 +406,7 @@ def _join_row(row: list[Segment]) -> str:
         left = parts[-1]
         if overlap > 0 and left:
             char_w = max(1.0, (a.right - a.left) / len(left))
-            most = min(len(left) - 1, len(text_b), round(overlap / char_w) + 1)
+            most = min(len(left) - 1, len(text_b), int(overlap / char_w + 0.5))
             for k in range(most, 0, -1):
                 if left[-k:] == text_b[:k]:
                     parts[-1] = left[:-k].rstrip()

@@ -136,7 +136,7 @@ class MemoryChangelog:
 def test_a_poisoned_settlement_on_the_last_attempt_answers_the_copies_kept_in_the_changelog_too():
     """Past ``max_waiters`` copies wait in the changelog only; a settlement that cannot be applied
     (sent to the DLQ) on the holder's last attempt ends every copy, those read back included."""
-    s = DedupSettings(max_waiters=1, max_attempts=1)
+    s = S.model_copy(update={"max_waiters": 1, "max_attempts": 1})  # the topics record() decodes
     changelog = MemoryChangelog()
     h = DedupHandler(s, CountingCache(down=True), Telemetry("dedup", TelemetrySettings()), changelog=changelog)
     out = asyncio.run(h.handle([record(s.topics.requests, dumps(request(f"r{i}")), i) for i in range(4)]))

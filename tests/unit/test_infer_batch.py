@@ -364,11 +364,12 @@ def test_an_interactive_record_waits_for_pixels_only_behind_interactive_ones():
                     await asyncio.sleep(0.01)
                 raise AssertionError("timed out")
 
-            first = asyncio.ensure_future(handler.handle_record(rec(0, "ocr.infer")))  # holds the whole budget
+            topics = handler.s.topics  # the lane is read from the topic's name, as the settings give it
+            first = asyncio.ensure_future(handler.handle_record(rec(0, topics.infer)))  # holds the whole budget
             await until(lambda: budget.used > 0)
-            bulk = [asyncio.ensure_future(handler.handle_record(rec(i, "ocr.infer"))) for i in (1, 2)]
+            bulk = [asyncio.ensure_future(handler.handle_record(rec(i, topics.infer))) for i in (1, 2)]
             await until(lambda: budget.waiting == 2)
-            urgent = asyncio.ensure_future(handler.handle_record(rec(3, "ocr.infer-interactive")))
+            urgent = asyncio.ensure_future(handler.handle_record(rec(3, topics.infer_interactive)))
             await until(lambda: budget.waiting == 3)
             release.set()
             await asyncio.wait_for(asyncio.gather(first, urgent, *bulk), 120)

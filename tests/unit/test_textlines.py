@@ -28,6 +28,14 @@ def test_characters_read_twice_in_overlapping_detections_are_dropped():
     assert [l.text for l in lines] == ["AB 1 12"]
 
 
+def test_words_whose_boxes_touch_keep_a_letter_the_next_word_starts_with():
+    # PP-OCRv6 on a printed "AFTER REFUSED 886572": the boxes share 1 px, and the R ending AFTER
+    # is not the R starting REFUSED read twice (a sliver of a character, not a character)
+    lines = group_lines([seg(34, 19, 189, 66, "AFTER"), seg(188, 17, 417, 67, "REFUSED"),
+                         seg(411, 17, 592, 67, "886572")])
+    assert [l.text for l in lines] == ["AFTER REFUSED 886572"]
+
+
 def test_rows_that_barely_touch_stay_apart():
     lines = group_lines([seg(0, 0, 100, 40, "A"), seg(0, 35, 100, 75, "B")])
     assert [l.text for l in lines] == ["A", "B"]

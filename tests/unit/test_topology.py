@@ -40,8 +40,9 @@ def test_the_table_names_every_topic_once():
     ("infer", InferHandler, InferSettings), ("sink", SinkHandler, SinkSettings),
     ("jobs", JobsHandler, JobsSettings)])
 def test_each_handler_consumes_what_the_table_says(stage, handler, settings):
-    t = Topics()
-    consumed = set(handler.consumes(SimpleNamespace(s=settings())))  # consumes() reads self.s only
+    s = settings()
+    t = s.topics
+    consumed = set(handler.consumes(SimpleNamespace(s=s)))  # consumes() reads self.s only
     # a state changelog is read by its owner partition for partition on assignment, not by the group
     assert consumed == {getattr(t, f) for f in _names(stage, "consumers")} - set(t.compacted())
 
