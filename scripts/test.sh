@@ -11,4 +11,16 @@ bash scripts/helm-check.sh
 bash deploy/local/up.sh
 # a missing stack or helm fails the run here instead of skipping (tests/stack.py strict_run)
 export OCRSTREAM_TEST_STRICT=1
-exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
+PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider)
+if [ $# -gt 0 ]; then exec "${PYTEST[@]}" "$@"; fi  # what you asked for, in one process
+# The whole run, in two phases (docs/contributing.md#the-whole-run):
+# 1. every test but those marked `exclusive`, on OCRSTREAM_TEST_WORKERS processes (pytest-xdist);
+#    a module stays on one worker (--dist loadfile), so its pipeline and fixtures are made once;
+#    each worker's session has its own namespace (topics, groups, Redis prefix, bucket);
+# 2. the `exclusive` tests, which stop or freeze a service of the shared stack, alone.
+start=$SECONDS
+rc=0
+"${PYTEST[@]}" -n "${OCRSTREAM_TEST_WORKERS:-2}" --dist loadfile -m "not exclusive" || rc=$?
+"${PYTEST[@]}" -m exclusive || rc=$((rc ? rc : $?))
+echo "scripts/test.sh: both phases of pytest in $((SECONDS - start)) s, exit $rc"
+exit $rc

@@ -15,6 +15,9 @@ from services.common.settings import CommonSettings
 from tests.fault.conftest import reads_as, db_count, distinct_images, stack
 from tests.stack import REPO, metric_value
 
+#: Each test stops or freezes a service every other test's stages use: scripts/test.sh runs them alone.
+pytestmark = pytest.mark.exclusive
+
 
 @pytest.mark.parametrize("service", ["redis", "s3", "mariadb", "kafka"])
 async def test_outage_mid_run_loses_nothing(fault_pipeline, service):
