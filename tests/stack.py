@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 from schemas.events import ResultDocument
 from schemas.topics import Topics
 from services.cli.client import Submitter
-from services.common.completions import CompletionWatcher
+from services.common.results.completions import CompletionWatcher
 from services.common.settings import CommonSettings
 
 REPO = Path(__file__).resolve().parent.parent

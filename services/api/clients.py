@@ -22,11 +22,11 @@ from services.api.serving_webhooks import WebhookDispatcher
 from services.api.settings import ApiSettings
 from services.api.uploads import UploadGate
 from services.common.app import kafka_reachable
-from services.common.cache import ResultCache
+from services.common.cache.entries import ResultCache
 from services.common.db import Database
-from services.common.decoding import DecoderPool
+from services.common.images.decoding import DecoderPool
 from services.common.kafka import make_producer
-from services.common.outputs import OutputLru
+from services.common.cache.outputs import OutputLru
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Telemetry
 

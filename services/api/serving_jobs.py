@@ -29,8 +29,8 @@ from services.api.protocol import JobClose, JobCreate, JobCreated
 from services.api.serving_keys import Principal
 from services.api.serving_webhooks import validate_callback_url
 from services.common.codec import dumps
-from services.common.job_report import write_rows
-from services.common.jobs import REPORT_SQL, JobRow, JobStore
+from services.common.jobs.report import write_rows
+from services.common.jobs.store import REPORT_SQL, JobRow, JobStore
 
 #: Seconds between two reads of a followed job's progress (``GET /v1/jobs/{id}/events``).
 EVENTS_POLL_S = 0.5

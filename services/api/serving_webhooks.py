@@ -54,7 +54,7 @@ from services.common.kafka import make_consumer
 from services.common.telemetry import Telemetry
 from services.api.callbacks import RESOLVE_TIMEOUT_S, CallbackRefused, check_callback
 from services.api.errors import ApiError
-from services.common.api_keys import KeyStore
+from services.common.keys.api_keys import KeyStore
 from services.api.signing import ATTEMPT_HEADER, sign, verify_signature
 from services.api.webhook_store import Claimed, NewDelivery, WebhookStore
 
@@ -122,7 +122,7 @@ class WebhookDispatcher:
         db: The MariaDB pool (deliveries and attempts; API keys' secrets).
         telemetry: The process's telemetry; metrics go to its registry.
         secret_of: Returns an API key's webhook secret (or None when the key is unknown),
-            sync or async. Defaults to :meth:`services.common.api_keys.KeyStore.secret_of`
+            sync or async. Defaults to :meth:`services.common.keys.api_keys.KeyStore.secret_of`
             (``api_keys.webhook_secret``, read on every attempt: a rotated secret applies at once).
     """
 

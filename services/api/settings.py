@@ -91,7 +91,7 @@ class ApiSettings(CommonSettings):
     http_result_lru_entries: int = Field(default=4_096, ge=0, description="result documents kept in memory for cached answers")
     http_result_lru_bytes: int = Field(
         default=8 * 1024 * 1024, ge=0,
-        description="bound on their JSON size, bytes (in memory ~8x: services/common/outputs.py); 0 = entries only",
+        description="bound on their JSON size, bytes (in memory ~8x: services/common/cache/outputs.py); 0 = entries only",
     )
     http_fast_path: bool = Field(
         default=True,

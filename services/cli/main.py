@@ -78,7 +78,7 @@ def init() -> None:
         console.print(f"mariadb: {'applied ' + ', '.join(applied) if applied else 'schema up to date'}")
         from redis.exceptions import RedisError
 
-        from services.common.cache import ResultCache
+        from services.common.cache.entries import ResultCache
 
         cache = ResultCache(s.redis.model_copy(update={"timeout_ms": max(s.redis.timeout_ms, 5000)}))
         try:
@@ -161,7 +161,7 @@ def submit(
     file was over the size limit (not sent); 2 a refused option, a missing path or no file.
     """
     from services.cli.client import Submitter
-    from services.common.completions import CompletionWatcher
+    from services.common.results.completions import CompletionWatcher
 
     s = load_settings(CommonSettings)
     for name, value in (("--task", task), ("--source", source)):
@@ -485,7 +485,7 @@ def cache_purge(
     from redis.exceptions import RedisError
 
     from schemas.keys import purge_fence_key
-    from services.common.cache import ResultCache
+    from services.common.cache.entries import ResultCache
     from services.common.s3 import ObjectStore
 
     if not model and not generation:
@@ -529,7 +529,7 @@ def cache_purge(
 
 def _key_store():
     from services.common.db import Database
-    from services.common.api_keys import KeyStore
+    from services.common.keys.api_keys import KeyStore
 
     return KeyStore(Database(load_settings(CommonSettings).mysql, pool_size=1))
 

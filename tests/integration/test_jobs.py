@@ -24,7 +24,7 @@ from schemas.jobs import JobCompletedEvent, JobEvent
 from services.cli.client import Submitter
 from services.common.db import Database
 from services.common.codec import loads
-from services.common.jobs import JobStore
+from services.common.jobs.store import JobStore
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
 from tests.integration.test_web_page import browser  # noqa: F401 - the headless Chromium fixture
