@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 STAGES = ("ingest", "dedup", "infer", "sink")
 API = "api"  # the HTTP front door: ``Pipeline.start(API)``
 JOBS = "jobs"  # the jobs stage: ``Pipeline.start(JOBS)`` (tests of jobs start it; docs/jobs.md)
+WEBHOOKS = "webhooks"  # the webhooks stage: started with the session's door (tests/integration/conftest.py)
 
 
 def free_port() -> int:

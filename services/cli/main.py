@@ -34,7 +34,7 @@ app.add_typer(job_app, name="job")
 console = Console(soft_wrap=True)  # OCR text lines are printed whole, also into a file or pipe (not cut at 80 columns)
 err = Console(stderr=True)
 
-STAGES = ("ingest", "dedup", "infer", "sink", "jobs")
+STAGES = ("ingest", "dedup", "infer", "sink", "jobs", "webhooks")
 
 
 @app.command()
@@ -395,7 +395,7 @@ def run(
     only: Optional[list[str]] = typer.Option(None, help="Start only this stage (repeat it for more: --only ingest "
                                              "--only sink)."),
 ) -> None:
-    """Run the stages (ingest, dedup, infer, sink, jobs) as separate processes in this terminal.
+    """Run the stages (ingest, dedup, infer, sink, jobs, webhooks) as separate processes in this terminal.
 
     Ctrl-C stops them cleanly; when one stage exits, the others are stopped too.
     """
