@@ -5,6 +5,7 @@ consume-handle-produce-commit runner and its window, records, producing, retry, 
 telemetry and errors. Every stage uses it; it imports no concept and no stage.
 
 One subpackage per concept, owning that concept's code wherever a stage uses it: :mod:`.cache`,
-:mod:`.documents`, :mod:`.images`, :mod:`.jobs`, :mod:`.keys`, :mod:`.requests`, :mod:`.results`.
+:mod:`.documents`, :mod:`.images`, :mod:`.jobs`, :mod:`.keys`, :mod:`.requests`, :mod:`.results`,
+:mod:`.webhooks`.
 A concept imports the core and other concepts, never a stage (an import-linter contract).
 """
