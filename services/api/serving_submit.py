@@ -208,7 +208,7 @@ class SubmitService:
             limit = None
         if opts.callback_url:  # URL checks, then webhooks enabled here, then a secret to sign with
             await validate_callback_url(opts.callback_url, self.s, principal.key_id,
-                                        enabled=self.c.webhooks is not None)
+                                        enabled=self.s.webhook_enabled)
         # the door's own ids are random (UUID4, 122 bits), not claimed (but a document's, _send_document): no
         # other request can know one in advance
         rid = opts.request_id or new_id()
