@@ -50,7 +50,7 @@ from pathlib import Path
 
 from bench.common import pct
 from services.cli.client import Submitter
-from services.common.completions import CompletionWatcher
+from services.common.results.completions import CompletionWatcher
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
 from tests.stack import Pipeline, free_port, namespace_env

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, PngImagePlugin
 
-from services.common.imaging import decode
+from services.common.images.imaging import decode
 from services.infer.engines.base import OCR
 
 SAMPLES = Path(__file__).resolve().parent.parent.parent / "shared" / "samples"

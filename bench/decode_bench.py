@@ -3,7 +3,7 @@
 For each kind of input (a small printed-text PNG as the infer bench uses, an A4 page at 200 dpi as
 PNG and JPEG, a 4-page TIFF, a one-page PDF), the same bytes are decoded ``--n`` times, alternating:
 
-* ``in-process``: :func:`services.common.imaging.decode` (what infer did before: a thread of the
+* ``in-process``: :func:`services.common.images.imaging.decode` (what infer did before: a thread of the
   stage, unbounded);
 * ``worker``: :meth:`DecoderPool.plan` + :meth:`DecoderPool.decode` (format check and page sizes,
   then the pixels written by the decoder into a memfd the stage maps: no pickling, no copy
@@ -25,8 +25,8 @@ import time
 
 from PIL import Image
 
-from services.common.decoding import DecoderPool
-from services.common.imaging import decode
+from services.common.images.decoding import DecoderPool
+from services.common.images.imaging import decode
 from services.common.settings import DecodeSettings, Limits
 from tests.conftest import text_image
 

@@ -9,10 +9,10 @@ Per page and per engine model (``--models``, the first is the engine the bounds 
 ``PP-OCRv6-small``, then ``PP-OCRv4-ch``, the engine before it):
 
 * **pipeline**: the infer stage's own path, in process: decoding as the decoder processes do
-  it (:func:`services.common.imaging.iter_flattened`: EXIF, alpha flattening), tiling
+  it (:func:`services.common.images.imaging.iter_flattened`: EXIF, alpha flattening), tiling
   (:func:`services.infer.tiles.make_tiles` at the stage's ``tile_max_aspect`` and the engine's
   max side), the stage's RapidOCR adapter (:class:`RapidOcrEngine`, spaces restored), boxes
-  mapped back, lines assembled (:func:`services.common.textlines.group_lines`). The real
+  mapped back, lines assembled (:func:`services.infer.textlines.group_lines`). The real
   stack runs the same functions (``tests/integration/test_pipeline.py`` checks its results
   against the bounds written here).
 * **raw**: what a new user gets from the engine: the file opened with Pillow (EXIF applied,
@@ -22,7 +22,7 @@ Per page and per engine model (``--models``, the first is the engine the bounds 
 * **raw+lines**: the raw engine's segments assembled into lines by ocrstream's ``group_lines``.
 
 CER: Levenshtein distance over the reference length, case-folded and whitespace runs collapsed
-(:func:`services.common.textlines.cer`).
+(:func:`services.infer.textlines.cer`).
 
 ``--write`` stores, per sample, the first model's raw CER (the better of raw and raw+lines), the
 bound (that + ``--margin``), its pipeline's CER, and the raw mean; the pipeline test holds every
@@ -44,9 +44,9 @@ from pathlib import Path
 
 from PIL import Image, ImageOps
 
-from services.common import imaging
+from services.common.images import imaging
 from services.common.settings import ENGINE_MAX_SIDE, RAPIDOCR_MODELS
-from services.common.textlines import Segment, cer, group_lines
+from services.infer.textlines import Segment, cer, group_lines
 from services.infer.engines import rapid_models
 from services.infer.engines.rapid import RapidOcrEngine
 from services.infer.settings import InferSettings

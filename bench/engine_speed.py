@@ -70,7 +70,7 @@ def _worker(model: str, threads: int, items: list[tuple[str, bytes]], conn) -> N
     """One model in a fresh process: start the engine, read every page, send the measurements."""
     import asyncio
 
-    from services.common import imaging
+    from services.common.images import imaging
     from services.infer.engines.base import OCR
     from services.infer.engines.rapid import RapidOcrEngine
     from services.infer.tiles import make_tiles

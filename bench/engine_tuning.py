@@ -24,7 +24,7 @@ from services.infer.engines.base import OCR
 def _worker(paths: list[str], threads: int, model: str, start, ready, out) -> None:
     import asyncio
 
-    from services.common.imaging import decode
+    from services.common.images.imaging import decode
     from services.infer.engines.rapid import RapidOcrEngine
 
     async def run() -> None:

@@ -234,7 +234,7 @@ def _engine_worker(env: dict[str, str], images: list[bytes], conn) -> None:
     every page's tiles to the engine at once (its workers are the pool, no barrier)."""
     os.environ.update(env)
 
-    from services.common.imaging import decode
+    from services.common.images.imaging import decode
     from services.infer.main import build_engine
     from services.infer.settings import InferSettings
     from services.infer.tiles import make_tiles
@@ -383,7 +383,7 @@ class PipeRunner:
 
 async def _submit_and_wait(items: list[tuple[bytes, str]], timeout: float = 3600):
     from services.cli.client import Submitter
-    from services.common.completions import CompletionWatcher
+    from services.common.results.completions import CompletionWatcher
     from services.common.settings import CommonSettings
 
     s = CommonSettings()

@@ -20,7 +20,7 @@ Prints:
   RapidOCR workers) read just before the stages are stopped (processes that exited earlier, such
   as a recycled decoder, are not counted);
 * the report's generation: the job's report written again in a fresh process
-  (:func:`services.common.job_report.write_job_report`, the jobs stage's own code) with its
+  (:func:`services.common.jobs.report.write_job_report`, the jobs stage's own code) with its
   seconds and peak RSS (``VmHWM``; ``ru_maxrss`` would carry this process's peak across ``exec``).
 
 ``--det-limit`` sets the CPU engine's detector limit for the stages and the raw engine alike
@@ -49,7 +49,7 @@ from bench.common import raw_engine_rate
 from schemas.jobs import JobEvent
 from services.cli.client import Submitter
 from services.common.db import Database
-from services.common.jobs import JobStore
+from services.common.jobs.store import JobStore
 from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN, CommonSettings
 from services.infer.settings import InferSettings
 from tests.jobs import job_completions, job_items
@@ -60,8 +60,8 @@ STAGES = ("ingest", "dedup", "infer", "sink", JOBS)
 REPORT_SNIPPET = """
 import asyncio, sys, time
 from services.common.db import Database
-from services.common.job_report import write_job_report
-from services.common.jobs import JobStore
+from services.common.jobs.report import write_job_report
+from services.common.jobs.store import JobStore
 from services.common.s3 import ObjectStore
 from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN, CommonSettings
 

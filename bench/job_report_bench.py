@@ -1,7 +1,7 @@
 """A job's report at 1,000 and 10,000 rows: time and peak RSS of the jobs stage's report writer.
 
 Inserts synthetic ``job_requests`` rows (one job per size, ids ``bench-<hex>``, deleted at the
-end) into the local MariaDB, then runs :func:`services.common.job_report.write_job_report` (CSV,
+end) into the local MariaDB, then runs :func:`services.common.jobs.report.write_job_report` (CSV,
 JSONL, summary.json and the PNG chart, streamed from a server-side cursor into files, uploaded
 to the local S3 under a bucket of its own) in a fresh process per size, and prints each run's
 seconds, rows/s and the process's peak RSS, then the ratios 10k/1k: time about 10x and peak RSS
@@ -41,7 +41,7 @@ def _rows(job_id: str, n: int) -> list[tuple]:
 
 async def _setup(sizes: list[int]) -> dict[int, str]:
     from services.common.db import Database
-    from services.common.jobs import _REQUEST
+    from services.common.jobs.store import _REQUEST
     from services.common.settings import CommonSettings
 
     db = Database(CommonSettings().mysql, pool_size=1)
@@ -73,8 +73,8 @@ def _child(job_id: str) -> None:
 
     os.environ["OCRSTREAM_S3__BUCKET"] = BUCKET
     from services.common.db import Database
-    from services.common.job_report import write_job_report
-    from services.common.jobs import JobStore
+    from services.common.jobs.report import write_job_report
+    from services.common.jobs.store import JobStore
     from services.common.s3 import ObjectStore
     from services.common.settings import CommonSettings
 

@@ -1,7 +1,7 @@
 """Near-duplicate lookup: false hits on same-template documents, true hits on re-encodes/rescales.
 
 One run, two sets, judged exactly as dedup judges a candidate (pHash distance within
-``max_hamming``, then :func:`services.common.neardup.verify`):
+``max_hamming``, then :func:`services.common.cache.neardup.verify`):
 
 * **must never hit** (false-hit rate, must be 0): invoice-like pages drawn from one template
   (same layout, font and size) whose field values differ (one digit of one field, chosen among
@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from services.common.imaging import decode
-from services.common.neardup import hamming, phash64, verify
+from services.common.images.imaging import decode
+from services.common.cache.neardup import hamming, phash64, verify
 from services.dedup.settings import NearDupSettings
 
 SAMPLES = Path(__file__).resolve().parent.parent.parent / "shared" / "samples"

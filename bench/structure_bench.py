@@ -3,7 +3,7 @@
 Pages: every file of ``../shared/samples`` (FUNSD forms, SROIE receipts, two Chinese photos) and
 the generated order page of :func:`tests.pages.order_page` (a title, a paragraph, a ruled table).
 Each page goes the infer stage's way: decoded as the decoder does
-(:func:`services.common.imaging.iter_flattened`), cut by :func:`services.infer.tiles.make_tiles`
+(:func:`services.common.images.imaging.iter_flattened`), cut by :func:`services.infer.tiles.make_tiles`
 (``ocr``: the stage's ``tile_max_aspect``; the other tasks: whole, downscaled to the engine's max
 side), then :meth:`RapidOcrEngine._one` with one worker, each task in turn.
 
@@ -15,7 +15,7 @@ regions found (label counts); tables in the Markdown; the CER against the manife
 the ``ocr`` lines, of the Markdown's plain text and of the tables' plain text; and the CER of the
 Markdown's plain text against the ``ocr`` text (0 = the same characters: the Markdown lost or
 added nothing but its marks). Plain text: headings' ``#`` and backslash escapes removed, a table
-as its cells (a row a line), entities unescaped. CER: :func:`services.common.textlines.cer`
+as its cells (a row a line), entities unescaped. CER: :func:`services.infer.textlines.cer`
 (Levenshtein over the reference length, case-folded, whitespace collapsed), which is sensitive to
 order: text placed in another order than the true lines costs.
 
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common import imaging
-from services.common.textlines import cer, group_lines
+from services.common.images import imaging
+from services.infer.textlines import cer, group_lines
 from services.infer.engines.rapid import RapidOcrEngine
 from services.infer.settings import InferSettings
 from services.infer.tiles import make_tiles, map_back

@@ -91,7 +91,7 @@ from aiokafka import TopicPartition
 from schemas.jobs import JobEvent
 from services.cli.client import Submitter
 from services.common.db import Database
-from services.common.jobs import JobStore
+from services.common.jobs.store import JobStore
 from services.common.kafka import make_consumer
 from services.common.settings import CommonSettings
 

@@ -42,7 +42,7 @@ class Topics(BaseModel):
     """Job control events (``ocr.job.v1``: create, close), keyed by job id. Read by the jobs stage."""
     job_completed: str = "ocr.job-completed"
     """One completion per job (``ocr.job_completed.v1``), keyed by job id, from the jobs stage. For
-    downstream systems and the HTTP door's job webhooks."""
+    downstream systems and the webhooks stage (a job's ``webhook_url``)."""
 
     def all(self) -> list[str]:
         """Every topic name, in flow order."""
@@ -86,11 +86,11 @@ TOPOLOGY: tuple[TopicUse, ...] = (
     TopicUse("infer", "content SHA-256", ("dedup",), ("infer",)),
     TopicUse("results", "content SHA-256 (infer, dedup, api cache hits); request id (ingest, common)",
              ("infer", "dedup", "ingest", "api", "common"), ("sink",)),
-    TopicUse("completed", "request id", ("sink",), ("jobs", "api", "common", "downstream")),
-    TopicUse("dlq", "request id, else topic-partition-offset", ("common", "jobs"), ("operators",)),
+    TopicUse("completed", "request id", ("sink",), ("jobs", "webhooks", "api", "common", "downstream")),
+    TopicUse("dlq", "request id, else topic-partition-offset", ("common", "jobs", "webhooks"), ("operators",)),
     TopicUse("dedup_changelog", "a holder, waiter or settled record of a cache key", ("dedup",), ("dedup",)),
     TopicUse("jobs", "job id", ("upstream", "api", "cli"), ("jobs",)),
-    TopicUse("job_completed", "job id", ("jobs",), ("api", "downstream")),
+    TopicUse("job_completed", "job id", ("jobs",), ("webhooks", "downstream")),
 )
 
 

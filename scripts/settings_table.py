@@ -24,11 +24,12 @@ from services.api.settings import ApiSettings  # noqa: E402
 from services.ingest.settings import IngestSettings  # noqa: E402
 from services.sink.settings import SinkSettings  # noqa: E402
 from services.jobs.settings import JobsSettings  # noqa: E402
+from services.webhooks.settings import WebhooksSettings  # noqa: E402
 
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 DEFAULT_FILE = ROOT / "docs" / "configuration.md"
 STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings, "jobs": JobsSettings,
-          "the HTTP door (`python -m services.api`)": ApiSettings}
+          "webhooks": WebhooksSettings, "the HTTP door (`python -m services.api`)": ApiSettings}
 
 
 def _default(field) -> str:

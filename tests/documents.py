@@ -16,7 +16,7 @@ from PIL import Image
 from schemas.events import CompletedEvent
 from schemas.ids import page_request_id
 from services.cli.client import Submitter
-from services.common.completions import CompletionWatcher
+from services.common.results.completions import CompletionWatcher
 from services.common.kafka import make_consumer
 from services.common.settings import CommonSettings
 from tests.conftest import text_image

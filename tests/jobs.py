@@ -11,7 +11,7 @@ from aiokafka import TopicPartition
 
 from schemas.errors import ErrorCode
 from schemas.jobs import JobProgress
-from services.common.jobs import JobStore
+from services.common.jobs.store import JobStore
 from services.common.kafka import make_consumer
 from services.common.settings import CommonSettings
 from tests.conftest import CASES, text_image

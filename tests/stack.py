@@ -28,13 +28,14 @@ from urllib.parse import urlsplit
 from schemas.events import ResultDocument
 from schemas.topics import Topics
 from services.cli.client import Submitter
-from services.common.completions import CompletionWatcher
+from services.common.results.completions import CompletionWatcher
 from services.common.settings import CommonSettings
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("ingest", "dedup", "infer", "sink")
 API = "api"  # the HTTP front door: ``Pipeline.start(API)``
 JOBS = "jobs"  # the jobs stage: ``Pipeline.start(JOBS)`` (tests of jobs start it; docs/jobs.md)
+WEBHOOKS = "webhooks"  # the webhooks stage: started with the session's door (tests/integration/conftest.py)
 
 
 def free_port() -> int:
@@ -311,6 +312,15 @@ def env_applied(env: dict[str, str]):
                 os.environ[k] = v
 
 
+#: The CPU engine's detector limit of the namespaced (plumbing) pipelines: RapidOCR upscales an
+#: image's short side to this many pixels before detection, so a one-line test image (~110 px high)
+#: costs ~40x its pixels at the default 736 px. At 320 px the same 40 generated images (one to three
+#: printed lines each) were read exactly as at 736 px, at 0.19x the CPU (8.4 s against 43.6 s on
+#: this 2-core machine). The session pipeline, which runs the accuracy tests (the samples' CER, the
+#: generated pages' exact lines, ../shared/cases), keeps the default.
+PLUMBING_ENGINE = {"OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN": "320"}
+
+
 @contextlib.contextmanager
 def namespaced_pipeline(logdir: Path, extra_env: dict[str, str] | None = None, partitions: int = 4):
     """A running pipeline in a fresh namespace (topics created), with this process's environment
@@ -318,10 +328,11 @@ def namespaced_pipeline(logdir: Path, extra_env: dict[str, str] | None = None, p
 
     Args:
         logdir: Folder for the stage logs (created).
-        extra_env: Settings for these stages on top of the namespace (e.g. shorter timeouts).
+        extra_env: Settings for these stages on top of the namespace and :data:`PLUMBING_ENGINE`
+            (e.g. shorter timeouts).
         partitions: Partitions per topic.
     """
-    env = {**namespace_env(partitions=partitions), **(extra_env or {})}
+    env = {**namespace_env(partitions=partitions), **PLUMBING_ENGINE, **(extra_env or {})}
     with env_applied(env):
         subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
         logdir.mkdir(parents=True, exist_ok=True)

@@ -102,7 +102,7 @@ class MemoryStore:
 
 def fake_engine_class():
     from schemas.tasks import TASKS
-    from services.common.textlines import Segment
+    from services.infer.textlines import Segment
     from services.infer.engines.base import EngineOutput, OcrEngine
 
     class FakeEngine(OcrEngine):

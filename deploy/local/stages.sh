@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start or stop the ocrstream stages in the background (pidfiles and logs in the state dir).
-#   stages.sh start         start ingest, dedup, infer, sink, jobs (each reused if already running); wait until ready
+#   stages.sh start         start ingest, dedup, infer, sink, jobs, webhooks (each reused if already running); wait until ready
 #   stages.sh start --api   the same, plus the HTTP door (python -m services.api) on
 #                           http://127.0.0.1:${OCRSTREAM_HTTP_PORT:-8080} (also: OCRSTREAM_LOCAL_API=1)
 #   stages.sh stop          SIGTERM them and the door (each drains and commits), SIGKILL after 30 s
@@ -11,15 +11,15 @@ STATE_DIR="${OCRSTREAM_STATE_DIR:-$ROOT/.state}"
 PIDS="$STATE_DIR/pids"; LOGS="$STATE_DIR/logs"
 PY="$ROOT/.venv/bin/python"
 mkdir -p "$PIDS" "$LOGS"
-declare -A PORT=([ingest]=9310 [dedup]=9311 [infer]=9312 [sink]=9313 [jobs]=9314 [api]="${OCRSTREAM_HTTP_PORT:-8080}")
+declare -A PORT=([ingest]=9310 [dedup]=9311 [infer]=9312 [sink]=9313 [jobs]=9314 [webhooks]=9315 [api]="${OCRSTREAM_HTTP_PORT:-8080}")
 # the door serves /metrics, /healthz, /readyz on its HTTP port; the stages on their metrics port
 declare -A MODULE=([ingest]=services.ingest [dedup]=services.dedup [infer]=services.infer [sink]=services.sink [jobs]=services.jobs
-                   [api]=services.api)
+                   [webhooks]=services.webhooks [api]=services.api)
 declare -A PORT_VAR=([ingest]=OCRSTREAM_TELEMETRY__METRICS_PORT [dedup]=OCRSTREAM_TELEMETRY__METRICS_PORT
                      [infer]=OCRSTREAM_TELEMETRY__METRICS_PORT [sink]=OCRSTREAM_TELEMETRY__METRICS_PORT
-                     [jobs]=OCRSTREAM_TELEMETRY__METRICS_PORT
+                     [jobs]=OCRSTREAM_TELEMETRY__METRICS_PORT [webhooks]=OCRSTREAM_TELEMETRY__METRICS_PORT
                      [api]=OCRSTREAM_HTTP_PORT)
-NAMES=(ingest dedup infer sink jobs)
+NAMES=(ingest dedup infer sink jobs webhooks)
 if [[ "${2:-}" == "--api" || "${OCRSTREAM_LOCAL_API:-0}" == "1" ]]; then NAMES+=(api); fi
 alive() { [[ -f "$PIDS/stage-$1.pid" ]] && kill -0 "$(cat "$PIDS/stage-$1.pid")" 2>/dev/null; }
 
@@ -52,7 +52,7 @@ case "${1:-}" in
       echo "api: http://127.0.0.1:${PORT[api]}/ (web page), POST /v1/ocr, the API explorer at /docs (OpenAPI at /openapi.json)"
     fi ;;
   stop)
-    for st in api jobs sink infer dedup ingest; do
+    for st in api webhooks jobs sink infer dedup ingest; do
       if alive "$st"; then
         pid=$(cat "$PIDS/stage-$st.pid"); kill -TERM "$pid"
         for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
@@ -62,7 +62,7 @@ case "${1:-}" in
       rm -f "$PIDS/stage-$st.pid"
     done ;;
   status)
-    for st in ingest dedup infer sink jobs api; do
+    for st in ingest dedup infer sink jobs webhooks api; do
       if alive "$st"; then echo "$st: running (pid $(cat "$PIDS/stage-$st.pid"))"; else echo "$st: stopped"; fi
     done ;;
   *) echo "usage: $0 start [--api]|stop|status" >&2; exit 2 ;;

@@ -1,7 +1,7 @@
 """The HTTP door's clients and counters, made once per process and injected into the serving modules.
 
 :class:`Clients` holds Kafka producers, S3, Redis, MariaDB, the completion hub, the guard (keys
-and limits), webhook delivery, the upload gate and the decoder pool, with their lifecycle
+and limits), the upload gate and the decoder pool, with their lifecycle
 (:meth:`Clients.start`, :meth:`Clients.stop`, :meth:`Clients.begin_close`) and the door's
 Prometheus metrics. Kafka clients need the running loop: they are made in :meth:`Clients.start`.
 """
@@ -18,15 +18,14 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.api.hub import CompletionHub
 from services.api.protocol import Links
 from services.api.serving_keys import Guard
-from services.api.serving_webhooks import WebhookDispatcher
 from services.api.settings import ApiSettings
 from services.api.uploads import UploadGate
 from services.common.app import kafka_reachable
-from services.common.cache import ResultCache
+from services.common.cache.entries import ResultCache
 from services.common.db import Database
-from services.common.decoding import DecoderPool
+from services.common.images.decoding import DecoderPool
 from services.common.kafka import make_producer
-from services.common.outputs import OutputLru
+from services.common.cache.outputs import OutputLru
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Telemetry
 
@@ -100,7 +99,6 @@ class Clients:
         self.db = Database(s.mysql, pool_size=8, telemetry=self.telemetry)
         self.hub: CompletionHub | None = None
         self.guard = Guard(s, self.cache, self.db, self.telemetry)
-        self.webhooks = WebhookDispatcher(s, self.db, self.telemetry) if s.webhook_enabled else None
         self.outputs = OutputLru(self.store, s.http_result_lru_entries, s.http_result_lru_bytes)
         self.uploads = UploadGate(s.http_upload_budget_bytes, s.http_small_upload_budget_bytes, s.http_small_body_bytes,
                                   s.http_uploads_per_client, s.http_uploads_per_key)
@@ -135,7 +133,7 @@ class Clients:
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        """Connect Kafka (producers and completion reader), start probes and webhook delivery.
+        """Connect Kafka (producers and completion reader), start probes.
 
         Raises:
             aiokafka.errors.KafkaError: Kafka unreachable (the process exits; k8s restarts it).
@@ -152,8 +150,6 @@ class Clients:
         await self.decoder.start()
         self.telemetry.add_probe("kafka", lambda: kafka_reachable(self.s.kafka.bootstrap_servers))
         self.telemetry.add_probe("s3", self.store.ping)
-        if self.webhooks:
-            await self.webhooks.start()
         self.started.set()
         log.info("api: listening on http://%s:%d", self.s.http_host, self.s.http_port)
 
@@ -167,14 +163,12 @@ class Clients:
             self._loop.call_soon_threadsafe(self.closing.set)
 
     async def stop(self) -> None:
-        """Stop webhook delivery and the reader, flush the producers, close the pools.
+        """Stop the reader, flush the producers, close the pools.
 
         Cache hits already answered but not yet in the hit producer's buffer are awaited first
         (:meth:`CacheHits.drain`); each send ends within the producer's ``request_timeout_ms``.
         """
         self.started.clear()
-        if self.webhooks:
-            await self.webhooks.stop()
         await self.hub.stop()
         await self.hits.drain()
         await self.hits.producer.stop()  # flushes the cache hits still lingering

@@ -7,7 +7,7 @@ import logging
 from collections import defaultdict
 
 from schemas.events import CompletedEvent
-from services.common.completions import CompletionWatcher
+from services.common.results.completions import CompletionWatcher
 from services.common.codec import loads
 from services.common.settings import CommonSettings
 

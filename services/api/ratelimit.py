@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
+from services.common.cache.entries import CacheEntry, CacheUnavailable, ResultCache
 
 DAY_MS = 86_400_000
 

@@ -29,8 +29,8 @@ from services.api.protocol import JobClose, JobCreate, JobCreated
 from services.api.serving_keys import Principal
 from services.api.serving_webhooks import validate_callback_url
 from services.common.codec import dumps
-from services.common.job_report import write_rows
-from services.common.jobs import REPORT_SQL, JobRow, JobStore
+from services.common.jobs.report import write_rows
+from services.common.jobs.store import REPORT_SQL, JobRow, JobStore
 
 #: Seconds between two reads of a followed job's progress (``GET /v1/jobs/{id}/events``).
 EVENTS_POLL_S = 0.5
@@ -135,7 +135,7 @@ class JobService:
         params = job_task_params(self.c.s, body)
         if body.webhook_url:  # URL checks, webhooks enabled here, a secret to sign with: as for callback_url
             await validate_callback_url(body.webhook_url, self.c.s, principal.key_id,
-                                        enabled=self.c.webhooks is not None)
+                                        enabled=self.c.s.webhook_enabled)
         job_id = body.job_id or uuid.uuid4().hex
         await self._publish(JobEvent(action="create", job_id=job_id, name=body.name, task=body.task, task_params=params,
                                      webhook_url=body.webhook_url, api_key_id=principal.key_id))

@@ -32,7 +32,7 @@ from prometheus_client import Counter
 from starlette.requests import Request
 
 from services.api.errors import ApiError
-from services.common.api_keys import KeyStore, MalformedKey, parse_key
+from services.common.keys.api_keys import KeyStore, MalformedKey, parse_key
 from services.api.ratelimit import Decision, RateLimiter
 
 REALM = 'Bearer realm="ocrstream"'
@@ -111,7 +111,7 @@ class Guard:
         settings: :class:`~services.api.settings.ApiSettings` (``auth_required``,
             ``auth_cache_s``, the default ``rate_limit_per_s`` / ``rate_limit_burst`` /
             ``quota_per_day`` for keys that have none of their own).
-        cache: The door's :class:`~services.common.cache.ResultCache` (its Redis pool and
+        cache: The door's :class:`~services.common.cache.entries.ResultCache` (its Redis pool and
             time budget are shared by the rate limiter).
         db: The door's :class:`~services.common.db.Database` (table ``api_keys``).
         telemetry: Where ``ocrstream_auth_total`` and ``ocrstream_rate_limit_total`` are registered.

@@ -20,8 +20,8 @@ from services.api.errors import ApiError
 from services.api.sse import EventStream, Watch, progress
 from services.api.protocol import OcrResponse, finished
 from services.api.serving_keys import Principal
-from services.common import claims
-from services.common.cache import CacheUnavailable
+from services.common.requests import claims
+from services.common.cache.entries import CacheUnavailable
 
 #: What a request id is to a caller: the finished document, True (pending, or unknowable: Redis
 #: down), False (unknown), None (another API key's).
@@ -78,7 +78,7 @@ class ReadService:
     async def _unfinished(self, rid: str, principal: Principal) -> bool | None:
         """For an id with no result row: True if accepted (or unknowable: Redis down), False if
         unknown, None if another API key's. Redis's marker first; an id it does not know may
-        still be claimed (:mod:`services.common.claims`: chosen at the Kafka door, or the marker
+        still be claimed (:mod:`services.common.requests.claims`: chosen at the Kafka door, or the marker
         lost), which MariaDB says."""
         try:
             raw = await self.c.cache.accepted(rid)

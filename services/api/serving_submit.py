@@ -7,7 +7,7 @@ result; otherwise the image is checked from its header, stored once under its SH
 ``OCRSTREAM_HTTP_STREAM_PART_BYTES`` is not kept in memory: it streams to an S3 multipart upload
 under the staging prefix (and a spool file) while it is read and hashed, and becomes the content
 object only once it is known to be new and valid (:class:`~services.api.uploads.StagedBody`,
-:func:`~services.common.accept.accept_staged`).
+:func:`~services.common.images.accept.accept_staged`).
 
 A PDF or multi-page TIFF (``http_split_documents``) is checked against the document limits,
 stored, its id claimed, and handed to ingest on ``ocr.submit`` marked as the door's, to be split
@@ -45,15 +45,15 @@ from services.api.serving_keys import Limit, Principal
 from services.api.serving_read import ReadService
 from services.api.serving_webhooks import validate_callback_url
 from services.api.uploads import MULTIPART_OVERHEAD, Upload, expected_hold, read_raw
-from services.common import claims
-from services.common.accept import Accepted, accept_image, accept_staged
-from services.common.cache import CacheUnavailable
-from services.common.claims import RequestClaim
+from services.common.requests import claims
+from services.common.images.accept import Accepted, accept_image, accept_staged
+from services.common.cache.entries import CacheUnavailable
+from services.common.requests.claims import RequestClaim
 from services.common.errors import OcrError
-from services.common.imaging import READ_FORMATS
+from services.common.images.imaging import READ_FORMATS
 from services.common.codec import dumps
-from services.common.results import cache_hit_event, result_document
-from services.common.splitting import DOCUMENT_FORMATS
+from services.common.results.build import cache_hit_event, result_document
+from services.common.documents.splitting import DOCUMENT_FORMATS
 from services.common.telemetry import SpanKind
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class SubmitService:
             limit = None
         if opts.callback_url:  # URL checks, then webhooks enabled here, then a secret to sign with
             await validate_callback_url(opts.callback_url, self.s, principal.key_id,
-                                        enabled=self.c.webhooks is not None)
+                                        enabled=self.s.webhook_enabled)
         # the door's own ids are random (UUID4, 122 bits), not claimed (but a document's, _send_document): no
         # other request can know one in advance
         rid = opts.request_id or new_id()
@@ -231,7 +231,7 @@ class SubmitService:
 
     async def _claim_id(self, rid: str, principal: Principal, sha: str,
                         task: str) -> tuple[ResultDocument | bool, RequestClaim | None]:
-        """Claim a client-chosen id in MariaDB (:func:`services.common.claims.claim`, the rule
+        """Claim a client-chosen id in MariaDB (:func:`services.common.requests.claims.claim`, the rule
         both doors share): ``(False, claim)`` if this call took it (the caller releases it if the
         submission fails); ``(document, None)`` or ``(True, None)`` for a retry of a finished or a
         pending request (the same image, task and API key: a resend, or a twin sent at the same

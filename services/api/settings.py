@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pydantic import Field, SecretStr
+from pydantic import Field
 
-from services.common.settings import CommonSettings
+from services.common.webhooks.settings import CallbackSettings
 
 if TYPE_CHECKING:
     from services.api.uploads import BodyPace
 
 
-class ApiSettings(CommonSettings):
+class ApiSettings(CallbackSettings):
     """Settings of ``python -m services.api`` (the HTTP door; it reads no stage's settings).
 
     Off-by-default for local use: no API keys, no rate limits, CORS closed, webhooks only to
@@ -91,7 +91,7 @@ class ApiSettings(CommonSettings):
     http_result_lru_entries: int = Field(default=4_096, ge=0, description="result documents kept in memory for cached answers")
     http_result_lru_bytes: int = Field(
         default=8 * 1024 * 1024, ge=0,
-        description="bound on their JSON size, bytes (in memory ~8x: services/common/outputs.py); 0 = entries only",
+        description="bound on their JSON size, bytes (in memory ~8x: services/common/cache/outputs.py); 0 = entries only",
     )
     http_fast_path: bool = Field(
         default=True,
@@ -125,32 +125,8 @@ class ApiSettings(CommonSettings):
                     "share one Redis call; larger or chunked bodies are limited before a byte is read; 0 = always first",
     )
 
-    webhook_enabled: bool = Field(default=True, description="accept callback_url and deliver completions to callback URLs from this process "
-                                                                 "(false: a callback_url is refused with 400, as nothing here would deliver it)")
-    webhook_group_id: str = Field(default="ocrstream-webhooks", description="consumer group of the webhook dispatcher")
-    webhook_allowed_hosts: list[str] = Field(
-        default_factory=list, description="host names (fnmatch patterns) callbacks may go to; empty = none"
-    )
-    webhook_allow_private: bool = Field(
-        default=False, description="allow callbacks to loopback/private/link-local addresses (local testing only)"
-    )
-    webhook_secret: SecretStr | None = Field(
-        default=None, description="HMAC key for callbacks of requests made without an API key"
-    )
-    webhook_timeout_s: float = Field(default=10.0, gt=0, description="per-attempt timeout of a callback, s")
-    webhook_retry_for_s: float = Field(default=3_600.0, gt=0, description="how long a failing callback is retried, s")
-    webhook_backoff_base_s: float = Field(
-        default=1.0, gt=0, description="delay before the first retry of a callback, doubled per attempt (with jitter), s"
-    )
-    webhook_backoff_max_s: float = Field(default=300.0, gt=0, description="longest delay between callback attempts, s")
-    webhook_concurrency: int = Field(default=16, ge=1, description="callback attempts in flight at once per process")
-    webhook_poll_interval_s: float = Field(
-        default=1.0, gt=0, description="how often the delivery loop looks for due callbacks, s"
-    )
-    webhook_retention_days: float = Field(
-        default=7.0, ge=0, le=3650, description="delivered/failed callbacks (and their attempts) are deleted this long after creation; 0 = kept"
-    )
-    webhook_purge_interval_s: float = Field(default=3_600.0, gt=0, description="how often old callback rows are deleted, s")
+    webhook_enabled: bool = Field(default=True, description="accept callback_url (false: a callback_url is refused "
+                                                          "with 400; deliveries are the webhooks stage's)")
 
     def body_pace(self) -> "BodyPace":
         """How fast request bodies must arrive (:class:`~services.api.uploads.BodyPace`)."""

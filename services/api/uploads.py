@@ -444,7 +444,7 @@ class StagedBody:
 
     Whoever made it must call :meth:`discard` when the request ends, in every case: it aborts
     the multipart upload unless it was completed (by
-    :func:`services.common.accept.accept_staged`) or already aborted, so no parts are left.
+    :func:`services.common.images.accept.accept_staged`) or already aborted, so no parts are left.
 
     Args:
         store: The object store.

@@ -41,7 +41,7 @@ def progress_line(p: JobProgress) -> str:
 
 async def _read(job_id: str) -> JobProgress | None:
     from services.common.db import Database
-    from services.common.jobs import JobStore
+    from services.common.jobs.store import JobStore
 
     return await JobStore(Database(load_settings(CommonSettings).mysql, pool_size=1)).progress(job_id)
 
@@ -108,7 +108,7 @@ def _write_xlsx(rows, fields: list[str], path: Path) -> int:
     are text cells (:func:`xlsx_row`)."""
     from openpyxl import Workbook
 
-    from services.common.job_report import report_columns, write_rows
+    from services.common.jobs.report import report_columns, write_rows
 
     wb = Workbook(write_only=True)
     ws = wb.create_sheet("report")
@@ -132,8 +132,8 @@ def report(
     rows are streamed (a server-side cursor), never all in memory. Exit 2 when no job has this id.
     """
     from services.common.db import Database
-    from services.common.job_report import write_rows
-    from services.common.jobs import REPORT_SQL, JobStore
+    from services.common.jobs.report import write_rows
+    from services.common.jobs.store import REPORT_SQL, JobStore
 
     if fmt not in ("csv", "jsonl", "xlsx"):
         err.print(f"[red]error:[/red] --format must be csv, jsonl or xlsx, not {fmt!r}")

@@ -34,7 +34,7 @@ app.add_typer(job_app, name="job")
 console = Console(soft_wrap=True)  # OCR text lines are printed whole, also into a file or pipe (not cut at 80 columns)
 err = Console(stderr=True)
 
-STAGES = ("ingest", "dedup", "infer", "sink", "jobs")
+STAGES = ("ingest", "dedup", "infer", "sink", "jobs", "webhooks")
 
 
 @app.command()
@@ -78,7 +78,7 @@ def init() -> None:
         console.print(f"mariadb: {'applied ' + ', '.join(applied) if applied else 'schema up to date'}")
         from redis.exceptions import RedisError
 
-        from services.common.cache import ResultCache
+        from services.common.cache.entries import ResultCache
 
         cache = ResultCache(s.redis.model_copy(update={"timeout_ms": max(s.redis.timeout_ms, 5000)}))
         try:
@@ -161,7 +161,7 @@ def submit(
     file was over the size limit (not sent); 2 a refused option, a missing path or no file.
     """
     from services.cli.client import Submitter
-    from services.common.completions import CompletionWatcher
+    from services.common.results.completions import CompletionWatcher
 
     s = load_settings(CommonSettings)
     for name, value in (("--task", task), ("--source", source)):
@@ -395,7 +395,7 @@ def run(
     only: Optional[list[str]] = typer.Option(None, help="Start only this stage (repeat it for more: --only ingest "
                                              "--only sink)."),
 ) -> None:
-    """Run the stages (ingest, dedup, infer, sink, jobs) as separate processes in this terminal.
+    """Run the stages (ingest, dedup, infer, sink, jobs, webhooks) as separate processes in this terminal.
 
     Ctrl-C stops them cleanly; when one stage exits, the others are stopped too.
     """
@@ -485,7 +485,7 @@ def cache_purge(
     from redis.exceptions import RedisError
 
     from schemas.keys import purge_fence_key
-    from services.common.cache import ResultCache
+    from services.common.cache.entries import ResultCache
     from services.common.s3 import ObjectStore
 
     if not model and not generation:
@@ -529,7 +529,7 @@ def cache_purge(
 
 def _key_store():
     from services.common.db import Database
-    from services.common.api_keys import KeyStore
+    from services.common.keys.api_keys import KeyStore
 
     return KeyStore(Database(load_settings(CommonSettings).mysql, pool_size=1))
 

@@ -1,7 +1,7 @@
 """``ocrstream status``: one request's state, read as a person reads it or as one line of JSON.
 
 A final request is read from MariaDB (``requests.document_json``); one without a final state is
-told apart as pending or unknown by :mod:`services.common.acceptance`, the same rule as the HTTP
+told apart as pending or unknown by :mod:`services.common.requests.acceptance`, the same rule as the HTTP
 door's. The exit code says which (:data:`EXIT_CODES`, the table in ``docs/cli.md``).
 """
 
@@ -14,8 +14,8 @@ import pymysql
 from schemas.events import ResultDocument
 from services.cli.render import safe_text
 from services.cli.report import STAGES
-from services.common.acceptance import Accepted
-from services.common.documents import Progress
+from services.common.requests.acceptance import Accepted
+from services.common.documents.state import Progress
 from services.common.settings import CommonSettings
 from services.common.wording import plural
 
@@ -62,15 +62,15 @@ class Lookup:
 
 async def look_up(s: CommonSettings, request_id: str) -> Lookup:
     """Read ``request_id``'s state: its final document (MariaDB), else whether it was accepted
-    (:func:`services.common.acceptance.accepted`: Redis, then MariaDB), else whether it is a job.
+    (:func:`services.common.requests.acceptance.accepted`: Redis, then MariaDB), else whether it is a job.
 
     Never raises for a store that does not answer: that is ``Lookup.unavailable``.
     """
-    from services.common.acceptance import accepted
-    from services.common.cache import CacheUnavailable, ResultCache
+    from services.common.requests.acceptance import accepted
+    from services.common.cache.entries import CacheUnavailable, ResultCache
     from services.common.db import Database
-    from services.common.documents import progress
-    from services.common.jobs import JobStore
+    from services.common.documents.state import progress
+    from services.common.jobs.store import JobStore
 
     db = Database(s.mysql, pool_size=1)
     try:

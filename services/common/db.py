@@ -74,7 +74,7 @@ def bound_document(doc: ResultDocument, max_bytes: int) -> tuple[ResultDocument,
         if len(raw.encode()) <= max_bytes:
             return doc, raw
     slots = {k: None for k in ("markdown", "html", "latex", "translation") if getattr(doc, k) is not None}
-    if slots:  # a task's text is its ``text`` too (services/common/results.py): kept there, cut below
+    if slots:  # a task's text is its ``text`` too (services/common/results/build.py): kept there, cut below
         doc = doc.model_copy(update=slots)
         raw = doc.model_dump_json(by_alias=True)
         if len(raw.encode()) <= max_bytes:

@@ -328,7 +328,7 @@ class Limits(BaseModel):
 
 class DecodeSettings(BaseModel):
     """Decoder processes: every image is sniffed, decoded and rendered in one of them, under hard
-    bounds (:mod:`services.common.decoding`), so no input can wedge or exhaust a stage."""
+    bounds (:mod:`services.common.images.decoding`), so no input can wedge or exhaust a stage."""
 
     workers: int = Field(default=2, ge=1, le=64, description="decoder processes per stage process (each decodes one image at a time)")
     memory_mb: int = Field(

@@ -276,7 +276,7 @@ class Telemetry:
         self._lag_tps = set(lags)
 
     def watch_pixel_budget(self, budget) -> None:
-        """Export ``budget`` (a :class:`~services.common.decoding.PixelBudget`) as
+        """Export ``budget`` (a :class:`~services.common.images.decoding.PixelBudget`) as
         ``ocrstream_decoded_bytes`` (bytes of decoded pixels held now) and
         ``ocrstream_decoded_bytes_peak`` (the most held at once); a later call re-points them."""
         if self._pixel_gauges is None:

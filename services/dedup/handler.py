@@ -15,16 +15,16 @@ from schemas.events import (
 )
 from schemas.keys import purge_fence_key, result_object_key, split_cache_key
 from schemas.tasks import TASKS, TaskError
-from services.common.cache import CacheUnavailable, ResultCache
+from services.common.cache.entries import CacheUnavailable, ResultCache
 from services.common.dlq import oversized_result, poison_messages
 from services.common.codec import dumps
-from services.common.field_index import find_extractions
+from services.common.cache.field_index import find_extractions
 from services.common.handler import Handler, Outgoing, Record, TopicPartition
-from services.common.results import cache_hit_event
+from services.common.results.build import cache_hit_event
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Telemetry
 from services.dedup.changelog import Changelog
-from services.dedup.lru import EntryLru
+from services.common.cache.lru import EntryLru
 from services.dedup.near import NearDupLookup, NearHit
 from services.dedup.settings import DedupSettings
 from services.dedup.state import PartitionState, Settled, Settlement
@@ -282,7 +282,7 @@ class DedupHandler(Handler):
     async def _fields(self, key: str, gen, fields: tuple[str, ...]) -> tuple[str, Settled] | None:
         """An ``extract`` miss answered from another extraction of the image: the key and stored
         document of the smallest one of the same family and scope whose fields include every one of
-        ``fields`` (:func:`services.common.field_index.find_extractions`, one LIST and a few GETs
+        ``fields`` (:func:`services.common.cache.field_index.find_extractions`, one LIST and a few GETs
         within ``s3_tier_timeout_ms``), unless its generation's purge fence is newer (one HEAD, as
         the S3 tier); None when there is none or on any trouble (a miss)."""
         if self.store is None:

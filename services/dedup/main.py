@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.common.app import StageContext, run_stage
-from services.common.cache import ResultCache
-from services.common.decoding import DecoderPool
+from services.common.cache.entries import ResultCache
+from services.common.images.decoding import DecoderPool
 from services.common.kafka import check_copartitioned
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings

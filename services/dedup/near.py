@@ -11,10 +11,10 @@ import numpy as np
 
 from schemas.events import Line, OcrOutput
 from schemas.keys import CacheGeneration, cache_key, image_object_key
-from services.common.cache import CacheUnavailable, ResultCache
-from services.common.decoding import DecoderPool
-from services.common.neardup import Verdict, phash64, scale_lines, verify
-from services.common.neardup_index import NearDupIndex
+from services.common.cache.entries import CacheUnavailable, ResultCache
+from services.common.images.decoding import DecoderPool
+from services.common.cache.neardup import Verdict, phash64, scale_lines, verify
+from services.common.cache.neardup_index import NearDupIndex
 from services.common.s3 import ObjectStore
 from services.dedup.settings import NearDupSettings
 

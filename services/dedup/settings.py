@@ -2,14 +2,14 @@
 
 from pydantic import BaseModel, Field
 
-from services.common.neardup import VerifyParams
+from services.common.cache.neardup import VerifyParams
 from services.common.settings import CommonSettings
 
 
 class NearDupSettings(BaseModel):
     """Near-duplicate lookup (off by default): a re-encoded or rescaled copy of an image already
     done is answered from that image's result, boxes rescaled. Candidates come from a
-    perceptual hash; each is verified window by window (``services/common/neardup.py``), so
+    perceptual hash; each is verified window by window (``services/common/cache/neardup.py``), so
     two documents of one template that differ in one digit never match."""
 
     enabled: bool = Field(default=False, description="look up near duplicates on an exact miss (fetches and decodes the image in dedup)")

@@ -28,11 +28,11 @@ from schemas.keys import CacheGeneration, split_cache_key
 from services.common.dlq import oversized_result, poison_messages
 from services.common.errors import OcrError
 from services.common.codec import dumps
-from services.common.decoding import DecoderPool
+from services.common.images.decoding import DecoderPool
 from services.common.handler import Outgoing, Record, WindowHandler
 from services.common.s3 import ObjectStore
 from services.common.telemetry import StatusCode, Telemetry
-from services.common.textlines import group_lines
+from services.infer.textlines import group_lines
 from schemas.tasks import TASKS, TaskParams, task_variant
 from services.infer.engines.base import (EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine,
                                           UnparsableOutput, UnsupportedTask)

@@ -4,9 +4,9 @@ Each record of ``ocr.infer`` (or ``ocr.infer-interactive``) becomes an :class:`I
 it is two steps, both per item, so every record of the infer window loads on its own:
 
 1. :meth:`Loader.fetch_plan`: the image's bytes from S3 and its plan (format check and every
-   page's size, from the headers, in a decoder process: :class:`~services.common.decoding.DecoderPool`);
+   page's size, from the headers, in a decoder process: :class:`~services.common.images.decoding.DecoderPool`);
 2. :meth:`Loader.decoded`: the item's pixel bytes taken from the process's
-   :class:`~services.common.pixel_budget.PixelBudget` (``pixel_budget_mb``; an interactive page
+   :class:`~services.common.images.pixel_budget.PixelBudget` (``pixel_budget_mb``; an interactive page
    waits only behind other interactive pages), the pages decoded into shared memory, and given
    back when the block ends. An image larger than the whole budget runs alone. So the pixels in
    flight stay under the budget however many records the window holds.
@@ -26,8 +26,8 @@ import numpy as np
 from schemas.errors import ErrorCode
 from schemas.events import InferEvent, Line
 from schemas.lanes import Priority
-from services.common.decoding import DecodedPages, DecoderPool, Plan
-from services.common.pixel_budget import Hold, PixelBudget
+from services.common.images.decoding import DecodedPages, DecoderPool, Plan
+from services.common.images.pixel_budget import Hold, PixelBudget
 from services.common.errors import OcrError
 from services.common.records import Record
 from services.common.s3 import ObjectStore

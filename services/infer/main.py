@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from services.common.app import StageContext, run_stage
-from services.common.decoding import DecoderPool
+from services.common.images.decoding import DecoderPool
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
 from services.infer import gpu_metrics

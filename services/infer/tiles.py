@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from services.common.textlines import Segment
+from services.infer.textlines import Segment
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from schemas.errors import ErrorCode
 from schemas.events import SubmitEvent
 from schemas.keys import image_object_key
-from services.common import claims
-from services.common.claims import RequestClaim
+from services.common.requests import claims
+from services.common.requests.claims import RequestClaim
 from services.common.db import Database
 from services.common.errors import OcrError
 from services.common.s3 import ObjectStore

@@ -15,20 +15,21 @@ from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, no
 from schemas.lanes import request_priority
 from schemas.ids import chosen_request_id_problem, is_request_id
 from schemas.tasks import TaskError
-from services.common import claims, documents
-from services.common.claims import RequestClaim
+from services.common.requests import claims
+from services.common.documents import state as documents
+from services.common.requests.claims import RequestClaim
 from services.common.db import Database
-from services.common.decoding import DecoderPool
+from services.common.images.decoding import DecoderPool
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.codec import derived_request_id, dumps
 from services.common.handler import Handler, Outgoing, Record
 from services.common.s3 import ObjectStore, reference_problem
 from services.common.telemetry import Telemetry
-from services.common.accept import accept_image
+from services.common.images.accept import accept_image
 from services.ingest import door
 from services.ingest.settings import IngestSettings
-from services.ingest.split import is_document, split_pages
+from services.common.documents.split import is_document, split_pages
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class IngestHandler(Handler):
     Per record: parse ``SubmitEvent`` (its ``request_id`` by :mod:`schemas.ids`) -> bytes (inline
     or from S3 under an allowed prefix, byte limit enforced) -> sniff format and header size (no
     decode) -> SHA-256 -> put ``images/<sha[:2]>/<sha>`` unless present -> claim the chosen
-    request id (:mod:`services.common.claims`) -> ``RequestEvent`` on ``ocr.requests`` keyed by
+    request id (:mod:`services.common.requests.claims`) -> ``RequestEvent`` on ``ocr.requests`` keyed by
     the hash. Bad input yields an error ``ResultEvent`` on ``ocr.results`` (so the request still
     gets a final state); a record that fails its schema also goes to ``ocr.dlq``.
 
@@ -52,7 +53,7 @@ class IngestHandler(Handler):
     A document (a PDF or TIFF of more than one page; ``split_documents``) is checked against the
     document limits before any page is rendered, stored as it is, then split: each page rendered
     and stored under its own hash, the document registered in MariaDB, and one request per page
-    on ``ocr.requests`` (:mod:`services.ingest.split`, ``docs/documents.md``).
+    on ``ocr.requests`` (:mod:`services.common.documents.split`, ``docs/documents.md``).
 
     A submission marked as the HTTP door's (``door: http`` or an ``api_key_id``: a document the
     door stored) is believed only when the door's claim of its id and the stored object's hash
@@ -158,7 +159,7 @@ class IngestHandler(Handler):
 
     async def _split(self, record: Record[SubmitEvent], doc: RequestEvent, data: bytes, queued: float,
                      started: float) -> list[Outgoing]:
-        """A document: its pages rendered and stored (:func:`~services.ingest.split.split_pages`),
+        """A document: its pages rendered and stored (:func:`~services.common.documents.split.split_pages`),
         its row registered in MariaDB, then one request per page on ``ocr.requests``, each keyed
         by its page's hash; a page that could not be rendered gets its error result on
         ``ocr.results`` instead, keyed by its request id, so the sink records it like any failed
@@ -211,7 +212,7 @@ class IngestHandler(Handler):
         outside the allowed prefixes.
 
         With ``split_documents`` a PDF or TIFF is checked against the document limits
-        (:meth:`~services.common.decoding.DecoderPool.document_plan`: page count and total pixels
+        (:meth:`~services.common.images.decoding.DecoderPool.document_plan`: page count and total pixels
         before any page is rendered); other images as before.
 
         Raises:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.common.app import StageContext, run_stage
 from services.common.db import Database
-from services.common.decoding import DecoderPool
+from services.common.images.decoding import DecoderPool
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings
 from services.ingest.handler import IngestHandler

@@ -14,8 +14,8 @@ from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.codec import dumps
 from services.common.handler import Handler, Outgoing, Record
-from services.common.job_report import write_job_report
-from services.common.jobs import JobStore, is_page
+from services.common.jobs.report import write_job_report
+from services.common.jobs.store import JobStore, is_page
 from services.common.s3 import ObjectStore
 from services.jobs.settings import JobsSettings
 
@@ -30,7 +30,7 @@ class JobsHandler(Handler):
        transaction; a request already counted in its job is not counted again;
     2. for every job the batch touched that is closed and has as many final requests as its
        close event expects, and has no completion stored yet: its report is written to S3
-       (:func:`~services.common.job_report.write_job_report`), then its
+       (:func:`~services.common.jobs.report.write_job_report`), then its
        ``ocr.job_completed.v1`` event, built from MariaDB state only, is stored in its ``jobs``
        row;
     3. every touched job whose stored completion is not marked sent is produced on
@@ -51,7 +51,7 @@ class JobsHandler(Handler):
             store, db: S3 (the reports) and MariaDB (the jobs tables).
             jobs: The jobs tables (default: a :class:`JobStore` over ``db``).
             report: ``async (db, store, job) -> (JobSummary, part -> URI)``, the report writer
-                (default :func:`~services.common.job_report.write_job_report`).
+                (default :func:`~services.common.jobs.report.write_job_report`).
         """
         self.s = settings
         self.store = store

@@ -4,7 +4,7 @@ The HTTP door looks a file up by its cache key (``<gen>[:<scope>]:<sha256 of the
 it checks or stores it (``services/api/serving_submit.py``); an image's key gets its entry when the
 sink stores its computed output. A document is never computed under the file's key (its pages
 are, each under its own), so the sink gives it one when it assembles it: the document's whole
-output (:func:`~services.common.results.document_output` of its final state: every page's lines,
+output (:func:`~services.common.results.build.document_output` of its final state: every page's lines,
 the pages' texts and the task's Markdown/HTML/LaTeX/translation, the page sizes) at
 ``results/...`` under the file's key, its ``results`` row, and its Redis entry, exactly as for an image's computed output. Then a repeat of the file is a
 plain cache hit at the door (200, ``cache_hit`` true) and, where a Kafka submission is not split
@@ -22,10 +22,10 @@ import logging
 
 from schemas.events import RequestEvent, ResultDocument
 from schemas.keys import result_object_key
-from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
+from services.common.cache.entries import CacheEntry, CacheUnavailable, ResultCache
 from services.common.db import Database
 from services.common.codec import dumps
-from services.common.results import document_output
+from services.common.results.build import document_output
 from services.common.s3 import ObjectStore
 from services.sink.settings import SinkSettings
 

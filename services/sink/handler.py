@@ -13,19 +13,19 @@ from schemas.events import (
     ResultDocument, ResultEvent, SettledEvent, now_ms,
 )
 from schemas.keys import request_output_key, result_object_key
-from services.common.cache import CacheEntry, CacheUnavailable, ResultCache
+from services.common.cache.entries import CacheEntry, CacheUnavailable, ResultCache
 from services.common.db import Database
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.codec import completion_event_id, dumps
-from services.common.field_index import forget_extraction, record_extraction
+from services.common.cache.field_index import forget_extraction, record_extraction
 from services.common.handler import Handler, Outgoing, Record
-from services.common.outputs import OutputLru
-from services.common.results import document_output, ocr_output, result_document
+from services.common.cache.outputs import OutputLru
+from services.common.results.build import document_output, ocr_output, result_document
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Span, Telemetry
 from services.sink.document_cache import cache_document
-from services.sink.documents import DocumentAssembler
+from services.common.documents.assembly import DocumentAssembler
 from services.sink.settings import SinkSettings
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class SinkHandler(Handler):
 
     1. a computed result (ok, or a near-duplicate hit, whose lines dedup rescaled): the result
        document to S3 (``results/<sha>/<gen>.json``), the ``results`` row (and ``result_fields``
-       rows), an ``extract`` result's field index entry (:mod:`services.common.field_index`), and
+       rows), an ``extract`` result's field index entry (:mod:`services.common.cache.field_index`), and
        the Redis entry when Redis answers (no Redis: nothing waits for it, dedup's state and the
        S3 tier answer);
     2. the request's final state inserted into ``requests`` (a request already there keeps its first);
@@ -46,7 +46,7 @@ class SinkHandler(Handler):
        completes the copies waiting on the key (:mod:`services.dedup.state`). The runner produces
        them only after 1 and 2 are durable, and commits only after Kafka acknowledged them.
     4. a page of a document: its final state recorded in ``document_pages``; when it is the page
-       that makes every page final, the document is assembled (:mod:`services.sink.documents`),
+       that makes every page final, the document is assembled (:mod:`services.common.documents.assembly`),
        its own final state inserted like any request's and its completion emitted after the page's;
        an ``ok`` one is cached under its file's key (:mod:`services.sink.document_cache`).
 
@@ -104,7 +104,7 @@ class SinkHandler(Handler):
             # the same request id and the same content.
             stored = await self.db.write_requests(docs)
             finals = [stored[rid] for rid in dict.fromkeys(d.request_id for d in docs)]
-            # pages of documents: recorded, and the documents they complete assembled (services/sink/documents.py)
+            # pages of documents: recorded, and the documents they complete assembled (services/common/documents/assembly.py)
             assembled = [a for did in await self.documents.completed_documents(finals)
                          if (a := await self.documents.assemble(did)) is not None]
             if assembled:
@@ -258,13 +258,13 @@ class SinkHandler(Handler):
 
     async def _index_fields(self, ev: ResultEvent, output: OcrOutput) -> None:
         """The field index entry of an ``extract`` result just stored
-        (:func:`services.common.field_index.record_extraction`), so a request for some of its
+        (:func:`services.common.cache.field_index.record_extraction`), so a request for some of its
         fields is answered from it. Not for an answer cut short (``truncated_max_tokens``,
         ``truncated_repetition``: a null may be the cut, not the page), nor for a key this sink's
         settings would not build (the family in the entry's path must be the key's); a failed
         write only costs those answers (logged). A cut answer stored over a whole one of the same
         key (computed again after a purge, or when dedup's S3 tier missed) removes the entry the
-        whole one left (:func:`services.common.field_index.forget_extraction`): dedup only HEADs
+        whole one left (:func:`services.common.cache.field_index.forget_extraction`): dedup only HEADs
         the document an entry points at, and would answer subsets from the cut one."""
         req = ev.request
         gen = self.s.generation(req.task, req.task_params)

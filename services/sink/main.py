@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.app import StageContext, run_stage
-from services.common.cache import ResultCache
+from services.common.cache.entries import ResultCache
 from services.common.db import Database
 from services.common.s3 import ObjectStore
 from services.common.settings import load_settings

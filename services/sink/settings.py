@@ -27,7 +27,7 @@ class SinkSettings(CommonSettings):
     )
     output_lru_bytes: int = Field(
         default=8 * 1024 * 1024, ge=0,
-        description="bound on their JSON size, bytes (in memory ~8x: services/common/outputs.py); 0 = entries only",
+        description="bound on their JSON size, bytes (in memory ~8x: services/common/cache/outputs.py); 0 = entries only",
     )
 
     max_page_error_rate: float = Field(

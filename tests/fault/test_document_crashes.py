@@ -17,12 +17,12 @@ from PIL import Image
 from schemas.events import CompletedEvent, DocumentResult
 from schemas.ids import page_request_id
 from schemas.keys import image_object_key
-from services.common import documents
+from services.common.documents import state as documents
 from services.common.db import Database
 from services.common.codec import completion_event_id, dumps
 from services.common.settings import CommonSettings
-from services.common.splitting import render_pages
-from services.sink.documents import _page_of, assemble
+from services.common.documents.splitting import render_pages
+from services.common.documents.assembly import _page_of, assemble
 from tests.documents import completions_of, drained, make_pdf, page_image, s3_client, s3_count, s3_get, submit_and_watch
 from tests.fault.conftest import FAULT_ENV
 from tests.stack import Pipeline, db_rows, namespaced_pipeline, require_stack

@@ -13,7 +13,7 @@ from schemas.jobs import JobCompletedEvent, JobEvent, JobProgress, job_completio
 from services.cli.client import Submitter
 from services.common.db import Database
 from services.common.codec import loads
-from services.common.jobs import JobStore
+from services.common.jobs.store import JobStore
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings
 from tests.jobs import BAD, BAD_CODES, job_completions, job_items, wait_final

@@ -23,6 +23,7 @@ from services.api.settings import ApiSettings
 from services.ingest.settings import IngestSettings
 from services.sink.settings import SinkSettings
 from services.jobs.settings import JobsSettings
+from services.webhooks.settings import WebhooksSettings
 from tests.stack import STRICT_ENV, strict_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ CHART = REPO / "helm" / "ocrstream"
 REQUIRED = REPO / "tests" / "helm" / "required-values.yaml"
 EXAMPLES = sorted((REPO / "deploy").glob("values-*.yaml"))
 STAGES = {"ingest": IngestSettings, "dedup": DedupSettings, "infer": InferSettings, "sink": SinkSettings,
-          "jobs": JobsSettings, "api": ApiSettings}
+          "jobs": JobsSettings, "webhooks": WebhooksSettings, "api": ApiSettings}
 #: The module each component runs (``python -m``): the HTTP door is a package of its own, as the stages are.
 MODULES = {s: f"services.{s}" for s in STAGES}
 SECRET_FIELDS = {
@@ -502,9 +503,10 @@ def test_tasks_reach_every_stage_as_one_json_list():
     assert _stage_env(render(REQUIRED), w)["OCRSTREAM_TASKS"] == '["ocr"]'
 
 
-def test_webhook_hosts_cors_origins_and_the_webhook_secret_reach_the_door(monkeypatch):
+def test_webhook_hosts_cors_origins_and_the_webhook_secret_reach_the_door_and_the_webhooks_stage(monkeypatch):
     """The README's recipe: allowed callback hosts and CORS origins as lists, the webhook secret from
-    a Secret through extraEnvVars; ApiSettings reads them as set."""
+    a Secret through extraEnvVars; ApiSettings reads them as set, and WebhooksSettings the same
+    callback rules and secret."""
     docs = render(REQUIRED, sets=(
         "api.config.webhook_allowed_hosts={hooks.example.com,*.partner.example}",
         "api.config.http_cors_origins={https://app.example.com}",
@@ -523,6 +525,18 @@ def test_webhook_hosts_cors_origins_and_the_webhook_secret_reach_the_door(monkey
     assert s.webhook_allowed_hosts == ["hooks.example.com", "*.partner.example"]
     assert s.http_cors_origins == ["https://app.example.com"]
     assert s.webhook_secret.get_secret_value() == "whsec_from_the_secret"
+    # the webhooks stage, which delivers what the door accepted, reads the same rules and secret
+    (hooks,) = [d for d in workloads(docs) if component(d) == "webhooks"]
+    hooks_env = _stage_env(docs, hooks)
+    assert hooks_env["OCRSTREAM_WEBHOOK_SECRET"] == env["OCRSTREAM_WEBHOOK_SECRET"]
+    for k in list(os.environ):
+        if k.startswith("OCRSTREAM_"):
+            monkeypatch.delenv(k)
+    for k, v in hooks_env.items():
+        monkeypatch.setenv(k, v if isinstance(v, str) else "whsec_from_the_secret")
+    h = WebhooksSettings()
+    assert h.webhook_allowed_hosts == s.webhook_allowed_hosts and h.webhook_allow_private is False
+    assert h.webhook_secret.get_secret_value() == "whsec_from_the_secret"
 
 
 def _notes(tmp_path: Path, *sets: str) -> str:

@@ -11,7 +11,7 @@ import pytest
 from botocore.config import Config
 
 from services.common.settings import CommonSettings
-from tests.stack import API, REPO, Pipeline, namespace_env, require_stack
+from tests.stack import API, REPO, WEBHOOKS, Pipeline, namespace_env, require_stack
 
 API_MAX_BYTES = 1_000_000
 WEBHOOK_SECRET = "test-webhook-secret"
@@ -23,6 +23,7 @@ API_ENV = {
     "OCRSTREAM_WEBHOOK_ALLOWED_HOSTS": '["127.0.0.1", "localhost"]',
     "OCRSTREAM_WEBHOOK_ALLOW_PRIVATE": "true",
     "OCRSTREAM_WEBHOOK_SECRET": WEBHOOK_SECRET,
+    # (the door reads the first three; the webhooks stage, started beside it, all of them)
     # retries within a test's patience: ~0.2 s apart, given up 8 s after the completion
     "OCRSTREAM_WEBHOOK_BACKOFF_BASE_S": "0.2",
     "OCRSTREAM_WEBHOOK_BACKOFF_MAX_S": "1",
@@ -55,12 +56,16 @@ def pipeline(stack_env, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def api(pipeline):
-    """The HTTP front door (one process) in front of the session's pipeline; base URL in ``.url``.
+    """The HTTP front door (one process) in front of the session's pipeline, and the webhooks stage
+    that delivers the namespace's callbacks; the door's base URL in ``.url``, the webhooks stage in
+    ``.webhooks``.
 
     Uploads are limited to 1 MB here so the over-size tests stay small; webhooks may go to loopback
     and are retried quickly, for a short time.
     """
+    hooks = pipeline.start(WEBHOOKS, extra_env=API_ENV)
     st = pipeline.start(API, extra_env=API_ENV)
+    st.webhooks = hooks
     st.url = f"http://127.0.0.1:{st.port}"
     return st
 

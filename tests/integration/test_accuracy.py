@@ -13,7 +13,7 @@ import sys
 from PIL import Image
 
 from schemas.errors import ErrorCode
-from services.common.textlines import normalize_text
+from services.infer.textlines import normalize_text
 from tests.conftest import REPO, text_image
 from tests.pages import all_pages
 

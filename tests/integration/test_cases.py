@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from schemas.errors import ErrorCode
-from services.common.textlines import cer
+from services.infer.textlines import cer
 from tests.conftest import CASES, text_image
 
 # Our documented choice for the cases that allow either reading or rejecting.

@@ -16,11 +16,11 @@ import orjson
 from schemas.events import RequestEvent, ResultDocument, now_ms
 from schemas.jobs import JobEvent
 from services.cli.report import STAGES
-from services.common import documents
-from services.common.cache import ResultCache
-from services.common.claims import RequestClaim, claim
+from services.common.documents import state as documents
+from services.common.cache.entries import ResultCache
+from services.common.requests.claims import RequestClaim, claim
 from services.common.db import Database
-from services.common.jobs import JobStore
+from services.common.jobs.store import JobStore
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
 from tests.documents import make_pdf, page_image

@@ -16,8 +16,7 @@ ORIGIN = "https://app.example.com"
 
 @pytest.fixture(scope="module")
 def cors_api(pipeline):
-    """A door with ``OCRSTREAM_HTTP_CORS_ORIGINS`` naming one origin (its webhook dispatcher off: the
-    session's door delivers for the namespace)."""
+    """A door with ``OCRSTREAM_HTTP_CORS_ORIGINS`` naming one origin (accepting no callback)."""
     st = pipeline.start(API, extra_env={**API_ENV, "OCRSTREAM_WEBHOOK_ENABLED": "false",
                                         "OCRSTREAM_HTTP_CORS_ORIGINS": f'["{ORIGIN}"]'})
     st.url = f"http://127.0.0.1:{st.port}"

@@ -45,7 +45,7 @@ def _page_id_refused(client, rid: str, data: bytes, headers: dict) -> None:
 
 async def _kafka_page_id_refused(rid: str, data: bytes) -> None:
     """A Kafka submission choosing ``rid`` ends ``invalid_request`` under its derived id."""
-    from services.common.completions import CompletionWatcher
+    from services.common.results.completions import CompletionWatcher
     from services.common.settings import CommonSettings
     from tests.stack import db_rows as rows
 

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from services.common.cache import ResultCache
+from services.common.cache.entries import ResultCache
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
 from tests.integration.conftest import API_ENV

@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from services.api.signing import verify_signature
+from services.common.webhooks.signing import verify_signature
 from tests.conftest import text_image
 from tests.integration.conftest import API_ENV, WEBHOOK_RETRY_FOR_S, WEBHOOK_SECRET
 from tests.stack import API, REPO, db_rows, metric_value
@@ -125,7 +125,7 @@ def test_completion_is_delivered_signed_and_retried_after_a_500(api):
             assert ev["result"]["callback_url"] == row["url"]
         assert rcv.hits[0]["body"] == rcv.hits[1]["body"]  # a retry sends the same event
 
-        metrics = c.get("/metrics").text
+        metrics = httpx.get(f"http://127.0.0.1:{api.webhooks.port}/metrics", timeout=10).text  # the webhooks stage's
         assert metric_value(metrics, "ocrstream_webhook_attempts_total", outcome="5xx") >= 1
         assert metric_value(metrics, "ocrstream_webhook_deliveries_total", outcome="delivered") >= 1
 
@@ -192,8 +192,8 @@ def test_redirect_is_not_followed_and_the_delivery_gives_up(api):
 
 
 @pytest.fixture(scope="module")
-def keyed_api(pipeline):
-    """A door requiring API keys (webhooks as in the session's door, same dispatcher group) and a
+def keyed_api(api, pipeline):
+    """A door requiring API keys (its callbacks delivered by the session's webhooks stage) and a
     key made by ``ocrstream keys create``: ``(door, key_id, api_key, webhook_secret)``."""
     out = subprocess.run([sys.executable, "-m", "services.cli", "keys", "create", "--name", f"wh-{time.time_ns()}",
                           "--rate", "0"], cwd=REPO, capture_output=True, text=True,
@@ -236,7 +236,7 @@ def test_finished_deliveries_are_deleted_after_the_retention_period_with_their_a
 
     from services.common.db import Database
     from services.common.settings import CommonSettings
-    from services.api.webhook_store import NewDelivery, WebhookStore
+    from services.common.webhooks.store import NewDelivery, WebhookStore
 
     tag = uuid.uuid4().hex[:10]
     day = 86_400_000
@@ -271,8 +271,8 @@ def test_finished_deliveries_are_deleted_after_the_retention_period_with_their_a
 @pytest.fixture(scope="module")
 def public_only_api(pipeline):
     """A door as deployed (``webhook_allow_private`` off, its default) whose allow-list names loopback,
-    private and link-local hosts, so only the address check can refuse them. Its dispatcher is off
-    (the refusal is at submit; the session's door keeps delivering for the namespace)."""
+    private and link-local hosts, so only the address check can refuse them; it accepts no callback
+    (``webhook_enabled`` off: the refusal is at submit, by the address check first)."""
     st = pipeline.start(API, extra_env={
         **API_ENV, "OCRSTREAM_WEBHOOK_ALLOW_PRIVATE": "false", "OCRSTREAM_WEBHOOK_ENABLED": "false",
         "OCRSTREAM_WEBHOOK_ALLOWED_HOSTS":

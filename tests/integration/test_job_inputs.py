@@ -17,7 +17,7 @@ from schemas.jobs import JobEvent
 from services.cli.client import Submitter
 from services.common.db import Database
 from services.common.codec import dumps
-from services.common.jobs import JobStore
+from services.common.jobs.store import JobStore
 from services.common.kafka import make_producer
 from services.common.settings import CommonSettings
 from tests.conftest import text_image

@@ -25,7 +25,7 @@ from schemas.jobs import JobCompletedEvent, JobEvent, JobProgress, job_completio
 from services.cli.client import Submitter
 from services.common.db import Database
 from services.common.codec import completion_event_id, dumps, loads
-from services.common.jobs import JobStore
+from services.common.jobs.store import JobStore
 from services.common.kafka import make_producer
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings

@@ -24,7 +24,7 @@ from schemas.jobs import JobCompletedEvent, JobEvent
 from services.cli.client import Submitter
 from services.common.db import Database
 from services.common.codec import loads
-from services.common.jobs import JobStore
+from services.common.jobs.store import JobStore
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
 from tests.integration.test_web_page import browser  # noqa: F401 - the headless Chromium fixture
@@ -71,7 +71,7 @@ def test_a_job_over_http_from_create_to_report(api, jobs_stage):
     """Create, submit with job_id (one image the door answers from the cache, one new, one
     refused at the door and so not counted), close with the accepted count; then progress, the
     server-sent events and the report over HTTP."""
-    from services.api.signing import verify_signature
+    from services.common.webhooks.signing import verify_signature
     from tests.integration.conftest import WEBHOOK_SECRET
     from tests.integration.test_http_events import sse
     from tests.integration.test_http_webhooks import Receiver

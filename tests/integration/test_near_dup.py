@@ -11,8 +11,8 @@ import io
 import pytest
 from PIL import Image
 
-from services.common.cache import ResultCache
-from services.common.neardup_index import NearDupIndex
+from services.common.cache.entries import ResultCache
+from services.common.cache.neardup_index import NearDupIndex
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
 from tests.stack import namespaced_pipeline

@@ -12,7 +12,7 @@ from schemas.events import OcrOutput
 from schemas.tasks import ENGINE_TASKS
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings
-from services.common.textlines import cer
+from services.infer.textlines import cer
 from tests.conftest import CASES, REPO, SAMPLES, text_image
 from tests.stack import db_rows
 
@@ -142,7 +142,7 @@ async def test_dedup_refuses_an_unlisted_task_that_got_past_an_ingest_with_other
 
     from schemas.events import RequestEvent
     from schemas.keys import image_object_key
-    from services.common.completions import CompletionWatcher
+    from services.common.results.completions import CompletionWatcher
     from services.common.codec import dumps
     from services.common.kafka import make_producer
 

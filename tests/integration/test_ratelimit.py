@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from services.common.cache import ResultCache
+from services.common.cache.entries import ResultCache
 from services.common.settings import RedisSettings
 from services.api.ratelimit import DAY_MS, RateLimiter
 

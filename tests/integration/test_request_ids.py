@@ -19,7 +19,7 @@ from aiokafka import TopicPartition
 
 from schemas.errors import ErrorCode
 from schemas.events import CompletedEvent, DlqEvent, ResultDocument, SubmitEvent
-from services.common.completions import CompletionWatcher
+from services.common.results.completions import CompletionWatcher
 from services.common.codec import derived_request_id, dumps
 from services.common.kafka import make_consumer, make_producer
 from services.common.settings import CommonSettings

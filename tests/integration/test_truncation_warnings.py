@@ -21,7 +21,7 @@ from services.common.records import RecordParser
 from services.common.s3 import ObjectStore
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
-from services.common.textlines import Segment
+from services.infer.textlines import Segment
 from services.infer.engines.base import EngineOutput, OcrEngine
 from services.infer.handler import InferHandler
 from services.infer.settings import InferSettings

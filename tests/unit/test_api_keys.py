@@ -9,7 +9,7 @@ from starlette.requests import Request
 
 from services.api.serving_keys import presented_key
 from services.api.errors import ApiError
-from services.common.api_keys import MalformedKey, hash_key, parse_key
+from services.common.keys.api_keys import MalformedKey, hash_key, parse_key
 
 GOOD = "ocs_0123456789ab_" + "A_-z" * 10 + "xyz"
 

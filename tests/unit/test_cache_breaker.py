@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.common.cache import CacheUnavailable, ResultCache
+from services.common.cache.entries import CacheUnavailable, ResultCache
 from services.common.settings import RedisSettings, TelemetrySettings
 from services.common.telemetry import Telemetry
 

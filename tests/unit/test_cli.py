@@ -82,7 +82,7 @@ def test_every_cli_line_with_a_count_of_one_says_it_in_the_singular():
     from services.cli.jobs import progress_line
     from services.cli.main import failure_lines
     from services.cli.report import render_table, summarize
-    from services.common.documents import Progress
+    from services.common.documents.state import Progress
 
     one = JobProgress(job_id="j", state="completed", total=1, done=1, ok=1, cache_hits=1, pages=1)
     assert progress_line(one) == "completed: 1/1 done, 1 ok, 0 failed, 1 cache hit, 1 page"

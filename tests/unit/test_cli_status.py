@@ -4,7 +4,7 @@ from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, Line, ResultDocument
 from schemas.tasks import TaskParams
 from services.cli.status import Lookup, exit_code, not_final_line, summary_lines, timings_line
-from services.common.acceptance import Accepted
+from services.common.requests.acceptance import Accepted
 
 RID = "3262c1a774be43cda107e650d1ddcbc5"
 TIMINGS = {"total": 19506.4, "queue_ingest": 2.2, "ingest": 14.0, "inference": 803.5, "write": 4.6}

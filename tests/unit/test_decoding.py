@@ -17,10 +17,10 @@ import pytest
 from PIL import Image
 
 from schemas.errors import ErrorCode
-from services.common.decoding import DecoderPool
-from services.common.pixel_budget import PixelBudget
+from services.common.images.decoding import DecoderPool
+from services.common.images.pixel_budget import PixelBudget
 from services.common.errors import OcrError
-from services.common.imaging import decode
+from services.common.images.imaging import decode
 from services.common.settings import DecodeSettings, Limits
 from tests.attacks import chained_header_tiff, eps_file, nested_xobject_pdf
 from tests.conftest import text_image
@@ -162,7 +162,7 @@ async def test_close_leaves_no_worker_and_a_killed_parent_takes_its_workers_alon
     pids = [w.proc.pid for w in pool._all]
     await pool.close()
     assert all(not _alive(pid) for pid in pids)
-    code = ("import asyncio, sys\nfrom services.common.decoding import DecoderPool\n"
+    code = ("import asyncio, sys\nfrom services.common.images.decoding import DecoderPool\n"
             "from services.common.settings import DecodeSettings, Limits\n"
             "async def main():\n    p = DecoderPool(DecodeSettings(workers=2), Limits())\n    await p.start()\n"
             "    await p.sniff(b'GIF89a')  if False else None\n"

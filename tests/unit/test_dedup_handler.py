@@ -10,7 +10,7 @@ import orjson
 from aiokafka import ConsumerRecord
 
 from schemas.events import RequestEvent, RequestLogEvent, SettledEvent
-from services.common.cache import CacheEntry, CacheUnavailable
+from services.common.cache.entries import CacheEntry, CacheUnavailable
 from services.common.codec import dumps
 from services.common.records import RecordParser
 from services.common.settings import TelemetrySettings

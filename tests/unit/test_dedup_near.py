@@ -13,14 +13,14 @@ from PIL import Image
 from schemas.errors import ErrorCode
 from schemas.events import InferEvent, Line, OcrOutput, Page, RequestEvent, ResultEvent, SettledEvent
 from schemas.keys import cache_key, image_object_key
-from services.common.cache import CacheEntry, CacheUnavailable
+from services.common.cache.entries import CacheEntry, CacheUnavailable
 from services.common.errors import OcrError
 from services.common.codec import dumps
 from services.common.records import RecordParser
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.dedup.handler import DedupHandler
-from services.common.decoding import DecoderPool
+from services.common.images.decoding import DecoderPool
 from services.dedup.near import NearDupLookup
 from services.dedup.settings import DedupSettings
 from tests.conftest import text_image

@@ -12,12 +12,12 @@ from PIL import Image, ImageDraw
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, Line, RequestEvent, ResultDocument
 from schemas.ids import is_request_id, page_request_id
-from services.common.decoding import DecoderPool, DecoderStopped
+from services.common.images.decoding import DecoderPool, DecoderStopped
 from services.common.errors import OcrError
-from services.common.imaging import decode
+from services.common.images.imaging import decode
 from services.common.settings import DecodeSettings, Limits
-from services.common.splitting import document_plan, render_pages
-from services.sink.documents import _page_of, assemble, document_status, summary
+from services.common.documents.splitting import document_plan, render_pages
+from services.common.documents.assembly import _page_of, assemble, document_status, summary
 from tests.attacks import miscounted_pdf
 from tests.conftest import CASES
 from tests.documents import make_pdf, page_image, tiff_with_broken_page
@@ -197,7 +197,7 @@ def test_an_image_that_is_no_document_gets_the_usual_checks():
 
 
 def test_progress_line():
-    from services.common.documents import Progress
+    from services.common.documents.state import Progress
 
     assert Progress("doc-7", 40, 12, 1, None, None).line() == (
         "doc-7: 12/40 pages final (1 failed); assembled when all are final")

@@ -27,7 +27,7 @@ URI = STORE.uri(image_object_key(SHA))
 
 
 class MemoryClaims:
-    """``request_claims`` in memory: ``query`` answers :func:`services.common.claims.held_claim`'s SELECT."""
+    """``request_claims`` in memory: ``query`` answers :func:`services.common.requests.claims.held_claim`'s SELECT."""
 
     def __init__(self, *rows: dict):
         self.rows = {r["request_id"]: r for r in rows}

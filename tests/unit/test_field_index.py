@@ -1,11 +1,11 @@
-"""The field index's keys and pure helpers (services/common/field_index.py, schemas/keys.py): which
+"""The field index's keys and pure helpers (services/common/cache/field_index.py, schemas/keys.py): which
 entries a LIST offers for a set of fields, and which entry holds them. The S3 calls themselves
 are checked on the real stack (tests/integration/test_tasks.py)."""
 
 from __future__ import annotations
 
 from schemas.keys import CacheGeneration, cache_key, field_family_id, field_index_key, field_index_prefix
-from services.common.field_index import candidates, entry_body, holds
+from services.common.cache.field_index import candidates, entry_body, holds
 
 SHA = "ab" * 32
 BASE = dict(engine="openai", model="tencent/HunyuanOCR", model_revision="main", preprocess_version=1,

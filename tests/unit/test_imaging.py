@@ -9,7 +9,7 @@ from PIL import Image
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
-from services.common.imaging import _render_pdf, decode, flatten, iter_flattened, iter_pages, sniff
+from services.common.images.imaging import _render_pdf, decode, flatten, iter_flattened, iter_pages, sniff
 from tests.pages import png16
 
 BIG = 100_000_000
@@ -188,7 +188,7 @@ def test_pdf_pages_are_rendered():
 def test_a_pdf_without_pages_says_so_not_pdfium_success():
     import pypdfium2
 
-    from services.common.imaging import pdf_page_sizes
+    from services.common.images.imaging import pdf_page_sizes
 
     buf = io.BytesIO()
     pypdfium2.PdfDocument.new().save(buf)  # a page tree with no page: /Count 0 /Kids []
@@ -377,7 +377,7 @@ def test_a_multi_page_tiff_whose_second_page_is_broken_is_corrupt_image():
 
 def test_unsupported_format_says_which_formats_are_read():
     from schemas.errors import ERRORS
-    from services.common.imaging import ACCEPTED_FORMATS, READ_FORMATS
+    from services.common.images.imaging import ACCEPTED_FORMATS, READ_FORMATS
 
     assert READ_FORMATS == "PNG, JPEG, GIF, TIFF, BMP, WebP, PBM/PGM/PPM, JPEG 2000, AVIF or PDF"
     assert len(READ_FORMATS.split(", ")) == len(ACCEPTED_FORMATS)  # each format named once, PDF with the last

@@ -1,8 +1,10 @@
-"""schemas imports only pydantic, the standard library and itself (the allow-list side of the
-import-linter contract in pyproject.toml, which forbids the project's other dependencies by name)."""
+"""Import rules the import-linter contracts in pyproject.toml cannot state alone: schemas imports only
+pydantic, the standard library and itself (the allow-list side of a contract that forbids the other
+dependencies by name); the core-of-common contract names every module directly in services/common."""
 
 import ast
 import sys
+import tomllib
 
 from tests.conftest import REPO
 
@@ -29,3 +31,18 @@ def test_schemas_import_only_pydantic_and_the_standard_library():
 
 def test_the_check_sees_a_third_party_import():
     assert imported_top_names(ast.parse("import os\nfrom redis.asyncio import Redis\nfrom . import x")) - ALLOWED == {"redis"}
+
+
+def _contract(name_starts: str) -> dict:
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    return next(c for c in contracts if c["name"].startswith(name_starts))
+
+
+def test_the_core_contract_names_every_module_and_every_concept_of_services_common():
+    contract = _contract("the core of services.common imports no concept")
+    common = REPO / "services" / "common"
+    modules = {f"services.common.{p.stem}" for p in common.glob("*.py") if p.stem != "__init__"}
+    concepts = {f"services.common.{p.parent.name}" for p in common.glob("*/__init__.py")} - {"services.common.migrations"}
+    assert set(contract["source_modules"]) == modules
+    assert set(contract["forbidden_modules"]) == concepts
+    assert {"services.common.cache", "services.common.documents", "services.common.images"} <= concepts

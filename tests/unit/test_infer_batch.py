@@ -19,7 +19,7 @@ from services.common.codec import dumps
 from services.common.records import RecordParser, Record
 from services.common.settings import Limits, TelemetrySettings
 from services.common.telemetry import Telemetry
-from services.common.textlines import Segment
+from services.infer.textlines import Segment
 from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable, OcrEngine
 from services.infer.handler import InferHandler
 from services.infer.settings import InferSettings

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, Line, ResultDocument, SubmitEvent
 from schemas.jobs import JobEvent, job_completion_event_id
-from services.common.job_report import SummaryBuilder, report_columns, write_rows
-from services.common.jobs import JobRow, progress_of, request_row
+from services.common.jobs.report import SummaryBuilder, report_columns, write_rows
+from services.common.jobs.store import JobRow, progress_of, request_row
 
 BOX = [[0, 0], [10, 0], [10, 10], [0, 10]]
 
@@ -109,7 +109,7 @@ from aiokafka import ConsumerRecord  # noqa: E402
 from schemas.events import CompletedEvent  # noqa: E402
 from schemas.jobs import JobCompletedEvent, JobSummary  # noqa: E402
 from services.common.codec import dumps  # noqa: E402
-from services.common.jobs import is_page  # noqa: E402
+from services.common.jobs.store import is_page  # noqa: E402
 from services.common.records import RecordParser  # noqa: E402
 from services.jobs.handler import JobsHandler  # noqa: E402
 from services.jobs.settings import JobsSettings  # noqa: E402

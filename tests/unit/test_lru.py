@@ -1,7 +1,7 @@
 """The dedup stage's bounded LRU."""
 
-from services.common.cache import CacheEntry
-from services.dedup.lru import EntryLru
+from services.common.cache.entries import CacheEntry
+from services.common.cache.lru import EntryLru
 
 
 def entry(i: int) -> CacheEntry:
@@ -51,7 +51,7 @@ class Clock:
 
 def test_an_entry_never_outlives_its_redis_entry(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr("services.dedup.lru.time.monotonic", clock)
+    monkeypatch.setattr("services.common.cache.lru.time.monotonic", clock)
     lru = EntryLru(max_entries=10, max_bytes=10**6, ttl_s=60.0)
     lru.put("short", entry(1), redis_ttl_s=5.0)  # e.g. a screenshot's entry with 5 s left in Redis
     lru.put("long", entry(2), redis_ttl_s=86_000.0)  # a document's: the LRU's own 60 s bound applies
@@ -73,7 +73,7 @@ def test_an_entry_already_expired_in_redis_is_not_kept():
 
 def test_a_refresh_takes_the_new_ttl(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr("services.dedup.lru.time.monotonic", clock)
+    monkeypatch.setattr("services.common.cache.lru.time.monotonic", clock)
     lru = EntryLru(max_entries=10, max_bytes=10**6, ttl_s=60.0)
     lru.put("k", entry(1), redis_ttl_s=10.0)
     clock.now += 9.0

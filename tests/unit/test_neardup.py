@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from schemas.events import Line
-from services.common.neardup import bands, hamming, phash64, scale_lines, verify
+from services.common.cache.neardup import bands, hamming, phash64, scale_lines, verify
 from services.dedup.settings import NearDupSettings
 from tests.conftest import text_image
 

@@ -1,7 +1,7 @@
 """The in-process LRU of result documents: bounded by entries and by JSON bytes."""
 
 from schemas.events import OcrOutput
-from services.common.outputs import OutputLru
+from services.common.cache.outputs import OutputLru
 
 
 def _doc(i: int) -> OcrOutput:

@@ -76,7 +76,7 @@ async def test_spaces_the_recogniser_drops_are_put_back_and_light_text_on_dark_t
 
     from PIL import Image, ImageOps
 
-    from services.common.textlines import group_lines
+    from services.infer.textlines import group_lines
 
     lines = ["TICKET 5590", "ORDER NUMBER 3344"]
     page = np.asarray(Image.open(BytesIO(text_image(lines))).convert("RGB"))

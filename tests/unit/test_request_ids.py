@@ -1,5 +1,5 @@
 """Pure logic of request ids and S3 references: the one id rule both doors use, the one claim
-rule (:func:`services.common.claims.compare`), the allow-list check of ``s3://`` references."""
+rule (:func:`services.common.requests.claims.compare`), the allow-list check of ``s3://`` references."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from schemas.events import SubmitEvent
 from schemas.ids import REQUEST_ID_MAX_LENGTH, is_request_id, request_id_problem
-from services.common.claims import RequestClaim, compare
+from services.common.requests.claims import RequestClaim, compare
 from services.common.errors import OcrError
 from services.common.s3 import reference_problem
 from services.api.protocol import SubmitOptions

@@ -1,4 +1,4 @@
-"""The shared builders of services/common/results.py: a cache hit's result event (dedup and the
+"""The shared builders of services/common/results/build.py: a cache hit's result event (dedup and the
 HTTP door), and a request's final document (the sink and the door's cache answer)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from schemas.errors import ErrorCode
 from schemas.events import ErrorInfo, Line, OcrOutput, Page, RequestEvent, ResultEvent
 from schemas.keys import CacheGeneration
-from services.common.results import cache_hit_event, document_output, ocr_output, result_document
+from services.common.results.build import cache_hit_event, document_output, ocr_output, result_document
 
 SHA = "ab" * 32
 OTHER = "cd" * 32
@@ -180,7 +180,7 @@ def test_a_stored_extraction_answers_only_the_fields_asked_in_the_order_asked():
     in another order: the document lists exactly the request's fields, values as stored, and
     ``text`` is their JSON; the stored output is untouched."""
     from schemas.tasks import TaskParams
-    from services.common.results import answer_fields
+    from services.common.results.build import answer_fields
 
     stored_req = request(task="extract", task_params=TaskParams(fields=("seller", "total", "date")))
     ev = ResultEvent(request=stored_req, cache_key=KEY, status="ok", engine="openai", model="HunyuanOCR",

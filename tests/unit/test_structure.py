@@ -8,7 +8,7 @@ import pytest_asyncio
 from PIL import Image
 
 from tests.engines import read_all
-from services.common.textlines import Segment, group_lines
+from services.infer.textlines import Segment, group_lines
 from services.infer.engines.base import OCR, EngineTask
 from services.infer.engines.rapid import RapidOcrEngine
 from services.infer.engines.structure import Region, assign, clean_table_html, markdown, ocr_boxes, table_html

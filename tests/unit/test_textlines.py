@@ -2,9 +2,9 @@
 
 import math
 
-from services.common.textlines import Segment, cer, group_lines, normalize_text, restore_spaces
+from services.infer.textlines import Segment, cer, group_lines, normalize_text, restore_spaces
 from schemas.events import Line
-from services.common.results import full_text
+from services.common.results.build import full_text
 
 
 def seg(x0, y0, x1, y1, text, conf=0.9):

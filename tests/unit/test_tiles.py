@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from services.common.textlines import Segment
+from services.infer.textlines import Segment
 from services.infer.tiles import make_tiles, map_back
 
 

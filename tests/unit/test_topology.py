@@ -47,7 +47,7 @@ def test_each_handler_consumes_what_the_table_says(stage, handler, settings):
     assert consumed == {getattr(t, f) for f in _names(stage, "consumers")} - set(t.compacted())
 
 
-@pytest.mark.parametrize("folder", ["ingest", "dedup", "infer", "sink", "jobs", "api", "cli", "common"])
+@pytest.mark.parametrize("folder", ["ingest", "dedup", "infer", "sink", "jobs", "webhooks", "api", "cli", "common"])
 def test_each_folder_names_the_topics_the_table_gives_it(folder):
     """A stage that starts producing to (or reading) a topic names it in its code: the table must
     say so; a topic the table gives it that its code never names is a stale row."""

@@ -9,11 +9,13 @@ import ipaddress
 import pytest
 from pydantic import SecretStr
 
-from services.api.callbacks import CallbackRefused, address_refusal, check_callback, parse_callback_url
+from services.common.webhooks.callbacks import CallbackRefused, address_refusal, check_callback, parse_callback_url
 from services.api.errors import ApiError
 from services.api.settings import ApiSettings
-from services.api.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify_signature
-from services.api.serving_webhooks import backoff_s, delivery_id, validate_callback_url
+from services.common.webhooks.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify_signature
+from services.api.serving_webhooks import validate_callback_url
+from services.webhooks.delivery import backoff_s
+from services.webhooks.handler import delivery_id
 
 ALLOW = ["hooks.example.com", "*.partner.example", "127.0.0.1", "localhost", "169.254.169.254", "[::1]", "::1"]
 
@@ -183,3 +185,57 @@ async def test_other_spellings_of_internal_addresses_are_refused(url):
     """The forms URL parsers and resolvers disagree on: each ends refused, whatever the reason."""
     with pytest.raises(CallbackRefused):
         await check_callback(url, ["*"], allow_private=False)
+
+
+# -- the webhooks stage's intake: which completion becomes which delivery row ---------------------
+
+def _intake():
+    from services.webhooks.handler import WebhooksHandler
+    from services.webhooks.settings import WebhooksSettings
+
+    return WebhooksHandler(WebhooksSettings(webhook_group_id="hooks-test"), db=None)
+
+
+def _record(topic: str, value: bytes | None, offset: int = 7):
+    from aiokafka import ConsumerRecord
+
+    from services.common.records import RecordParser
+
+    return RecordParser({})(ConsumerRecord(topic, 0, offset, 0, 0, None, value, None, 0, 0, []))
+
+
+def _completion(callback_url: str | None, key_id: str | None = None) -> bytes:
+    from schemas.events import CompletedEvent, ResultDocument
+    from services.common.codec import dumps
+
+    doc = ResultDocument(request_id="r1", status="ok", text="HELLO", callback_url=callback_url, api_key_id=key_id)
+    return dumps(CompletedEvent(event_id="ev-r1", request_id="r1", result=doc))
+
+
+def test_a_completion_with_a_callback_is_one_delivery_of_its_bytes_and_one_without_is_none():
+    h = _intake()
+    body = _completion("https://hooks.example.com/ocr", key_id="k1")
+    d = h.delivery_of(_record(h.s.topics.completed, body))
+    assert d.delivery_id == delivery_id("hooks-test", "ev-r1") and d.delivery_id.startswith("whd_")
+    assert (d.request_id, d.key_id, d.url, d.body) == ("r1", "k1", "https://hooks.example.com/ocr", body.decode())
+    assert h.delivery_of(_record(h.s.topics.completed, _completion(None))) is None
+    # unreadable bytes: logged and skipped, never a batch that fails forever
+    assert h.delivery_of(_record(h.s.topics.completed, b"{not json")) is None
+    assert h.delivery_of(_record(h.s.topics.completed, b'{"result": {"callback_url": "https://x"}}')) is None
+
+
+def test_a_job_completion_with_a_webhook_url_is_delivered_under_the_job_id():
+    from schemas.jobs import JobCompletedEvent, JobProgress, JobSummary
+    from services.common.codec import dumps
+
+    h = _intake()
+    ev = JobCompletedEvent(event_id="jev-1", job_id="job-1", webhook_url="https://hooks.example.com/jobs",
+                           api_key_id="k2", progress=JobProgress(job_id="job-1", state="completed", done=1),
+                           summary=JobSummary(requests=1, by_status={"ok": 1}, by_error_code={}, latency_ms={},
+                                              engine_ms=0.0, cache_hit_rate=0.0, pages=1, lines=1, chars=5),
+                           report={}, completed_at_ms=1)
+    d = h.delivery_of(_record(h.s.topics.job_completed, dumps(ev)))
+    assert (d.delivery_id, d.request_id, d.key_id, d.url) == (delivery_id("hooks-test", "jev-1"), "job-1", "k2",
+                                                              "https://hooks.example.com/jobs")
+    no_hook = ev.model_copy(update={"webhook_url": None})
+    assert h.delivery_of(_record(h.s.topics.job_completed, dumps(no_hook))) is None

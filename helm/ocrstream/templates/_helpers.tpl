@@ -103,6 +103,12 @@ Usage: include "ocrstream.stageConfig" (dict "component" "infer" "context" $) | 
 */}}
 {{- define "ocrstream.stageConfig" -}}
 {{- $common := deepCopy .context.Values.config -}}
+{{- if eq (toString .component) "webhooks" -}}
+{{- /* where callbacks may go is set once, on the door that accepts them; the webhooks stage reads the same */ -}}
+{{- range $k := list "webhook_allowed_hosts" "webhook_allow_private" -}}
+{{- if hasKey $.context.Values.api.config $k -}}{{- $_ := set $common $k (index $.context.Values.api.config $k) -}}{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- $own := dict -}}
 {{- if .component -}}{{- $own = deepCopy (index .context.Values .component).config -}}{{- end -}}
 {{- toYaml (mustMergeOverwrite $common $own) -}}
@@ -306,6 +312,13 @@ spec:
             name: {{ include "ocrstream.componentName" . }}
       env:
         {{- include "ocrstream.secretEnv" . | trim | nindent 8 }}
+        {{- if eq .component "webhooks" }}
+        {{- range $e := $ctx.Values.api.extraEnvVars }}
+        {{- if eq $e.name "OCRSTREAM_WEBHOOK_SECRET" }}
+        {{- toYaml (list $e) | nindent 8 }}
+        {{- end }}
+        {{- end }}
+        {{- end }}
         {{- with $c.extraEnvVars }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -390,7 +403,7 @@ spec:
 {{- $msgs = append $msgs (printf "config.%s: not a value; it comes from auth.existingSecret (kafkaTls for the CA)" $path) -}}
 {{- end -}}
 {{- end -}}
-{{- range $stage := list "ingest" "dedup" "infer" "sink" "jobs" "api" -}}
+{{- range $stage := list "ingest" "dedup" "infer" "sink" "jobs" "webhooks" "api" -}}
 {{- $c := index $v $stage -}}
 {{- if $c.enabled -}}
 {{- $cfg := include "ocrstream.stageConfig" (dict "component" $stage "context" $) | fromYaml -}}

@@ -22,7 +22,7 @@ from schemas.lanes import Priority
 # UnsupportedTask is defined with the table in schemas/tasks.py (the doors raise it too) and imported from here
 from schemas.tasks import DEFAULT_TASK, ENGINE_TASKS, TaskParams, UnsupportedTask
 from services.common.errors import OcrstreamError
-from services.common.textlines import Segment
+from services.infer.textlines import Segment
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from services.common.settings import RAPIDOCR_DEFAULT_MODEL, RAPIDOCR_DET_LIMIT_SIDE_LEN
-from services.common.textlines import SPACES_PP_OCRV4, SPACES_PP_OCRV6, Segment, SpaceRule, restore_spaces
+from services.infer.textlines import SPACES_PP_OCRV4, SPACES_PP_OCRV6, Segment, SpaceRule, restore_spaces
 from schemas.events import WARNING_NO_TABLE_FOUND
 from schemas.lanes import Priority
 from services.infer.engines import rapid_models

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from services.common.settings import RAPID_LAYOUT_VERSION, RAPID_TABLE_VERSION
-from services.common.textlines import Segment, group_lines
+from services.infer.textlines import Segment, group_lines
 
 TEXT_LABELS = frozenset({"text", "figure_caption", "table_caption", "header", "footer", "reference", "equation"})
 """Layout labels whose lines become one Markdown paragraph. ``equation``: RapidOCR reads no
@@ -135,7 +135,7 @@ def markdown(regions: list[Region], held: dict[int, list[Segment]], loose: list[
     Blocks: each region that holds text (:func:`assign`): a title as ``# `` and its lines joined
     by a space, a text-like region as a paragraph of its lines (one per source line), a table as
     its HTML from ``tables`` (a table region missing from ``tables`` is skipped); and each loose
-    line (:func:`services.common.textlines.group_lines` over ``loose``) as a paragraph of its own.
+    line (:func:`services.infer.textlines.group_lines` over ``loose``) as a paragraph of its own.
 
     Reading order: the loose lines in ``group_lines`` order (top to bottom, column by column);
     each region goes just before the first loose line that starts below its top edge (regions

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from services.common.cache import CacheEntry
+from services.common.cache.entries import CacheEntry
 
 
 class EntryLru:

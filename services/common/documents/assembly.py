@@ -1,7 +1,7 @@
 """The sink's assembly of a document once every page is final (``docs/documents.md``).
 
 Called by the sink after a batch's final states are written: each page's final state is recorded
-(:func:`services.common.documents.record_page`); for the page that completes its document, the
+(:func:`services.common.documents.state.record_page`); for the page that completes its document, the
 document result is assembled in page order from the pages' stored final states, written to S3 at
 ``documents/<document_id>.json`` (the first written is kept), and the document's own final state
 (a bounded summary pointing there) goes through the same ``requests`` insert as every request, so
@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable
 from schemas.errors import ErrorCode
 from schemas.events import DocumentPage, DocumentResult, ErrorInfo, Line, Page, RequestEvent, ResultDocument
 from schemas.keys import document_object_key
-from services.common import documents
+from services.common.documents import state as documents
 from services.common.db import Database
 from services.common.codec import dumps
-from services.common.outputs import OutputLru
+from services.common.cache.outputs import OutputLru
 from services.common.s3 import ObjectStore
 
 _TASK_SLOTS = ("markdown", "html", "latex", "fields", "translation")

@@ -3,7 +3,7 @@
 A thread cannot be stopped, and a hostile file can make a decoder or a PDF renderer work without
 end (form XObjects that each draw the next one ten times: 10^6 draws for a 3 KB file) or grow
 without bound. So every format check, decode and render of the stages runs in a decoder process
-(:mod:`services.common.decode_worker`) of a small pool:
+(:mod:`services.common.images.decode_worker`) of a small pool:
 
 * **time**: each page (and the format check) has ``decode.page_timeout_s``, all pages of one
   request ``decode.timeout_s``; past either the process is killed (SIGKILL) and replaced, and
@@ -11,7 +11,7 @@ without bound. So every format check, decode and render of the stages runs in a 
 * **memory**: each process has an address-space cap (``decode.memory_mb``, ``RLIMIT_AS``); an
   image that needs more ends ``image_too_complex`` (a ``MemoryError``, or the process dying);
 * **pixels in flight**: a stage that holds many decoded pages at once (infer) takes each
-  request's bytes from a :class:`~services.common.pixel_budget.PixelBudget` before decoding it, so its memory for pixels is
+  request's bytes from a :class:`~services.common.images.pixel_budget.PixelBudget` before decoding it, so its memory for pixels is
   bounded whatever the mix of images.
 
 Hand-over without copies: the parent puts the input in a ``memfd`` (or passes the spool file of
@@ -46,9 +46,9 @@ from opentelemetry import trace
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError, OcrstreamError
-from services.common.imaging import BACKGROUNDS, ImageInfo
+from services.common.images.imaging import BACKGROUNDS, ImageInfo
 from services.common.settings import DecodeSettings, Limits
-from services.common.splitting import Rendered
+from services.common.documents.splitting import Rendered
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class DecodedPages:
     ``sizes[i]`` is page ``i``'s ``(width, height)`` as decoded (upright: the plan's, or with the
     sides swapped by page 1's EXIF orientation); it stays after :meth:`release`.
     ``backgrounds[i]`` is the colour page ``i``'s transparency was flattened onto (``"white"``
-    or ``"black"``), None for an opaque page (:func:`services.common.imaging.flatten`); it
+    or ``"black"``), None for an opaque page (:func:`services.common.images.imaging.flatten`); it
     stays after :meth:`release`.
     """
 
@@ -144,7 +144,7 @@ class _Worker:
                    MALLOC_MMAP_THRESHOLD_=str(128 << 20), MALLOC_TRIM_THRESHOLD_=str(512 << 20))
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "services.common.decode_worker", str(theirs.fileno()), str(cfg.memory_mb << 20)],
+                [sys.executable, "-m", "services.common.images.decode_worker", str(theirs.fileno()), str(cfg.memory_mb << 20)],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()
@@ -376,7 +376,7 @@ class DecoderPool:
             self._give_back(w)
 
     async def sniff(self, src: bytes | BinaryIO) -> ImageInfo:
-        """The format check of :func:`services.common.imaging.sniff`, in a worker, bounded by
+        """The format check of :func:`services.common.images.imaging.sniff`, in a worker, bounded by
         ``decode.page_timeout_s``.
 
         Args:
@@ -384,7 +384,7 @@ class DecoderPool:
                 the worker as a descriptor, not read here).
 
         Raises:
-            OcrError: as :func:`~services.common.imaging.sniff`, plus ``decode_timeout`` and
+            OcrError: as :func:`~services.common.images.imaging.sniff`, plus ``decode_timeout`` and
                 ``image_too_complex``.
         """
         fd = _input_fd(src)
@@ -395,7 +395,7 @@ class DecoderPool:
         return ImageInfo(*ans["info"])
 
     async def plan(self, src: bytes | BinaryIO) -> Plan:
-        """The format check plus every page's size from its header (:func:`~services.common.imaging.page_sizes`),
+        """The format check plus every page's size from its header (:func:`~services.common.images.imaging.page_sizes`),
         bounded as :meth:`sniff`."""
         fd = _input_fd(src)
         try:
@@ -408,7 +408,7 @@ class DecoderPool:
         """Decode every page of ``src`` (as planned by :meth:`plan`) into one shared buffer.
 
         Bounded by ``decode.page_timeout_s`` per page and ``decode.timeout_s`` for all pages.
-        The caller has set ``plan.nbytes`` aside (a :class:`~services.common.pixel_budget.PixelBudget`) and passes what gives
+        The caller has set ``plan.nbytes`` aside (a :class:`~services.common.images.pixel_budget.PixelBudget`) and passes what gives
         it back as ``on_release``; it is called on failure too.
 
         Raises:
@@ -466,7 +466,7 @@ class DecoderPool:
     async def document_plan(self, src: bytes | BinaryIO) -> Plan:
         """:meth:`plan`, with a PDF or TIFF checked against the document limits
         (``limits.max_document_pages``, ``limits.max_document_pixels``) instead of ``max_pages`` and
-        the request's pixel total: :func:`services.common.splitting.document_plan`. Nothing is
+        the request's pixel total: :func:`services.common.documents.splitting.document_plan`. Nothing is
         rendered; bounded by ``decode.page_timeout_s``.
 
         Raises:
@@ -483,7 +483,7 @@ class DecoderPool:
     async def render_pages(self, src: bytes | BinaryIO, first: int, count: int,
                            after_stop: bool = False) -> list[Rendered]:
         """Pages ``first .. first+count-1`` (0-based) of a PDF or TIFF as PNG bytes
-        (:func:`services.common.splitting.render_pages`) in a decoder process, each page within
+        (:func:`services.common.documents.splitting.render_pages`) in a decoder process, each page within
         ``decode.page_timeout_s``, all within ``decode.timeout_s``, back through a ``memfd``.
         A page that alone cannot be rendered is its ``OcrError`` in the list: the decoder's answer
         (``corrupt_image``, ``image_too_large``, ``image_too_complex``), or a :class:`DecoderStopped`

@@ -10,10 +10,10 @@ from schemas.errors import ErrorCode
 from schemas.events import RequestEvent
 from schemas.ids import page_request_id
 from schemas.keys import image_object_key
-from services.common.decoding import DecoderPool, DecoderStopped
+from services.common.images.decoding import DecoderPool, DecoderStopped
 from services.common.errors import OcrError
 from services.common.s3 import ObjectStore
-from services.common.splitting import DOCUMENT_FORMATS
+from services.common.documents.splitting import DOCUMENT_FORMATS
 
 
 def is_document(req: RequestEvent) -> bool:
@@ -40,7 +40,7 @@ async def split_pages(doc: RequestEvent, data: bytes, decoder: DecoderPool, stor
     ``request_id`` (:func:`~schemas.ids.page_request_id`), image fields, ``document_id``,
     ``page_number`` and ``page_count``, and no ``callback_url`` (the document's webhook fires for
     the document). A page that alone cannot be rendered (``corrupt_image``, ``image_too_large``,
-    ``image_too_complex``, ``decode_timeout``: :meth:`~services.common.decoding.DecoderPool.render_pages`)
+    ``image_too_complex``, ``decode_timeout``: :meth:`~services.common.images.decoding.DecoderPool.render_pages`)
     comes with its error and no image; the other pages are rendered as ever. Everything is a
     function of the document's bytes and id, so a replay of the split stores nothing new and
     announces the same requests.

@@ -1,9 +1,9 @@
-"""The decoder process: ``python -m services.common.decode_worker FD MEMORY_BYTES``.
+"""The decoder process: ``python -m services.common.images.decode_worker FD MEMORY_BYTES``.
 
-Started by :class:`services.common.decoding.DecoderPool`, never by hand. It reads requests from
+Started by :class:`services.common.images.decoding.DecoderPool`, never by hand. It reads requests from
 the ``SOCK_SEQPACKET`` socket ``FD`` (one datagram each: JSON, with the input and output files
 passed as descriptors, ``SCM_RIGHTS``), runs the in-process functions of
-:mod:`services.common.imaging` on them and answers with one JSON datagram per step. Its address
+:mod:`services.common.images.imaging` on them and answers with one JSON datagram per step. Its address
 space is capped at ``MEMORY_BYTES`` (``RLIMIT_AS``; 0 = no cap) after its imports, it is the
 first process the kernel kills when its container runs out of memory (``oom_score_adj`` 1000),
 and it is killed with its parent (``PR_SET_PDEATHSIG``), so a render the parent gave up on never
@@ -18,11 +18,11 @@ Requests (``op``) and answers:
   no copy through the socket), then ``{"page": i, "size": [w, h], "background": b}`` (``size``:
   as planned, or with its sides swapped by the EXIF orientation) (``b``: the colour the
   page's transparency was flattened onto, ``"white"``/``"black"``, or null for an opaque page:
-  :func:`~services.common.imaging.iter_flattened`); ``{"done": n}`` after the last one.
+  :func:`~services.common.images.imaging.iter_flattened`); ``{"done": n}`` after the last one.
 * ``doc_plan`` (fds: input; ``max_document_pages``, ``max_document_pixels``): as ``plan``, a PDF
-  or TIFF checked against the document limits (:func:`~services.common.splitting.document_plan`).
+  or TIFF checked against the document limits (:func:`~services.common.documents.splitting.document_plan`).
 * ``render`` (fds: input, output; ``first``, ``count``): pages of a PDF or TIFF as PNG
-  (:func:`~services.common.splitting.render_pages`), appended to the output file one after the
+  (:func:`~services.common.documents.splitting.render_pages`), appended to the output file one after the
   other, each announced ``{"page": i, "offset": o, "length": n, "size": [w, h]}``, or, for a page
   that alone cannot be rendered, ``{"page": i, "failed": code, "message": text}``; then ``{"done": k}``.
 * any failure: ``{"error": code, "message": text}`` (an :class:`OcrError`'s code;
@@ -90,7 +90,7 @@ def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
 
 
 def _serve(sock: socket.socket, req: dict, fds: list[int]) -> None:
-    from services.common import imaging
+    from services.common.images import imaging
     from services.common.errors import OcrError
     from schemas.errors import ErrorCode
 
@@ -126,7 +126,7 @@ def _serve(sock: socket.socket, req: dict, fds: list[int]) -> None:
 
 
 def _serve_document(sock: socket.socket, op: str, req: dict, src, fds: list[int], px: int, pages: int) -> None:
-    from services.common import splitting
+    from services.common.documents import splitting
     from services.common.errors import OcrError
 
     if op == "doc_plan":
@@ -159,7 +159,8 @@ def main() -> int:
     from PIL import Image  # noqa: F401
 
     from schemas.errors import ErrorCode
-    from services.common import imaging, splitting  # noqa: F401
+    from services.common.images import imaging
+    from services.common.documents import splitting  # noqa: F401
     from services.common.errors import OcrError
 
     if memory:

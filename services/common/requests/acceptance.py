@@ -5,13 +5,13 @@ One rule, for every reader of a request's state (``ocrstream status``; the HTTP 
 accepted, and is pending, when
 
 * Redis holds the HTTP door's accepted marker (``<prefix>:req:<id>``,
-  :meth:`~services.common.cache.ResultCache.mark_accepted`; its value names the API key);
-* or a claim holds it (:func:`services.common.claims.held_claim`: an id chosen by its submitter,
+  :meth:`~services.common.cache.entries.ResultCache.mark_accepted`; its value names the API key);
+* or a claim holds it (:func:`services.common.requests.claims.held_claim`: an id chosen by its submitter,
   claimed by ingest once it read the submission, or by the HTTP door);
-* or it is a registered document (:func:`services.common.documents.progress`: a PDF or TIFF
+* or it is a registered document (:func:`services.common.documents.state.progress`: a PDF or TIFF
   split by ingest, whatever its id), assembled when all its pages are final;
 * or it names a page of a registered document (``<document id>:p<n>``,
-  :func:`services.common.claims.registered_page`: split by ingest, not final yet).
+  :func:`services.common.requests.claims.registered_page`: split by ingest, not final yet).
 
 Otherwise it is unknown: never submitted, mistyped, another namespace's, or submitted to Kafka
 and not read by ingest yet (a Kafka door's id is known from the moment ingest claims it).
@@ -24,8 +24,10 @@ from typing import Literal
 
 import orjson
 
-from services.common import claims, documents
-from services.common.cache import CacheUnavailable, ResultCache
+from services.common.requests import claims
+
+from services.common.documents import state as documents
+from services.common.cache.entries import CacheUnavailable, ResultCache
 from services.common.db import Database
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 
-from services.common.cache import ResultCache
-from services.common.neardup import HASH_BITS, bands, hamming
+from services.common.cache.entries import ResultCache
+from services.common.cache.neardup import HASH_BITS, bands, hamming
 
 N_BANDS = 8
 

@@ -8,7 +8,7 @@ and every check costs time linear in the page limit at worst (frames are counted
 
 These functions run in-process and are unbounded in wall-clock time and memory for a hostile
 file (a PDF page whose content stream is unbounded work); the stages call them only through
-:mod:`services.common.decoding`, which runs them in killable worker processes.
+:mod:`services.common.images.decoding`, which runs them in killable worker processes.
 
 Decoding rules (each fixes a whole class of inputs, see ``../shared/cases``):
 
@@ -37,7 +37,7 @@ from PIL import Image, ImageOps, ImageStat
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
-from services.common.pdf_tree import open_pdf
+from services.common.documents.pdf_tree import open_pdf
 
 PDF_MAGIC = b"%PDF-"
 PDF_HEADER_WINDOW = 1024
@@ -232,7 +232,7 @@ def pdf_page_sizes(data: bytes | BinaryIO, max_pages: int,
                    too_many: ErrorCode = ErrorCode.TOO_MANY_PAGES) -> list[tuple[int, int]]:
     """Every page's ``(width, height)`` in pixels at :data:`PDF_RENDER_DPI`, read from the page
     tree (no page is loaded or rendered). The pages are those the tree holds, counted leaf by
-    leaf where its ``/Count`` says otherwise (:func:`~services.common.pdf_tree.open_pdf`).
+    leaf where its ``/Count`` says otherwise (:func:`~services.common.documents.pdf_tree.open_pdf`).
 
     Raises:
         OcrError: ``corrupt_image`` (no pages, or a page the tree names cannot be read);
@@ -429,7 +429,7 @@ def iter_pages(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> Itera
 
 def decode(data: bytes | BinaryIO, max_pixels: int, max_pages: int) -> list[np.ndarray]:
     """Every page of :func:`iter_pages` in a list (in-process: benchmarks and tests; the stages
-    decode through :class:`services.common.decoding.DecoderPool`)."""
+    decode through :class:`services.common.images.decoding.DecoderPool`)."""
     return [np.array(p, copy=True) for p in iter_pages(data, max_pixels, max_pages)]
 
 

@@ -12,7 +12,7 @@ Keys (prefix ``ocr`` by default; ``<key>`` is a cache key ``<gen_id>:<sha256>``,
 * ``ocr:c:<key>``      the cache entry: a small JSON pointer to the S3 result document plus a
                        summary (never the document itself), with a TTL per task/source.
 * ``ocr:gens``         hash gen_id -> generation JSON, so ``cache purge --model REV`` finds entries.
-* ``ocr:nd:<gen_id>:*`` near-duplicate index (LSH buckets, ``services/common/neardup_index.py``).
+* ``ocr:nd:<gen_id>:*`` near-duplicate index (LSH buckets, ``services/common/cache/neardup_index.py``).
 * ``ocr:req:<id>``     requests accepted over HTTP and not yet completed (the HTTP door).
 
 Every call has a time budget (``redis.timeout_ms``). A failed or slow call is counted and

@@ -7,8 +7,8 @@ counts by walking ``/Kids`` leaf by leaf (``QPDF::getAllPages``, loops detected)
 file back with every ``/Count`` set from that walk. Where the two counts disagree, the document is
 read from qpdf's rewrite, so no page is dropped (``docs/documents.md``).
 
-Like :mod:`services.common.imaging`, these run in the decoder processes (memory cap and timeout:
-:mod:`services.common.decoding`); qpdf reads only the page tree, not the pages' content.
+Like :mod:`services.common.images.imaging`, these run in the decoder processes (memory cap and timeout:
+:mod:`services.common.images.decoding`); qpdf reads only the page tree, not the pages' content.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ class PixelBudget:
 
     A request for more than the whole budget is granted when nothing else is held (it runs
     alone), so the bound is ``max(limit, the largest single image)``; the largest single image is
-    bounded by ``2 x limits.max_pixels x 3`` bytes (:data:`services.common.imaging.TOTAL_PIXELS_FACTOR`).
+    bounded by ``2 x limits.max_pixels x 3`` bytes (:data:`services.common.images.imaging.TOTAL_PIXELS_FACTOR`).
 
     Args:
         limit: Bytes; 0 = unbounded.

@@ -1,17 +1,17 @@
 """Documents split into pages: the page count and pixel checks before any render, then one page at a time.
 
 A *document* is a PDF or a multi-page TIFF (``docs/documents.md``). Ingest splits it into one
-request per page. These functions do the pixel work; like :mod:`services.common.imaging` they run
+request per page. These functions do the pixel work; like :mod:`services.common.images.imaging` they run
 in-process and unbounded, so the stages call them only through the decoder processes
-(:class:`services.common.decoding.DecoderPool`, ops ``doc_plan`` and ``render``).
+(:class:`services.common.images.decoding.DecoderPool`, ops ``doc_plan`` and ``render``).
 
 * :func:`document_plan`: the format, and for a document its page count (a PDF's from the page
   tree, a TIFF's by walking frame headers up to ``max_document_pages + 1``) and every page's size,
   checked against the document limits (``document_too_many_pages``, ``document_too_large``):
   nothing is rendered or decoded. A page over ``max_pixels`` fails alone at its render. Any other
-  image gets the checks of :func:`~services.common.imaging.page_sizes` as before.
+  image gets the checks of :func:`~services.common.images.imaging.page_sizes` as before.
 * :func:`render_pages`: pages ``first .. first+count-1`` as PNG bytes, one at a time (a PDF page
-  rendered at :data:`~services.common.imaging.PDF_RENDER_DPI` onto white, as the one-request path
+  rendered at :data:`~services.common.images.imaging.PDF_RENDER_DPI` onto white, as the one-request path
   renders it; a TIFF frame in its own mode where PNG holds it, else as RGB), or a page's own
   error in its place when that page alone cannot be rendered. The same page gives the same bytes
   every time (PNG written by Pillow with fixed options), so a replay of the split stores nothing
@@ -29,11 +29,11 @@ from PIL import Image, ImageOps
 
 from schemas.errors import ErrorCode
 from services.common.errors import OcrError
-from services.common.imaging import (
+from services.common.images.imaging import (
     PDF_RENDER_DPI, ImageInfo, _check_pixels, _frame_sizes, _next_frame, _open, _pdf_pixels, flatten,
     pdf_page_sizes,
 )
-from services.common.pdf_tree import open_pdf
+from services.common.documents.pdf_tree import open_pdf
 
 DOCUMENT_FORMATS = ("PDF", "TIFF")
 """The formats split into pages when they hold more than one."""
@@ -62,7 +62,7 @@ def document_plan(data: bytes | BinaryIO, max_pixels: int, max_pages: int, max_d
         OcrError: ``document_too_many_pages``, ``document_too_large``, ``image_too_large`` (a
             one-page PDF or TIFF over ``max_pixels``; in a longer document that page fails alone at
             its render), ``corrupt_image``, and for other images what
-            :func:`~services.common.imaging.page_sizes` raises.
+            :func:`~services.common.images.imaging.page_sizes` raises.
     """
     fmt, img, _ = _open(data, max_pixels)
     if img is None:

@@ -24,7 +24,7 @@ import orjson
 
 from schemas.jobs import JobSummary
 from services.common.db import Database
-from services.common.jobs import REPORT_SQL, JobRow
+from services.common.jobs.store import REPORT_SQL, JobRow
 from services.common.s3 import ObjectStore
 from services.common.wording import plural
 
@@ -50,7 +50,7 @@ def report_columns(fields: list[str]) -> list[str]:
 
 
 def report_record(row: dict, fields: list[str]) -> dict:
-    """One ``job_requests`` row (:data:`~services.common.jobs.REPORT_SQL`) as a report row, keys in
+    """One ``job_requests`` row (:data:`~services.common.jobs.store.REPORT_SQL`) as a report row, keys in
     :func:`report_columns` order (absent values None; times in ms, rounded to 0.001 ms)."""
     timings = orjson.loads(row["timings_json"]) if row.get("timings_json") else {}
     values = orjson.loads(row["fields_json"]) if row.get("fields_json") else {}

@@ -14,8 +14,8 @@ from typing import BinaryIO
 from schemas.errors import ErrorCode
 from schemas.keys import image_object_key
 from services.common.errors import OcrError
-from services.common.decoding import DecoderPool
-from services.common.imaging import ImageInfo
+from services.common.images.decoding import DecoderPool
+from services.common.images.imaging import ImageInfo
 from services.common.s3 import MultipartUpload, ObjectStore
 from services.common.settings import Limits
 
@@ -45,7 +45,7 @@ async def accept_image(data: bytes, limits: Limits, store: ObjectStore, decoder:
         decoder: Runs the format check in a decoder process, bounded in time and memory.
         sha256: The hex SHA-256 of ``data`` when the caller hashed it while reading.
         info: The header check's answer when the caller already ran it (ingest's document check,
-            :meth:`~services.common.decoding.DecoderPool.document_plan`); None: sniffed here.
+            :meth:`~services.common.images.decoding.DecoderPool.document_plan`); None: sniffed here.
 
     Raises:
         OcrError: ``input_too_large``, ``empty_input``, ``unsupported_format``, ``corrupt_image``,
@@ -68,7 +68,7 @@ async def accept_staged(spool: BinaryIO, size: int, sha256: str, upload: Multipa
 
     The bytes are in two places: every part in the open multipart ``upload`` (to a staging key)
     and, in the same order, in ``spool`` (a file on local disk). The checks are the same as
-    :func:`accept_image`'s, run by the same :func:`~services.common.imaging.sniff` on the whole
+    :func:`accept_image`'s, run by the same :func:`~services.common.images.imaging.sniff` on the whole
     spooled file (in a decoder process): a PDF's page count needs its cross-reference table at the end, a GIF's or
     TIFF's frame count walks the whole file, so a check on the first part alone could answer
     differently. Only if they pass is the upload made into ``images/<sha[:2]>/<sha>``
