@@ -64,6 +64,17 @@ def _helm_installed():
         pytest.fail(f"{HELM_MISSING} (this run requires it: {STRICT_ENV}=1 or CI)", pytrace=False)
 
 
+def _read_as(monkeypatch, env: dict, settings_cls, secret_value: str = "stub"):
+    """``settings_cls()`` in an environment holding only ``env`` (a container's env; a
+    ``valueFrom`` entry is given ``secret_value``)."""
+    for k in list(os.environ):
+        if k.startswith("OCRSTREAM_"):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v if isinstance(v, str) else secret_value)
+    return settings_cls()
+
+
 def env_names(settings_cls: type[BaseModel]) -> set[str]:
     """Every env var name the settings class reads: OCRSTREAM_<FIELD>, nested models OCRSTREAM_<FIELD>__<SUB>."""
     prefix = settings_cls.model_config.get("env_prefix", "")
@@ -192,12 +203,7 @@ def test_env_values_parse_as_the_stage_settings(manifests, monkeypatch):
     """The rendered values are accepted by the settings classes (types, literals), secrets stubbed."""
     for w in workloads(manifests):
         stage = component(w)
-        for k in list(os.environ):
-            if k.startswith("OCRSTREAM_"):
-                monkeypatch.delenv(k)
-        for k, v in _stage_env(manifests, w).items():
-            monkeypatch.setenv(k, v if isinstance(v, str) else "stub")
-        s = STAGES[stage]()
+        s = _read_as(monkeypatch, _stage_env(manifests, w), STAGES[stage])
         assert s.telemetry.metrics_port
 
 
@@ -274,12 +280,7 @@ openai engine's HTTP clients."""
 def test_infer_memory_limit_covers_the_engine_the_pixel_budget_and_the_decoders(case, monkeypatch):
     docs = render(*CASES[case])
     (infer,) = [w for w in workloads(docs) if component(w) == "infer"]
-    for k in list(os.environ):
-        if k.startswith("OCRSTREAM_"):
-            monkeypatch.delenv(k)
-    for k, v in _stage_env(docs, infer).items():
-        monkeypatch.setenv(k, v if isinstance(v, str) else "stub")
-    s = STAGES["infer"]()
+    s = _read_as(monkeypatch, _stage_env(docs, infer), STAGES["infer"])
     limit = container(infer)["resources"]["limits"]["memory"]
     mib = int(limit[:-2]) * (1024 if limit.endswith("Gi") else 1)
     need = ENGINE_RESERVE_MIB[s.engine_kind or s.engine.engine] + s.pixel_budget_mb + s.decode.workers * s.decode.memory_mb
@@ -463,12 +464,7 @@ def test_api_door_is_closed_by_default_keys_rate_limit_no_cors_no_private_callba
     assert float(env["OCRSTREAM_RATE_LIMIT_PER_S"]) > 0 and int(env["OCRSTREAM_RATE_LIMIT_BURST"]) >= 1
     assert env.get("OCRSTREAM_HTTP_CORS_ORIGINS", "[]") == "[]"
     assert env.get("OCRSTREAM_WEBHOOK_ALLOW_PRIVATE", "false") == "false"
-    for k in list(os.environ):
-        if k.startswith("OCRSTREAM_"):
-            monkeypatch.delenv(k)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v if isinstance(v, str) else "stub")
-    s = ApiSettings()
+    s = _read_as(monkeypatch, env, ApiSettings)
     assert s.auth_required is True and s.rate_limit_per_s > 0
     assert s.http_cors_origins == [] and s.webhook_allow_private is False
 
@@ -516,12 +512,7 @@ def test_webhook_hosts_cors_origins_and_the_webhook_secret_reach_the_door_and_th
     (w,) = _api(docs, "Deployment")
     env = _stage_env(docs, w)
     assert env["OCRSTREAM_WEBHOOK_SECRET"] == {"secretKeyRef": {"name": "ocrstream-webhook", "key": "secret"}}
-    for k in list(os.environ):
-        if k.startswith("OCRSTREAM_"):
-            monkeypatch.delenv(k)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v if isinstance(v, str) else "whsec_from_the_secret")
-    s = ApiSettings()
+    s = _read_as(monkeypatch, env, ApiSettings, "whsec_from_the_secret")
     assert s.webhook_allowed_hosts == ["hooks.example.com", "*.partner.example"]
     assert s.http_cors_origins == ["https://app.example.com"]
     assert s.webhook_secret.get_secret_value() == "whsec_from_the_secret"
@@ -529,12 +520,7 @@ def test_webhook_hosts_cors_origins_and_the_webhook_secret_reach_the_door_and_th
     (hooks,) = [d for d in workloads(docs) if component(d) == "webhooks"]
     hooks_env = _stage_env(docs, hooks)
     assert hooks_env["OCRSTREAM_WEBHOOK_SECRET"] == env["OCRSTREAM_WEBHOOK_SECRET"]
-    for k in list(os.environ):
-        if k.startswith("OCRSTREAM_"):
-            monkeypatch.delenv(k)
-    for k, v in hooks_env.items():
-        monkeypatch.setenv(k, v if isinstance(v, str) else "whsec_from_the_secret")
-    h = WebhooksSettings()
+    h = _read_as(monkeypatch, hooks_env, WebhooksSettings, "whsec_from_the_secret")
     assert h.webhook_allowed_hosts == s.webhook_allowed_hosts and h.webhook_allow_private is False
     assert h.webhook_secret.get_secret_value() == "whsec_from_the_secret"
 
