@@ -101,7 +101,8 @@ class WebhooksHandler(Handler):
                                            attempts=attempts) if m.topic == self.s.topics.dlq]
 
     async def undecodable(self, record: Record, exc: Exception) -> list[Outgoing]:
-        """Not reached (no model is declared, every value arrives as bytes); a tombstone goes to the DLQ."""
+        """Not reached: no model is declared, so every value (a tombstone too) goes to :meth:`handle`, which
+        logs and skips what it cannot read. Kept for the contract: a DLQ event, not retried."""
         return self.poison(record, OcrError(ErrorCode.INVALID_REQUEST, f"webhooks: not a completion: {exc}"[:1000]), 1)
 
     async def dependencies_ok(self) -> bool | None:

@@ -17,7 +17,8 @@ async def main(settings: WebhooksSettings | None = None) -> None:
     s = settings or load_settings(WebhooksSettings)
 
     async def build(ctx: StageContext) -> WebhooksHandler:
-        db = Database(s.mysql, telemetry=ctx.telemetry)
+        # a connection per attempt in flight, and two for the intake and the delivery loop's claims
+        db = Database(s.mysql, pool_size=s.webhook_concurrency + 2, telemetry=ctx.telemetry)
         ctx.telemetry.add_probe("mysql", db.ping)
         sender = WebhookSender(s, db, ctx.telemetry)
         await sender.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pymysql
@@ -26,9 +27,18 @@ def fault_pipeline(tmp_path_factory):
 
 
 def stack(action: str, service: str) -> None:
-    """``deploy/local/up.sh SERVICE`` or ``down.sh SERVICE``."""
+    """``deploy/local/up.sh SERVICE`` or ``down.sh SERVICE``.
+
+    A restarted Kafka loads every partition of every test namespace before it listens (thousands,
+    late in a run), which took over a minute on 2 busy cores: up.sh may wait 4 minutes here.
+
+    Raises:
+        AssertionError: the script failed, with its output.
+    """
     script = {"up": "up.sh", "down": "down.sh"}[action]
-    subprocess.run(["bash", f"deploy/local/{script}", service], cwd=REPO, check=True, capture_output=True, timeout=180)
+    out = subprocess.run(["bash", f"deploy/local/{script}", service], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OCRSTREAM_READY_TIMEOUT": "240"})
+    assert out.returncode == 0, f"{script} {service} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
 
 
 def distinct_images(n: int, tag: str) -> list[tuple[bytes, str]]:

@@ -126,7 +126,9 @@ async def test_second_infer_joins_and_first_leaves_mid_run(fault_pipeline):
     """
     p = fault_pipeline
     s = CommonSettings()
-    items = distinct_images(100, "REBALANCE")
+    # enough pages that the first infer is still reading when the second has loaded its engine and
+    # joined (a minute on 2 busy cores; the fault pipeline reads a one-line image in ~0.2 s of CPU)
+    items = distinct_images(400, "REBALANCE")
     [first] = [st for st in p.stages["infer"] if st.proc.poll() is None]
     before = _revoked_in_flight(p, first)
     log_at = first.log.stat().st_size

@@ -446,6 +446,11 @@ def test_api_can_be_turned_off():
     (("api.config.webhook_allowed_hosts=hooks.example.com",), "/api/config/webhook_allowed_hosts"),  # not a list
     (("api.config.webhook_allow_private=yes",), "/api/config/webhook_allow_private"),
     (("api.config.webhook_secret=whsec_x",), "api.config.webhook_secret: not a value"),
+    (("webhooks.config.webhook_secret=whsec_x",), "webhooks.config.webhook_secret: not a value"),
+    (("config.webhook_secret=whsec_x",), "config.webhook_secret: not a value"),
+    # delivery settings are the webhooks stage's: on the door they would be dropped without a word
+    (("api.config.webhook_group_id=mine",), "api.config.webhook_group_id: a setting of the webhooks stage"),
+    (("api.config.webhook_timeout_s=3",), "api.config.webhook_timeout_s: a setting of the webhooks stage"),
 ])
 def test_api_values_that_cannot_work_fail_early(sets, message):
     cmd = [HELM, "template", "x", str(CHART), "-f", str(REQUIRED)]
@@ -558,3 +563,23 @@ def test_sink_and_dedup_agree_on_the_requests_topic_and_dedup_has_its_changelog(
     env = {component(w): _stage_env(docs, w) for w in workloads(docs) if component(w) in ("dedup", "sink")}
     assert env["dedup"]["OCRSTREAM_TOPICS__REQUESTS"] == env["sink"]["OCRSTREAM_TOPICS__REQUESTS"] == "team-a.requests"
     assert env["dedup"]["OCRSTREAM_TOPICS__DEDUP_CHANGELOG"] == "team-a.state"
+
+
+def test_a_chart_without_the_webhooks_stage_has_a_door_that_refuses_callbacks(monkeypatch):
+    """webhooks.enabled=false: no stage would deliver a callback, so the door's webhook_enabled is
+    false (it answers a callback_url 400 instead of accepting one nothing sends)."""
+    docs = render(REQUIRED, sets=("webhooks.enabled=false",))
+    assert not [d for d in workloads(docs) if component(d) == "webhooks"]
+    (w,) = _api(docs, "Deployment")
+    assert _read_as(monkeypatch, _stage_env(docs, w), ApiSettings).webhook_enabled is False
+    (w,) = _api(render(REQUIRED), "Deployment")
+    assert _read_as(monkeypatch, _stage_env(render(REQUIRED), w), ApiSettings).webhook_enabled is True
+
+
+def test_a_secret_the_webhooks_stage_names_itself_is_not_given_twice():
+    docs = render(REQUIRED, sets=(
+        "api.extraEnvVars[0].name=OCRSTREAM_WEBHOOK_SECRET", "api.extraEnvVars[0].value=from-api",
+        "webhooks.extraEnvVars[0].name=OCRSTREAM_WEBHOOK_SECRET", "webhooks.extraEnvVars[0].value=own"))
+    (hooks,) = [d for d in workloads(docs) if component(d) == "webhooks"]
+    env = [e for e in container(hooks)["env"] if e["name"] == "OCRSTREAM_WEBHOOK_SECRET"]
+    assert env == [{"name": "OCRSTREAM_WEBHOOK_SECRET", "value": "own"}]

@@ -222,6 +222,8 @@ def test_a_completion_with_a_callback_is_one_delivery_of_its_bytes_and_one_witho
     # unreadable bytes: logged and skipped, never a batch that fails forever
     assert h.delivery_of(_record(h.s.topics.completed, b"{not json")) is None
     assert h.delivery_of(_record(h.s.topics.completed, b'{"result": {"callback_url": "https://x"}}')) is None
+    assert h.delivery_of(_record(h.s.topics.completed, None)) is None  # a tombstone
+    assert h.delivery_of(_record(h.s.topics.job_completed, None)) is None
 
 
 def test_a_job_completion_with_a_webhook_url_is_delivered_under_the_job_id():

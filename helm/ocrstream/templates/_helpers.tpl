@@ -111,7 +111,12 @@ Usage: include "ocrstream.stageConfig" (dict "component" "infer" "context" $) | 
 {{- end -}}
 {{- $own := dict -}}
 {{- if .component -}}{{- $own = deepCopy (index .context.Values .component).config -}}{{- end -}}
-{{- toYaml (mustMergeOverwrite $common $own) -}}
+{{- $merged := mustMergeOverwrite $common $own -}}
+{{- if and (eq (toString .component) "api") (not .context.Values.webhooks.enabled) -}}
+{{- /* no webhooks stage deployed: the door refuses a callback_url rather than accept one nothing delivers */ -}}
+{{- $_ := set $merged "webhook_enabled" false -}}
+{{- end -}}
+{{- toYaml $merged -}}
 {{- end -}}
 
 {{/*
@@ -313,8 +318,10 @@ spec:
       env:
         {{- include "ocrstream.secretEnv" . | trim | nindent 8 }}
         {{- if eq .component "webhooks" }}
+        {{- $own := list }}
+        {{- range $e := $c.extraEnvVars }}{{- $own = append $own $e.name }}{{- end }}
         {{- range $e := $ctx.Values.api.extraEnvVars }}
-        {{- if eq $e.name "OCRSTREAM_WEBHOOK_SECRET" }}
+        {{- if and (eq $e.name "OCRSTREAM_WEBHOOK_SECRET") (not (has $e.name $own)) }}
         {{- toYaml (list $e) | nindent 8 }}
         {{- end }}
         {{- end }}
@@ -391,8 +398,16 @@ spec:
 {{- if not $v.config.telemetry.metrics_port -}}
 {{- $msgs = append $msgs "config.telemetry.metrics_port: required (the probes use /healthz and /readyz on it)" -}}
 {{- end -}}
-{{- if hasKey $v.api.config "webhook_secret" -}}
-{{- $msgs = append $msgs "api.config.webhook_secret: not a value; put it in a Secret and pass OCRSTREAM_WEBHOOK_SECRET with api.extraEnvVars valueFrom.secretKeyRef (see the README, 'HTTP door')" -}}
+{{- range $where := list "config" "api.config" "webhooks.config" -}}
+{{- $cfgMap := ternary $v.config (ternary $v.api.config $v.webhooks.config (eq $where "api.config")) (eq $where "config") -}}
+{{- if hasKey $cfgMap "webhook_secret" -}}
+{{- $msgs = append $msgs (printf "%s.webhook_secret: not a value; put it in a Secret and pass OCRSTREAM_WEBHOOK_SECRET with api.extraEnvVars valueFrom.secretKeyRef (see the README, 'HTTP door')" $where) -}}
+{{- end -}}
+{{- end -}}
+{{- range $k, $_ := $v.api.config -}}
+{{- if and (hasPrefix "webhook_" $k) (not (has $k (list "webhook_enabled" "webhook_allowed_hosts" "webhook_allow_private"))) -}}
+{{- $msgs = append $msgs (printf "api.config.%s: a setting of the webhooks stage, which delivers callbacks: set webhooks.config.%s" $k $k) -}}
+{{- end -}}
 {{- end -}}
 {{- if hasKey $v.infer.config "openai_api_key" -}}
 {{- $msgs = append $msgs "infer.config.openai_api_key: not a value; it comes from auth.existingSecret (auth.secretKeys.openaiApiKey)" -}}

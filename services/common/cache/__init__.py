@@ -1,11 +1,12 @@
 """The cache: a computed result answered again without the engine.
 
 - :mod:`.entries`: the Redis tier (a pointer per cache key to the stored result; losable).
+- :mod:`.lru`: dedup's in-process LRU of entries, in front of Redis.
 - :mod:`.outputs`: stored output documents read from S3, kept in a bounded in-process LRU.
 - :mod:`.neardup` and :mod:`.neardup_index`: near-duplicate images (perceptual hash, LSH bands in Redis).
 - :mod:`.field_index`: which field sets of an image are stored in S3, so a subset is answered from them.
 
 The cache key and generation are built by :meth:`services.common.settings.CommonSettings.cache_key_of`
-and :meth:`~services.common.settings.CommonSettings.generation`; dedup's in-process LRU
-(``services/dedup/lru.py``) and its near-duplicate lookup (``services/dedup/near.py``) are dedup's own.
+and :meth:`~services.common.settings.CommonSettings.generation`; dedup's near-duplicate lookup
+(``services/dedup/near.py``) reads dedup's settings and stays in dedup.
 """

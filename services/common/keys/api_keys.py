@@ -15,7 +15,7 @@ usable key; a slow hash would only add milliseconds of CPU to every request. Thi
 scheme GitHub and Stripe tokens use. The secret is compared in constant time
 (:func:`hmac.compare_digest`).
 
-Each key also gets its own ``webhook_secret`` (stored as is: the webhook dispatcher needs it to
+Each key also gets its own ``webhook_secret`` (stored as is: the webhooks stage needs it to
 sign callbacks with HMAC, see :meth:`KeyStore.secret_of`).
 
 Lookups may be cached in-process for ``cache_ttl_s`` seconds (bounded LRU): a revoked key

@@ -1,5 +1,5 @@
 -- ocrstream schema v6: who took each client-chosen request id, written when a door accepts it
--- (services/common/claims.py). One row per id, never overwritten: a later submission with the
+-- (services/common/requests/claims.py). One row per id, never overwritten: a later submission with the
 -- same id is compared with it (same image, task and API key: a retry, else request_id_conflict).
 CREATE TABLE IF NOT EXISTS request_claims (
   request_id      VARCHAR(64)  NOT NULL PRIMARY KEY,

@@ -2,8 +2,8 @@
 
 Tables ``webhook_deliveries`` (one row per callback, with its state) and ``webhook_attempts``
 (one row per attempt), from migrations 002-004; finished rows are deleted after a retention
-period (:meth:`WebhookStore.purge_finished`). Rows belong to a dispatcher group
-(``group_id``); a dispatcher only ever claims its own group's rows.
+period (:meth:`WebhookStore.purge_finished`). Rows belong to a webhooks group
+(``group_id``); a webhooks process only ever claims its own group's rows.
 
 Claiming is safe across replicas: due rows are selected ``FOR UPDATE SKIP LOCKED`` and, in the
 same transaction, their ``attempts`` is incremented and ``next_attempt_at_ms`` pushed past a
@@ -92,11 +92,11 @@ class Claimed:
 
 
 class WebhookStore:
-    """Delivery rows of one dispatcher group.
+    """Delivery rows of one webhooks group.
 
     Args:
         db: The MariaDB pool.
-        group_id: The dispatcher group owning the rows (the webhook consumer group).
+        group_id: The webhooks group owning the rows (the webhooks stage's consumer group).
 
     Database errors (``pymysql.OperationalError`` and the like) propagate to the caller.
     """
