@@ -13,13 +13,11 @@ import logging
 
 import orjson
 
-from schemas.errors import ErrorCode
 from schemas.events import CompletedEvent, now_ms
 from schemas.jobs import JobCompletedEvent
 from services.common.codec import loads
 from services.common.db import Database
 from services.common.dlq import poison_messages
-from services.common.errors import OcrError
 from services.common.handler import Handler, Outgoing, Record
 from services.common.webhooks.store import NewDelivery, WebhookStore
 from services.webhooks.delivery import WebhookSender
@@ -96,14 +94,11 @@ class WebhooksHandler(Handler):
                            ev.webhook_url, rec.raw.decode())
 
     def poison(self, record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:
-        """The DLQ event only: a completion whose delivery cannot be stored ends no request."""
+        """The DLQ event only: a completion whose delivery cannot be stored ends no request. (No
+        model is declared, so no value is undecodable: every one, a tombstone too, reaches
+        :meth:`handle`, which skips what it cannot read.)"""
         return [m for m in poison_messages(stage="webhooks", topics=self.s.topics, record=record, exc=exc,
                                            attempts=attempts) if m.topic == self.s.topics.dlq]
-
-    async def undecodable(self, record: Record, exc: Exception) -> list[Outgoing]:
-        """Not reached: no model is declared, so every value (a tombstone too) goes to :meth:`handle`, which
-        logs and skips what it cannot read. Kept for the contract: a DLQ event, not retried."""
-        return self.poison(record, OcrError(ErrorCode.INVALID_REQUEST, f"webhooks: not a completion: {exc}"[:1000]), 1)
 
     async def dependencies_ok(self) -> bool | None:
         """MariaDB answers a ping."""

@@ -398,8 +398,7 @@ spec:
 {{- if not $v.config.telemetry.metrics_port -}}
 {{- $msgs = append $msgs "config.telemetry.metrics_port: required (the probes use /healthz and /readyz on it)" -}}
 {{- end -}}
-{{- range $where := list "config" "api.config" "webhooks.config" -}}
-{{- $cfgMap := ternary $v.config (ternary $v.api.config $v.webhooks.config (eq $where "api.config")) (eq $where "config") -}}
+{{- range $where, $cfgMap := dict "config" $v.config "api.config" $v.api.config "webhooks.config" $v.webhooks.config -}}
 {{- if hasKey $cfgMap "webhook_secret" -}}
 {{- $msgs = append $msgs (printf "%s.webhook_secret: not a value; put it in a Secret and pass OCRSTREAM_WEBHOOK_SECRET with api.extraEnvVars valueFrom.secretKeyRef (see the README, 'HTTP door')" $where) -}}
 {{- end -}}
