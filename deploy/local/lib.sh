@@ -118,13 +118,27 @@ http_ok() {
   fi
 }
 
+# started_alive SVC: true while the process start_detached recorded for SVC lives (a zombie is dead).
+# Unlike running_pid it does not check the command line: between fork and exec it is still this
+# script's, and on 2 busy cores that window was long enough to read as "exited during start-up".
+started_alive() {
+  local f pid stat
+  f="$(pidfile "$1")"
+  [[ -s $f ]] || return 1
+  pid="$(<"$f")"
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  { stat="$(<"/proc/$pid/stat")"; } 2>/dev/null || return 1
+  stat="${stat##*) }"          # the fields after "(comm) "; comm may hold spaces
+  [[ ${stat%% *} != Z ]]       # state: Z = exited, not yet reaped
+}
+
 # wait_ready SVC LOGFILE CHECK... : poll CHECK (a command) until it succeeds,
 # the process dies, or READY_TIMEOUT passes; on failure show the log tail.
 wait_ready() {
   local svc="$1" logf="$2"; shift 2
   local deadline=$((SECONDS + READY_TIMEOUT))
   while ! "$@"; do
-    if ! running_pid "$svc" >/dev/null; then
+    if ! started_alive "$svc"; then
       echo "$svc: process exited during start-up; last lines of $logf:" >&2
       tail -n 40 "$logf" >&2 || true
       exit 1
