@@ -45,7 +45,7 @@ from pathlib import Path
 from PIL import Image, ImageOps
 
 from services.common.images import imaging
-from services.common.settings import ENGINE_MAX_SIDE, RAPIDOCR_MODELS
+from services.common.cache.keys import ENGINE_MAX_SIDE, RAPIDOCR_MODELS
 from services.infer.textlines import Segment, cer, group_lines
 from services.infer.engines import rapid_models
 from services.infer.engines.rapid import RapidOcrEngine

@@ -32,7 +32,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.common.settings import RAPIDOCR_MODELS
+from services.common.cache.keys import RAPIDOCR_MODELS
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO.parent / "shared" / "samples"

@@ -17,7 +17,7 @@ import platform
 import time
 
 from bench.common import sample_files
-from services.common.settings import RAPIDOCR_DEFAULT_MODEL
+from services.common.cache.keys import RAPIDOCR_DEFAULT_MODEL
 from services.infer.engines.base import OCR
 
 

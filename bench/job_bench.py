@@ -50,7 +50,8 @@ from schemas.jobs import JobEvent
 from services.cli.client import Submitter
 from services.common.db import Database
 from services.common.jobs.store import JobStore
-from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN, CommonSettings
+from services.common.cache.keys import RAPIDOCR_DET_LIMIT_SIDE_LEN
+from services.common.settings import CommonSettings
 from services.infer.settings import InferSettings
 from tests.jobs import job_completions, job_items
 from tests.stack import JOBS, REPO, Pipeline, env_applied, namespace_env
@@ -63,7 +64,8 @@ from services.common.db import Database
 from services.common.jobs.report import write_job_report
 from services.common.jobs.store import JobStore
 from services.common.s3 import ObjectStore
-from services.common.settings import RAPIDOCR_DET_LIMIT_SIDE_LEN, CommonSettings
+from services.common.cache.keys import RAPIDOCR_DET_LIMIT_SIDE_LEN
+from services.common.settings import CommonSettings
 
 async def main():
     s = CommonSettings()

@@ -87,10 +87,10 @@ async def probes(url: str, tag: str, n: int, every_s: float, queued=None) -> lis
 async def submit_bulk(n: int, tag: str) -> None:
     """A job of ``n`` distinct one-line images on ``ocr.submit`` (bulk: they carry its job id)."""
     from services.cli.client import Submitter
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
 
     items = [(text_image([f"BULK {tag} {i:05d}"], size=28), f"bulk{i:05d}.png") for i in range(n)]
-    sub = Submitter(CommonSettings())
+    sub = Submitter(CacheKeySettings())
     await sub.start()
     try:
         await sub.submit_many(items, source="bench", job_id=f"lanes-{tag}")
@@ -103,9 +103,9 @@ async def routed() -> int:
     from aiokafka import TopicPartition
 
     from services.common.kafka import make_consumer
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
 
-    s = CommonSettings()
+    s = CacheKeySettings()
     consumer = make_consumer(s.kafka, [], None, "lanes-bench-routed")
     await consumer.start()
     try:
@@ -119,9 +119,9 @@ async def infer_backlog() -> int:
     """Records on ``ocr.infer`` (the bulk lane) the infer group has not committed."""
     from tests.topics import lag
 
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
 
-    s = CommonSettings()
+    s = CacheKeySettings()
     return sum((await lag(os.environ["OCRSTREAM_INFER_GROUP_ID"], s.topics.infer, bound_s=0)).values())
 
 

@@ -25,7 +25,7 @@ from rapidfuzz import fuzz
 from rapidfuzz.distance import Levenshtein
 
 from services.common.images import imaging
-from services.common.settings import ENGINE_MAX_SIDE, RAPIDOCR_DEFAULT_MODEL
+from services.common.cache.keys import ENGINE_MAX_SIDE, RAPIDOCR_DEFAULT_MODEL
 from services.infer.textlines import WIDE_CHARS, WIDE_FACTOR, SpaceRule, _blank_run, _is_cjk
 from services.infer.engines import rapid_models
 from services.infer.engines.rapid import SPACE_RULES, _grey, space_evidence

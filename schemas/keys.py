@@ -46,7 +46,7 @@ _SCOPE_RE = re.compile(r"^[A-Za-z0-9_-]{1,20}$")
 def cache_key(content_sha256: str, generation: CacheGeneration, scope: str | None = None) -> str:
     """Cache key of one image under one generation: ``<gen_id>:<sha256>`` (77 characters) in
     the global scope, ``<gen_id>:<scope>:<sha256>`` in a tenant's (``OCRSTREAM_CACHE_SCOPE=key``:
-    :meth:`services.common.settings.CommonSettings.cache_key_of` names the scope). The generation
+    :meth:`services.common.cache.keys.CacheKeySettings.cache_key_of` names the scope). The generation
     stays first (``cache purge`` matches ``<gen_id>:*``) and the SHA-256 last.
 
     Raises:

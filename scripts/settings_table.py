@@ -17,6 +17,7 @@ from pydantic import BaseModel, SecretStr
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's services/, not whichever one the venv's editable install names
 
+from services.common.cache.keys import CacheKeySettings  # noqa: E402
 from services.common.settings import CommonSettings  # noqa: E402
 from services.dedup.settings import DedupSettings  # noqa: E402
 from services.infer.settings import InferSettings  # noqa: E402
@@ -71,6 +72,11 @@ def render() -> str:
     common = {r[0] for r in rows(CommonSettings)}
     parts = ["Shared by every stage:", "", "| variable | default | meaning |", "|---|---|---|"]
     parts += [f"| `{v}` | `{d}` | {m} |" if d else f"| `{v}` | | {m} |" for v, d, m in rows(CommonSettings)]
+    keyed = [r for r in rows(CacheKeySettings) if r[0] not in common]
+    parts += ["", "Shared by every stage that computes, checks or stores under a cache key (the HTTP door, ingest, "
+              "dedup, infer, sink, and the CLI): they must agree.", "", "| variable | default | meaning |", "|---|---|---|"]
+    parts += [f"| `{v}` | `{d}` | {m} |" if d else f"| `{v}` | | {m} |" for v, d, m in keyed]
+    common |= {r[0] for r in keyed}
     for stage, cls in STAGES.items():
         inherited = common | {r[0] for base in cls.__mro__[1:] if base in STAGES.values() for r in rows(base)}
         own = [r for r in rows(cls) if r[0] not in inherited]

@@ -139,7 +139,8 @@ def fake_engine_class():
 def infer_settings(args, in_flight: int):
     """The infer stage's settings for this run (vLLM engine fields as production reads them),
     ``in_flight`` records at most at once."""
-    from services.common.settings import EngineIdentity, Limits
+    from services.common.cache.keys import EngineIdentity
+    from services.common.settings import Limits
     from services.infer.settings import InferSettings
 
     return InferSettings(

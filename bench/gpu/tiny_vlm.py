@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.common.prompts import SPOTTING_PROMPT  # noqa: E402 - after the repository root is on the path
+from services.common.cache.prompts import SPOTTING_PROMPT  # noqa: E402 - after the repository root is on the path
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]

@@ -23,6 +23,7 @@ from services.api.uploads import UploadGate
 from services.common.app import kafka_reachable
 from services.common.cache.entries import ResultCache
 from services.common.db import Database
+from services.common.results.rows import ResultRows
 from services.common.images.decoding import DecoderPool
 from services.common.kafka import make_producer
 from services.common.cache.outputs import OutputLru
@@ -97,6 +98,7 @@ class Clients:
         self.store = ObjectStore(s.s3, self.telemetry)
         self.cache = ResultCache(s.redis, self.telemetry, stage="api")
         self.db = Database(s.mysql, pool_size=8, telemetry=self.telemetry)
+        self.rows = ResultRows(self.db)
         self.hub: CompletionHub | None = None
         self.guard = Guard(s, self.cache, self.db, self.telemetry)
         self.outputs = OutputLru(self.store, s.http_result_lru_entries, s.http_result_lru_bytes)

@@ -18,7 +18,7 @@ from schemas.jobs import JOB_EXPECTED_MAX
 from schemas.tasks import (TASKS, TaskError, TaskParams, UnsupportedTask, engines_for, parse_fields,
                           unsupported_task_message)
 from services.api.errors import ApiError
-from services.common.settings import CommonSettings
+from services.common.cache.keys import CacheKeySettings
 
 Status = Literal["pending", "ok", "error", "partial"]
 #: Most bytes of a submission's ``metadata`` (keys and values together).
@@ -82,12 +82,12 @@ class SubmitOptions(BaseModel):
 
     @property
     def task_params(self) -> TaskParams | None:
-        """The task's parameters, checked and normalised (:meth:`CommonSettings.check_task`);
+        """The task's parameters, checked and normalised (:meth:`CacheKeySettings.check_task`);
         None for a task without any."""
         return self._task_params
 
     @classmethod
-    def parse(cls, fields: dict[str, str], settings: CommonSettings) -> "SubmitOptions":
+    def parse(cls, fields: dict[str, str], settings: CacheKeySettings) -> "SubmitOptions":
         """From query/form fields; ``metadata`` is a JSON object of strings; ``task`` must be one
         of ``settings.tasks`` and its parameters valid (``fields``: comma-separated or a JSON list,
         see :func:`field_values`; ``to`` or ``target_lang``), kept normalised in :attr:`task_params`.
@@ -295,10 +295,10 @@ class DeploymentTasks(BaseModel):
     tasks: list[TaskInfo]
 
 
-def deployment_tasks(settings: CommonSettings) -> DeploymentTasks:
+def deployment_tasks(settings: CacheKeySettings) -> DeploymentTasks:
     """Every task of :data:`schemas.tasks.TASKS` as ``settings`` runs it: those of
-    :attr:`CommonSettings.runnable_tasks` run; the others carry the message a submission of them
-    is refused with (:meth:`CommonSettings.check_task`)."""
+    :attr:`CacheKeySettings.runnable_tasks` run; the others carry the message a submission of them
+    is refused with (:meth:`CacheKeySettings.check_task`)."""
     engine, runnable = settings.infer_engine, settings.runnable_tasks
     out = []
     for spec in TASKS.values():

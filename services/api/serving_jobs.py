@@ -85,7 +85,7 @@ async def check_job_of(clients: Clients, job_id: str | None, principal: Principa
 
 def job_task_params(settings, body: JobCreate) -> TaskParams | None:
     """A job's task parameters from ``POST /v1/jobs``' body (``fields``, ``to`` as ``target_lang``),
-    checked as a submission's are (:meth:`CommonSettings.check_task`); None without a task.
+    checked as a submission's are (:meth:`CacheKeySettings.check_task`); None without a task.
 
     Raises:
         ApiError: 400 ``invalid_request``: ``fields`` or ``to`` without a ``task`` (not dropped:

@@ -57,7 +57,7 @@ class ReadService:
         Raises:
             pymysql.MySQLError | OSError: MariaDB did not answer.
         """
-        doc = await self.c.db.get_request(rid)
+        doc = await self.c.rows.get_request(rid)
         if doc is not None:
             return doc if owns(principal, doc.api_key_id) else None
         return await self._unfinished(rid, principal)
@@ -68,7 +68,7 @@ class ReadService:
         Raises:
             pymysql.MySQLError | OSError: MariaDB did not answer.
         """
-        docs = await self.c.db.get_requests(rids)
+        docs = await self.c.rows.get_requests(rids)
         rest = [rid for rid in rids if rid not in docs]
         states = await asyncio.gather(*(self._unfinished(rid, principal) for rid in rest))
         known: dict[str, Known] = dict(zip(rest, states))

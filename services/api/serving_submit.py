@@ -253,7 +253,7 @@ class SubmitService:
         if outcome.kind == "conflict":  # answering it would hand back another request's result
             raise ApiError(ErrorCode.REQUEST_ID_CONFLICT, f"{outcome.reason}; choose a new request_id")
         try:
-            doc = await self.c.db.get_request(rid)
+            doc = await self.c.rows.get_request(rid)
         except Exception:  # noqa: BLE001 - MariaDB just answered the claim: treat as still pending
             doc = None
         return (doc if doc is not None else True), None

@@ -6,13 +6,14 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
+from services.common.cache.keys import CacheKeySettings
 from services.common.webhooks.settings import CallbackSettings
 
 if TYPE_CHECKING:
     from services.api.uploads import BodyPace
 
 
-class ApiSettings(CallbackSettings):
+class ApiSettings(CacheKeySettings, CallbackSettings):
     """Settings of ``python -m services.api`` (the HTTP door; it reads no stage's settings).
 
     Off-by-default for local use: no API keys, no rate limits, CORS closed, webhooks only to

@@ -21,7 +21,8 @@ from schemas.tasks import TaskError, UnsupportedTask, parse_fields
 from services.cli.helptext import whole_paragraphs
 from services.cli.jobs import job_app
 from services.cli.options import MAX_WAIT_S, bounded
-from services.common.settings import CommonSettings, load_settings
+from services.common.cache.keys import CacheKeySettings
+from services.common.settings import load_settings
 from services.common.wording import plural
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -50,7 +51,7 @@ def init() -> None:
     from services.common.kafka import create_topics
     from services.common.s3 import ObjectStore
 
-    s = load_settings(CommonSettings)
+    s = load_settings(CacheKeySettings)
 
     async def _run() -> None:
         created = await create_topics(s.kafka, s.topics.all(), compacted=s.topics.compacted())
@@ -163,7 +164,7 @@ def submit(
     from services.cli.client import Submitter
     from services.common.results.completions import CompletionWatcher
 
-    s = load_settings(CommonSettings)
+    s = load_settings(CacheKeySettings)
     for name, value in (("--task", task), ("--source", source)):
         if not 1 <= len(value) <= 64:  # the limits of the submit event (schemas/events.py)
             err.print(f"[red]error:[/red] {name} must be 1 to 64 characters, not {len(value)}")
@@ -252,7 +253,7 @@ def _print_outcomes(subs: list, done: dict, out: Optional[Path], quiet: bool) ->
     return failed
 
 
-def _files_to_submit(s: CommonSettings, paths: list[Path]) -> tuple[list[Path], dict[Path, int]]:
+def _files_to_submit(s: CacheKeySettings, paths: list[Path]) -> tuple[list[Path], dict[Path, int]]:
     """The files under ``paths`` to submit, and those over ``limits.max_image_bytes`` (path -> size),
     each printed as refused here, before anything is read, sent or uploaded (ingest would refuse them).
 
@@ -300,9 +301,9 @@ async def _submit_job(submitter, files: list[Path], name: str, task: str, source
     return job_id, subs
 
 
-def _task_params(s: CommonSettings, task: str, fields: str | None, to: str | None):
+def _task_params(s: CacheKeySettings, task: str, fields: str | None, to: str | None):
     """``--task``'s parameters from ``--fields`` (comma-separated) and ``--to``, checked as
-    ingest checks them (:meth:`CommonSettings.check_task`), and the task against the deployment's
+    ingest checks them (:meth:`CacheKeySettings.check_task`), and the task against the deployment's
     engine as the HTTP door checks it, before anything is sent.
 
     Raises:
@@ -373,7 +374,7 @@ def status(
     """
     from services.cli import status as st
 
-    look = asyncio.run(st.look_up(load_settings(CommonSettings), request_id))
+    look = asyncio.run(st.look_up(load_settings(CacheKeySettings), request_id))
     if look.progress is not None:
         err.print(look.progress.line(), highlight=False, markup=False, soft_wrap=True)
     doc = look.doc
@@ -459,7 +460,7 @@ def report(
     except ValueError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2)
-    rows = asyncio.run(load_rows(Database(load_settings(CommonSettings).mysql, pool_size=1), since_ms, source))
+    rows = asyncio.run(load_rows(Database(load_settings(CacheKeySettings).mysql, pool_size=1), since_ms, source))
     rep = summarize(rows, since_ms)
     console.print(render_table(rep))
     if png:
@@ -491,7 +492,7 @@ def cache_purge(
     if not model and not generation:
         err.print("error: give --model REV or --generation ID")
         raise typer.Exit(2)
-    s = load_settings(CommonSettings)
+    s = load_settings(CacheKeySettings)
 
     async def _run() -> tuple[list[str], int, BaseException | None]:
         # an operator's command scanning the whole keyspace: the stages' 100 ms per-call budget would
@@ -531,7 +532,7 @@ def _key_store():
     from services.common.db import Database
     from services.common.keys.api_keys import KeyStore
 
-    return KeyStore(Database(load_settings(CommonSettings).mysql, pool_size=1))
+    return KeyStore(Database(load_settings(CacheKeySettings).mysql, pool_size=1))
 
 
 def _ms_time(ms: int | None) -> str:

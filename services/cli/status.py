@@ -71,11 +71,12 @@ async def look_up(s: CommonSettings, request_id: str) -> Lookup:
     from services.common.db import Database
     from services.common.documents.state import progress
     from services.common.jobs.store import JobStore
+    from services.common.results.rows import ResultRows
 
     db = Database(s.mysql, pool_size=1)
     try:
         prog = await progress(db, request_id)
-        doc = await db.get_request(request_id)
+        doc = await ResultRows(db).get_request(request_id)
         if doc is not None:
             return Lookup(doc=doc, progress=prog)
         cache = ResultCache(s.redis.model_copy(update={"timeout_ms": max(s.redis.timeout_ms,

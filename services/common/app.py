@@ -19,7 +19,6 @@ from services.common.retry import capped_backoff_s, retry_outages
 from services.common.runner import Handler, StageRunner
 from services.common.settings import CommonSettings
 from services.common.telemetry import Telemetry, TraceIdLogFilter
-from services.common.window import WindowRunner
 
 log = logging.getLogger("ocrstream")
 
@@ -94,7 +93,7 @@ async def run_stage(
     max_wait_ms: int = 0,
     max_poll_interval_ms: int | None = None,
     drain_on_revoke: bool = False,
-    window: Callable[[Handler], tuple[int, int]] | None = None,
+    make_runner: Callable[..., StageRunner] | None = None,
 ) -> None:
     """Run one stage until SIGTERM/SIGINT, then finish the batch in flight, commit and exit.
 
@@ -108,9 +107,12 @@ async def run_stage(
         max_wait_ms: Longest wait for a batch to fill (the batch runner).
         max_poll_interval_ms: Override of the consumer's ``max.poll.interval.ms``.
         drain_on_revoke: See :class:`~services.common.runner.StageRunner`.
-        window: For a :class:`~services.common.handler.WindowHandler`: its handler ->
-            ``(max_in_flight, interactive_reserve)``; the stage then runs on the window runner
-            (:class:`~services.common.window.WindowRunner`) instead of in batches.
+        make_runner: Builds the stage's runner instead of the batch runner: called with the
+            handler and the runner's keyword arguments (``stage``, ``consumer``, ``producer``,
+            ``handler``, ...: :class:`~services.common.runner.StageRunner`'s but the batch ones);
+            infer's window runner (:class:`services.infer.window.WindowRunner`) is built so. It
+            may keep its progress in the commit metadata, so it is always given the committed
+            offsets reader (``read_committed``).
     """
     topics = [topic] if isinstance(topic, str) else list(topic)
     setup_logging(stage, settings.telemetry.log_level)
@@ -131,7 +133,7 @@ async def run_stage(
     await _start_with_retry(stage, producer.start, stop, settings.retry_max_backoff_s)
     size_limits = await _message_limits(stage, settings)
     admin = None
-    if settings.poison_after_deaths or window is not None:  # reads the deaths (and the window's progress) in the commit metadata
+    if settings.poison_after_deaths or make_runner is not None:  # reads the deaths (or a runner's progress) in the commit metadata
         admin = make_admin(settings.kafka, f"ocrstream-{stage}-offsets")
         await _start_with_retry(stage, admin.start, stop, settings.retry_max_backoff_s)
     ctx = StageContext(settings=settings, telemetry=telemetry, producer=producer)
@@ -139,17 +141,15 @@ async def run_stage(
     consumer: AIOKafkaConsumer = make_consumer(
         settings.kafka, [], group_id, client_id=f"ocrstream-{stage}", max_poll_interval_ms=max_poll_interval_ms,
     )
-    common = dict(stage=stage, consumer=consumer, producer=producer, handler=handler, telemetry=telemetry,
+    common = dict(stage=stage, consumer=consumer, producer=producer, telemetry=telemetry,
                   max_attempts=settings.max_attempts, max_backoff_s=settings.retry_max_backoff_s,
                   dlq_topic=settings.topics.dlq, size_limits=size_limits, poison_after_deaths=settings.poison_after_deaths,
                   read_committed=admin_reader(admin, group_id) if admin is not None else None)
-    if window is not None:
-        max_in_flight, reserve = window(handler)
-        log.info("%s: a window of %d records in flight, %d reserved for the interactive lane", stage, max_in_flight,
-                 reserve)
-        runner: StageRunner = WindowRunner(max_in_flight=max_in_flight, interactive_reserve=reserve, **common)
+    if make_runner is not None:
+        runner: StageRunner = make_runner(handler=handler, **common)
     else:
-        runner = StageRunner(max_batch=max_batch, max_wait_ms=max_wait_ms, drain_on_revoke=drain_on_revoke, **common)
+        runner = StageRunner(handler=handler, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                             drain_on_revoke=drain_on_revoke, **common)
     consumer.subscribe(topics, listener=runner.listener)  # before start: the first join already has it
     await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)
     started.set()

@@ -8,7 +8,6 @@ cause. It never sees aiokafka: the runner fetches, produces, commits and handles
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -16,12 +15,11 @@ from collections.abc import Mapping
 from aiokafka import TopicPartition  # re-exported: the partitions on_assigned and on_revoked are given
 from pydantic import BaseModel
 
-from schemas.lanes import Priority
 
 from services.common.kafka import Outgoing
 from services.common.records import Record
 
-__all__ = ["Handler", "Outgoing", "Record", "TopicPartition", "WindowHandler", "poison_of"]
+__all__ = ["Handler", "Outgoing", "Record", "TopicPartition", "poison_of"]
 
 
 class Handler(ABC):
@@ -110,39 +108,6 @@ class Handler(ABC):
 
     async def close(self) -> None:
         """Release the handler's clients (called once at shutdown)."""
-
-
-class WindowHandler(Handler):
-    """A handler whose records are each handled on their own, many at once, each one's messages
-    produced as soon as it is done: the window runner (:class:`services.common.window.WindowRunner`)
-    drives it. A stage whose records take very different times (infer: a blank page or a dense
-    receipt on a VLM) keeps its engine full this way instead of waiting for the slowest record
-    of a batch.
-    """
-
-    @abstractmethod
-    async def handle_record(self, record: Record) -> list[Outgoing]:
-        """Process one record (its value decoded) and return every message it causes.
-
-        Called concurrently for up to ``max_in_flight`` records, in any order within a partition.
-        Must be idempotent: a record may be redelivered after a crash. Raise to fail the record
-        (the runner retries an outage as long as it lasts and any other error up to
-        ``max_attempts`` times, then :meth:`poison`). The record's consumer span is
-        ``record.traced()`` / ``record.trace_headers()``; the runner ends it when the call returns.
-        """
-
-    def lane(self, topic: str) -> Priority:
-        """The lane the records of ``topic`` are read in: ``interactive`` records take free slots
-        first and have ``interactive_reserve`` slots of their own; default ``bulk``."""
-        return "bulk"
-
-    async def handle(self, records: list[Record]) -> list[Outgoing]:
-        """Every record through :meth:`handle_record` at once (for a caller with a batch in
-        hand: tests, benchmarks); raises the first failure after every record has ended."""
-        got = await asyncio.gather(*(self.handle_record(r) for r in records), return_exceptions=True)
-        if failed := next((g for g in got if isinstance(g, BaseException)), None):
-            raise failed
-        return [m for out in got for m in out]
 
 
 async def poison_of(handler: "Handler", record: Record, exc: BaseException, attempts: int) -> list[Outgoing]:

@@ -95,7 +95,7 @@ class NearDupLookup:
             image_uri: Where the new image is (``s3://``).
             frames: Pages/frames of the new image (only 1 is looked up).
             gen: The cache generation; only results of this generation are candidates.
-            scope: The request's cache scope (:meth:`CommonSettings.cache_scope_of`); None =
+            scope: The request's cache scope (:meth:`CacheKeySettings.cache_scope_of`); None =
                 global. Candidates are indexed, and their entries looked up, in this scope only:
                 a tenant's look-alike is never answered from another tenant's result.
 

@@ -3,7 +3,7 @@
 from pydantic import BaseModel, Field
 
 from services.common.cache.neardup import VerifyParams
-from services.common.settings import CommonSettings
+from services.common.cache.keys import CacheKeySettings
 
 
 class NearDupSettings(BaseModel):
@@ -34,7 +34,7 @@ class NearDupSettings(BaseModel):
         )
 
 
-class DedupSettings(CommonSettings):
+class DedupSettings(CacheKeySettings):
     """Settings of the dedup stage."""
 
     dedup_group_id: str = Field(default="ocrstream-dedup", description="consumer group of the dedup stage")

@@ -1,5 +1,5 @@
 """Infer logic: one ``ocr.infer`` (or ``ocr.infer-interactive``) record -> fetch, decode, tile,
-engine -> its result on ``ocr.results``. The window runner (:mod:`services.common.window`) keeps
+engine -> its result on ``ocr.results``. The window runner (:mod:`services.infer.window`) keeps
 many records in flight at once and produces each result the moment it is made.
 
 Memory: decoded pages live in shared memory written by decoder processes and are held within the
@@ -29,7 +29,7 @@ from services.common.dlq import oversized_result, poison_messages
 from services.common.errors import OcrError
 from services.common.codec import dumps
 from services.common.images.decoding import DecoderPool
-from services.common.handler import Outgoing, Record, WindowHandler
+from services.common.handler import Outgoing, Record
 from services.common.s3 import ObjectStore
 from services.common.telemetry import StatusCode, Telemetry
 from services.infer.textlines import group_lines
@@ -39,6 +39,7 @@ from services.infer.engines.base import (EngineOutput, EngineTask, EngineTimeout
 from services.infer.loading import Item, Loader
 from services.infer.settings import InferSettings
 from services.infer.tiles import Tile, make_tiles, map_back
+from services.infer.window import WindowHandler
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class InferHandler(WindowHandler):
     unfinished pieces are cancelled.
 
     Generation check (rolling upgrades): dedup put its own generation in the event's cache key;
-    when this process's generation (:meth:`CommonSettings.generation`: engine, model, revision,
+    when this process's generation (:meth:`CacheKeySettings.generation`: engine, model, revision,
     task, preprocessing, options) differs, the request is still computed and its result sent, but
     marked ``cacheable=False``: the sink completes the request and every waiter on the key with
     it (labelled with this process's engine, model and revision), releases the lease, and stores

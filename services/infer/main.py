@@ -13,6 +13,7 @@ from services.infer.engines import registry
 from services.infer.engines.base import OcrEngine
 from services.infer.handler import InferHandler
 from services.infer.settings import InferSettings
+from services.infer.window import WindowRunner
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def build_engine(s: InferSettings) -> OcrEngine:
 
 async def main(settings: InferSettings | None = None) -> None:
     """Run infer until SIGTERM: consume ``ocr.infer-interactive`` and ``ocr.infer`` in a window of
-    records in flight (:class:`~services.common.window.WindowRunner`, sized from the engine's
+    records in flight (:class:`~services.infer.window.WindowRunner`, sized from the engine's
     slots: :meth:`InferSettings.window`), produce ``ocr.results``.
 
     ``/readyz`` answers 200 while the engine is ready: its ``health()`` is polled every
@@ -61,5 +62,12 @@ async def main(settings: InferSettings | None = None) -> None:
     await run_stage(
         stage="infer", settings=s, topic=[s.topics.infer_interactive, s.topics.infer], group_id=s.infer_group_id,
         build_handler=build, max_poll_interval_ms=s.infer_max_poll_interval_ms,
-        window=lambda handler: s.window(handler.engine.slots),
+        make_runner=lambda handler, **common: _window_runner(s, handler, **common),
     )
+
+
+def _window_runner(s: InferSettings, handler: InferHandler, **common) -> WindowRunner:
+    """The window runner sized from the engine's slots (:meth:`InferSettings.window`)."""
+    max_in_flight, reserve = s.window(handler.engine.slots)
+    log.info("infer: a window of %d records in flight, %d reserved for the interactive lane", max_in_flight, reserve)
+    return WindowRunner(handler=handler, max_in_flight=max_in_flight, interactive_reserve=reserve, **common)

@@ -4,14 +4,14 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from services.common.settings import CommonSettings
+from services.common.cache.keys import CacheKeySettings
 
 
-class InferSettings(CommonSettings):
+class InferSettings(CacheKeySettings):
     """Settings of the infer stage and its engine.
 
     The engine settings that change results (``engine_kind``, ``engine_max_side``, the VLM
-    prompts) are in :class:`CommonSettings`: dedup and the HTTP door put them in the cache key.
+    prompts) are in :class:`CacheKeySettings`: dedup and the HTTP door put them in the cache key.
     """
 
     infer_group_id: str = Field(default="ocrstream-infer", description="consumer group of the infer stage")

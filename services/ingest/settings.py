@@ -2,10 +2,10 @@
 
 from pydantic import Field, field_validator
 
-from services.common.settings import CommonSettings
+from services.common.cache.keys import CacheKeySettings
 
 
-class IngestSettings(CommonSettings):
+class IngestSettings(CacheKeySettings):
     """Settings of the ingest stage."""
 
     ingest_group_id: str = Field(default="ocrstream-ingest", description="consumer group of the ingest stage")

@@ -24,6 +24,7 @@ from schemas.events import RequestEvent, ResultDocument
 from schemas.keys import result_object_key
 from services.common.cache.entries import CacheEntry, CacheUnavailable, ResultCache
 from services.common.db import Database
+from services.common.results.rows import ResultRows
 from services.common.codec import dumps
 from services.common.results.build import document_output
 from services.common.s3 import ObjectStore
@@ -73,7 +74,7 @@ async def cache_document(s: SinkSettings, store: ObjectStore, db: Database, cach
     okey = result_object_key(key)
     await store.put_if_absent(okey, dumps(output), "application/json")
     uri = store.uri(okey)
-    await db.write_result(cache_key=key, content_sha256=doc.content_sha256, engine=output.engine, model=output.model,
+    await ResultRows(db).write_result(cache_key=key, content_sha256=doc.content_sha256, engine=output.engine, model=output.model,
                           model_revision=output.model_revision, task=doc.task, result_uri=uri,
                           line_count=len(output.lines), text=output.text, created_at_ms=output.created_at_ms)
     try:

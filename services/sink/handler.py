@@ -15,6 +15,7 @@ from schemas.events import (
 from schemas.keys import request_output_key, result_object_key
 from services.common.cache.entries import CacheEntry, CacheUnavailable, ResultCache
 from services.common.db import Database
+from services.common.results.rows import ResultRows
 from services.common.dlq import poison_messages
 from services.common.errors import OcrError
 from services.common.codec import completion_event_id, dumps
@@ -63,6 +64,7 @@ class SinkHandler(Handler):
         self.s = settings
         self.store = store
         self.db = db
+        self.rows = ResultRows(db)
         self.cache = cache
         self.telemetry = telemetry
         self._outputs = OutputLru(store, settings.output_lru_entries, settings.output_lru_bytes)
@@ -102,13 +104,13 @@ class SinkHandler(Handler):
             # Emit what the database holds (a document over the row bound keeps its summary there):
             # a replayed result re-emits the first final state, so a duplicated completion carries
             # the same request id and the same content.
-            stored = await self.db.write_requests(docs)
+            stored = await self.rows.write_requests(docs)
             finals = [stored[rid] for rid in dict.fromkeys(d.request_id for d in docs)]
             # pages of documents: recorded, and the documents they complete assembled (services/common/documents/assembly.py)
             assembled = [a for did in await self.documents.completed_documents(finals)
                          if (a := await self.documents.assemble(did)) is not None]
             if assembled:
-                held = await self.db.write_requests(assembled)
+                held = await self.rows.write_requests(assembled)
                 finals.extend(held[a.request_id] for a in assembled)
         for final in finals:
             ev = CompletedEvent(event_id=completion_event_id(final.request_id), request_id=final.request_id, result=final)
@@ -245,7 +247,7 @@ class SinkHandler(Handler):
         body = dumps(output)
         await self.store.put(okey, body, "application/json")
         uri = self.store.uri(okey)
-        await self.db.write_result(
+        await self.rows.write_result(
             cache_key=ev.cache_key, content_sha256=req.content_sha256, engine=output.engine, model=output.model,
             model_revision=output.model_revision, task=req.task, result_uri=uri, line_count=len(output.lines),
             text=output.text, created_at_ms=output.created_at_ms,

@@ -4,10 +4,10 @@ from typing import Annotated
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from services.common.settings import CommonSettings
+from services.common.cache.keys import CacheKeySettings
 
 
-class SinkSettings(CommonSettings):
+class SinkSettings(CacheKeySettings):
     """Settings of the sink stage."""
 
     sink_group_id: str = Field(default="ocrstream-sink", description="consumer group of the sink stage")

@@ -19,6 +19,7 @@ from schemas.ids import page_request_id
 from schemas.keys import image_object_key
 from services.common.documents import state as documents
 from services.common.db import Database
+from services.common.results.rows import ResultRows
 from services.common.codec import completion_event_id, dumps
 from services.common.settings import CommonSettings
 from services.common.documents.splitting import render_pages
@@ -74,7 +75,7 @@ async def _expected_document(rid: str) -> bytes:
     db = Database(CommonSettings().mysql, pool_size=1)
     doc, count = await documents.document_row(db, rid)
     numbered = await documents.page_requests(db, rid)
-    held = await db.get_requests([r for _, r in numbered])
+    held = await ResultRows(db).get_requests([r for _, r in numbered])
     finals = [held[r] for _, r in numbered]
     pages = [_page_of(n, f, f.lines) for (n, _), f in zip(numbered, finals)]
     return dumps(assemble(doc, count, pages, finals, 0.0))
@@ -110,7 +111,7 @@ async def _check_once(rid: str, n: int, texts: list[str]) -> dict[str, list[byte
     assert ev.event_id == completion_event_id(rid) and (doc.page_number, doc.page_count) == (None, n)
     assert (doc.status, doc.failed_pages, doc.text) == ("ok", [], "\n\n".join(texts))
     assert [ln.page for ln in doc.lines] == list(range(1, n + 1)) and [ln.text for ln in doc.lines] == texts
-    assert (await Database(CommonSettings().mysql, pool_size=1).get_requests([rid]))[rid] == doc
+    assert (await ResultRows(Database(CommonSettings().mysql, pool_size=1)).get_requests([rid]))[rid] == doc
     stored = s3_get(f"documents/{rid}.json")
     assert stored == await _expected_document(rid)
     whole = DocumentResult.model_validate_json(stored)

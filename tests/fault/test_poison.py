@@ -72,8 +72,9 @@ async def test_poison_messages_reach_the_dlq_and_end_their_requests(fault_pipeli
             break
         await asyncio.sleep(0.2)
     from services.common.db import Database
+    from services.common.results.rows import ResultRows
 
-    docs = await Database(s.mysql, pool_size=1).get_requests([rid_schema, rid_missing, rid_raises])
+    docs = await ResultRows(Database(s.mysql, pool_size=1)).get_requests([rid_schema, rid_missing, rid_raises])
     assert docs[rid_schema].error.code is ErrorCode.INVALID_REQUEST
     assert docs[rid_missing].error.code is ErrorCode.MISSING_OBJECT
     assert docs[rid_raises].error.code is ErrorCode.INTERNAL_ERROR

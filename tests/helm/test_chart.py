@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import re
 import subprocess
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from services.common.settings import CommonSettings
+from services.common.cache.keys import CacheKeySettings
 from services.dedup.settings import DedupSettings
 from services.infer.settings import InferSettings
 from services.api.settings import ApiSettings
@@ -195,8 +196,21 @@ def test_env_var_names_are_settings_fields(manifests):
         unknown = set(_stage_env(manifests, w)) - valid
         assert not unknown, f"{stage}: not fields of {STAGES[stage].__name__}: {sorted(unknown)}"
     for job in by_kind(manifests, "Job"):
-        unknown = {e["name"] for e in container(job)["env"]} - env_names(CommonSettings)
+        unknown = {e["name"] for e in container(job)["env"]} - env_names(CacheKeySettings)
         assert not unknown, f"init job: {sorted(unknown)}"
+
+
+def test_the_chart_leaves_out_of_keyless_stages_exactly_the_cache_key_settings():
+    """jobs and webhooks compute no cache key: the chart drops from their config the settings
+    CacheKeySettings adds to CommonSettings, and only those (a new one would fail the env test
+    above only when the values set it)."""
+    from services.common.settings import CommonSettings
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    listed = re.search(r'has \(toString \.component\) \(list "jobs" "webhooks"\).*?range \$k := list ([^-]*?) -\}\}',
+                       helpers, re.S)
+    assert listed, "the keyless stages' list is gone from _helpers.tpl"
+    assert set(re.findall(r'"(\w+)"', listed.group(1))) == set(CacheKeySettings.model_fields) - set(CommonSettings.model_fields)
+    assert not issubclass(STAGES["jobs"], CacheKeySettings) and not issubclass(STAGES["webhooks"], CacheKeySettings)
 
 
 def test_env_values_parse_as_the_stage_settings(manifests, monkeypatch):
@@ -222,7 +236,7 @@ def test_credentials_only_from_secret_key_refs(manifests):
 
 def test_grace_period_exceeds_shutdown_timeout(manifests):
     for w in workloads(manifests):
-        shutdown = float(_stage_env(manifests, w).get("OCRSTREAM_SHUTDOWN_TIMEOUT_S", CommonSettings.model_fields["shutdown_timeout_s"].default))
+        shutdown = float(_stage_env(manifests, w).get("OCRSTREAM_SHUTDOWN_TIMEOUT_S", CacheKeySettings.model_fields["shutdown_timeout_s"].default))
         grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         # run_stage drains for shutdown_timeout_s, then stops the consumer and the producer (10 s each)
         assert grace > shutdown + 20, f"{component(w)}: grace {grace}s vs shutdown {shutdown}s"
@@ -496,10 +510,13 @@ def test_cache_scope_reaches_the_door_and_dedup_alike():
 
 def test_tasks_reach_every_stage_as_one_json_list():
     """``config.tasks`` is read by ingest and the door (who refuse other tasks) and by every stage
-    that builds cache keys: one JSON list in each stage's environment."""
+    that builds cache keys: one JSON list in each such stage's environment (not in jobs' or webhooks')."""
     docs = render(REQUIRED, sets=("config.tasks={ocr,receipt}",))
+    keyed = [w for w in workloads(docs) if component(w) not in ("jobs", "webhooks")]
+    assert {component(w) for w in keyed} >= {"api", "ingest", "dedup", "infer", "sink"}
     for w in workloads(docs):
-        assert _stage_env(docs, w)["OCRSTREAM_TASKS"] == '["ocr","receipt"]', component(w)
+        tasks = _stage_env(docs, w).get("OCRSTREAM_TASKS")
+        assert tasks == ('["ocr","receipt"]' if w in keyed else None), component(w)
     (w,) = [d for d in workloads(render(REQUIRED)) if component(d) == "ingest"]
     assert _stage_env(render(REQUIRED), w)["OCRSTREAM_TASKS"] == '["ocr"]'
 

@@ -1,4 +1,4 @@
-"""``Database.write_requests`` on the real MariaDB: one final state per request, returned without a read-back when every row is new."""
+"""``ResultRows.write_requests`` on the real MariaDB: one final state per request, returned without a read-back when every row is new."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import uuid
 
 from schemas.events import ResultDocument
 from services.common.db import Database
+from services.common.results.rows import ResultRows
 from services.common.settings import CommonSettings
 from tests.stack import db_rows
 
@@ -18,7 +19,7 @@ def _doc(rid: str, status: str = "ok", text: str = "") -> ResultDocument:
 
 def test_first_final_state_is_returned_and_kept():
     async def go():
-        db = Database(CommonSettings().mysql, pool_size=1)
+        db = ResultRows(Database(CommonSettings().mysql, pool_size=1))
         a, b, c = (f"dbw-{uuid.uuid4().hex[:12]}" for _ in range(3))
         # all new: the documents written come back as they are stored
         first = await db.write_requests([_doc(a, text="FIRST A"), _doc(b, text="FIRST B")])

@@ -296,10 +296,10 @@ def _requests_with_id(rid: str) -> int:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     from services.common.kafka import topic_partitions
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
 
     async def count() -> int:
-        s = CommonSettings()
+        s = CacheKeySettings()
         c = AIOKafkaConsumer(bootstrap_servers=s.kafka.bootstrap_servers, enable_auto_commit=False)
         await c.start()
         try:

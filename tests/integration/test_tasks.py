@@ -31,7 +31,7 @@ from schemas.events import OcrOutput, ResultDocument
 from schemas.keys import field_family_id, field_index_key, split_cache_key
 from schemas.tasks import TaskParams
 from services.common.s3 import ObjectStore
-from services.common.settings import CommonSettings
+from services.common.cache.keys import CacheKeySettings
 from services.infer.engines.base import EngineTask
 from services.infer.engines.dialects import dialect
 from tests.conftest import text_image
@@ -81,7 +81,7 @@ def hunyuan_sent(prompt: str, max_tokens: int) -> dict:
 
 async def stored(doc: ResultDocument) -> tuple[OcrOutput, ResultDocument]:
     """The stored output at ``doc.result_uri`` (S3) and the document of ``doc``'s ``requests`` row."""
-    output = OcrOutput.model_validate_json(await ObjectStore(CommonSettings().s3).get_uri(doc.result_uri))
+    output = OcrOutput.model_validate_json(await ObjectStore(CacheKeySettings().s3).get_uri(doc.result_uri))
     [row] = db_rows("SELECT document_json FROM requests WHERE request_id = %s", doc.request_id)
     return output, ResultDocument.model_validate_json(row["document_json"])
 
@@ -248,7 +248,7 @@ async def test_an_extraction_cut_at_max_tokens_keeps_what_was_read_marked_and_an
     output, row = await stored(cut)
     assert (output.fields, output.warnings) == (cut.fields, ["truncated_max_tokens"]) and row == cut
     _, sha = split_cache_key(cut.cache_key)
-    assert await ObjectStore(CommonSettings().s3).list_keys(f"fieldsets/{sha}/") == []
+    assert await ObjectStore(CacheKeySettings().s3).list_keys(f"fieldsets/{sha}/") == []
 
     [sub] = await vlm_pipeline.run([(image, "cut-sub.png")], task="extract",
                                    task_params=TaskParams(fields=("invoice number", "total")))
@@ -265,9 +265,9 @@ async def test_a_subset_of_a_stored_extraction_is_answered_from_it_with_no_engin
     assert list(whole.fields.items()) == [("seller", "ACME GmbH"), ("invoice number", "INV-8"), ("date", "2026-11-30"),
                                           ("total", "41.00 EUR")]
     # its entry in the field index, in S3 next to the document
-    store = ObjectStore(CommonSettings().s3)
+    store = ObjectStore(CacheKeySettings().s3)
     _, sha = split_cache_key(whole.cache_key)
-    family = field_family_id(CommonSettings().generation("extract", TaskParams(fields=SUPER)))
+    family = field_family_id(CacheKeySettings().generation("extract", TaskParams(fields=SUPER)))
     entry = field_index_key(whole.cache_key, family, 4)
     assert [k for k, _ in await store.list_keys(f"fieldsets/{sha}/")] == [entry]
     assert json.loads(await store.get(entry)) == {"cache_key": whole.cache_key, "fields": sorted(SUPER)}

@@ -403,9 +403,9 @@ def _tasks_url(url: str) -> bool:
 def _vlm_tasks() -> str:
     """``GET v1/tasks`` as a door configured for the ``openai`` engine answers it (every task runs)."""
     from services.api.protocol import deployment_tasks
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
 
-    return deployment_tasks(CommonSettings(engine_kind="openai")).model_dump_json()
+    return deployment_tasks(CacheKeySettings(engine_kind="openai")).model_dump_json()
 
 
 VLM_TASKS = _vlm_tasks()

@@ -14,7 +14,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
 from schemas.events import Line, ResultDocument
-from services.common.db import bound_document, cut_utf8
+from services.common.results.rows import bound_document, cut_utf8
 from services.common.deaths import METADATA_MAX_BYTES, DeathLedger, decode, encode
 from services.common.kafka import Outgoing
 from services.common.records import RecordParser, Record

@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from schemas.tasks import ENGINE_TASKS, TASKS, UnsupportedTask, engines_for, unsupported_task_message
-from services.common.settings import CommonSettings, EngineIdentity
+from services.common.cache.keys import EngineIdentity
+from services.common.cache.keys import CacheKeySettings
 
 EXTRACT_ON_CPU = ("engine 'rapidocr' cannot do task 'extract'; engines that can: vllm, openai (to run one, set "
                   "OCRSTREAM_ENGINE__ENGINE and its model on every stage: docs/engines.md#choosing-an-engine)")
@@ -40,12 +41,12 @@ def test_each_engine_class_and_the_registry_read_the_table():
 
 
 def test_the_deployment_runs_the_listed_tasks_its_engine_can_do():
-    cpu = CommonSettings()
+    cpu = CacheKeySettings()
     assert (cpu.infer_engine, cpu.runnable_tasks) == ("rapidocr", ("ocr", "doc_parse", "table"))
-    assert CommonSettings(engine=EngineIdentity(engine="vllm")).runnable_tasks == tuple(TASKS)
-    assert CommonSettings(engine_kind="openai", tasks=("ocr", "extract")).runnable_tasks == ("ocr", "extract")
+    assert CacheKeySettings(engine=EngineIdentity(engine="vllm")).runnable_tasks == tuple(TASKS)
+    assert CacheKeySettings(engine_kind="openai", tasks=("ocr", "extract")).runnable_tasks == ("ocr", "extract")
     # the engine infer runs: engine_kind, else engine.engine
-    assert CommonSettings(engine=EngineIdentity(engine="vllm"), engine_kind="rapidocr").infer_engine == "rapidocr"
+    assert CacheKeySettings(engine=EngineIdentity(engine="vllm"), engine_kind="rapidocr").infer_engine == "rapidocr"
     # the list of a refused task's message is what runs here
     assert cpu.task_error("layout") == "task 'layout' is not one of this deployment's tasks: ocr, doc_parse, table"
 
@@ -53,7 +54,7 @@ def test_the_deployment_runs_the_listed_tasks_its_engine_can_do():
 def test_check_task_refuses_what_the_engine_cannot_do_only_where_asked():
     from schemas.tasks import TaskError, TaskParams
 
-    cpu = CommonSettings()
+    cpu = CacheKeySettings()
     for task, params in [("extract", {"fields": ["total"]}), ("extract", None), ("translate", {"target_lang": "en"}),
                          ("formula", None), ("chart", None)]:
         with pytest.raises(UnsupportedTask) as exc:
@@ -64,7 +65,7 @@ def test_check_task_refuses_what_the_engine_cannot_do_only_where_asked():
     assert cpu.check_task("table", None, engine=True) is None
     with pytest.raises(TaskError, match="is not one of this deployment's tasks: ocr, doc_parse, table$"):
         cpu.check_task("layout", None, engine=True)  # not listed: invalid_request first
-    assert CommonSettings(engine_kind="openai").check_task("extract", {"fields": ["total"]}, engine=True) == \
+    assert CacheKeySettings(engine_kind="openai").check_task("extract", {"fields": ["total"]}, engine=True) == \
         TaskParams(fields=("total",))
 
 
@@ -73,9 +74,9 @@ def test_the_door_answers_422_unsupported_task_and_lists_the_deployments_tasks()
     from services.api.protocol import SubmitOptions, deployment_tasks
 
     with pytest.raises(ApiError) as exc:
-        SubmitOptions.parse({"task": "extract", "fields": "total"}, CommonSettings())
+        SubmitOptions.parse({"task": "extract", "fields": "total"}, CacheKeySettings())
     assert (exc.value.status, exc.value.code, exc.value.message) == (422, "unsupported_task", EXTRACT_ON_CPU)
-    listed = deployment_tasks(CommonSettings(tasks=("ocr", "table", "extract"))).model_dump()
+    listed = deployment_tasks(CacheKeySettings(tasks=("ocr", "table", "extract"))).model_dump()
     assert listed["engine"] == "rapidocr" and listed["default"] == "ocr"
     assert [(t["name"], t["runs"], t["reason"]) for t in listed["tasks"]] == [
         ("ocr", True, None), ("doc_parse", False, "task 'doc_parse' is not one of this deployment's tasks: ocr, table"),

@@ -7,8 +7,8 @@ import json
 import numpy as np
 from PIL import Image
 
-from services.common.prompts import SPOTTING_JSON_PROMPT, SPOTTING_PROMPT
-from services.common.settings import CommonSettings
+from services.common.cache.prompts import SPOTTING_JSON_PROMPT, SPOTTING_PROMPT
+from services.common.cache.keys import CacheKeySettings
 from services.infer.engines import hunyuan, hunyuan_prompts
 from services.infer.engines.hunyuan import ParseStats, parse_spotting
 
@@ -206,7 +206,7 @@ def test_prompts_are_the_official_ones():
     assert raw.endswith(SPOTTING_PROMPT + "<｜hy_User｜>")
     # the one definition is the engines' default and the settings' (so the default cache key's)
     assert hunyuan_prompts.chat_messages("data:,")[1]["content"][1]["text"] == SPOTTING_PROMPT
-    fields = CommonSettings.model_fields
+    fields = CacheKeySettings.model_fields
     assert fields["vllm_prompt"].default is SPOTTING_PROMPT and fields["openai_prompt"].default is SPOTTING_PROMPT
 
 

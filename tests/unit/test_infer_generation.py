@@ -11,7 +11,8 @@ from schemas.events import InferEvent, RequestEvent, ResultEvent
 from schemas.keys import cache_key
 from services.common.codec import dumps
 from services.common.records import RecordParser
-from services.common.settings import EngineIdentity, TelemetrySettings
+from services.common.cache.keys import EngineIdentity
+from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
 from services.infer.handler import InferHandler, generation_matches
 from services.infer.settings import InferSettings

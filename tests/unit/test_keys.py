@@ -5,7 +5,8 @@ import re
 import pytest
 
 from schemas.keys import CacheGeneration, cache_key, image_object_key, result_object_key, split_cache_key
-from services.common.settings import CommonSettings, EngineIdentity
+from services.common.cache.keys import EngineIdentity
+from services.common.cache.keys import CacheKeySettings
 
 SHA = "ab" + "0" * 62
 
@@ -73,8 +74,8 @@ def test_the_old_engine_is_one_setting_away_with_a_generation_of_its_own():
     assert settings(engine=EngineIdentity(engine="vllm", model="tencent/HunyuanOCR")).generation("ocr").model_revision == ""
 
 
-def settings(**kw) -> CommonSettings:
-    return CommonSettings(**kw)
+def settings(**kw) -> CacheKeySettings:
+    return CacheKeySettings(**kw)
 
 
 def test_default_generation_id_is_pinned():

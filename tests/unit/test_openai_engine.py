@@ -18,7 +18,7 @@ from PIL import Image
 
 from tests.engines import read_all
 from services.common.errors import is_transient
-from services.common.prompts import SPOTTING_PROMPT
+from services.common.cache.prompts import SPOTTING_PROMPT
 from services.infer.engines.base import OCR
 from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable
 from services.infer.engines.openai_engine import AttemptTimeout, OpenAiEngine, ServerError, parse_retry_after
@@ -389,7 +389,7 @@ def test_max_side_follows_the_setting():
 
 
 def test_a_cache_key_naming_another_model_is_reported(caplog):
-    from services.common.settings import EngineIdentity
+    from services.common.cache.keys import EngineIdentity
     from services.infer.settings import InferSettings
 
     with caplog.at_level("WARNING", logger="services.infer.engines.openai_engine"):

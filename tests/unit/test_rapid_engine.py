@@ -48,7 +48,7 @@ def test_detector_limit_setting_reaches_rapidocr():
 
     from PIL import Image
 
-    from services.common.settings import EngineIdentity
+    from services.common.cache.keys import EngineIdentity
     from services.infer.main import build_engine
     from services.infer.settings import InferSettings
 

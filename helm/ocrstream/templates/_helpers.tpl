@@ -109,6 +109,12 @@ Usage: include "ocrstream.stageConfig" (dict "component" "infer" "context" $) | 
 {{- if hasKey $.context.Values.api.config $k -}}{{- $_ := set $common $k (index $.context.Values.api.config $k) -}}{{- end -}}
 {{- end -}}
 {{- end -}}
+{{- if has (toString .component) (list "jobs" "webhooks") -}}
+{{- /* stages that compute no cache key read no engine, task or cache setting (CacheKeySettings, services/common/cache/keys.py) */ -}}
+{{- range $k := list "engine" "engine_kind" "engine_max_side" "vllm_prompt" "vllm_prompt_template" "openai_prompt" "vlm_dialect" "tasks" "cache_enabled" "cache_scope" -}}
+{{- $_ := unset $common $k -}}
+{{- end -}}
+{{- end -}}
 {{- $own := dict -}}
 {{- if .component -}}{{- $own = deepCopy (index .context.Values .component).config -}}{{- end -}}
 {{- $merged := mustMergeOverwrite $common $own -}}

@@ -5,8 +5,8 @@
 - :mod:`.outputs`: stored output documents read from S3, kept in a bounded in-process LRU.
 - :mod:`.neardup` and :mod:`.neardup_index`: near-duplicate images (perceptual hash, LSH bands in Redis).
 - :mod:`.field_index`: which field sets of an image are stored in S3, so a subset is answered from them.
+- :mod:`.keys`: the cache key and what it is made of (engine identity, tasks, scope:
+  :class:`~.keys.CacheKeySettings`), and :mod:`.prompts`, the VLM prompts, which are part of it.
 
-The cache key and generation are built by :meth:`services.common.settings.CommonSettings.cache_key_of`
-and :meth:`~services.common.settings.CommonSettings.generation`; dedup's near-duplicate lookup
-(``services/dedup/near.py``) reads dedup's settings and stays in dedup.
+Dedup's near-duplicate lookup (``services/dedup/near.py``) reads dedup's settings and stays in dedup.
 """

@@ -17,6 +17,7 @@ from schemas.events import DocumentPage, DocumentResult, ErrorInfo, Line, Page, 
 from schemas.keys import document_object_key
 from services.common.documents import state as documents
 from services.common.db import Database
+from services.common.results.rows import ResultRows
 from services.common.codec import dumps
 from services.common.cache.outputs import OutputLru
 from services.common.s3 import ObjectStore
@@ -163,7 +164,7 @@ class DocumentAssembler:
             return None
         doc, page_count = row
         numbered = await documents.page_requests(self.db, document_id)
-        held = await self.db.get_requests([rid for _, rid in numbered])
+        held = await ResultRows(self.db).get_requests([rid for _, rid in numbered])
         present = [(number, held[rid]) for number, rid in numbered if rid in held]  # all: rows follow requests'
         finals = [final for _, final in present]
         pages = []

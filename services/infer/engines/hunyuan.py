@@ -1,11 +1,11 @@
 """HunyuanOCR text spotting: parsing the model's answer into segments (coordinates, lines, the
 runaway-repetition guard). What is sent to the model (messages, template, sampling) is in
-:mod:`services.infer.engines.hunyuan_prompts`, the prompts in :mod:`services.common.prompts`.
+:mod:`services.infer.engines.hunyuan_prompts`, the prompts in :mod:`services.common.cache.prompts`.
 
-The model answers ``spotting_hunyuan`` (:data:`~services.common.prompts.SPOTTING_PROMPT`) with
+The model answers ``spotting_hunyuan`` (:data:`~services.common.cache.prompts.SPOTTING_PROMPT`) with
 items ``text(x1,y1),(x2,y2)`` (top-left, bottom-right), back to back or one per line, the
 coordinates normalised to 0..1000 of the image's width and height; ``spotting_json``
-(:data:`~services.common.prompts.SPOTTING_JSON_PROMPT`) answers a JSON array
+(:data:`~services.common.cache.prompts.SPOTTING_JSON_PROMPT`) answers a JSON array
 ``[{"box": [xmin, ymin, xmax, ymax], "text": "..."}]`` on the same 0..1000 scale.
 The official scorer (``train_verl/reward/task_scorers/spotting.py``) also reads two tagged
 forms, ``<ref>text</ref><quad>(x1,y1),(x2,y2)</quad>`` and

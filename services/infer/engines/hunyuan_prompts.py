@@ -2,8 +2,8 @@
 image as the model takes it, and the sampling. Its answers are parsed in
 :mod:`services.infer.engines.hunyuan`.
 
-The instructions themselves (:data:`~services.common.prompts.SPOTTING_PROMPT`, ...) are in
-:mod:`services.common.prompts`: a prompt is part of the cache key, which dedup and the HTTP door
+The instructions themselves (:data:`~services.common.cache.prompts.SPOTTING_PROMPT`, ...) are in
+:mod:`services.common.cache.prompts`: a prompt is part of the cache key, which dedup and the HTTP door
 compute too.
 
 Nothing here needs vLLM, torch or a network.
@@ -17,8 +17,8 @@ import io
 import numpy as np
 from PIL import Image
 
-from services.common.prompts import SPOTTING_PROMPT
-from services.common.settings import VLM_MAX_SIDE as COMMON_VLM_MAX_SIDE
+from services.common.cache.prompts import SPOTTING_PROMPT
+from services.common.cache.keys import VLM_MAX_SIDE as COMMON_VLM_MAX_SIDE
 
 #: Raw prompt for in-process vLLM (no chat template), as in vLLM's own HunyuanOCR example
 #: (``examples/offline_inference/vision_language.py``, ``run_hunyuan_vl``): BOS, the image

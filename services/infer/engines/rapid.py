@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from services.common.settings import RAPIDOCR_DEFAULT_MODEL, RAPIDOCR_DET_LIMIT_SIDE_LEN
+from services.common.cache.keys import RAPIDOCR_DEFAULT_MODEL, RAPIDOCR_DET_LIMIT_SIDE_LEN
 from services.infer.textlines import SPACES_PP_OCRV4, SPACES_PP_OCRV6, Segment, SpaceRule, restore_spaces
 from schemas.events import WARNING_NO_TABLE_FOUND
 from schemas.lanes import Priority
@@ -59,7 +59,7 @@ class RapidOcrEngine(OcrEngine):
             interactive page, infer's own event loop and the pipeline's other stages get the
             cores first, and bulk pages take the rest (idle cores are used all the same).
         model: ``engine.model``: ``PP-OCRv6-small`` (rapidocr 3.10.0) or ``PP-OCRv4-ch``
-            (rapidocr-onnxruntime 1.4.4); :data:`services.common.settings.RAPIDOCR_MODELS`.
+            (rapidocr-onnxruntime 1.4.4); :data:`services.common.cache.keys.RAPIDOCR_MODELS`.
 
     Raises:
         ValueError: ``model`` is not one of those.

@@ -1,6 +1,6 @@
 """The PP-OCR builds the ``rapidocr`` engine runs, loaded from their wheels with no network.
 
-``engine.model`` picks one (:data:`services.common.settings.RAPIDOCR_MODELS`):
+``engine.model`` picks one (:data:`services.common.cache.keys.RAPIDOCR_MODELS`):
 
 * ``PP-OCRv6-small`` (the default): ``rapidocr`` 3.10.0 (RapidAI, Apache-2.0), whose wheel bundles
   ``PP-OCRv6_det_small.onnx``, ``PP-OCRv6_rec_small.onnx`` (its character list in the ONNX
@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from services.common.settings import RAPIDOCR_MODELS, RapidOcrModels
+from services.common.cache.keys import RAPIDOCR_MODELS, RapidOcrModels
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def load(model: str, *, threads: int, max_side: int, det_limit_side_len: int) ->
     """Load ``model``'s build from its wheel (a few seconds) and return its :data:`Reader`.
 
     Args:
-        model: ``engine.model`` (:data:`services.common.settings.RAPIDOCR_MODELS`).
+        model: ``engine.model`` (:data:`services.common.cache.keys.RAPIDOCR_MODELS`).
         threads: ONNX Runtime intra-op threads of each model.
         max_side: Longest side handed to the detector, larger images downscaled (px).
         det_limit_side_len: The detector scales an image up until its short side has this many px.

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.settings import RAPID_LAYOUT_VERSION, RAPID_TABLE_VERSION
+from services.common.cache.keys import RAPID_LAYOUT_VERSION, RAPID_TABLE_VERSION
 from services.infer.textlines import Segment, group_lines
 
 TEXT_LABELS = frozenset({"text", "figure_caption", "table_caption", "header", "footer", "reference", "equation"})

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from schemas.tasks import TASKS
-from services.common.prompts import is_hunyuan, resolve_dialect  # noqa: F401 - is_hunyuan re-exported
+from services.common.cache.prompts import is_hunyuan, resolve_dialect  # noqa: F401 - is_hunyuan re-exported
 from services.infer.engines.base import EngineOutput, EngineTask, UnparsableOutput
 from services.infer.engines.dialects import parsers
 

@@ -21,7 +21,7 @@ Per-task ``max_tokens`` (ours; the client's 4096 for the long answers): 4096 for
 official ``normalize_doc_parse_markdown`` (aligning Markdown to the OmniDocBench ground truth for
 scoring) is not applied: it rewrites formulas for a benchmark, not for a reader.
 
-Task ``ocr`` keeps the engines' spotting path (:mod:`services.common.prompts`,
+Task ``ocr`` keeps the engines' spotting path (:mod:`services.common.cache.prompts`,
 :mod:`services.infer.engines.hunyuan`), with vLLM's recipe sampling (no repetition penalty).
 """
 

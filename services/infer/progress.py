@@ -1,7 +1,7 @@
 """Where one partition's records stand in a window of records finishing out of order
 (:class:`PartitionProgress`), and the commit metadata that carries it across processes.
 
-The window runner (:mod:`services.common.window`) works on many records of a partition at once
+The window runner (:mod:`services.infer.window`) works on many records of a partition at once
 and each finishes when its own work does, in any order. The offset it commits is the partition's
 *low watermark*: the first record not finished (its output produced and acknowledged), so every
 record below it is done and a crash redoes only what is at or above it. With that offset the

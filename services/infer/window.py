@@ -19,7 +19,7 @@ own task:
    attempts, outage retries and poison handling, one record at a time; its messages are
    produced and acknowledged (``acks=all``) at once.
 4. **Commit at the watermark.** The record is marked done in its partition's
-   :class:`~services.common.progress.PartitionProgress`; a committer commits each changed
+   :class:`~services.infer.progress.PartitionProgress`; a committer commits each changed
    partition's low watermark (the first record not done) with metadata naming the records
    running and those done above it (at most every ``commit_interval_s`` when only finished
    records changed, at once when a record is about to start and deaths are counted). So
@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from abc import abstractmethod
 from collections import deque
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -52,19 +53,52 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
 from schemas.errors import ErrorCode
-from schemas.lanes import PRIORITIES
+from schemas.lanes import PRIORITIES, Priority
 from services.common.deaths import CommittedOffsetsReader
 from services.common.errors import OcrError
-from services.common.handler import WindowHandler, poison_of
-from services.common.progress import Fate, PartitionProgress, read_metadata
+from services.common.handler import Handler, poison_of
+from services.common.kafka import Outgoing
 from services.common.records import Record
 from services.common.runner import MARK_SEND_TURNS, UNMARK_LOCK_S, StageRunner
 from services.common.telemetry import Telemetry
+from services.infer.progress import Fate, PartitionProgress, read_metadata
 
 log = logging.getLogger(__name__)
 
 Entry = tuple[Record, PartitionProgress, Fate]
 """A fetched record waiting for a slot: the record, its partition's progress, what to do with it."""
+
+
+class WindowHandler(Handler):
+    """A handler whose records are each handled on their own, many at once, each one's messages
+    produced as soon as it is done: the window runner (:class:`WindowRunner`) drives it. A stage whose records take very different times (infer: a blank page or a dense
+    receipt on a VLM) keeps its engine full this way instead of waiting for the slowest record
+    of a batch.
+    """
+
+    @abstractmethod
+    async def handle_record(self, record: Record) -> list[Outgoing]:
+        """Process one record (its value decoded) and return every message it causes.
+
+        Called concurrently for up to ``max_in_flight`` records, in any order within a partition.
+        Must be idempotent: a record may be redelivered after a crash. Raise to fail the record
+        (the runner retries an outage as long as it lasts and any other error up to
+        ``max_attempts`` times, then :meth:`poison`). The record's consumer span is
+        ``record.traced()`` / ``record.trace_headers()``; the runner ends it when the call returns.
+        """
+
+    def lane(self, topic: str) -> Priority:
+        """The lane the records of ``topic`` are read in: ``interactive`` records take free slots
+        first and have ``interactive_reserve`` slots of their own; default ``bulk``."""
+        return "bulk"
+
+    async def handle(self, records: list[Record]) -> list[Outgoing]:
+        """Every record through :meth:`handle_record` at once (for a caller with a batch in
+        hand: tests, benchmarks); raises the first failure after every record has ended."""
+        got = await asyncio.gather(*(self.handle_record(r) for r in records), return_exceptions=True)
+        if failed := next((g for g in got if isinstance(g, BaseException)), None):
+            raise failed
+        return [m for out in got for m in out]
 
 
 class WindowRunner(StageRunner):

@@ -1,7 +1,7 @@
 """The instructions sent to the VLM engines (vllm, openai), defined once.
 
 They live in shared code because a prompt is part of the cache key: dedup and the HTTP door
-compute the key (:meth:`services.common.settings.CommonSettings.generation`) as infer does, and
+compute the key (:meth:`services.common.cache.keys.CacheKeySettings.generation`) as infer does, and
 the settings' defaults are these. How a prompt is wrapped for the model (chat messages, raw
 template) is the engine's: :mod:`services.infer.engines.hunyuan_prompts`.
 
