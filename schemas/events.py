@@ -288,14 +288,31 @@ of the image holding every field asked (of another field list: ``docs/tasks.md``
 CacheTier = Literal["lru", "redis", "s3", "settled", "single_flight", "near", "fields"]
 
 
-class ResultEvent(_Frozen):
-    """The outcome for one request on ``ocr.results`` (read by sink).
-
-    From infer: ``lines``/``pages`` filled. From dedup on a cache hit: ``cache_hit`` true and
-    ``result_uri`` points at the stored result document; on a near-duplicate hit, ``cache_hit``
-    true, ``near_duplicate_of`` set and ``lines``/``pages`` filled (the other image's lines,
-    boxes rescaled to this image). From ingest on bad input: status error.
+class TaskAnswer(_Frozen):
+    """A task's answer (schemas/tasks.py: each task's result slot), defined once for the models
+    that carry it: :class:`ResultEvent`, :class:`ResultDocument`, :class:`OcrOutput` and
+    :class:`DocumentPage`. ``ocr`` fills none (its answer is the lines and ``text``); a task fills
+    its slot. Each of those models is ``class Model(TaskAnswer, _ModelBody)``: pydantic orders
+    fields base by base from the last, so on the wire a model's own fields come first and its
+    task answer after them.
     """
+
+    markdown: Markdown = None
+    html: Html = None
+    latex: Latex = None
+    fields: Fields = None
+    translation: Translation = None
+
+
+#: The names of :class:`TaskAnswer`'s fields, in order.
+TASK_ANSWER_FIELDS: tuple[str, ...] = tuple(TaskAnswer.model_fields)
+#: Its answers that are text (all but ``fields``, an object): a result's ``text`` repeats the one it holds.
+TASK_TEXT_ANSWERS: tuple[str, ...] = tuple(k for k in TASK_ANSWER_FIELDS if k != "fields")
+
+
+class _ResultEventBody(_Frozen):
+    """The fields of :class:`ResultEvent` but its task answer (:class:`TaskAnswer`)."""
+
 
     schema_: Literal["ocr.result.v1"] = Field(default="ocr.result.v1", alias="schema")
     event_id: str = Field(default_factory=new_id)
@@ -313,11 +330,6 @@ class ResultEvent(_Frozen):
     model_revision: str | None = None
     pages: list[Page] = Field(default_factory=list)
     lines: list[Line] = Field(default_factory=list)
-    markdown: Markdown = None
-    html: Html = None
-    latex: Latex = None
-    fields: Fields = None
-    translation: Translation = None
     raw_output: RawOutput = None
     warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
     result_uri: str | None = None
@@ -334,31 +346,20 @@ class ResultEvent(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
-class ResultDocument(_Frozen):
-    """The final result of one request: in MariaDB, on ``ocr.completed`` and in the CLI's output.
+class ResultEvent(TaskAnswer, _ResultEventBody):
+    """The outcome for one request on ``ocr.results`` (read by sink).
 
-    A document (a PDF or multi-page TIFF split at ingest, ``docs/documents.md``) has one of its
-    own, assembled when every page is final: ``status`` ``ok``, ``partial`` (some pages failed:
-    ``failed_pages``) or ``error``; its lines carry their page number; ``result_uri`` points at
-    the whole assembled result (``ocr.document.v1``) and this document is its bounded summary.
-
-    Attributes:
-        lines: Text lines in reading order (top-to-bottom, then left-to-right), boxes in pixels
-            of the upright page given by ``line.page``.
-        text: All lines joined with newlines; pages separated by a blank line.
-        width, height: Size of page 1 in pixels (upright); every page in ``pages``.
-        timings_ms: Where the time went, in ms: ``queue_<stage>`` waits (from Kafka timestamps),
-            ``ingest``, ``dedup``, ``fetch``, ``decode``, ``preprocess``, ``inference`` (the
-            engine's time for this image's pages), ``postprocess``, ``engine_wait`` (in infer,
-            waiting for decoded-pixel room or a free engine slot), ``write`` and ``total``
-            (submit to completion).
-        trace_id: The request's OpenTelemetry trace id (32 hex digits).
-        callback_url: Where the completion is delivered as a signed webhook (HTTP submissions).
-        api_key_id: The API key that submitted the request over HTTP, when keys are required.
-        metadata: The submitter's own key/value pairs, returned unchanged.
-        lines_omitted, text_truncated: Set when the document was over the database row bound:
-            the row (and the completion built from it) keeps the summary, ``result_uri`` the whole.
+    From infer: ``lines``/``pages`` filled. From dedup on a cache hit: ``cache_hit`` true and
+    ``result_uri`` points at the stored result document; on a near-duplicate hit, ``cache_hit``
+    true, ``near_duplicate_of`` set and ``lines``/``pages`` filled (the other image's lines,
+    boxes rescaled to this image). From ingest on bad input: status error.
     """
+
+
+
+class _ResultDocumentBody(_Frozen):
+    """The fields of :class:`ResultDocument` but its task answer (:class:`TaskAnswer`)."""
+
 
     schema_: Literal["ocr.result_document.v1"] = Field(default="ocr.result_document.v1", alias="schema")
     request_id: str
@@ -382,11 +383,6 @@ class ResultDocument(_Frozen):
     pages: list[Page] = Field(default_factory=list)
     lines: list[Line] = Field(default_factory=list)
     text: str = ""
-    markdown: Markdown = None
-    html: Html = None
-    latex: Latex = None
-    fields: Fields = None
-    translation: Translation = None
     raw_output: RawOutput = None
     warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
     task: str = "ocr"
@@ -419,9 +415,37 @@ class ResultDocument(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
-class OcrOutput(_Frozen):
-    """The OCR output of one image under one cache generation, stored once in S3 at
-    ``results/<sha256>/<gen_id>.json`` and shared by every request for those bytes."""
+class ResultDocument(TaskAnswer, _ResultDocumentBody):
+    """The final result of one request: in MariaDB, on ``ocr.completed`` and in the CLI's output.
+
+    A document (a PDF or multi-page TIFF split at ingest, ``docs/documents.md``) has one of its
+    own, assembled when every page is final: ``status`` ``ok``, ``partial`` (some pages failed:
+    ``failed_pages``) or ``error``; its lines carry their page number; ``result_uri`` points at
+    the whole assembled result (``ocr.document.v1``) and this document is its bounded summary.
+
+    Attributes:
+        lines: Text lines in reading order (top-to-bottom, then left-to-right), boxes in pixels
+            of the upright page given by ``line.page``.
+        text: All lines joined with newlines; pages separated by a blank line.
+        width, height: Size of page 1 in pixels (upright); every page in ``pages``.
+        timings_ms: Where the time went, in ms: ``queue_<stage>`` waits (from Kafka timestamps),
+            ``ingest``, ``dedup``, ``fetch``, ``decode``, ``preprocess``, ``inference`` (the
+            engine's time for this image's pages), ``postprocess``, ``engine_wait`` (in infer,
+            waiting for decoded-pixel room or a free engine slot), ``write`` and ``total``
+            (submit to completion).
+        trace_id: The request's OpenTelemetry trace id (32 hex digits).
+        callback_url: Where the completion is delivered as a signed webhook (HTTP submissions).
+        api_key_id: The API key that submitted the request over HTTP, when keys are required.
+        metadata: The submitter's own key/value pairs, returned unchanged.
+        lines_omitted, text_truncated: Set when the document was over the database row bound:
+            the row (and the completion built from it) keeps the summary, ``result_uri`` the whole.
+    """
+
+
+
+class _OcrOutputBody(_Frozen):
+    """The fields of :class:`OcrOutput` but its task answer (:class:`TaskAnswer`)."""
+
 
     schema_: Literal["ocr.output.v1"] = Field(default="ocr.output.v1", alias="schema")
     cache_key: str
@@ -434,11 +458,6 @@ class OcrOutput(_Frozen):
     pages: list[Page]
     lines: list[Line]
     text: str
-    markdown: Markdown = None
-    html: Html = None
-    latex: Latex = None
-    fields: Fields = None
-    translation: Translation = None
     raw_output: RawOutput = None
     created_at_ms: int = Field(default_factory=now_ms)
     near_duplicate_of: str | None = Field(
@@ -449,7 +468,31 @@ class OcrOutput(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
-class DocumentPage(_Frozen):
+class OcrOutput(TaskAnswer, _OcrOutputBody):
+    """The OCR output of one image under one cache generation, stored once in S3 at
+    ``results/<sha256>/<gen_id>.json`` and shared by every request for those bytes."""
+
+
+
+class _DocumentPageBody(_Frozen):
+    """The fields of :class:`DocumentPage` but its task answer (:class:`TaskAnswer`)."""
+
+
+    page_number: int = Field(ge=1)
+    request_id: str
+    status: Literal["ok", "error"]
+    error: ErrorInfo | None = None
+    content_sha256: str | None = None
+    result_uri: str | None = None
+    cache_hit: bool = False
+    width: int | None = None
+    height: int | None = None
+    lines: list[Line] = Field(default_factory=list)
+    text: str = ""
+    warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
+
+
+class DocumentPage(TaskAnswer, _DocumentPageBody):
     """One page of an assembled document (:class:`DocumentResult`): its own request's outcome.
 
     Attributes:
@@ -464,23 +507,6 @@ class DocumentPage(_Frozen):
         lines: Its lines, ``page`` set to ``page_number``; text and task output as the page's own result.
     """
 
-    page_number: int = Field(ge=1)
-    request_id: str
-    status: Literal["ok", "error"]
-    error: ErrorInfo | None = None
-    content_sha256: str | None = None
-    result_uri: str | None = None
-    cache_hit: bool = False
-    width: int | None = None
-    height: int | None = None
-    lines: list[Line] = Field(default_factory=list)
-    text: str = ""
-    markdown: Markdown = None
-    html: Html = None
-    latex: Latex = None
-    fields: Fields = None
-    translation: Translation = None
-    warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
 
 
 class DocumentResult(_Frozen):

@@ -125,3 +125,23 @@ def test_dumps_writes_the_bytes_of_model_dump_through_orjson():
     huge = RequestEvent(request_id="r-2", timings_ms={"big": 1e16, "small": 1e-7})
     assert dumps(huge) == orjson.dumps(huge.model_dump(mode="json", by_alias=True))
     assert b'"big":1e+16,"small":1e-7' in dumps(huge)
+
+
+def test_every_model_with_a_task_answer_takes_it_from_task_answer_and_its_own_fields_come_first():
+    """A task's answer is declared once (``TaskAnswer``): a model that carries any answer field is a
+    ``TaskAnswer``, and on the wire its own fields come before the answer (``schema`` first)."""
+    from pydantic import BaseModel
+
+    import schemas.events as ev
+
+    models = [m for m in vars(ev).values() if isinstance(m, type) and issubclass(m, BaseModel)
+              and m.__module__ == ev.__name__ and not m.__name__.startswith("_") and m is not ev.TaskAnswer]
+    carrying = {m.__name__ for m in models if set(ev.TASK_ANSWER_FIELDS) & set(m.model_fields)}
+    assert carrying == {"ResultEvent", "ResultDocument", "OcrOutput", "DocumentPage"}
+    for m in models:
+        if m.__name__ in carrying:
+            assert issubclass(m, ev.TaskAnswer), m.__name__
+            names = list(m.model_fields)
+            assert names[-len(ev.TASK_ANSWER_FIELDS):] == list(ev.TASK_ANSWER_FIELDS), m.__name__
+    doc = ev.ResultDocument(request_id="r1", status="ok", markdown="# A")
+    assert list(orjson.loads(doc.model_dump_json(by_alias=True)))[:2] == ["schema", "request_id"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from schemas.errors import ErrorCode
-from schemas.events import DocumentPage, DocumentResult, ErrorInfo, Line, Page, RequestEvent, ResultDocument
+from schemas.events import (TASK_ANSWER_FIELDS, TASK_TEXT_ANSWERS, DocumentPage, DocumentResult, ErrorInfo, Line, Page,
+                            RequestEvent, ResultDocument)
 from schemas.keys import document_object_key
 from services.common.documents import state as documents
 from services.common.db import Database
@@ -22,8 +23,7 @@ from services.common.codec import dumps
 from services.common.cache.outputs import OutputLru
 from services.common.s3 import ObjectStore
 
-_TASK_SLOTS = ("markdown", "html", "latex", "fields", "translation")
-_JOINED_SLOTS = ("markdown", "html", "latex", "translation")
+_JOINED_SLOTS = TASK_TEXT_ANSWERS
 """The task slots a document's own answer holds, its pages' in page order separated by a blank
 line, as its ``text`` (``fields``, one object a page, is left to the pages)."""
 
@@ -51,7 +51,7 @@ def _page_of(number: int, final: ResultDocument, lines: list[Line]) -> DocumentP
         error=final.error, content_sha256=final.content_sha256, result_uri=final.result_uri,
         cache_hit=final.cache_hit, width=final.width, height=final.height,
         lines=[ln.model_copy(update={"page": number}) for ln in lines], text=final.text,
-        warnings=final.warnings, **{k: getattr(final, k) for k in _TASK_SLOTS})
+        warnings=final.warnings, **{k: getattr(final, k) for k in TASK_ANSWER_FIELDS})
 
 
 def assemble(doc: RequestEvent, page_count: int, pages: list[DocumentPage], finals: list[ResultDocument],
@@ -173,7 +173,7 @@ class DocumentAssembler:
             if (final.lines_omitted or final.text_truncated) and final.result_uri:  # over the row bound
                 whole = await self.outputs.load(final.result_uri)
                 lines, final = whole.lines, final.model_copy(update={  # the row may have left its slots out too
-                    "text": whole.text, **{k: getattr(whole, k) for k in _TASK_SLOTS if getattr(final, k) is None}})
+                    "text": whole.text, **{k: getattr(whole, k) for k in TASK_ANSWER_FIELDS if getattr(final, k) is None}})
             pages.append(_page_of(number, final, lines))
         result = assemble(doc, page_count, pages, finals, self.rate)
         key = document_object_key(document_id)

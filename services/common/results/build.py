@@ -19,14 +19,15 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import orjson
 
-from schemas.events import CacheTier, Line, OcrOutput, Page, RequestEvent, ResultDocument, ResultEvent
+from schemas.events import (TASK_ANSWER_FIELDS, CacheTier, Line, OcrOutput, Page, RequestEvent, ResultDocument,
+                            ResultEvent)
 from schemas.keys import CacheGeneration
 from schemas.tasks import TASKS
 
-#: The task output fields a result carries besides its lines (each task fills one: its slot,
-#: ``schemas.tasks.TASKS``), and ``raw_output``: copied as they are from the result event into
-#: the stored output and from the output into the document.
-TASK_OUTPUTS = ("markdown", "html", "latex", "fields", "translation", "raw_output")
+#: The task answer a result carries besides its lines (:class:`schemas.events.TaskAnswer`: each
+#: task fills one field, its slot in ``schemas.tasks.TASKS``), and ``raw_output``: copied as they
+#: are from the result event into the stored output and from the output into the document.
+TASK_OUTPUTS = (*TASK_ANSWER_FIELDS, "raw_output")
 
 
 def full_text(lines: Iterable[Line]) -> str:

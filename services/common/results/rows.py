@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import orjson
 
-from schemas.events import ResultDocument
+from schemas.events import TASK_TEXT_ANSWERS, ResultDocument
 from services.common.db import Database
 
 _UPSERT_REQUEST = """
@@ -68,7 +68,7 @@ def bound_document(doc: ResultDocument, max_bytes: int) -> tuple[ResultDocument,
         raw = doc.model_dump_json(by_alias=True)
         if len(raw.encode()) <= max_bytes:
             return doc, raw
-    slots = {k: None for k in ("markdown", "html", "latex", "translation") if getattr(doc, k) is not None}
+    slots = {k: None for k in TASK_TEXT_ANSWERS if getattr(doc, k) is not None}
     if slots:  # a task's text is its ``text`` too (services/common/results/build.py): kept there, cut below
         doc = doc.model_copy(update=slots)
         raw = doc.model_dump_json(by_alias=True)
