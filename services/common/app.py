@@ -82,6 +82,17 @@ async def _message_limits(stage: str, settings: CommonSettings) -> dict[str, int
     return dict.fromkeys(settings.topics.all(), BROKER_DEFAULT_MESSAGE_BYTES)
 
 
+async def close_in_turn(stage: str, closes: list[tuple[str, Callable[[], Awaitable[object]]]]) -> None:
+    """Await each ``(what, close)`` of ``closes`` in order. One that raises (a timeout included) is
+    logged as ``closing the <what> failed`` and the next still runs, so a client that hangs at
+    shutdown never leaves the others open."""
+    for what, close in closes:
+        try:
+            await close()
+        except Exception as exc:  # noqa: BLE001 - logged; the next client still closes
+            log.warning("%s: closing the %s failed: %r", stage, what, exc)
+
+
 async def run_stage(
     *,
     stage: str,
@@ -166,12 +177,15 @@ async def run_stage(
         except asyncio.TimeoutError:
             log.warning("%s: batch did not finish in time; it will be redelivered", stage)
     stopped.cancel()
+    # each client is closed on its own: one that hangs or fails (a broker gone mid-shutdown) must
+    # not leave the others open (the handler's pools, decoder processes, engine)
+    closes = [("consumer", lambda: asyncio.wait_for(consumer.stop(), 10)),
+              ("producer", lambda: asyncio.wait_for(producer.stop(), 10))]
+    if admin is not None:
+        closes.append(("admin client", lambda: asyncio.wait_for(admin.close(), 10)))
+    closes.append(("handler", handler.close))
     try:
-        await asyncio.wait_for(consumer.stop(), 10)
-        await asyncio.wait_for(producer.stop(), 10)
-        if admin is not None:
-            await asyncio.wait_for(admin.close(), 10)
-        await handler.close()
+        await close_in_turn(stage, closes)
     finally:
         if server:
             server.close()
