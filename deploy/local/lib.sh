@@ -127,7 +127,7 @@ started_alive() {
   [[ -s $f ]] || return 1
   pid="$(<"$f")"
   [[ $pid =~ ^[0-9]+$ ]] || return 1
-  { stat="$(<"/proc/$pid/stat")"; } 2>/dev/null || return 1
+  { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || return 1  # not $(<...): under set -e a failed one ends the script
   stat="${stat##*) }"          # the fields after "(comm) "; comm may hold spaces
   [[ ${stat%% *} != Z ]]       # state: Z = exited, not yet reaped
 }

@@ -39,7 +39,7 @@ class SinkSettings(CacheKeySettings):
     @field_validator("cache_ttl_by_task")
     @classmethod
     def _ttl_tasks_listed(cls, ttls: dict[str, int], info: ValidationInfo) -> dict[str, int]:
-        tasks = info.data.get("tasks")  # validated before (a CommonSettings field); absent if it failed
+        tasks = info.data.get("tasks")  # validated before (a CacheKeySettings field); absent if it failed
         unknown = sorted(set(ttls) - set(tasks)) if tasks else []
         if unknown:
             raise ValueError(f"names {', '.join(map(repr, unknown))}, not among the tasks ({', '.join(tasks)}): "

@@ -76,8 +76,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/*
-The sections of the settings (nested models of CommonSettings); their fields become OCRSTREAM_<SECTION>__<FIELD>.
-Keep in step with services/common/settings.py (tests/helm/test_chart.py checks every rendered name).
+The sections of the settings (nested models of CommonSettings and CacheKeySettings); their fields become
+OCRSTREAM_<SECTION>__<FIELD>. Keep in step with services/common/settings.py and services/common/cache/keys.py
+(tests/helm/test_chart.py checks every rendered name).
 */}}
 {{- define "ocrstream.settingsSections" -}}
 kafka s3 redis mysql telemetry topics engine limits decode
