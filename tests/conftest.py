@@ -8,6 +8,9 @@ under scripts/test.sh (``tests.stack.strict_run``). tests/unit needs no stack.
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+
 import io
 import json
 from pathlib import Path
@@ -71,7 +74,24 @@ def cases() -> list[dict]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test with its tier (the folder under tests/) and integration/fault tests with ``stack``."""
+    """Mark each test with its tier (the folder under tests/) and integration/fault tests with ``stack``;
+    give every test a node id of its own.
+
+    Schemathesis' cases (``@schema.parametrize()``, one per route) share their function's node id
+    under pytest 9.2 although each is named ``test_...[GET /route]``; pytest-xdist schedules by node
+    id, so it ran the first route only and dropped the others without a word. Such a case gets its
+    name's ``[...]`` in its node id, and a collection that still holds one node id twice is refused.
+
+    Raises:
+        pytest.UsageError: two collected tests with one node id.
+    """
+    counts = Counter(item.nodeid for item in items)
+    for item in items:
+        if counts[item.nodeid] > 1 and item.name.endswith("]") and not item.nodeid.endswith("]"):
+            # pytest 9.2's Node.nodeid is str(Node._id), a frozen NodeId: give it the case's params
+            item._id = dataclasses.replace(item._id, params=item.name[item.name.index("[") + 1:-1])
+    if twice := sorted(n for n, c in Counter(item.nodeid for item in items).items() if c > 1):
+        raise pytest.UsageError(f"tests share a node id (pytest-xdist would run one of each): {twice}")
     tests_dir = REPO / "tests"
     for item in items:
         path = Path(item.path).resolve()

@@ -97,7 +97,7 @@ def init() -> None:
 
 
 def generation_report(current: list, known: dict) -> list[str]:
-    """What ``init`` says about the result cache: the generation this deployment reads and writes,
+    """What ``init`` says about the result cache: the generations this deployment reads and writes (one per task),
     and the generations of other settings (another engine, model, model revision or preprocessing
     version: results of an engine before an upgrade) that Redis still holds, never served again,
     with the ``cache purge`` that frees them.
@@ -111,9 +111,11 @@ def generation_report(current: list, known: dict) -> list[str]:
 
     mine = {ident(g) for g in current}
     revisions = {g.model_revision for g in current}
+    per_task = {g.gen_id: g.task for g in current}  # one generation per task (schemas.tasks.task_variant)
     lines = [f"cache: results of {', '.join(sorted({f'{e} {m} {r} (preprocessing {p})' for e, m, r, p in mine}))}"
-             f" under generation{'s' if len(current) > 1 else ''} "
-             f"{', '.join(sorted({g.gen_id for g in current}))}"]
+             f" under generation{'s' if len(per_task) > 1 else ''} "
+             f"{', '.join(f'{gid} ({task})' for gid, task in per_task.items())}"
+             f"{', one per task' if len(per_task) > 1 else ''}"]
     old: dict[tuple, list[str]] = {}
     for gid, g in known.items():
         if ident(g) not in mine:

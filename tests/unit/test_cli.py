@@ -187,7 +187,7 @@ def test_init_says_which_generation_is_read_and_how_to_purge_the_old_engines():
     option = new[0].model_copy(update={"options": "max_side=1000"})
     assert generation_report(new, {new[0].gen_id: new[0]}) == [
         f"cache: results of rapidocr PP-OCRv6-small rapidocr-3.10.0 (preprocessing 3) under generations "
-        f"{', '.join(sorted(g.gen_id for g in new))}"]
+        f"{new[0].gen_id} (ocr), {new[1].gen_id} (doc_parse), one per task"]
     lines = generation_report(new, {g.gen_id: g for g in (*new, old, same_rev, option)})
     assert len(lines) == 3, lines
     assert lines[1] == ("cache: 1 generation of rapidocr PP-OCRv4-ch rapidocr-onnxruntime-1.4.4 (preprocessing 2) "
