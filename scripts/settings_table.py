@@ -67,21 +67,24 @@ def all_env_vars() -> set[str]:
     return {r[0] for cls in [CommonSettings, *STAGES.values()] for r in rows(cls)}
 
 
+def _table(title: str, table_rows: list[tuple[str, str, str]]) -> list[str]:
+    """``title``, then one markdown table row per ``(variable, default, meaning)``."""
+    return [title, "", "| variable | default | meaning |", "|---|---|---|",
+            *(f"| `{v}` | `{d}` | {m} |" if d else f"| `{v}` | | {m} |" for v, d, m in table_rows)]
+
+
 def render() -> str:
-    """The markdown tables: shared settings, then each stage's own."""
+    """The markdown tables: settings every stage has, those of the stages that compute cache keys,
+    then each stage's own."""
     common = {r[0] for r in rows(CommonSettings)}
-    parts = ["Shared by every stage:", "", "| variable | default | meaning |", "|---|---|---|"]
-    parts += [f"| `{v}` | `{d}` | {m} |" if d else f"| `{v}` | | {m} |" for v, d, m in rows(CommonSettings)]
     keyed = [r for r in rows(CacheKeySettings) if r[0] not in common]
-    parts += ["", "Shared by every stage that computes, checks or stores under a cache key (the HTTP door, ingest, "
-              "dedup, infer, sink, and the CLI): they must agree.", "", "| variable | default | meaning |", "|---|---|---|"]
-    parts += [f"| `{v}` | `{d}` | {m} |" if d else f"| `{v}` | | {m} |" for v, d, m in keyed]
+    parts = _table("Shared by every stage:", rows(CommonSettings)) + [""] + _table(
+        "Shared by every stage that computes, checks or stores under a cache key (the HTTP door, ingest, "
+        "dedup, infer, sink, and the CLI): they must agree.", keyed)
     common |= {r[0] for r in keyed}
     for stage, cls in STAGES.items():
         inherited = common | {r[0] for base in cls.__mro__[1:] if base in STAGES.values() for r in rows(base)}
-        own = [r for r in rows(cls) if r[0] not in inherited]
-        parts += ["", f"{stage} only:", "", "| variable | default | meaning |", "|---|---|---|"]
-        parts += [f"| `{v}` | `{d}` | {m} |" if d else f"| `{v}` | | {m} |" for v, d, m in own]
+        parts += ["", *_table(f"{stage} only:", [r for r in rows(cls) if r[0] not in inherited])]
     return "\n".join(parts)
 
 

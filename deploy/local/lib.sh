@@ -65,13 +65,20 @@ cmd_marker() {
 
 pidfile() { echo "$PID_DIR/$1.pid"; }
 
-# Print the pid of a live process started by up.sh for service $1, else fail.
-running_pid() {
+# Print the pid up.sh recorded for service $1 (a number), else fail.
+recorded_pid() {
   local f pid
   f="$(pidfile "$1")"
   [[ -s $f ]] || return 1
   pid="$(<"$f")"
-  [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 1
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  echo "$pid"
+}
+
+# Print the pid of a live process started by up.sh for service $1, else fail.
+running_pid() {
+  local pid
+  pid="$(recorded_pid "$1")" && kill -0 "$pid" 2>/dev/null || return 1
   local cmdline
   cmdline="$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" || return 1
   [[ $cmdline == *"$(cmd_marker "$1")"* ]] || return 1
@@ -122,11 +129,8 @@ http_ok() {
 # Unlike running_pid it does not check the command line: between fork and exec it is still this
 # script's, and on 2 busy cores that window was long enough to read as "exited during start-up".
 started_alive() {
-  local f pid stat
-  f="$(pidfile "$1")"
-  [[ -s $f ]] || return 1
-  pid="$(<"$f")"
-  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  local pid stat
+  pid="$(recorded_pid "$1")" || return 1
   { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || return 1  # not $(<...): under set -e a failed one ends the script
   stat="${stat##*) }"          # the fields after "(comm) "; comm may hold spaces
   [[ ${stat%% *} != Z ]]       # state: Z = exited, not yet reaped

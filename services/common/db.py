@@ -206,10 +206,6 @@ class Database:
         """
         return await self._run(op, self._with_cursor, fn, args)
 
-    def _execute(self, sql: str, args: tuple) -> int:
-        with self._conn() as conn, conn.cursor() as cur:
-            return cur.execute(sql, args)
-
     async def execute(self, sql: str, *args) -> int:
         """Run one write statement (autocommit); returns the number of rows it changed.
 
@@ -217,4 +213,4 @@ class Database:
             pymysql.IntegrityError: a unique key was violated (e.g. a duplicate primary key).
             pymysql.OperationalError: MariaDB unreachable.
         """
-        return await self._run("execute", self._execute, sql, args)
+        return await self.with_cursor("execute", lambda cur: cur.execute(sql, args))

@@ -132,6 +132,7 @@ class DocumentAssembler:
                  on_assembled: Callable[[RequestEvent, list[ResultDocument], ResultDocument],
                                         Awaitable[object]] | None = None):
         self.db = db
+        self.rows = ResultRows(db)
         self.store = store
         self.outputs = outputs
         self.rate = max_page_error_rate
@@ -164,7 +165,7 @@ class DocumentAssembler:
             return None
         doc, page_count = row
         numbered = await documents.page_requests(self.db, document_id)
-        held = await ResultRows(self.db).get_requests([rid for _, rid in numbered])
+        held = await self.rows.get_requests([rid for _, rid in numbered])
         present = [(number, held[rid]) for number, rid in numbered if rid in held]  # all: rows follow requests'
         finals = [final for _, final in present]
         pages = []
