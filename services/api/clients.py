@@ -12,7 +12,6 @@ import asyncio
 import logging
 from urllib.parse import urlencode
 
-from aiokafka import AIOKafkaProducer
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.api.hub import CompletionHub
@@ -25,7 +24,7 @@ from services.common.cache.entries import ResultCache
 from services.common.db import Database
 from services.common.results.rows import ResultRows
 from services.common.images.decoding import DecoderPool
-from services.common.kafka import make_producer
+from services.common.kafka import RenewingProducer, make_producer
 from services.common.cache.outputs import OutputLru
 from services.common.s3 import ObjectStore
 from services.common.telemetry import Telemetry
@@ -44,7 +43,7 @@ class CacheHits:
         failed: Counts a publish that failed.
     """
 
-    def __init__(self, producer: AIOKafkaProducer, topic: str, failed: Counter):
+    def __init__(self, producer: RenewingProducer, topic: str, failed: Counter):
         self.producer = producer
         self.topic = topic
         self._failed = failed
@@ -93,7 +92,7 @@ class Clients:
     def __init__(self, settings: ApiSettings):
         s = self.s = settings
         self.telemetry = Telemetry("api", s.telemetry)
-        self.producer: AIOKafkaProducer | None = None  # made in start()
+        self.producer: RenewingProducer | None = None  # made in start()
         self.hits: CacheHits | None = None
         self.store = ObjectStore(s.s3, self.telemetry)
         self.cache = ResultCache(s.redis, self.telemetry, stage="api")

@@ -9,12 +9,19 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
 
 from services.common.deaths import admin_reader
-from services.common.kafka import BROKER_DEFAULT_MESSAGE_BYTES, make_admin, make_consumer, make_producer, topic_message_limits
+from services.common.kafka import (
+    BROKER_DEFAULT_MESSAGE_BYTES,
+    RenewingProducer,
+    make_admin,
+    make_consumer,
+    make_producer,
+    topic_message_limits,
+)
 from services.common.retry import capped_backoff_s, retry_outages
 from services.common.runner import Handler, StageRunner
 from services.common.settings import CommonSettings
@@ -43,7 +50,7 @@ class StageContext:
 
     settings: CommonSettings
     telemetry: Telemetry
-    producer: AIOKafkaProducer
+    producer: RenewingProducer
 
 
 async def _start_with_retry(name: str, start: Callable[[], Awaitable[None]], stop: asyncio.Event, cap_s: float) -> None:

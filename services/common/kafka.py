@@ -5,12 +5,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import (
+    InvalidProducerEpoch,
+    OutOfOrderSequenceNumber,
+    ProducerFenced,
+    TopicAlreadyExistsError,
+    UnknownProducerId,
+)
 
 from services.common.settings import KafkaSettings
 
@@ -48,8 +55,9 @@ def _security_kwargs(cfg: KafkaSettings) -> dict:
     return kw
 
 
-def make_producer(cfg: KafkaSettings, client_id: str, linger_ms: int | None = None) -> AIOKafkaProducer:
-    """An idempotent producer (``acks=all`` by default); call ``await start()`` before use.
+def make_producer(cfg: KafkaSettings, client_id: str, linger_ms: int | None = None) -> RenewingProducer:
+    """An idempotent producer (``acks=all`` by default) that renews its producer id when the broker
+    loses its state (:class:`RenewingProducer`); call ``await start()`` before use.
 
     Args:
         cfg: Broker, acks and batching settings.
@@ -57,7 +65,7 @@ def make_producer(cfg: KafkaSettings, client_id: str, linger_ms: int | None = No
         linger_ms: Batching delay in ms instead of ``cfg.linger_ms`` (for fire-and-forget sends
             whose latency nobody waits on).
     """
-    return AIOKafkaProducer(
+    return RenewingProducer(lambda: AIOKafkaProducer(
         bootstrap_servers=cfg.bootstrap_servers,
         client_id=client_id,
         acks="all" if cfg.acks == "all" else int(cfg.acks),
@@ -66,7 +74,94 @@ def make_producer(cfg: KafkaSettings, client_id: str, linger_ms: int | None = No
         max_request_size=cfg.max_request_size,
         request_timeout_ms=cfg.request_timeout_ms,
         **_security_kwargs(cfg),
-    )
+    ), client_id)
+
+
+RENEWED_ON = (OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch, ProducerFenced)
+"""Send errors after which an idempotent producer's id and sequence numbers are of no more use
+(without a transactional id, aiokafka reports ``INVALID_PRODUCER_EPOCH`` as ``ProducerFenced``)."""
+
+
+class RenewingProducer:
+    """An ``AIOKafkaProducer`` that is replaced by a fresh one (a new producer id, sequence numbers
+    from 0) when a send fails with one of :data:`RENEWED_ON`.
+
+    An idempotent producer numbers the batches of each partition. When the broker loses that
+    numbering (a restart that drops the producer's state, aio-libs/aiokafka#1017) or a refused
+    batch leaves a gap in it, the broker answers every later batch of that partition with
+    ``OUT_OF_ORDER_SEQUENCE_NUMBER`` and aiokafka never recovers. The Java client resets its
+    producer id in that case for a producer without a transactional id (KIP-360); this does the
+    same with the public API: the failed send's future still raises (its sender retries it, as for
+    any failed send), every send made after the failure waits for the fresh producer, and the old
+    one is stopped in the background (its pending batches settle, failed or acknowledged).
+
+    Ordering: a message retried after a renewal may land after one sent later to the same
+    partition, as after a stage restart (delivery is at least once, docs/delivery.md).
+
+    Args:
+        factory: Makes an unstarted ``AIOKafkaProducer`` (called once per renewal).
+        name: For logs (the client id).
+    """
+
+    def __init__(self, factory: Callable[[], AIOKafkaProducer], name: str):
+        self._factory = factory
+        self.name = name
+        self.current = factory()
+        self.renewals = 0
+        self._renewal: asyncio.Task | None = None
+        self._retired: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Connect (``AIOKafkaProducer.start``: fetches metadata and, idempotent, a producer id)."""
+        await self.current.start()
+
+    async def stop(self) -> None:
+        """Flush and close the current producer, and every one a renewal retired."""
+        if self._renewal is not None:
+            await asyncio.gather(self._renewal, return_exceptions=True)
+        await asyncio.gather(*self._retired, return_exceptions=True)
+        await self.current.stop()
+
+    async def send(self, topic: str, value: bytes | None = None, key: bytes | None = None,
+                   partition: int | None = None, headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
+        """``AIOKafkaProducer.send``: queue the message and return the future of its acknowledgement
+        (raises as the producer does, e.g. ``MessageSizeTooLargeError``, ``KafkaTimeoutError``)."""
+        if self._renewal is not None:
+            await asyncio.shield(self._renewal)
+        producer = self.current
+        fut = await producer.send(topic, value, key=key, partition=partition, headers=headers)
+        fut.add_done_callback(lambda f: self._settled(producer, f))
+        return fut
+
+    async def send_and_wait(self, topic: str, value: bytes | None = None, key: bytes | None = None,
+                            partition: int | None = None, headers: list[tuple[str, bytes]] | None = None):
+        """:meth:`send` and wait for the acknowledgement (the ``RecordMetadata``)."""
+        return await (await self.send(topic, value, key=key, partition=partition, headers=headers))
+
+    def _settled(self, producer: AIOKafkaProducer, fut: asyncio.Future) -> None:
+        if fut.cancelled() or not isinstance(fut.exception(), RENEWED_ON):
+            return
+        if producer is self.current and self._renewal is None:
+            self._renewal = asyncio.ensure_future(self._renew(producer, fut.exception()))
+
+    async def _renew(self, old: AIOKafkaProducer, error: BaseException) -> None:
+        log.warning("kafka: producer %s got %s; renewing it (a fresh producer id, sequence numbers from 0)",
+                    self.name, type(error).__name__)
+        fresh = self._factory()
+        try:
+            await fresh.start()
+        except Exception as exc:  # noqa: BLE001 - the old one stays; its next such error tries again
+            log.warning("kafka: producer %s could not be renewed now (%r); the next such error tries again",
+                        self.name, exc)
+            await asyncio.gather(fresh.stop(), return_exceptions=True)
+            return
+        finally:
+            self._renewal = None
+        self.current = fresh
+        self.renewals += 1
+        retired = asyncio.ensure_future(old.stop())
+        self._retired.add(retired)
+        retired.add_done_callback(self._retired.discard)
 
 
 def make_consumer(

@@ -8,12 +8,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError
 
 from services.common.dlq import key_bytes, oversized_stub, record_bytes
 from services.common.errors import is_transient
-from services.common.kafka import Outgoing
+from services.common.kafka import Outgoing, RenewingProducer
 from services.common.retry import retry_outages
 from services.common.telemetry import Telemetry
 
@@ -39,7 +38,7 @@ class BatchProducer:
         on_retry: Called before each backoff with ``(n, error, delay_s)``.
     """
 
-    def __init__(self, *, stage: str, producer: AIOKafkaProducer, telemetry: Telemetry, size_limits: dict[str, int],
+    def __init__(self, *, stage: str, producer: RenewingProducer, telemetry: Telemetry, size_limits: dict[str, int],
                  dlq_topic: str, max_attempts: int, oversize: Oversize, delay: Callable[[int], float],
                  on_retry: Callable[[int, BaseException, float], None]):
         self.stage = stage
@@ -105,8 +104,8 @@ class BatchProducer:
         for msg, res in zip(pending, results):
             if isinstance(res, MessageSizeTooLargeError) and msg.topic != self.dlq_topic:
                 # refused by the broker all the same (a limit lowered since the stage started):
-                # the same replacement. Later sends to that partition then fail on the sequence gap
-                # the refused batch left, so the stage exits and restarts with the new limits.
+                # the same replacement. The next send to that partition fails on the sequence gap
+                # the refused batch left; the producer then renews itself and it is retried.
                 log.error("%s: the broker refused a %d-byte message for %s as too large; sent to the DLQ instead",
                           self.stage, len(msg.value), msg.topic)
                 failed.extend(self._oversized(msg, res))

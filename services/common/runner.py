@@ -65,14 +65,14 @@ import logging
 import time
 from collections import defaultdict
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from schemas.errors import ErrorCode
 from services.common.deaths import DeathLedger, CommittedOffsetsReader
 from services.common.errors import OcrError, is_transient
 from services.common.handler import Handler, poison_of
-from services.common.kafka import Outgoing
+from services.common.kafka import Outgoing, RenewingProducer
 from services.common.producing import BatchProducer
 from services.common.rebalance import Revocations
 from services.common.records import RecordParser, Record
@@ -135,7 +135,7 @@ class StageRunner:
         *,
         stage: str,
         consumer: AIOKafkaConsumer,
-        producer: AIOKafkaProducer,
+        producer: RenewingProducer,
         handler: Handler,
         telemetry: Telemetry,
         max_batch: int = 64,

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import TopicPartition
 
 from services.common.errors import OcrstreamError
-from services.common.kafka import make_consumer
+from services.common.kafka import RenewingProducer, make_consumer
 from services.common.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class Changelog:
         restore_timeout_s: Bound on restoring one assignment's partitions, s.
     """
 
-    def __init__(self, cfg: KafkaSettings, topic: str, producer: AIOKafkaProducer, restore_timeout_s: float = 120.0):
+    def __init__(self, cfg: KafkaSettings, topic: str, producer: RenewingProducer, restore_timeout_s: float = 120.0):
         self.cfg = cfg
         self.topic = topic
         self.producer = producer

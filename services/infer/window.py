@@ -48,7 +48,7 @@ import time
 from abc import abstractmethod
 from collections import deque
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
@@ -57,7 +57,7 @@ from schemas.lanes import PRIORITIES, Priority
 from services.common.deaths import CommittedOffsetsReader
 from services.common.errors import OcrError
 from services.common.handler import Handler, poison_of
-from services.common.kafka import Outgoing
+from services.common.kafka import Outgoing, RenewingProducer
 from services.common.records import Record
 from services.common.runner import MARK_SEND_TURNS, UNMARK_LOCK_S, StageRunner
 from services.common.telemetry import Telemetry
@@ -126,7 +126,7 @@ class WindowRunner(StageRunner):
         commit_interval_s: Least time between two commits that only move watermarks, s.
     """
 
-    def __init__(self, *, stage: str, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer,
+    def __init__(self, *, stage: str, consumer: AIOKafkaConsumer, producer: RenewingProducer,
                  handler: WindowHandler, telemetry: Telemetry, max_in_flight: int, interactive_reserve: int = 0,
                  max_attempts: int = 3, max_backoff_s: float = 10.0, dlq_topic: str = "ocr.dlq",
                  size_limits: dict[str, int] | None = None, poison_after_deaths: int = 0,
