@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import botocore.exceptions
+from aiokafka.errors import InvalidProducerEpoch, OutOfOrderSequenceNumber, ProducerFenced, UnknownProducerId
 import pymysql.err
 import redis.exceptions
 
@@ -52,6 +53,13 @@ TRANSIENT_LIBRARY_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,  # BusyLoadingError is a ConnectionError
 )
 
+PRODUCER_STATE_ERRORS: tuple[type[BaseException], ...] = (
+    OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch, ProducerFenced)
+"""Send errors after which an idempotent producer's id and sequence numbers are of no more use
+(without a transactional id, aiokafka reports ``INVALID_PRODUCER_EPOCH`` as ``ProducerFenced``).
+Not retriable to aiokafka; transient here, since the producer renews itself on them
+(:class:`services.common.kafka.RenewingProducer`) and the same message then goes through."""
+
 #: S3 error codes (a ``ClientError``'s ``Error.Code``) that mean "try again later" (AWS S3 error
 #: responses: SlowDown, ServiceUnavailable, InternalError, RequestTimeout; MinIO answers the same).
 TRANSIENT_S3_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500"})
@@ -60,11 +68,14 @@ TRANSIENT_S3_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError
 def is_transient(exc: BaseException) -> bool:
     """True when ``exc`` means "something we depend on is down", not "this message is bad".
 
-    Checks the ``retriable`` attribute first (:class:`OcrstreamError` and aiokafka's
+    A producer's lost sequence state (:data:`PRODUCER_STATE_ERRORS`) is transient. Then checks the
+    ``retriable`` attribute (:class:`OcrstreamError` and aiokafka's
     ``KafkaError``), then the connection and timeout errors of the standard library, botocore,
     PyMySQL and redis-py by class (:data:`TRANSIENT_LIBRARY_ERRORS`), and an S3 error answer that
     means "try again" (:data:`TRANSIENT_S3_CODES`).
     """
+    if isinstance(exc, PRODUCER_STATE_ERRORS):
+        return True
     retriable = getattr(exc, "retriable", None)
     if retriable is not None:
         return bool(retriable)

@@ -11,14 +11,9 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import (
-    InvalidProducerEpoch,
-    OutOfOrderSequenceNumber,
-    ProducerFenced,
-    TopicAlreadyExistsError,
-    UnknownProducerId,
-)
+from aiokafka.errors import ProducerClosed, TopicAlreadyExistsError
 
+from services.common.errors import PRODUCER_STATE_ERRORS
 from services.common.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -74,64 +69,74 @@ def make_producer(cfg: KafkaSettings, client_id: str, linger_ms: int | None = No
         max_request_size=cfg.max_request_size,
         request_timeout_ms=cfg.request_timeout_ms,
         **_security_kwargs(cfg),
-    ), client_id)
-
-
-RENEWED_ON = (OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch, ProducerFenced)
-"""Send errors after which an idempotent producer's id and sequence numbers are of no more use
-(without a transactional id, aiokafka reports ``INVALID_PRODUCER_EPOCH`` as ``ProducerFenced``)."""
+    ), client_id, start_timeout_s=max(cfg.request_timeout_ms / 1000, 1.0))
 
 
 class RenewingProducer:
     """An ``AIOKafkaProducer`` that is replaced by a fresh one (a new producer id, sequence numbers
-    from 0) when a send fails with one of :data:`RENEWED_ON`.
+    from 0) when a send fails with one of :data:`~services.common.errors.PRODUCER_STATE_ERRORS`.
 
     An idempotent producer numbers the batches of each partition. When the broker loses that
     numbering (a restart that drops the producer's state, aio-libs/aiokafka#1017) or a refused
     batch leaves a gap in it, the broker answers every later batch of that partition with
     ``OUT_OF_ORDER_SEQUENCE_NUMBER`` and aiokafka never recovers. The Java client resets its
     producer id in that case for a producer without a transactional id (KIP-360); this does the
-    same with the public API: the failed send's future still raises (its sender retries it, as for
-    any failed send), every send made after the failure waits for the fresh producer, and the old
-    one is stopped in the background (its pending batches settle, failed or acknowledged).
+    same with the public API: the failed send's future still raises (the runner sends it again,
+    :func:`~services.common.errors.is_transient`), every send made after the failure waits for the
+    fresh producer, and the old one is stopped in the background (its pending batches settle,
+    failed or acknowledged). A renewal that cannot start in ``start_timeout_s`` leaves the old
+    producer in place; its next such error tries again.
 
-    Ordering: a message retried after a renewal may land after one sent later to the same
+    Ordering: a message sent again after a renewal may land after one sent later to the same
     partition, as after a stage restart (delivery is at least once, docs/delivery.md).
 
     Args:
         factory: Makes an unstarted ``AIOKafkaProducer`` (called once per renewal).
         name: For logs (the client id).
+        start_timeout_s: Bound on a renewal's ``start()`` (metadata and a producer id), s.
     """
 
-    def __init__(self, factory: Callable[[], AIOKafkaProducer], name: str):
+    def __init__(self, factory: Callable[[], AIOKafkaProducer], name: str, start_timeout_s: float = 30.0):
         self._factory = factory
         self.name = name
+        self.start_timeout_s = start_timeout_s
         self.current = factory()
         self.renewals = 0
         self._renewal: asyncio.Task | None = None
         self._retired: set[asyncio.Task] = set()
+        self._closing = False
 
     async def start(self) -> None:
         """Connect (``AIOKafkaProducer.start``: fetches metadata and, idempotent, a producer id)."""
         await self.current.start()
 
     async def stop(self) -> None:
-        """Flush and close the current producer, and every one a renewal retired."""
+        """Flush and close the current producer and every one a renewal retired; a renewal under
+        way is cancelled, and none starts from here on."""
+        self._closing = True
         if self._renewal is not None:
-            await asyncio.gather(self._renewal, return_exceptions=True)
-        await asyncio.gather(*self._retired, return_exceptions=True)
+            self._renewal.cancel()
+            await asyncio.wait({self._renewal})
+        if self._retired:
+            await asyncio.wait(set(self._retired))
         await self.current.stop()
 
     async def send(self, topic: str, value: bytes | None = None, key: bytes | None = None,
                    partition: int | None = None, headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
         """``AIOKafkaProducer.send``: queue the message and return the future of its acknowledgement
         (raises as the producer does, e.g. ``MessageSizeTooLargeError``, ``KafkaTimeoutError``)."""
-        if self._renewal is not None:
-            await asyncio.shield(self._renewal)
-        producer = self.current
-        fut = await producer.send(topic, value, key=key, partition=partition, headers=headers)
-        fut.add_done_callback(lambda f: self._settled(producer, f))
-        return fut
+        while True:
+            if self._renewal is not None:
+                await asyncio.wait({self._renewal})  # its outcome is its own; a cancelled send leaves it be
+            producer = self.current
+            try:
+                fut = await producer.send(topic, value, key=key, partition=partition, headers=headers)
+            except ProducerClosed:
+                if producer is not self.current and not self._closing:
+                    continue  # retired while this send waited in it (metadata, a full buffer)
+                raise
+            fut.add_done_callback(lambda f: self._settled(producer, f))
+            return fut
 
     async def send_and_wait(self, topic: str, value: bytes | None = None, key: bytes | None = None,
                             partition: int | None = None, headers: list[tuple[str, bytes]] | None = None):
@@ -139,7 +144,7 @@ class RenewingProducer:
         return await (await self.send(topic, value, key=key, partition=partition, headers=headers))
 
     def _settled(self, producer: AIOKafkaProducer, fut: asyncio.Future) -> None:
-        if fut.cancelled() or not isinstance(fut.exception(), RENEWED_ON):
+        if self._closing or fut.cancelled() or not isinstance(fut.exception(), PRODUCER_STATE_ERRORS):
             return
         if producer is self.current and self._renewal is None:
             self._renewal = asyncio.ensure_future(self._renew(producer, fut.exception()))
@@ -147,21 +152,37 @@ class RenewingProducer:
     async def _renew(self, old: AIOKafkaProducer, error: BaseException) -> None:
         log.warning("kafka: producer %s got %s; renewing it (a fresh producer id, sequence numbers from 0)",
                     self.name, type(error).__name__)
-        fresh = self._factory()
+        fresh: AIOKafkaProducer | None = None
         try:
-            await fresh.start()
-        except Exception as exc:  # noqa: BLE001 - the old one stays; its next such error tries again
+            fresh = self._factory()
+            await asyncio.wait_for(fresh.start(), self.start_timeout_s)
+        except BaseException as exc:
+            if fresh is not None:
+                self._retire(fresh)
+            if not isinstance(exc, Exception):
+                raise  # cancelled by stop()
             log.warning("kafka: producer %s could not be renewed now (%r); the next such error tries again",
                         self.name, exc)
-            await asyncio.gather(fresh.stop(), return_exceptions=True)
             return
         finally:
             self._renewal = None
+        if self._closing:
+            await fresh.stop()
+            return
         self.current = fresh
         self.renewals += 1
-        retired = asyncio.ensure_future(old.stop())
-        self._retired.add(retired)
-        retired.add_done_callback(self._retired.discard)
+        self._retire(old)
+
+    def _retire(self, producer: AIOKafkaProducer) -> None:
+        """Stop ``producer`` in the background (:meth:`stop` waits for it); an error is logged."""
+        task = asyncio.ensure_future(producer.stop())
+        self._retired.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._retired.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("kafka: a retired producer of %s failed to stop: %r", self.name, t.exception())
+        task.add_done_callback(done)
 
 
 def make_consumer(

@@ -92,4 +92,7 @@ class Changelog:
         if not records:
             return
         futures = [await self.producer.send(self.topic, value, key=key, partition=partition) for key, value in records]
-        await asyncio.gather(*futures)
+        # every send settles before an error is raised, so none lands after the retry's records
+        errors = [r for r in await asyncio.gather(*futures, return_exceptions=True) if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
