@@ -240,6 +240,13 @@ class ResultCache:
         """The value stored by :meth:`mark_accepted`, or None. Raises :class:`CacheUnavailable`."""
         return await self._call("get", self.client.get(f"{self.p}:req:{request_id}"))
 
+    async def accepted_many(self, request_ids: list[str]) -> list[bytes | None]:
+        """:meth:`accepted` of each id, in order, in one ``MGET`` (one round trip, one connection).
+        Raises :class:`CacheUnavailable`."""
+        if not request_ids:
+            return []
+        return await self._call("mget", self.client.mget([f"{self.p}:req:{rid}" for rid in request_ids]))
+
     async def get_and_mark(self, key: str, request_id: str, value: bytes, ttl_s: int) -> CacheEntry | None:
         """The entry for ``key`` or None, and on a hit also :meth:`mark_accepted` for
         ``request_id`` (``value`` empty: no marker), in one round trip (the HTTP door's cached

@@ -145,6 +145,18 @@ async def held_claim(db: Database, request_id: str) -> RequestClaim | None:
     return _row(rows[0]) if rows else None
 
 
+async def held_claims(db: Database, request_ids: list[str]) -> dict[str, RequestClaim]:
+    """:func:`held_claim` of many ids in one query: request id -> its claim (ids with none absent).
+
+    Raises:
+        pymysql.MySQLError: MariaDB failed (``OperationalError``: unreachable, transient).
+    """
+    if not request_ids:
+        return {}
+    rows = await db.query(_SELECT.replace("= %s", f"IN ({', '.join(['%s'] * len(request_ids))})"), *request_ids)
+    return {r["request_id"]: _row(r) for r in rows}
+
+
 async def claim(db: Database, mine: RequestClaim) -> ClaimOutcome:
     """Take ``mine.request_id`` for ``mine``, or say who holds it and whether ``mine`` is a retry of it.
 
