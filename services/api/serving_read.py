@@ -22,6 +22,7 @@ from services.api.protocol import OcrResponse, finished
 from services.api.serving_keys import Principal
 from services.common.requests import claims
 from services.common.cache.entries import CacheUnavailable
+from services.common.errors import is_transient
 
 #: What a request id is to a caller: the finished document, True (pending, or unknowable: Redis
 #: down), False (unknown), None (another API key's).
@@ -70,6 +71,7 @@ class ReadService:
 
         Raises:
             pymysql.MySQLError | OSError: MariaDB did not answer.
+            orjson.JSONDecodeError: a Redis marker is not JSON (not one the door wrote).
         """
         docs = await self.c.rows.get_requests(rids)
         rest = [rid for rid in rids if rid not in docs]
@@ -125,8 +127,10 @@ class ReadService:
         try:
             try:
                 known = await self.known(rid, principal)
-            except Exception as exc:  # noqa: BLE001 - MariaDB down: only a wait can still answer
-                if fut is None:
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise  # a defect, not an outage: a 500 with its traceback in the log
+                if fut is None:  # MariaDB down: only a wait can still answer
                     raise ApiError(HttpErrorCode.UNAVAILABLE, f"results store unavailable: {exc!r}") from None
                 known = True
             if isinstance(known, ResultDocument):
@@ -211,8 +215,10 @@ class ReadService:
         try:
             try:
                 known = await self.known_many(rids, principal)
-            except Exception:  # noqa: BLE001 - MariaDB down: only the completions can still answer
-                known = {rid: True for rid in rids}
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise  # a defect, not an outage: a 500 with its traceback in the log
+                known = {rid: True for rid in rids}  # MariaDB down: only the completions can still answer
             snapshot = [(rid, known[rid]) for rid in rids]
             if not any(isinstance(state, ResultDocument) or state is True for _, state in snapshot):
                 raise ApiError(HttpErrorCode.NOT_FOUND, f"no request {rids[0]!r}" if len(rids) == 1

@@ -73,14 +73,12 @@ def test_heads_a_client_needs_pass_and_keep_alive_still_works(api):
     ids = [("id", f"{'r' * 61}{i:03d}") for i in range(64)]  # GET /v1/events' most ids, longest
     with httpx.Client(base_url=api.url, timeout=30) as c:
         assert c.get("/healthz", headers=headers).status_code == 200
-        r = c.get("/v1/events", params=[*ids, ("timeout", "0.1")])
-        # read whole, not refused: every id is answered. 404 when the door can tell that none exists;
-        # a stream with an event for each when Redis could not tell it in time (a busy machine):
-        # such an id may exist, so the door answers it pending (docs/http-api.md, "Watching a batch")
-        if r.status_code == 404:
-            assert "none of the 64 requests exists" in r.text, r.text[:300]
-        else:
-            assert r.status_code == 200 and all(rid in r.text for _, rid in ids), r.text[:300]
+        for _ in range(5):  # a Redis or MariaDB lookup that fails under load answers 200 (fail open): ask again
+            r = c.get("/v1/events", params=[*ids, ("timeout", "0.1")])
+            if r.status_code != 200:
+                break
+        # read whole, not refused: all 64 ids counted
+        assert r.status_code == 404 and "none of the 64 requests exists" in r.text, r.text[:300]
         assert c.get("/healthz").status_code == 200  # same connection, the next head counted afresh
     two = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2
     answer = _exchange(api.url, [two[:-1], two[-1:] + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"])

@@ -179,16 +179,19 @@ async def test_stop_cancels_a_renewal_under_way_and_starts_none():
     fut = await rp.send("t", b"a")
     fut.set_exception(OutOfOrderSequenceNumber())
     await _settle()
+    assert len(factory.made) == 2  # the renewal's fresh producer is starting (and hangs)
     await asyncio.wait_for(rp.stop(), 5)
     assert factory.made[0].stopped and rp.current is factory.made[0]
+    assert factory.made[1].stopped  # the half-started one is closed too
     # a refusal that lands while stopping (the final flush) starts nothing
     factory2 = Factory()
     rp2 = await _started(factory2)
     late = await rp2.send("t", b"late")
     stopping = asyncio.ensure_future(rp2.stop())
     late.set_exception(OutOfOrderSequenceNumber())
-    await stopping
     await _settle()
+    assert rp2._renewal is None  # none started once stop() began
+    await stopping
     assert len(factory2.made) == 1 and rp2.renewals == 0
 
 

@@ -50,6 +50,10 @@ _SELECT = """
 SELECT request_id, content_sha256, task, api_key_id, door, origin, token, claimed_at_ms
 FROM request_claims WHERE request_id = %s
 """
+_SELECT_MANY = """
+SELECT request_id, content_sha256, task, api_key_id, door, origin, token, claimed_at_ms
+FROM request_claims WHERE request_id IN ({ids})
+"""
 # the same record, first refused before its image was read (a missing object), then read after all
 _UPGRADE = """
 UPDATE request_claims SET content_sha256 = %s, task = %s
@@ -153,7 +157,7 @@ async def held_claims(db: Database, request_ids: list[str]) -> dict[str, Request
     """
     if not request_ids:
         return {}
-    rows = await db.query(_SELECT.replace("= %s", f"IN ({', '.join(['%s'] * len(request_ids))})"), *request_ids)
+    rows = await db.query(_SELECT_MANY.format(ids=", ".join(["%s"] * len(request_ids))), *request_ids)
     return {r["request_id"]: _row(r) for r in rows}
 
 
