@@ -14,11 +14,12 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.errors import OutOfOrderSequenceNumber
 
-from services.common.kafka import Outgoing, RenewingProducer, create_topics, make_consumer, make_producer
+from services.common.kafka import Outgoing, RenewingProducer, create_topics, make_producer
 from services.common.runner import StageRunner
 from services.common.settings import CommonSettings, TelemetrySettings
 from services.common.telemetry import Telemetry
 from tests.integration.test_runner_kafka import SlowFirstBatch
+from tests.topics import topic_records
 
 pytestmark = pytest.mark.stack
 
@@ -26,22 +27,6 @@ pytestmark = pytest.mark.stack
 def _open_a_sequence_gap(producer: RenewingProducer, tp: TopicPartition) -> None:
     """Move the producer's next sequence number for ``tp`` 5 past what the broker expects."""
     producer.current._txn_manager.increment_sequence_number(tp, 5)
-
-
-async def _read(topic: str, group: str, n: int) -> list[bytes]:
-    s = CommonSettings()
-    consumer = make_consumer(s.kafka, [topic], group, "test-renewal-read")
-    await consumer.start()
-    try:
-        out: list[bytes] = []
-        for _ in range(30):  # until n messages are there, 30 s at most
-            got = await consumer.getmany(timeout_ms=1000)
-            out += [r.value for recs in got.values() for r in recs]
-            if len(out) >= n:
-                break
-        return out
-    finally:
-        await consumer.stop()
 
 
 async def _topic(stack_env, name: str) -> str:
@@ -67,7 +52,7 @@ async def test_a_sequence_gap_fails_one_send_and_the_next_goes_on_a_fresh_produc
         assert producer.current._txn_manager.producer_id != first_id
     finally:
         await producer.stop()
-    assert await _read(topic, f"{topic}-read", 3) == [b"before", b"after", b"and after"]
+    assert [r.value for r in await topic_records(topic)] == [b"before", b"after", b"and after"]
 
 
 async def test_the_runner_sends_a_refused_batch_again_and_goes_on(stack_env):
@@ -87,4 +72,4 @@ async def test_the_runner_sends_a_refused_batch_again_and_goes_on(stack_env):
         assert producer.renewals == 1
     finally:
         await producer.stop()
-    assert await _read(topic, f"{topic}-read", 4) == [b"one", b"two", b"three", b"four"]
+    assert [r.value for r in await topic_records(topic)] == [b"one", b"two", b"three", b"four"]
