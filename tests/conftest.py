@@ -9,10 +9,9 @@ under scripts/test.sh (``tests.stack.strict_run``). tests/unit needs no stack.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
-
 import io
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest

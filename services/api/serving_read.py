@@ -58,16 +58,14 @@ class ReadService:
         Raises:
             pymysql.MySQLError | OSError: MariaDB did not answer.
         """
-        doc = await self.c.rows.get_request(rid)
-        if doc is not None:
-            return doc if owns(principal, doc.api_key_id) else None
-        return await self._unfinished(rid, principal)
+        return (await self.known_many([rid], principal))[rid]
 
     async def known_many(self, rids: list[str], principal: Principal) -> dict[str, Known]:
-        """:meth:`known` of many ids in three round trips whatever their number: one MariaDB query
-        for the finished, one Redis ``MGET`` of the others' markers, one MariaDB query of the claims
-        of those Redis does not know (as :meth:`_unfinished`, which 64 concurrent calls could not
-        keep under the Redis time budget on a cold connection pool).
+        """:meth:`known` of many ids in three round trips whatever their number (64 concurrent calls
+        could not keep under the Redis time budget on a cold connection pool): one MariaDB query for
+        the finished; one Redis ``MGET`` of the others' accepted markers (Redis down: each is True,
+        unknowable); one MariaDB query of the claims of those Redis does not know (chosen at the
+        Kafka door, or the marker lost: :mod:`services.common.requests.claims`).
 
         Raises:
             pymysql.MySQLError | OSError: MariaDB did not answer.
@@ -91,23 +89,6 @@ class ReadService:
             known[rid] = False if claim is None else True if owns(principal, claim.api_key_id) else None
         known.update({rid: doc if owns(principal, doc.api_key_id) else None for rid, doc in docs.items()})
         return known
-
-    async def _unfinished(self, rid: str, principal: Principal) -> bool | None:
-        """For an id with no result row: True if accepted (or unknowable: Redis down), False if
-        unknown, None if another API key's. Redis's marker first; an id it does not know may
-        still be claimed (:mod:`services.common.requests.claims`: chosen at the Kafka door, or the marker
-        lost), which MariaDB says."""
-        try:
-            raw = await self.c.cache.accepted(rid)
-        except CacheUnavailable:
-            return True
-        if raw is None:
-            held = await claims.held_claim(self.c.db, rid)
-            if held is None:
-                return False
-            return True if owns(principal, held.api_key_id) else None
-        owner = orjson.loads(raw).get("key")
-        return True if owns(principal, owner) else None
 
     # -- GET /v1/ocr/{request_id} -------------------------------------------------------------
     async def read(self, rid: str, wait: float, principal: Principal) -> OcrResponse:
