@@ -217,15 +217,21 @@ async def test_the_pixel_budget_is_first_come_first_served_and_lets_a_huge_image
 async def test_a_cancelled_decode_stops_its_worker_at_once(pool):
     """A stage draining at SIGTERM cancels its batch: the render is killed, not waited for."""
     pdf = nested_xobject_pdf(depth=7)
+    png = samples()["png"]
+    await asyncio.gather(pool.sniff(png), pool.sniff(png))  # both workers started: a slow start is not a render
     plan = await pool.plan(pdf)
     task = asyncio.ensure_future(pool.decode(pdf, plan))
-    await asyncio.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while pool._slots.qsize() == 2 and time.monotonic() < deadline:  # taken, and the request sent with it
+        await asyncio.sleep(0.01)
+    assert pool._slots.qsize() == 1 and not task.done()
+    await asyncio.sleep(0.2)  # rendering: minutes of work that page_timeout_s (2 s) would stop
     busy = [w.proc for w in pool._all]
     t0 = time.monotonic()
     task.cancel()
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(asyncio.CancelledError):  # not decode_timeout: the cancel did not wait for the limit
         await task
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < 1.5
     assert pool.restarts["cancelled"] == 1
     deadline = time.monotonic() + 2
     while not any(p.poll() is not None for p in busy) and time.monotonic() < deadline:
