@@ -4,17 +4,15 @@ from schemas.errors import ErrorCode, RETRYABLE_CODES
 from schemas.events import (
     CompletedEvent,
     DlqEvent,
-    ErrorInfo,
     InferEvent,
-    Line,
     OcrOutput,
-    Page,
     RequestEvent,
     ResultDocument,
     ResultEvent,
     SubmitEvent,
 )
 from schemas.keys import CacheGeneration, cache_key, image_object_key, result_object_key
+from schemas.reading import ErrorInfo, Line, Page
 from schemas.topics import Topics
 
 __all__ = [

@@ -18,6 +18,15 @@ from schemas.errors import ErrorCode
 from schemas.ids import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN, is_page_request_id
 from schemas.jobs import JobCompletedEvent, JobEvent, JobId
 from schemas.lanes import Priority
+from schemas.reading import (
+    WARNINGS_DOC,
+    ErrorInfo,
+    FrozenModel,
+    Line,
+    Page,
+    RawOutput,
+    TaskAnswer,
+)
 from schemas.tasks import TaskParams
 
 
@@ -31,41 +40,12 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-#: ``warnings`` values: the result is ``ok`` but incomplete. The VLM engines set them when a
-#: page's generation was stopped early: by the runaway-repetition guard, or at the
-#: generation cap (``max_tokens``; vLLM's ``finish_reason`` "length"). The lines before the
-#: cut are kept; what the page held after it is missing.
-WARNING_TRUNCATED_REPETITION = "truncated_repetition"
-WARNING_TRUNCATED_MAX_TOKENS = "truncated_max_tokens"
-#: The VLM answered text with no readable ``text(box)`` entry: the answer's text is kept as one
-#: line whose box is the whole page (or tile), confidence 0.
-WARNING_UNPARSED_OUTPUT = "unparsed_output"
-#: Task ``table`` on the CPU engine: its layout model found no table region on a page, so that
-#: page answers no table (an empty ``html``), never one made up from the whole page.
-WARNING_NO_TABLE_FOUND = "no_table_found"
-_WARNINGS_DOC = ("why an ok result may be incomplete: 'truncated_repetition' (generation stopped by the "
-                 "runaway-repetition guard), 'truncated_max_tokens' (generation hit its token cap), "
-                 "'unparsed_output' (the model's answer had no text-with-box entry: its text is one line "
-                 "boxing the whole page, confidence 0) or 'no_table_found' (task table on the CPU engine: no "
-                 "table region on a page, which answers no table); empty when complete")
-
-
-# The task fields (schemas/tasks.py), defined once: on the submission and the request, and the
-# task's answer on the result event, the result document and the stored output.
+# The task's parameters (schemas/tasks.py), defined once: on the submission, the request, the result
+# document and the stored output (the task's answer: schemas.reading.TaskAnswer).
 TaskParamsField = Annotated[TaskParams | None, Field(
     description="the task's parameters (extract: fields; translate: target_lang); schemas/tasks.py")]
-Markdown = Annotated[str | None, Field(
-    description="doc_parse, chart: the page as Markdown (tables as HTML, formulas as LaTeX)")]
-Html = Annotated[str | None, Field(description="table: the table(s) as HTML")]
-Latex = Annotated[str | None, Field(description="formula: the formula(s) as LaTeX")]
-Fields = Annotated[dict[str, str | None] | None, Field(
-    description="extract: each requested field, in the order asked, its value or null where absent")]
-Translation = Annotated[str | None, Field(description="translate: the text in task_params.target_lang")]
 JobIdField = Annotated[JobId | None, Field(
     description="the job the request belongs to (docs/jobs.md); null: none")]
-
-RawOutput = Annotated[str | None, Field(
-    description="the model's answer as it came, kept when it could not be parsed (unparsable_output)")]
 
 
 # The document fields (docs/documents.md), defined once: on the request and the result document.
@@ -79,72 +59,7 @@ PageCount = Annotated[int | None, Field(
     default=None, ge=1, description="a document and each of its pages: the document's number of pages")]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-
-class LineSegment(_Frozen):
-    """One piece of text as the engine found it: a part of a :class:`Line`.
-
-    Attributes:
-        text: The segment's text (for RapidOCR: the recogniser's, with the spaces it dropped
-            between words put back, see ``docs/lines.md``).
-        box: 4 corner points (x, y) in pixels of the upright page, as the engine's detector
-            drew them (rotated with the text), clockwise from top-left.
-        confidence: The engine's confidence score in [0, 1].
-    """
-
-    text: str
-    box: list[list[float]] = Field(min_length=4, max_length=4)
-    confidence: float = Field(ge=0.0, le=1.0)
-
-
-class Line(_Frozen):
-    """One recognised text line.
-
-    Attributes:
-        text: The line's text, words joined by single spaces.
-        box: 4 corner points (x, y) in pixels of the upright page, clockwise from top-left.
-        confidence: Confidence score in [0, 1] (the engine's, averaged over merged segments).
-        page: 1-based page (or frame) number the line is on.
-        segments: The engine's segments the line was assembled from, left to right, so a
-            consumer can assemble lines its own way (``docs/lines.md``); null in results made
-            before segments were kept.
-    """
-
-    text: str
-    box: list[list[float]] = Field(min_length=4, max_length=4)
-    confidence: float = Field(ge=0.0, le=1.0)
-    page: int = Field(default=1, ge=1)
-    segments: list[LineSegment] | None = Field(
-        default=None, description="the engine's segments this line was assembled from, left to right "
-        "(docs/lines.md); null in results made before they were kept")
-
-
-class Page(_Frozen):
-    """Size of one page or frame of the input, in pixels of the upright image.
-
-    ``alpha_background`` is the colour the page's transparent pixels were flattened onto
-    before OCR: ``black`` under light content (a white logo on a transparent PNG), ``white``
-    under dark content; null for a page without transparency (``docs/images.md``).
-    """
-
-    index: int = Field(ge=1)
-    width: int = Field(ge=1)
-    height: int = Field(ge=1)
-    alpha_background: Literal["white", "black"] | None = Field(
-        default=None, description="colour the page's transparency was flattened onto, chosen to contrast with "
-        "its opaque content (black under light content, white under dark); null when the page has none")
-
-
-class ErrorInfo(_Frozen):
-    """Why a request failed: a stable ``code`` and a human-readable ``message``."""
-
-    code: ErrorCode
-    message: str
-
-
-class SubmitEvent(_Frozen):
+class SubmitEvent(FrozenModel):
     """An image submitted upstream on ``ocr.submit`` (read by ingest).
 
     Exactly one of ``image_b64`` (inline bytes, base64; keep under ~700 KiB so the Kafka
@@ -216,7 +131,7 @@ class SubmitEvent(_Frozen):
         return base64.b64decode(b64, validate=True)
 
 
-class RequestEvent(_Frozen):
+class RequestEvent(FrozenModel):
     """An accepted request on ``ocr.requests`` (keyed by ``content_sha256``).
 
     The image lives in S3 at ``image_uri`` (claim check); only metadata rides on Kafka.
@@ -261,7 +176,7 @@ class RequestEvent(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
-class InferEvent(_Frozen):
+class InferEvent(FrozenModel):
     """A cache miss sent to inference on ``ocr.infer`` (keyed by content SHA-256).
 
     ``attempt`` counts promotions: a waiter re-sent after the lease holder failed has attempt > 1.
@@ -288,29 +203,8 @@ of the image holding every field asked (of another field list: ``docs/tasks.md``
 CacheTier = Literal["lru", "redis", "s3", "settled", "single_flight", "near", "fields"]
 
 
-class TaskAnswer(_Frozen):
-    """A task's answer (schemas/tasks.py: each task's result slot), defined once for the models
-    that carry it: :class:`ResultEvent`, :class:`ResultDocument`, :class:`OcrOutput` and
-    :class:`DocumentPage`. ``ocr`` fills none (its answer is the lines and ``text``); a task fills
-    its slot. Each of those models is ``class Model(TaskAnswer, _ModelBody)``: pydantic orders
-    fields base by base from the last, so on the wire a model's own fields come first and its
-    task answer after them.
-    """
 
-    markdown: Markdown = None
-    html: Html = None
-    latex: Latex = None
-    fields: Fields = None
-    translation: Translation = None
-
-
-#: The names of :class:`TaskAnswer`'s fields, in order.
-TASK_ANSWER_FIELDS: tuple[str, ...] = tuple(TaskAnswer.model_fields)
-#: Its answers that are text (all but ``fields``, an object): a result's ``text`` repeats the one it holds.
-TASK_TEXT_ANSWERS: tuple[str, ...] = tuple(k for k in TASK_ANSWER_FIELDS if k != "fields")
-
-
-class _ResultEventBody(_Frozen):
+class _ResultEventBody(FrozenModel):
     """The fields of :class:`ResultEvent` but its task answer (:class:`TaskAnswer`)."""
 
 
@@ -331,7 +225,7 @@ class _ResultEventBody(_Frozen):
     pages: list[Page] = Field(default_factory=list)
     lines: list[Line] = Field(default_factory=list)
     raw_output: RawOutput = None
-    warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
+    warnings: list[str] = Field(default_factory=list, description=WARNINGS_DOC)
     result_uri: str | None = None
     cacheable: bool = Field(
         default=True,
@@ -357,7 +251,7 @@ class ResultEvent(TaskAnswer, _ResultEventBody):
 
 
 
-class _ResultDocumentBody(_Frozen):
+class _ResultDocumentBody(FrozenModel):
     """The fields of :class:`ResultDocument` but its task answer (:class:`TaskAnswer`)."""
 
 
@@ -384,7 +278,7 @@ class _ResultDocumentBody(_Frozen):
     lines: list[Line] = Field(default_factory=list)
     text: str = ""
     raw_output: RawOutput = None
-    warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
+    warnings: list[str] = Field(default_factory=list, description=WARNINGS_DOC)
     task: str = "ocr"
     task_params: TaskParamsField = None
     source: str = "default"
@@ -443,7 +337,7 @@ class ResultDocument(TaskAnswer, _ResultDocumentBody):
 
 
 
-class _OcrOutputBody(_Frozen):
+class _OcrOutputBody(FrozenModel):
     """The fields of :class:`OcrOutput` but its task answer (:class:`TaskAnswer`)."""
 
 
@@ -463,7 +357,7 @@ class _OcrOutputBody(_Frozen):
     near_duplicate_of: str | None = Field(
         default=None, description="SHA-256 of the image this output was copied from (near duplicate), boxes rescaled"
     )
-    warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
+    warnings: list[str] = Field(default_factory=list, description=WARNINGS_DOC)
 
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
@@ -474,7 +368,7 @@ class OcrOutput(TaskAnswer, _OcrOutputBody):
 
 
 
-class _DocumentPageBody(_Frozen):
+class _DocumentPageBody(FrozenModel):
     """The fields of :class:`DocumentPage` but its task answer (:class:`TaskAnswer`)."""
 
 
@@ -489,7 +383,7 @@ class _DocumentPageBody(_Frozen):
     height: int | None = None
     lines: list[Line] = Field(default_factory=list)
     text: str = ""
-    warnings: list[str] = Field(default_factory=list, description=_WARNINGS_DOC)
+    warnings: list[str] = Field(default_factory=list, description=WARNINGS_DOC)
 
 
 class DocumentPage(TaskAnswer, _DocumentPageBody):
@@ -509,7 +403,7 @@ class DocumentPage(TaskAnswer, _DocumentPageBody):
 
 
 
-class DocumentResult(_Frozen):
+class DocumentResult(FrozenModel):
     """A document's whole assembled result, in page order: at ``documents/<document_id>.json`` in S3,
     written once by the sink when the last page is final (``docs/documents.md``). Its content is
     taken from the pages' stored final states only (no clock at assembly), so a replay writes the
@@ -540,7 +434,7 @@ class DocumentResult(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
-class SettledEvent(_Frozen):
+class SettledEvent(FrozenModel):
     """A cache key's computation has ended: on ``ocr.requests`` itself, keyed by content SHA-256
     like the key's requests, so it lands on their partition after every request of the key
     produced before it, and the dedup process that owns the partition reads the key's requests
@@ -581,7 +475,7 @@ class SettledEvent(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
-class CompletedEvent(_Frozen):
+class CompletedEvent(FrozenModel):
     """One completion on ``ocr.completed`` (keyed by request id) for downstream systems.
 
     ``event_id`` is derived from the request id, so a replayed completion is byte-for-byte the
@@ -596,7 +490,7 @@ class CompletedEvent(_Frozen):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
 
-class DlqEvent(_Frozen):
+class DlqEvent(FrozenModel):
     """A message a stage gave up on, on ``ocr.dlq``, with the original bytes and the reason."""
 
     schema_: Literal["ocr.dlq.v1"] = Field(default="ocr.dlq.v1", alias="schema")

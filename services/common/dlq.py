@@ -9,8 +9,9 @@ import orjson
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
-from schemas.events import DlqEvent, ErrorInfo, RequestEvent, ResultEvent
+from schemas.events import DlqEvent, RequestEvent, ResultEvent
 from schemas.ids import is_request_id
+from schemas.reading import ErrorInfo
 from services.common.errors import OcrError
 from services.common.codec import dumps
 from services.common.kafka import Outgoing

@@ -10,10 +10,9 @@ import time
 import orjson
 
 from schemas.errors import ErrorCode
-from schemas.events import (
-    ErrorInfo, InferEvent, Page, RequestEvent, RequestLogEvent, ResultEvent, SettledEvent, now_ms,
-)
+from schemas.events import InferEvent, RequestEvent, RequestLogEvent, ResultEvent, SettledEvent, now_ms
 from schemas.keys import purge_fence_key, result_object_key, split_cache_key
+from schemas.reading import ErrorInfo, Page
 from schemas.tasks import TASKS, TaskError
 from services.common.cache.entries import CacheUnavailable, ResultCache
 from services.common.dlq import oversized_result, poison_messages

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.events import Line, OcrOutput
+from schemas.events import OcrOutput
 from schemas.keys import CacheGeneration, cache_key, image_object_key
+from schemas.reading import Line
 from services.common.cache.entries import CacheUnavailable, ResultCache
 from services.common.images.decoding import DecoderPool
 from services.common.cache.neardup import Verdict, phash64, scale_lines, verify

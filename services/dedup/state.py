@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import orjson
 
 from schemas.errors import RETRYABLE_CODES, ErrorCode
-from schemas.events import ErrorInfo, RequestEvent, SettledEvent
+from schemas.events import RequestEvent, SettledEvent
+from schemas.reading import ErrorInfo
 
 _MISSING = object()
 

@@ -22,9 +22,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, InferEvent, Line, LineSegment, Page, ResultEvent
-from schemas.lanes import Priority
+from schemas.events import InferEvent, ResultEvent
 from schemas.keys import CacheGeneration, split_cache_key
+from schemas.lanes import Priority
+from schemas.reading import ErrorInfo, Line, LineSegment, Page
 from services.common.dlq import oversized_result, poison_messages
 from services.common.errors import OcrError
 from services.common.codec import dumps

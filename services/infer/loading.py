@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from schemas.errors import ErrorCode
-from schemas.events import InferEvent, Line
+from schemas.events import InferEvent
 from schemas.lanes import Priority
+from schemas.reading import Line
 from services.common.images.decoding import DecodedPages, DecoderPool, Plan
 from services.common.images.pixel_budget import Hold, PixelBudget
 from services.common.errors import OcrError

@@ -11,9 +11,10 @@ import orjson
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, RequestEvent, ResultEvent, SubmitEvent, now_ms
-from schemas.lanes import request_priority
+from schemas.events import RequestEvent, ResultEvent, SubmitEvent, now_ms
 from schemas.ids import chosen_request_id_problem, is_request_id
+from schemas.lanes import request_priority
+from schemas.reading import ErrorInfo
 from schemas.tasks import TaskError
 from services.common.requests import claims
 from services.common.documents import state as documents

@@ -9,10 +9,16 @@ import orjson
 
 from schemas.errors import ErrorCode
 from schemas.events import (
-    WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION, CompletedEvent, ErrorInfo, OcrOutput, RequestEvent,
-    ResultDocument, ResultEvent, SettledEvent, now_ms,
+    CompletedEvent,
+    OcrOutput,
+    RequestEvent,
+    ResultDocument,
+    ResultEvent,
+    SettledEvent,
+    now_ms,
 )
 from schemas.keys import request_output_key, result_object_key
+from schemas.reading import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION, ErrorInfo
 from services.common.cache.entries import CacheEntry, CacheUnavailable, ResultCache
 from services.common.db import Database
 from services.common.results.rows import ResultRows

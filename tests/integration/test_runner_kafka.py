@@ -9,7 +9,8 @@ import orjson
 from aiokafka import TopicPartition
 from aiokafka.admin import NewTopic
 
-from schemas.events import Line, Page, RequestEvent, ResultEvent
+from schemas.events import RequestEvent, ResultEvent
+from schemas.reading import Line, Page
 from services.common.dlq import oversized_result
 from services.common.codec import dumps
 from services.common.kafka import (

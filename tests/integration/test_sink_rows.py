@@ -24,8 +24,9 @@ import uuid
 from aiokafka import TopicPartition
 
 from schemas.errors import ErrorCode
-from schemas.events import CompletedEvent, DlqEvent, Line, OcrOutput, Page, RequestEvent, ResultEvent
+from schemas.events import CompletedEvent, DlqEvent, OcrOutput, RequestEvent, ResultEvent
 from schemas.keys import request_output_key
+from schemas.reading import Line, Page
 from services.common.codec import dumps
 from services.common.kafka import make_consumer, make_producer
 from services.common.s3 import ObjectStore

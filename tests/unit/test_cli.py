@@ -55,7 +55,8 @@ def test_a_folder_gives_every_regular_file_whatever_its_name(tmp_path):
 
 def test_a_partial_document_shows_its_failed_pages_and_an_error_its_code():
     from schemas.errors import ErrorCode
-    from schemas.events import ErrorInfo, ResultDocument
+    from schemas.events import ResultDocument
+    from schemas.reading import ErrorInfo
     from services.cli.main import failure_lines
 
     doc = ResultDocument(request_id="d" * 32, status="partial", page_count=7, failed_pages=[2, 5])

@@ -1,7 +1,8 @@
 """``ocrstream status``'s pure parts: what it prints of a result document, and its exit codes."""
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, Line, ResultDocument
+from schemas.events import ResultDocument
+from schemas.reading import ErrorInfo, Line
 from schemas.tasks import TaskParams
 from services.cli.status import Lookup, exit_code, not_final_line, summary_lines, timings_line
 from services.common.requests.acceptance import Accepted

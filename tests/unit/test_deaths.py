@@ -13,7 +13,8 @@ import pytest
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from schemas.events import Line, ResultDocument
+from schemas.events import ResultDocument
+from schemas.reading import Line
 from services.common.results.rows import bound_document, cut_utf8
 from services.common.deaths import METADATA_MAX_BYTES, DeathLedger, decode, encode
 from services.common.kafka import Outgoing

@@ -11,8 +11,9 @@ from aiokafka import ConsumerRecord
 from PIL import Image
 
 from schemas.errors import ErrorCode
-from schemas.events import InferEvent, Line, OcrOutput, Page, RequestEvent, ResultEvent, SettledEvent
+from schemas.events import InferEvent, OcrOutput, RequestEvent, ResultEvent, SettledEvent
 from schemas.keys import cache_key, image_object_key
+from schemas.reading import Line, Page
 from services.common.cache.entries import CacheEntry, CacheUnavailable
 from services.common.errors import OcrError
 from services.common.codec import dumps

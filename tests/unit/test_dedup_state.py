@@ -6,7 +6,8 @@ from __future__ import annotations
 import orjson
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, RequestEvent, SettledEvent
+from schemas.events import RequestEvent, SettledEvent
+from schemas.reading import ErrorInfo
 from services.dedup.state import PartitionState
 
 KEY = "g1:" + "ab" * 32

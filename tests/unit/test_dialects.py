@@ -5,7 +5,7 @@ unsupported_task."""
 import numpy as np
 import pytest
 
-from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
+from schemas.reading import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
 from schemas.tasks import TaskParams
 from tests.engines import read_all
 from services.infer.engines.base import EngineOutput, EngineTask, UnparsableOutput, UnsupportedTask

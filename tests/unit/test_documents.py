@@ -10,8 +10,9 @@ import pytest
 from PIL import Image, ImageDraw
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, Line, RequestEvent, ResultDocument
+from schemas.events import RequestEvent, ResultDocument
 from schemas.ids import is_request_id, page_request_id
+from schemas.reading import ErrorInfo, Line
 from services.common.images.decoding import DecoderPool, DecoderStopped
 from services.common.errors import OcrError
 from services.common.images.imaging import decode

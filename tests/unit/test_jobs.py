@@ -9,8 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, Line, ResultDocument, SubmitEvent
+from schemas.events import ResultDocument, SubmitEvent
 from schemas.jobs import JobEvent, job_completion_event_id
+from schemas.reading import ErrorInfo, Line
 from services.common.jobs.report import SummaryBuilder, report_columns, write_rows
 from services.common.jobs.store import JobRow, progress_of, request_row
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from schemas.events import Line
+from schemas.reading import Line
 from services.common.cache.neardup import bands, hamming, phash64, scale_lines, verify
 from services.dedup.settings import NearDupSettings
 from tests.conftest import text_image

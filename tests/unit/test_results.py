@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from schemas.errors import ErrorCode
-from schemas.events import ErrorInfo, Line, OcrOutput, Page, RequestEvent, ResultEvent
+from schemas.events import OcrOutput, RequestEvent, ResultEvent
 from schemas.keys import CacheGeneration
+from schemas.reading import ErrorInfo, Line, Page
 from services.common.results.build import cache_hit_event, document_output, ocr_output, result_document
 
 SHA = "ab" * 32

@@ -10,7 +10,8 @@ import orjson
 from aiokafka import ConsumerRecord
 
 from schemas.errors import ErrorCode
-from schemas.events import DlqEvent, Line, Page, RequestEvent, ResultEvent
+from schemas.events import DlqEvent, RequestEvent, ResultEvent
+from schemas.reading import Line, Page
 from services.common.dlq import oversized_result
 from services.common.codec import dumps
 from services.common.kafka import Outgoing

@@ -8,7 +8,8 @@ from pydantic import ValidationError
 
 from schemas import generate
 from schemas.errors import ErrorCode
-from schemas.events import ALL_EVENTS, CompletedEvent, Line, RequestEvent, ResultDocument, ResultEvent, SubmitEvent
+from schemas.events import ALL_EVENTS, CompletedEvent, RequestEvent, ResultDocument, ResultEvent, SubmitEvent
+from schemas.reading import Line
 from services.common.codec import completion_event_id, derived_request_id, dumps, loads
 
 
@@ -133,15 +134,16 @@ def test_every_model_with_a_task_answer_takes_it_from_task_answer_and_its_own_fi
     from pydantic import BaseModel
 
     import schemas.events as ev
+    import schemas.reading as rd
 
-    models = [m for m in vars(ev).values() if isinstance(m, type) and issubclass(m, BaseModel)
-              and m.__module__ == ev.__name__ and not m.__name__.startswith("_") and m is not ev.TaskAnswer]
-    carrying = {m.__name__ for m in models if set(ev.TASK_ANSWER_FIELDS) & set(m.model_fields)}
+    models = [m for mod in (ev, rd) for m in vars(mod).values() if isinstance(m, type) and issubclass(m, BaseModel)
+              and m.__module__ == mod.__name__ and not m.__name__.startswith("_") and m is not rd.TaskAnswer]
+    carrying = {m.__name__ for m in models if set(rd.TASK_ANSWER_FIELDS) & set(m.model_fields)}
     assert carrying == {"ResultEvent", "ResultDocument", "OcrOutput", "DocumentPage"}
     for m in models:
         if m.__name__ in carrying:
-            assert issubclass(m, ev.TaskAnswer), m.__name__
+            assert issubclass(m, rd.TaskAnswer), m.__name__
             names = list(m.model_fields)
-            assert names[-len(ev.TASK_ANSWER_FIELDS):] == list(ev.TASK_ANSWER_FIELDS), m.__name__
+            assert names[-len(rd.TASK_ANSWER_FIELDS):] == list(rd.TASK_ANSWER_FIELDS), m.__name__
     doc = ev.ResultDocument(request_id="r1", status="ok", markdown="# A")
     assert list(orjson.loads(doc.model_dump_json(by_alias=True)))[:2] == ["schema", "request_id"]

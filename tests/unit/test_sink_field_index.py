@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
-from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, OcrOutput, RequestEvent, ResultEvent
+from schemas.events import OcrOutput, RequestEvent, ResultEvent
 from schemas.keys import field_family_id, field_index_key
+from schemas.reading import WARNING_TRUNCATED_MAX_TOKENS
 from schemas.tasks import TaskParams
 from services.common.settings import TelemetrySettings
 from services.common.telemetry import Telemetry

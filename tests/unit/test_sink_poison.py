@@ -8,7 +8,8 @@ import asyncio
 import orjson
 from aiokafka import ConsumerRecord
 
-from schemas.events import Line, Page, RequestEvent, ResultEvent, SettledEvent
+from schemas.events import RequestEvent, ResultEvent, SettledEvent
+from schemas.reading import Line, Page
 from services.common.codec import dumps
 from services.common.records import RecordParser, Record
 from services.common.settings import TelemetrySettings

@@ -3,7 +3,7 @@
 import math
 
 from services.infer.textlines import Segment, cer, group_lines, normalize_text, restore_spaces
-from schemas.events import Line
+from schemas.reading import Line
 from services.common.results.build import full_text
 
 

@@ -39,7 +39,7 @@ import imagehash
 import numpy as np
 from PIL import Image, ImageFilter
 
-from schemas.events import Line
+from schemas.reading import Line
 
 HASH_BITS = 64
 POOL_POWER = 4

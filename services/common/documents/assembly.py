@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from schemas.errors import ErrorCode
-from schemas.events import (TASK_ANSWER_FIELDS, TASK_TEXT_ANSWERS, DocumentPage, DocumentResult, ErrorInfo, Line, Page,
-                            RequestEvent, ResultDocument)
+from schemas.events import DocumentPage, DocumentResult, RequestEvent, ResultDocument
 from schemas.keys import document_object_key
+from schemas.reading import TASK_ANSWER_FIELDS, TASK_TEXT_ANSWERS, ErrorInfo, Line, Page
 from services.common.documents import state as documents
 from services.common.db import Database
 from services.common.results.rows import ResultRows

@@ -19,12 +19,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import orjson
 
-from schemas.events import (TASK_ANSWER_FIELDS, CacheTier, Line, OcrOutput, Page, RequestEvent, ResultDocument,
-                            ResultEvent)
+from schemas.events import CacheTier, OcrOutput, RequestEvent, ResultDocument, ResultEvent
 from schemas.keys import CacheGeneration
+from schemas.reading import TASK_ANSWER_FIELDS, Line, Page
 from schemas.tasks import TASKS
 
-#: The task answer a result carries besides its lines (:class:`schemas.events.TaskAnswer`: each
+#: The task answer a result carries besides its lines (:class:`schemas.reading.TaskAnswer`: each
 #: task fills one field, its slot in ``schemas.tasks.TASKS``), and ``raw_output``: copied as they
 #: are from the result event into the stored output and from the output into the document.
 TASK_OUTPUTS = (*TASK_ANSWER_FIELDS, "raw_output")

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 
 import orjson
 
-from schemas.events import TASK_TEXT_ANSWERS, ResultDocument
+from schemas.events import ResultDocument
+from schemas.reading import TASK_TEXT_ANSWERS
 from services.common.db import Database
 
 _UPSERT_REQUEST = """

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schemas.events import WARNING_TRUNCATED_REPETITION, WARNING_UNPARSED_OUTPUT
+from schemas.reading import WARNING_TRUNCATED_REPETITION, WARNING_UNPARSED_OUTPUT
 from services.infer.textlines import Segment
 from services.infer.engines.base import EngineOutput
 

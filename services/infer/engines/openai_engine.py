@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
-from schemas.events import WARNING_TRUNCATED_MAX_TOKENS
+from schemas.reading import WARNING_TRUNCATED_MAX_TOKENS
 from services.common.cache.prompts import SPOTTING_PROMPT
 from services.infer.engines import dialects, hunyuan, hunyuan_prompts
 from schemas.lanes import Priority

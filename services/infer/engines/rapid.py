@@ -22,8 +22,8 @@ import numpy as np
 
 from services.common.cache.keys import RAPIDOCR_DEFAULT_MODEL, RAPIDOCR_DET_LIMIT_SIDE_LEN
 from services.infer.textlines import SPACES_PP_OCRV4, SPACES_PP_OCRV6, Segment, SpaceRule, restore_spaces
-from schemas.events import WARNING_NO_TABLE_FOUND
 from schemas.lanes import Priority
+from schemas.reading import WARNING_NO_TABLE_FOUND
 from services.infer.engines import rapid_models
 from services.infer.engines.base import EngineOutput, EngineTask, EngineTimeout, OcrEngine, tasks_of
 from services.infer.engines.rapid_models import Row

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
 from schemas.lanes import Priority
+from schemas.reading import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
 from services.common.cache.prompts import SPOTTING_PROMPT
 from services.infer.engines import dialects, hunyuan, hunyuan_prompts
 from services.infer.engines.base import (OCR, EngineOutput, EngineTask, EngineTimeout, EngineUnavailable, OcrEngine,

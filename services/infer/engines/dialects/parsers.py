@@ -24,7 +24,7 @@ import ast
 import json
 import re
 
-from schemas.events import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
+from schemas.reading import WARNING_TRUNCATED_MAX_TOKENS, WARNING_TRUNCATED_REPETITION
 from services.infer.engines.base import UnparsableOutput
 from services.infer.engines.hunyuan import trim_repeated_tail
 
