@@ -50,6 +50,13 @@ def samples() -> dict[str, bytes]:
     }
 
 
+async def started(pool: DecoderPool) -> None:
+    """Start every worker of ``pool`` (a worker starts on its first call): a timed call then measures
+    its own work, not a Python start on a loaded machine."""
+    png = samples()["png"]
+    await asyncio.gather(*(pool.sniff(png) for _ in range(pool.cfg.workers)))
+
+
 @pytest.fixture
 async def pool():
     p = DecoderPool(DecodeSettings(workers=2, page_timeout_s=2, timeout_s=6, memory_mb=4096), LIMITS)
@@ -103,6 +110,7 @@ async def test_a_pdf_page_of_unbounded_work_ends_decode_timeout_and_the_pool_goe
     assert len(pdf) < 3000
     plan = await pool.plan(pdf)  # the page tree is fine: the format check passes
     assert plan.sizes == ((1700, 2200),)
+    await started(pool)
     t0 = time.monotonic()
     with pytest.raises(OcrError) as err:
         await pool.decode(pdf, plan)
@@ -135,6 +143,7 @@ async def test_a_page_that_needs_more_memory_than_the_cap_ends_image_too_complex
 
 async def test_format_checks_are_linear_and_only_documented_formats_open(pool):
     tiff = chained_header_tiff(100_000)  # Pillow's n_frames: about 94 s
+    await started(pool)
     t0 = time.monotonic()
     with pytest.raises(OcrError) as err:
         await pool.sniff(tiff)
@@ -217,8 +226,7 @@ async def test_the_pixel_budget_is_first_come_first_served_and_lets_a_huge_image
 async def test_a_cancelled_decode_stops_its_worker_at_once(pool):
     """A stage draining at SIGTERM cancels its batch: the render is killed, not waited for."""
     pdf = nested_xobject_pdf(depth=7)
-    png = samples()["png"]
-    await asyncio.gather(pool.sniff(png), pool.sniff(png))  # both workers started: a slow start is not a render
+    await started(pool)  # a slow start is not a render
     plan = await pool.plan(pdf)
     task = asyncio.ensure_future(pool.decode(pdf, plan))
     deadline = time.monotonic() + 10
