@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import ProducerClosed, TopicAlreadyExistsError
+from aiokafka.errors import ProducerClosed, TopicAlreadyExistsError, UnknownTopicOrPartitionError
 
 from services.common.errors import PRODUCER_STATE_ERRORS
 from services.common.settings import KafkaSettings
@@ -224,12 +224,16 @@ BROKER_DEFAULT_MESSAGE_BYTES = 1_048_588
 """Kafka's default ``message.max.bytes`` (1 MiB + 12): assumed for a topic whose limit cannot be read."""
 
 
-async def topic_message_limits(cfg: KafkaSettings, topics: list[str]) -> dict[str, int]:
+async def topic_message_limits(cfg: KafkaSettings, topics: list[str],
+                               unknown_waits_s: tuple[float, ...] = (0.1, 0.2, 0.4, 0.8)) -> dict[str, int]:
     """Each topic's ``max.message.bytes`` (bytes), read with DescribeConfigs, so a producer can
     replace a message the broker would refuse before sending it (a refused batch leaves a gap in
     an idempotent producer's sequence numbers: every later send to that partition then fails).
-    A topic whose limit cannot be read (missing, not authorised) gets
-    :data:`BROKER_DEFAULT_MESSAGE_BYTES`, with a warning.
+
+    A topic the broker answers ``UNKNOWN_TOPIC_OR_PARTITION`` (error 3) for is asked again after
+    each of ``unknown_waits_s`` (seconds): a topic created a moment ago reaches each broker's
+    metadata a little after CreateTopics returns. A topic whose limit still cannot be read (missing,
+    not authorised) gets :data:`BROKER_DEFAULT_MESSAGE_BYTES`, with a warning.
 
     Raises:
         Exception: the brokers cannot be asked (a ``KafkaError`` or a timeout, as the admin
@@ -237,20 +241,31 @@ async def topic_message_limits(cfg: KafkaSettings, topics: list[str]) -> dict[st
     """
     limits = dict.fromkeys(topics, BROKER_DEFAULT_MESSAGE_BYTES)
     admin = make_admin(cfg, "ocrstream-limits")
+    failed: dict[str, int] = {}
+    ask = list(topics)
     try:
         await admin.start()
-        responses = await admin.describe_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, t, {"max.message.bytes": None}) for t in topics])
+        for wait_s in (*unknown_waits_s, None):
+            responses = await admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, t, {"max.message.bytes": None}) for t in ask])
+            for response in responses:
+                for error_code, _, _, name, entries in response.resources:
+                    if error_code != 0:
+                        failed[name] = error_code
+                    else:
+                        failed.pop(name, None)
+                    for entry in entries if error_code == 0 else []:
+                        if entry[0] == "max.message.bytes" and name in limits:
+                            limits[name] = int(entry[1])
+            ask = [t for t in ask if failed.get(t) == UnknownTopicOrPartitionError.errno]
+            if not ask or wait_s is None:
+                break
+            await asyncio.sleep(wait_s)
     finally:
         await admin.close()
-    for response in responses:
-        for error_code, _, _, name, entries in response.resources:
-            if error_code != 0:
-                log.warning("kafka: cannot read max.message.bytes of topic %s (error %d); assuming Kafka's default %d",
-                            name, error_code, BROKER_DEFAULT_MESSAGE_BYTES)
-            for entry in entries if error_code == 0 else []:
-                if entry[0] == "max.message.bytes" and name in limits:
-                    limits[name] = int(entry[1])
+    for name, error_code in failed.items():
+        log.warning("kafka: cannot read max.message.bytes of topic %s (error %d); assuming Kafka's default %d",
+                    name, error_code, BROKER_DEFAULT_MESSAGE_BYTES)
     return limits
 
 
