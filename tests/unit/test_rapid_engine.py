@@ -147,7 +147,11 @@ async def test_interactive_pages_alone_use_the_workers_only():
     try:
         first = asyncio.ensure_future(engine.page(page(10), OCR, 60, "interactive"))
         second = asyncio.ensure_future(engine.page(page(20), OCR, 60, "interactive"))
-        await asyncio.sleep(0.2)
+        for _ in range(300):  # until the first is on the engine's thread (slow to start on a loaded machine)
+            if running:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # time for the second to start too, if it could
         assert running == [10] and engine.busy == 1 and not second.done()
         release.set()
         await asyncio.wait_for(asyncio.gather(first, second), 30)
