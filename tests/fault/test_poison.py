@@ -67,7 +67,7 @@ async def test_poison_messages_reach_the_dlq_and_end_their_requests(fault_pipeli
     assert by_rid[rid_raises].stage == "sink" and by_rid[rid_raises].attempts == s.max_attempts
     assert "not a cache key" in by_rid[rid_raises].reason
 
-    for _ in range(100):  # the error results of those requests are written by the sink
+    for _ in range(300):  # the error results of those requests are written by the sink (60 s at most)
         if len(db_count([rid_schema, rid_missing, rid_raises])) == 3:
             break
         await asyncio.sleep(0.2)
