@@ -171,16 +171,16 @@ async def test_close_leaves_no_worker_and_a_killed_parent_takes_its_workers_alon
     pids = [w.proc.pid for w in pool._all]
     await pool.close()
     assert all(not _alive(pid) for pid in pids)
-    code = ("import asyncio, sys\nfrom services.common.images.decoding import DecoderPool\n"
+    code = ("import asyncio, io, sys\nfrom PIL import Image\nfrom services.common.images.decoding import DecoderPool\n"
             "from services.common.settings import DecodeSettings, Limits\n"
             "async def main():\n    p = DecoderPool(DecodeSettings(workers=2), Limits())\n    await p.start()\n"
-            "    await p.sniff(b'GIF89a')  if False else None\n"
+            "    png = io.BytesIO()\n    Image.new('RGB', (8, 8)).save(png, 'PNG')\n"
+            "    await asyncio.gather(*(p.sniff(png.getvalue()) for _ in range(2)))\n"  # both ready: PR_SET_PDEATHSIG set
             "    print(' '.join(str(w.proc.pid) for w in p._all), flush=True)\n    await asyncio.sleep(60)\n"
             "asyncio.run(main())\n")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     children = [int(x) for x in parent.stdout.readline().split()]
     assert len(children) == 2
-    time.sleep(1.5)  # let them finish their imports and set PR_SET_PDEATHSIG
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 10
