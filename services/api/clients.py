@@ -141,8 +141,10 @@ class Clients:
         """
         self._loop = asyncio.get_running_loop()
         self.producer = make_producer(self.s.kafka, client_id="ocrstream-api")
+        self.telemetry.watch_producer(self.producer)
         await self.producer.start()
         hit_producer = make_producer(self.s.kafka, client_id="ocrstream-api-hits", linger_ms=self.s.http_hit_linger_ms)
+        self.telemetry.watch_producer(hit_producer)
         await hit_producer.start()
         self.hits = CacheHits(hit_producer, self.s.topics.results,
                               self.http_requests.labels("submit", "cache_hit_publish_failed"))

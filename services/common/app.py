@@ -148,6 +148,7 @@ async def run_stage(
         server = await telemetry.serve(settings.telemetry.metrics_port)
 
     producer = make_producer(settings.kafka, client_id=f"ocrstream-{stage}")
+    telemetry.watch_producer(producer)
     await _start_with_retry(stage, producer.start, stop, settings.retry_max_backoff_s)
     size_limits = await _message_limits(stage, settings)
     admin = None

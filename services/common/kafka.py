@@ -92,7 +92,7 @@ class RenewingProducer:
 
     Args:
         factory: Makes an unstarted ``AIOKafkaProducer`` (called once per renewal).
-        name: For logs (the client id).
+        name: For logs and the ``producer`` label of ``ocrstream_producer_renewals_total`` (the client id).
         start_timeout_s: Bound on a renewal's ``start()`` (metadata and a producer id), s.
     """
 

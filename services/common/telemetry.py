@@ -37,12 +37,27 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
 from opentelemetry.trace import Link, Span, SpanKind, StatusCode  # noqa: F401 (re-exported for handlers)
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from services.common.settings import TelemetrySettings
 
 log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _ProducerRenewals:
+    """A Prometheus collector: each watched producer's ``renewals``, read at scrape time."""
+
+    def __init__(self, producers: list):
+        self.producers = producers
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("ocrstream_producer_renewals", "Kafka producers replaced by a fresh one after "
+                                     "the broker refused their sequence numbers", labels=["producer"])
+        for p in self.producers:
+            family.add_metric([p.name], p.renewals)
+        yield family
 
 
 class Telemetry:
@@ -96,6 +111,7 @@ class Telemetry:
         self._optional: set[str] = set()  # probes readiness does not wait for
         self._probe_tasks: list[asyncio.Task] = []
         self._lag_tps: set[TopicPartition] = set()
+        self._producers: list = []  # RenewingProducers whose renewals are exported (watch_producer)
         self.tracer = self._setup_tracing()
 
     # -- tracing ------------------------------------------------------------------------
@@ -287,6 +303,15 @@ class Telemetry:
                       registry=self.registry))
         self._pixel_gauges[0].set_function(lambda: budget.used)
         self._pixel_gauges[1].set_function(lambda: budget.peak)
+
+    def watch_producer(self, producer) -> None:
+        """Export how often ``producer`` (a :class:`~services.common.kafka.RenewingProducer`) was
+        renewed as ``ocrstream_producer_renewals_total{producer}`` (label: its client id): the broker
+        refused its sequence numbers (after a broker restart, or a refused batch), and a fresh
+        producer took its place (``docs/delivery.md``, "Failures")."""
+        if not self._producers:
+            self.registry.register(_ProducerRenewals(self._producers))
+        self._producers.append(producer)
 
     def engine_request(self, engine: str, seconds: float) -> None:
         """The engine read one request's pages in ``seconds`` (wall time)."""

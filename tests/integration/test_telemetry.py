@@ -191,6 +191,7 @@ def test_metrics_count_every_request(tel_pipeline, run):
             m[st] = tel_pipeline.metrics(st)
         assert metric_value(m[st], "ocrstream_consumer_lag", stage=st) == 0, st
         assert metric_value(m[st], "ocrstream_dependency_up", dependency="kafka") == 1
+        assert f'ocrstream_producer_renewals_total{{producer="ocrstream-{st}"}} 0.0' in m[st], st
     assert metric_value(m["ingest"], "ocrstream_messages_out_total", topic=env["OCRSTREAM_TOPICS__REQUESTS"]) == n
     assert metric_value(m["dedup"], "ocrstream_messages_out_total", topic=env["OCRSTREAM_TOPICS__INFER_INTERACTIVE"]) == n
     assert metric_value(m["dedup"], "ocrstream_cache_total", outcome="miss") == n

@@ -98,6 +98,31 @@ async def test_many_sends_refused_at_once_make_one_renewal_and_later_sends_go_to
     assert all(p.stopped for p in factory.made)
 
 
+async def test_renewals_are_exported_per_producer_at_scrape_time():
+    from prometheus_client import generate_latest
+
+    from services.common.settings import TelemetrySettings
+    from services.common.telemetry import Telemetry
+
+    tel = Telemetry("test", TelemetrySettings())
+    factory, quiet_factory = Factory(), Factory()
+    rp, quiet = await _started(factory), RenewingProducer(quiet_factory, "quiet")
+    rp.name = "ocrstream-sink"
+    tel.watch_producer(rp)
+    tel.watch_producer(quiet)
+    fut = await rp.send("t", b"m")
+    factory.made[0].refuse_pending()
+    await _settle()  # the loop runs the future's callbacks: the renewal starts
+    with pytest.raises(OutOfOrderSequenceNumber):
+        await fut
+    await rp.send("t", b"next")  # waits for the renewal
+    assert rp.renewals == 1
+    text = generate_latest(tel.registry).decode()
+    assert 'ocrstream_producer_renewals_total{producer="ocrstream-sink"} 1.0' in text
+    assert 'ocrstream_producer_renewals_total{producer="quiet"} 0.0' in text
+    await rp.stop()
+
+
 async def test_an_error_that_is_not_about_sequence_numbers_renews_nothing():
     factory = Factory()
     rp = await _started(factory)
