@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import time
 
 import pytest
 from PIL import Image
@@ -15,7 +16,7 @@ from services.common.cache.entries import ResultCache
 from services.common.cache.neardup_index import NearDupIndex
 from services.common.settings import CommonSettings
 from tests.conftest import text_image
-from tests.stack import namespaced_pipeline
+from tests.stack import metric_value, namespaced_pipeline
 
 LINES = ["INVOICE NO 40213", "DATE 2024-03-18", "TOTAL 237.60"]
 
@@ -79,17 +80,15 @@ async def test_copies_arriving_together_all_complete_from_one_near_hit(nd_pipeli
     assert all(d.status == "ok" and d.cache_hit and d.text == first.text for d in docs)
     assert {d.near_duplicate_of for d in docs} == {first.content_sha256}
     assert nd_pipeline.engine_calls() == calls
-    # the lease of the copy's key was released: nothing left in flight in this namespace
-    s = CommonSettings()
-    cache = ResultCache(s.redis)
-    try:
-        for _ in range(300):  # released after the completions went out: 30 s on a loaded machine
-            if not await cache.client.zcard(f"{s.redis.key_prefix}:inflight"):
-                break
-            await asyncio.sleep(0.1)
-        assert await cache.client.zcard(f"{s.redis.key_prefix}:inflight") == 0
-    finally:
-        await cache.close()
+    # the copies' key left dedup's state: nothing in flight, no copy waiting
+    def state(kind: str) -> float | None:
+        text = nd_pipeline.metrics("dedup")
+        return metric_value(text, "ocrstream_dedup_state", kind=kind) if f'ocrstream_dedup_state{{kind="{kind}"}}' in text else None
+
+    deadline = time.monotonic() + 30  # the gauge is set after each batch
+    while (state("in_flight"), state("waiters")) != (0, 0) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert (state("in_flight"), state("waiters")) == (0, 0)
 
 
 async def test_index_is_bounded_and_per_generation(nd_pipeline):
