@@ -100,6 +100,26 @@ async def close_in_turn(stage: str, closes: list[tuple[str, Callable[[], Awaitab
             log.warning("%s: closing the %s failed: %r", stage, what, exc)
 
 
+async def _run_until_stopped(stage: str, runner: StageRunner, stop: asyncio.Event,
+                             shutdown_timeout_s: float) -> asyncio.Task:
+    """Run ``runner`` until it fails or ``stop`` is set, then give the batch in flight up to
+    ``shutdown_timeout_s`` seconds to finish. Returns the runner's task (done, unless it ran past
+    the bound: its batch is then redelivered)."""
+    task = asyncio.create_task(runner.run(stop))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done() and task.exception():
+        log.error("%s: runner failed: %r", stage, task.exception())
+    else:
+        log.info("%s: stopping: finishing the batch in flight (up to %.0fs)", stage, shutdown_timeout_s)
+        try:
+            await asyncio.wait_for(task, shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("%s: batch did not finish in time; it will be redelivered", stage)
+    stopped.cancel()
+    return task
+
+
 async def run_stage(
     *,
     stage: str,
@@ -173,18 +193,7 @@ async def run_stage(
     await _start_with_retry(stage, consumer.start, stop, settings.retry_max_backoff_s)
     started.set()
     log.info("%s: consuming %s as group %s", stage, ", ".join(topics), group_id)
-    task = asyncio.create_task(runner.run(stop))
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if task.done() and task.exception():
-        log.error("%s: runner failed: %r", stage, task.exception())
-    else:
-        log.info("%s: stopping: finishing the batch in flight (up to %.0fs)", stage, settings.shutdown_timeout_s)
-        try:
-            await asyncio.wait_for(task, settings.shutdown_timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("%s: batch did not finish in time; it will be redelivered", stage)
-    stopped.cancel()
+    task = await _run_until_stopped(stage, runner, stop, settings.shutdown_timeout_s)
     # each client is closed on its own: one that hangs or fails (a broker gone mid-shutdown) must
     # not leave the others open (the handler's pools, decoder processes, engine)
     closes = [("consumer", lambda: asyncio.wait_for(consumer.stop(), 10)),
