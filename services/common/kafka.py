@@ -252,9 +252,9 @@ async def topic_message_limits(cfg: KafkaSettings, topics: list[str],
                 for error_code, _, _, name, entries in response.resources:
                     if error_code != 0:
                         failed[name] = error_code
-                    else:
-                        failed.pop(name, None)
-                    for entry in entries if error_code == 0 else []:
+                        continue
+                    failed.pop(name, None)
+                    for entry in entries:
                         if entry[0] == "max.message.bytes" and name in limits:
                             limits[name] = int(entry[1])
             ask = [t for t in ask if failed.get(t) == UnknownTopicOrPartitionError.errno]
