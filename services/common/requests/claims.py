@@ -48,10 +48,6 @@ VALUES (%s,%s,%s,%s,%s,%s,%s,%s)
 """
 _SELECT = """
 SELECT request_id, content_sha256, task, api_key_id, door, origin, token, claimed_at_ms
-FROM request_claims WHERE request_id = %s
-"""
-_SELECT_MANY = """
-SELECT request_id, content_sha256, task, api_key_id, door, origin, token, claimed_at_ms
 FROM request_claims WHERE request_id IN ({ids})
 """
 # the same record, first refused before its image was read (a missing object), then read after all
@@ -145,8 +141,7 @@ async def held_claim(db: Database, request_id: str) -> RequestClaim | None:
     Raises:
         pymysql.MySQLError: MariaDB failed (``OperationalError``: unreachable, transient).
     """
-    rows = await db.query(_SELECT, request_id)
-    return _row(rows[0]) if rows else None
+    return (await held_claims(db, [request_id])).get(request_id)
 
 
 async def held_claims(db: Database, request_ids: list[str]) -> dict[str, RequestClaim]:
@@ -157,7 +152,7 @@ async def held_claims(db: Database, request_ids: list[str]) -> dict[str, Request
     """
     if not request_ids:
         return {}
-    rows = await db.query(_SELECT_MANY.format(ids=", ".join(["%s"] * len(request_ids))), *request_ids)
+    rows = await db.query(_SELECT.format(ids=", ".join(["%s"] * len(request_ids))), *request_ids)
     return {r["request_id"]: _row(r) for r in rows}
 
 
