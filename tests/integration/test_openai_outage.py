@@ -69,7 +69,7 @@ def engine_retries(p: Pipeline) -> float:
 
 async def test_server_down_mid_run_retries_the_batch_and_ends_ok(outage_pipeline, ocr_server):
     p = outage_pipeline
-    assert readyz(p, "infer")[0] == 200
+    await until(lambda: readyz(p, "infer")[0] == 200, "infer ready")  # a probe slower than 1 s reads as down
     ocr_server.stop()
     # the engine's health probe notices the outage between batches
     await until(lambda: readyz(p, "infer") == (503, "not ready: engine\n"), "infer not ready")

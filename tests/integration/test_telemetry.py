@@ -38,7 +38,7 @@ def tel_pipeline(stack_env, tmp_path_factory):
     """Own topics and Redis prefix (so every image is a cache miss), spans to a JSON-lines file."""
     tmp = tmp_path_factory.mktemp("telemetry")
     extra = {"OCRSTREAM_TELEMETRY__TRACES_EXPORTER": "file", "OCRSTREAM_TELEMETRY__TRACES_FILE": str(tmp / "spans.jsonl"),
-             "OCRSTREAM_TELEMETRY__PROBE_INTERVAL_S": "1"}
+             "OCRSTREAM_TELEMETRY__PROBE_INTERVAL_S": "3"}  # each probe may take 3 s (a loaded machine)
     with namespaced_pipeline(tmp / "logs", extra, partitions=2) as p:
         yield p
 
@@ -148,7 +148,8 @@ def test_stage_timings_present_and_sum_to_the_total(run):
     do not cover is each hand-off: the time from a request's own work ending to its
     message being sent (the rest of its ingest/dedup batch finishing, the produce call) and
     the submitter building its event. Measured: 1-5 ms with batches of a few records; allow
-    50 ms plus 2 % of the total (a slow machine stretches the hand-offs with everything else).
+    200 ms plus 5 % of the total (a loaded machine stretches the hand-offs with everything else;
+    a missing part fails the key check above, a part measured from the wrong moment this bound).
     """
     docs, _ = run
     for d in docs:
@@ -161,7 +162,7 @@ def test_stage_timings_present_and_sum_to_the_total(run):
         assert t["inference"] < t["total"]
         parts = sum(v for k, v in t.items() if k != "total")
         assert parts <= t["total"] + 5, (parts, t)
-        assert t["total"] - parts <= 50 + 0.02 * t["total"], (t["total"] - parts, t)
+        assert t["total"] - parts <= 200 + 0.05 * t["total"], (t["total"] - parts, t)
         assert d.completed_at_ms - d.submitted_at_ms == pytest.approx(t["total"], abs=1)
 
 

@@ -172,8 +172,9 @@ def test_a_trickling_body_is_cut_with_408_by_its_minimum_rate():
     finally:
         loop_time.close()
     assert (err.status, err.code) == (408, "request_timeout") and "slower than 100 bytes/s" in err.message
-    # cut once 0.3 s + got/100 s of waiting passed: ~0.4 s at 20 bytes/s, well before the 1 s idle bound
-    assert 0.3 <= took < 1.0 and 4 <= got <= 12, (took, got)
+    # cut once 0.3 s + got/100 s of waiting passed: ~0.4 s and ~8 bytes at 20 bytes/s, before the 1 s
+    # idle bound (the message says which bound cut it); a loaded machine delivers fewer chunks by then
+    assert 0.3 <= took < 3.0 and 1 <= got <= 12, (took, got)
 
 
 @pytest.mark.parametrize("length, part, want", [

@@ -172,11 +172,11 @@ def test_a_table_of_unclosed_tags_is_read_in_linear_time():
 
     started = time.perf_counter()
     assert renderables(_doc("doc_parse", markdown="<table" * 20_000))  # finding the tables (3.9 s)
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < 2.5  # 0.2 s here; quadratic, it took 3.9 s idle
     for body in ("<a " * 20_000, '<td title="x' + "<a " * 20_000, "<!--" + "<a " * 20_000, "</" * 30_000):
         started = time.perf_counter()
         [table] = parse_tables("<table><tr><td>" + body)
-        assert time.perf_counter() - started < 1.0, body[:12]
+        assert time.perf_counter() - started < 2.5, body[:12]  # 0.07 s here; quadratic, 74 s
     assert parse_tables("<table><tr><td>1 < 2 <b>and</b> 3 <4</td><td title='a>b'>x</td></tr></table>") == [
         HtmlTable(header=[], body=[["1 < 2 and 3 <4", "x"]])]
     assert parse_tables("<table><tr><td>a <b c <d e</td></tr></table>") == [HtmlTable(header=[], body=[["a <b c <d e"]])]
