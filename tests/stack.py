@@ -61,6 +61,10 @@ def namespace_env(tag: str | None = None, partitions: int = 2) -> dict[str, str]
         "OCRSTREAM_JOBS_GROUP_ID": f"{ns}-jobs",
         "OCRSTREAM_WEBHOOK_GROUP_ID": f"{ns}-webhooks",  # also owns the namespace's webhook_deliveries rows
         "OCRSTREAM_TELEMETRY__LOG_LEVEL": "INFO",
+        # a loaded CI machine can hold a Redis answer past the 100 ms default budget: a cache hit
+        # would then read as a miss (and three in a row open the breaker for a second); a test of
+        # the budget itself sets its own (tests/fault/test_outages.py)
+        "OCRSTREAM_REDIS__TIMEOUT_MS": "2000",
     }
     for name in Topics.model_fields:
         env[f"OCRSTREAM_TOPICS__{name.upper()}"] = f"{ns}.ocr.{name}"

@@ -12,11 +12,21 @@ import redis
 
 from services.common.settings import CommonSettings
 
-from tests.fault.conftest import reads_as, db_count, distinct_images, stack
-from tests.stack import REPO, metric_value
+from tests.fault.conftest import FAULT_ENV, reads_as, db_count, distinct_images, stack
+from tests.stack import REPO, metric_value, namespaced_pipeline, require_stack
 
 #: Each test stops or freezes a service every other test's stages use: scripts/test.sh runs them alone.
 pytestmark = pytest.mark.exclusive
+
+
+@pytest.fixture(scope="module")
+def fault_pipeline(tmp_path_factory):
+    """The fault tests' stages with the default Redis budget (100 ms), which a frozen Redis runs
+    out (tests/stack.py raises it for every other test)."""
+    require_stack()
+    extra = {**FAULT_ENV, "OCRSTREAM_REDIS__TIMEOUT_MS": "100"}
+    with namespaced_pipeline(tmp_path_factory.mktemp("outage-logs"), extra) as p:
+        yield p
 
 
 @pytest.mark.parametrize("service", ["redis", "s3", "mariadb", "kafka"])

@@ -72,7 +72,10 @@ def private_redis(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lossy(private_redis, tmp_path_factory):
     extra = {"OCRSTREAM_REDIS__URL": private_redis.url, "OCRSTREAM_SETTLED_WINDOW_S": "0",
-             "OCRSTREAM_LRU_ENTRIES": "0", "OCRSTREAM_RETRY_MAX_BACKOFF_S": "2"}
+             "OCRSTREAM_LRU_ENTRIES": "0", "OCRSTREAM_RETRY_MAX_BACKOFF_S": "2",
+             # the S3 tier answers every image here: a HEAD past its 500 ms default on a loaded
+             # machine would be a miss and a second inference
+             "OCRSTREAM_S3_TIER_TIMEOUT_MS": "5000"}
     with namespaced_pipeline(tmp_path_factory.mktemp("redis-loss-logs"), extra) as p:
         yield p
 
