@@ -398,7 +398,7 @@ def main() -> None:
     new_imgs = {k: [text_image([f"{tag} {k.upper()} {i:05d}", "NEW IMAGE FOR THE 202 PATH"], size=32)
                     for i in range(args.uploads)] for k in ("raw", "multipart")}
     print(f"stage, door and seed logs in {tmp}")
-    with namespaced_pipeline(tmp) as p:  # type: Pipeline
+    with namespaced_pipeline(tmp, for_tests=False) as p:  # type: Pipeline
         api = p.start(API)
         api_pid = api.proc.pid
         seed = Seed.start(CommonSettings().redis.url, tmp / "seed-design.log")

@@ -11,7 +11,7 @@ import pytest
 from botocore.config import Config
 
 from services.common.settings import CommonSettings
-from tests.stack import API, REPO, WEBHOOKS, Pipeline, namespace_env, require_stack
+from tests.stack import API, REPO, TEST_ENV, WEBHOOKS, Pipeline, namespace_env, require_stack
 
 API_MAX_BYTES = 1_000_000
 WEBHOOK_SECRET = "test-webhook-secret"
@@ -38,7 +38,7 @@ API_ENV = {
 def stack_env(tmp_path_factory):
     """Namespace env for this session, applied to this process too; topics and schema created."""
     require_stack()
-    env = namespace_env()
+    env = {**namespace_env(), **TEST_ENV}
     os.environ.update(env)
     subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, env=dict(os.environ), check=True,
                    capture_output=True)

@@ -131,8 +131,8 @@ async def _join_and_leave(p: Pipeline) -> None:
     await until_logged(second, 0, ASSIGNED)
     at_three = first.log.stat().st_size
     runs.append(asyncio.create_task(p.run(three, timeout=600)))
-    # the first leaves while it holds keys in flight with copies waiting on them (not after a fixed
-    # sleep: on a loaded machine the third wave may not have reached it yet)
+    # the first leaves once a copy has joined a key in flight on its partitions (of the second wave
+    # or the third), not after a fixed sleep: on a loaded machine the third wave may not be there yet
     await until_logged(first, at_three, re.compile(r"joined the copy in flight"))
     at_leave = second.log.stat().st_size
     assert await asyncio.to_thread(p.stop, first, signal.SIGTERM, 60) == 0  # leaves mid-run

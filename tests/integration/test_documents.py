@@ -16,7 +16,7 @@ from services.common.settings import CommonSettings
 from tests.attacks import miscounted_pdf
 from tests.conftest import text_image
 from tests.documents import make_pdf, page_image, s3_count, s3_get, submit_and_watch, tiff_with_broken_page
-from tests.stack import REPO, Pipeline, db_rows, env_applied, metric_value, namespace_env
+from tests.stack import REPO, TEST_ENV, Pipeline, db_rows, env_applied, metric_value, namespace_env
 
 INFER_MAX_PIXELS = 1_000_000  # infer's own page limit: a larger page fails there (the page made to fail)
 ENV = {"OCRSTREAM_LIMITS__MAX_DOCUMENT_PAGES": "50", "OCRSTREAM_LIMITS__MAX_DOCUMENT_PIXELS": "8000000"}
@@ -31,7 +31,7 @@ def page_text(n: int) -> str:
 @pytest.fixture(scope="module")
 def doc_pipeline(stack_env, tmp_path_factory):
     """A pipeline of its own with TWO infer processes; infer refuses pages over 1 Mpx."""
-    env = {**namespace_env(partitions=4), **ENV}
+    env = {**namespace_env(partitions=4), **TEST_ENV, **ENV}
     with env_applied(env):
         subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
         p = Pipeline(env=env, logdir=tmp_path_factory.mktemp("doc-logs"))

@@ -219,11 +219,13 @@ def test_a_body_that_stalls_is_cut_by_the_idle_timeout_and_gives_its_bytes_back(
 
 @pytest.fixture(scope="module")
 def keyed(pipeline):
-    """A door with keys required, 2 uploads per key, and a default bucket that never refills in a test."""
+    """A door with keys required, 2 uploads per key, and a default bucket that never refills in a test;
+    a body may stall 60 s (its tests hold uploads open while they check what else gets in)."""
     st = pipeline.start(API, extra_env={**API_ENV, **PACE_ENV, "OCRSTREAM_AUTH_REQUIRED": "true",
                                         "OCRSTREAM_AUTH_CACHE_S": "0", "OCRSTREAM_HTTP_UPLOADS_PER_KEY": "2",
                                         "OCRSTREAM_RATE_LIMIT_PER_S": "0.01", "OCRSTREAM_RATE_LIMIT_BURST": "5",
-                                        "OCRSTREAM_WEBHOOK_ENABLED": "false"})
+                                        "OCRSTREAM_WEBHOOK_ENABLED": "false",
+                                        "OCRSTREAM_HTTP_BODY_IDLE_TIMEOUT_S": "60"})
     st.url = f"http://127.0.0.1:{st.port}"
     made: list[str] = []
 

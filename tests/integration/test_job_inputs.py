@@ -42,18 +42,20 @@ KEYED_ENV = {
 def door(stack_env, tmp_path_factory):
     """A keyed HTTP door (base URL in ``.url``) and the jobs stage, on the session's namespace."""
     p = Pipeline(env=stack_env, logdir=tmp_path_factory.mktemp("job-inputs-logs"))
-    api = p.start(API, extra_env=KEYED_ENV, wait_ready=False)
-    p.start(JOBS, wait_ready=False)
-    for st in (api, p.stages[JOBS][0]):
-        p.wait_ready(st)
-    api.url = f"http://127.0.0.1:{api.port}"
-    # the stage has read and recorded a job once (its consumer fetching, its MariaDB pool open) before
-    # a test times the wait of a job just created
-    warm = f"warm-{uuid.uuid4().hex[:8]}"
-    asyncio.run(_publish_jobs([JobEvent(action="create", job_id=warm, name="warm-up")]))
-    _recorded(warm, timeout=60)
-    yield api
-    p.stop_all()
+    try:
+        api = p.start(API, extra_env=KEYED_ENV, wait_ready=False)
+        p.start(JOBS, wait_ready=False)
+        for st in (api, p.stages[JOBS][0]):
+            p.wait_ready(st)
+        api.url = f"http://127.0.0.1:{api.port}"
+        # the stage has read and recorded a job once (its consumer fetching, its MariaDB pool open)
+        # before a test times the wait of a job just created
+        warm = f"warm-{uuid.uuid4().hex[:8]}"
+        asyncio.run(_publish_jobs([JobEvent(action="create", job_id=warm, name="warm-up")]))
+        _recorded(warm, timeout=60)
+        yield api
+    finally:
+        p.stop_all()
 
 
 def _recorded(job_id: str, timeout: float = 30) -> None:

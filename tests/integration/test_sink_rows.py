@@ -31,7 +31,7 @@ from services.common.codec import dumps
 from services.common.kafka import make_consumer, make_producer
 from services.common.s3 import ObjectStore
 from services.common.settings import CommonSettings
-from tests.stack import REPO, Pipeline, db_rows, env_applied, metric_value, namespace_env
+from tests.stack import REPO, TEST_ENV, Pipeline, db_rows, env_applied, metric_value, namespace_env
 
 ROW_MAX = 1_048_576
 
@@ -39,7 +39,7 @@ ROW_MAX = 1_048_576
 @contextlib.contextmanager
 def sink_only(logdir, extra: dict[str, str]):
     """One sink process in a fresh namespace (topics, bucket, schema made by ``ocrstream init``)."""
-    env = {**namespace_env(partitions=1), "OCRSTREAM_RETRY_MAX_BACKOFF_S": "1", **extra}
+    env = {**namespace_env(partitions=1), **TEST_ENV, "OCRSTREAM_RETRY_MAX_BACKOFF_S": "1", **extra}
     with env_applied(env):
         subprocess.run([sys.executable, "-m", "services.cli", "init"], cwd=REPO, check=True, capture_output=True)
         p = Pipeline(env=env, logdir=logdir)
