@@ -38,11 +38,34 @@ JOBS = "jobs"  # the jobs stage: ``Pipeline.start(JOBS)`` (tests of jobs start i
 WEBHOOKS = "webhooks"  # the webhooks stage: started with the session's door (tests/integration/conftest.py)
 
 
+#: First port :func:`free_port` hands out, and the ports each pytest-xdist worker (gw0, gw1, ...) has:
+#: below Linux's ephemeral range (32768-60999 by default), so no outgoing connection takes one
+#: between the call and the stage's bind, and a block per worker, so two workers never hand out the
+#: same one (a port the kernel picked, closed and handed over could be both: CI saw a stage fail
+#: with "address already in use").
+PORT_BASE, PORTS_PER_WORKER = 20_000, 1_000
+_next_port = [0]
+
+
 def free_port() -> int:
-    """An unused TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port no one listens on, from this process's block (:data:`PORT_BASE`), for a stage or
+    a loopback server to bind next (a port found taken is skipped).
+
+    Raises:
+        OSError: every port of the block is taken.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    block = PORT_BASE + PORTS_PER_WORKER * (int(worker[2:]) if worker[2:].isdigit() else 0)
+    for _ in range(PORTS_PER_WORKER):
+        port = block + _next_port[0] % PORTS_PER_WORKER
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {block}-{block + PORTS_PER_WORKER - 1}")
 
 
 #: What every stack test's stages get on top of their namespace (not the benchmarks: they measure
@@ -190,8 +213,8 @@ class Pipeline:
         port = free_port()
         idx = len(self.stages.get(name, []))
         st = Stage(name, port, self.logdir / f"{name}-{idx}.log")
-        env = dict(os.environ, **self.env, **(extra_env or {}), OCRSTREAM_TELEMETRY__METRICS_PORT=str(port),
-                   PYTHONUNBUFFERED="1")
+        env = {**os.environ, **self.env, **(extra_env or {}), "OCRSTREAM_TELEMETRY__METRICS_PORT": str(port),
+               "PYTHONUNBUFFERED": "1"}
         if name == API:  # the HTTP door serves /readyz and /metrics on its own port
             env["OCRSTREAM_HTTP_PORT"] = str(port)
         with open(st.log, "ab") as logf:
